@@ -1,0 +1,357 @@
+"""Typed, frozen views of ``params.yaml``: one dataclass per section.
+
+DVC never checks parameter names, so a typo such as ``sft.learning_rat`` would silently run with the
+default. Here every section is parsed into a frozen dataclass: unknown keys, wrong types and
+out-of-range values are refused with a message that names the full key (``models.teacher_training.lr``)
+and what is allowed. Each field carries a one-line docstring (the string after it), which is also the
+reference for params.yaml.
+
+What this module leaves out: file paths are not resolved or checked for existence here (stages do that
+when they open them), and nothing is read from the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+
+from ars_opd.synthetic import TASK_NAMES
+
+PARAMS_FILE = "params.yaml"
+
+
+class ConfigError(ValueError):
+    """A parameter is unknown, mistyped or out of range. ``key`` is its dotted path."""
+
+    def __init__(self, key: str, message: str):
+        self.key, self.message = key, message
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+# --------------------------------------------------------------------------------------------------
+# sections
+
+
+@dataclass(frozen=True)
+class BaseConfig:
+    seed: int = 0
+    """Global seed; every stage derives its own random streams from it."""
+    threads: int = 2
+    """torch CPU threads per process (0 leaves torch's default)."""
+
+    def __post_init__(self):
+        _require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+        _require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    """Where stage outputs live. dvc.yaml reads these same values (``${paths.…}``): a path is written once."""
+
+    models_dir: str = "data/models"
+    """models stage: teacher/, student/, tokenizer/ and manifest.json."""
+    models_metrics: str = "data/metrics/models.json"
+    """models stage metrics (teacher held-out accuracy, parameter counts)."""
+    subset_train: str = "data/subset/train.jsonl"
+    """subset stage: training prompts (one JSON object per line)."""
+    subset_eval: str = "data/subset/eval.jsonl"
+    """subset stage: held-out evaluation prompts."""
+    subset_stats: str = "data/subset/stats.json"
+    """subset stage: counts, lengths, malformed rows by reason with examples, provenance."""
+    subset_metrics: str = "data/metrics/subset.json"
+    """subset stage metrics (row counts), for dvc exp show."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _require(bool(value.strip()), f.name, "must be a non-empty path")
+            _require(not Path(value).is_absolute(), f.name, f"must be relative to the repo root, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """The built-in synthetic instruction tasks (used by the built-in teacher and by ``data.source: synthetic``)."""
+
+    tasks: tuple[str, ...] = TASK_NAMES
+    """Task names, drawn uniformly; allowed: add, reverse, sort_digits, count_letter, uppercase."""
+    max_operand: int = 99
+    """add: operands are drawn from 0..max_operand."""
+    min_len: int = 3
+    """Shortest letter/digit string in reverse, sort_digits, count_letter and uppercase."""
+    max_len: int = 8
+    """Longest letter/digit string."""
+
+    def __post_init__(self):
+        _require(len(self.tasks) > 0, "tasks", f"must name at least one task; allowed: {list(TASK_NAMES)}")
+        for t in self.tasks:
+            _require(t in TASK_NAMES, "tasks", f"unknown task {t!r}; allowed: {list(TASK_NAMES)}")
+        _require(len(set(self.tasks)) == len(self.tasks), "tasks", "lists a task twice")
+        _require(0 < self.max_operand <= 10**6, "max_operand", f"must be in 1..1000000, got {self.max_operand}")
+        _require(1 <= self.min_len <= 64, "min_len", f"must be in 1..64, got {self.min_len}")
+        _require(self.min_len <= self.max_len <= 64, "max_len", f"must be in min_len..64, got {self.max_len}")
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Shape of a model built from config (built-in default only)."""
+
+    family: Literal["qwen3", "llama"] = "qwen3"
+    """Architecture family of the transformers config class used."""
+    hidden_size: int = 128
+    """Model width."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention heads; hidden_size must divide by it."""
+    num_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); num_heads must divide by it."""
+    intermediate_size: int = 512
+    """MLP width."""
+    max_position_embeddings: int = 256
+    """Longest sequence the rotary embedding is configured for."""
+    tie_word_embeddings: bool = True
+    """Share input embedding and output projection."""
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        _require(self.hidden_size % self.num_heads == 0, "num_heads",
+                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                 f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        _require(16 <= self.max_position_embeddings <= 1 << 20, "max_position_embeddings",
+                 f"must be in 16..1048576, got {self.max_position_embeddings}")
+
+
+@dataclass(frozen=True)
+class TeacherTrainingConfig:
+    """How the models stage trains the built-in teacher on the synthetic tasks."""
+
+    steps: int = 2000
+    """Optimizer steps (a step count, not a time budget, so the result is deterministic)."""
+    batch_size: int = 64
+    """Sequences per step."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 100
+    """Linear warmup steps before the cosine decay."""
+    min_lr_ratio: float = 0.05
+    """Final learning rate as a fraction of the peak."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    eval_examples: int = 500
+    """Held-out synthetic prompts for the teacher's exact-match accuracy."""
+    min_accuracy: float = 0.0
+    """Fail the stage if held-out exact match is below this (0 disables the gate)."""
+
+    def __post_init__(self):
+        _require(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
+        _require(self.batch_size > 0, "batch_size", f"must be > 0, got {self.batch_size}")
+        _require(0 < self.lr < 1, "lr", f"must be in (0, 1), got {self.lr}")
+        _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _require(self.eval_examples > 0, "eval_examples", f"must be > 0, got {self.eval_examples}")
+        _require(0 <= self.min_accuracy <= 1, "min_accuracy", f"must be in [0, 1], got {self.min_accuracy}")
+
+
+BUILTIN = "builtin"
+
+
+@dataclass(frozen=True)
+class ModelsConfig:
+    """Teacher and student: the built-in tiny models, or pretrained ones (hub id or local directory)."""
+
+    teacher: str = BUILTIN
+    """'builtin', a hub id such as Qwen/Qwen3-1.7B, or a local model directory."""
+    student: str = BUILTIN
+    """'builtin', a hub id such as Qwen/Qwen3-0.6B, or a local model directory."""
+    teacher_revision: str | None = None
+    """Hub revision (branch, tag or commit) of a hub teacher; resolved to a commit hash in the manifest."""
+    student_revision: str | None = None
+    """Hub revision of a hub student."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub to run (off: only architectures transformers ships)."""
+    teacher_arch: ArchConfig = field(default_factory=ArchConfig)
+    """Built-in teacher shape."""
+    student_arch: ArchConfig = field(
+        default_factory=lambda: ArchConfig(hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=4,
+                                           intermediate_size=384))
+    """Built-in student shape (smaller than the teacher)."""
+    teacher_training: TeacherTrainingConfig = field(default_factory=TeacherTrainingConfig)
+    """Training of the built-in teacher."""
+
+    def __post_init__(self):
+        for role in ("teacher", "student"):
+            _require(bool(getattr(self, role).strip()), role, "must be 'builtin', a hub id or a local directory")
+        _require((self.teacher == BUILTIN) == (self.student == BUILTIN), "student",
+                 f"teacher is {self.teacher!r} and student is {self.student!r}: the built-in models share only "
+                 "the built-in tokenizer, so use 'builtin' for both or pretrained models for both")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The instruction dataset and its subset."""
+
+    source: str = "synthetic"
+    """'synthetic', a local .json/.jsonl/.parquet/.csv file or saved dataset directory, or a hub dataset id."""
+    format: Literal["auto", "alpaca", "messages", "prompt_response", "sharegpt"] = "auto"
+    """Row format; 'auto' detects it per row from the fields present."""
+    hub_config: str | None = None
+    """Dataset configuration name for a hub dataset."""
+    hub_split: str = "train"
+    """Split to read from a hub dataset or saved dataset directory."""
+    hub_revision: str | None = None
+    """Dataset revision for a hub dataset."""
+    subset_size: int = 2200
+    """Rows to keep (train + eval). For 'synthetic' this many rows are generated; 0 keeps all valid rows."""
+    eval_size: int = 200
+    """Rows of the subset held out for evaluation."""
+    max_malformed_fraction: float = 0.05
+    """Fail if more than this fraction of the rows examined is malformed."""
+    drop_duplicates: bool = True
+    """Drop rows whose prompt and response repeat an earlier row."""
+    system_prompt: str | None = None
+    """If set, a system message prepended to every prompt."""
+
+    def __post_init__(self):
+        _require(bool(self.source.strip()), "source", "must be 'synthetic', a file, a directory or a hub id")
+        _require(self.subset_size >= 0, "subset_size", f"must be >= 0, got {self.subset_size}")
+        _require(self.eval_size >= 0, "eval_size", f"must be >= 0, got {self.eval_size}")
+        if self.subset_size:
+            _require(self.eval_size < self.subset_size, "eval_size",
+                     f"must be smaller than subset_size ({self.subset_size}), got {self.eval_size}")
+        _require(0 <= self.max_malformed_fraction <= 1, "max_malformed_fraction",
+                 f"must be in [0, 1], got {self.max_malformed_fraction}")
+        if self.source == "synthetic":
+            _require(self.subset_size > 0, "subset_size", "must be > 0 for the synthetic source")
+
+
+SECTIONS: dict[str, type] = {
+    "base": BaseConfig,
+    "paths": PathsConfig,
+    "synthetic": SyntheticConfig,
+    "models": ModelsConfig,
+    "data": DataConfig,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# parsing
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as e:
+                errors.append(e.message)
+        raise ConfigError(key, " or ".join(errors))
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        _require(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin is tuple:
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        _require(isinstance(value, (list, tuple)), key, f"must be a list, got {value!r}")
+        return tuple(_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return parse_section(tp, value, key)
+    if tp is bool:
+        _require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        _require(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool), key,
+                 f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        _require(isinstance(value, str), key, f"must be a string, got {value!r}")
+        return value
+    raise TypeError(f"{key}: unsupported config type {_type_name(tp)}")
+
+
+def parse_section(cls: type, raw: Any, where: str) -> Any:
+    """Build dataclass ``cls`` from mapping ``raw``; errors name keys as ``where.key``."""
+    if raw is None:
+        raw = {}
+    _require(isinstance(raw, Mapping), where, f"must be a mapping of keys to values, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}",
+                          f"unknown key (allowed in {where}: {', '.join(sorted(fields))})")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _coerce(hints[name], raw[name], f"{where}.{name}") for name in fields if name in raw}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        # __post_init__ names keys relative to its own section
+        raise ConfigError(f"{where}.{e.key}" if e.key else where, e.message) from None
+
+
+@dataclass(frozen=True)
+class Params:
+    """The parsed sections of params.yaml (None for sections not asked for)."""
+
+    base: BaseConfig | None = None
+    paths: PathsConfig | None = None
+    synthetic: SyntheticConfig | None = None
+    models: ModelsConfig | None = None
+    data: DataConfig | None = None
+
+
+def read_params_file(path: str | Path = PARAMS_FILE) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError("", f"{path} not found (run from the repository root)")
+    raw = yaml.safe_load(path.read_text()) or {}
+    _require(isinstance(raw, Mapping), "", f"{path}: top level must be a mapping of sections")
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown section in {path} (allowed: {', '.join(SECTIONS)})")
+    return dict(raw)
+
+
+def load_params(path: str | Path = PARAMS_FILE, sections: tuple[str, ...] | None = None) -> Params:
+    """Parse the named sections (all if None) of a params file."""
+    raw = read_params_file(path)
+    names = tuple(SECTIONS) if sections is None else sections
+    for name in names:
+        if name not in SECTIONS:
+            raise KeyError(f"no params section {name!r}; known: {list(SECTIONS)}")
+    return Params(**{name: parse_section(SECTIONS[name], raw.get(name), name) for name in names})
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain, JSON-ready form of a config dataclass (for manifests and provenance)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, tuple):
+        return [to_dict(v) for v in cfg]
+    return cfg

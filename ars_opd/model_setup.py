@@ -1,0 +1,133 @@
+"""The ``models`` stage: produce the shared tokenizer, the teacher and the student base, and pin them.
+
+Built-in default (``models.teacher: builtin``): build the character + whole-word tokenizer, train a tiny
+teacher on the synthetic tasks until it is good at them (held-out exact match is reported, and gated by
+``models.teacher_training.min_accuracy``), and initialise a smaller student. Deterministic for a seed.
+
+Pretrained (hub ids or local directories): resolve and pin each model (commit hash or file hash), load
+both tokenizers, refuse a pair that does not share one, and save the shared tokenizer. Weights stay where
+they are (hub cache or the local directory); the manifest says exactly which files later stages load.
+
+Output layout (``paths.models_dir``): ``tokenizer/``, ``teacher/`` and ``student/`` (built-in only),
+``manifest.json`` (refs, vocab sizes, embedding rows, parameter counts, provenance), ``teacher_train_log.json``
+(built-in only). Metrics go to ``paths.models_metrics``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from ars_opd import synthetic
+from ars_opd.artifacts import atomic_outputs, provenance, write_json
+from ars_opd.config import BUILTIN, BaseConfig, ModelsConfig, SyntheticConfig, to_dict
+from ars_opd.models import (
+    MANIFEST, ModelRef, build_causal_lm, builtin_ref, count_parameters, embedding_rows, resolve_pretrained,
+    sha256_of_files,
+)
+from ars_opd.seeding import derive_seed
+from ars_opd.teacher_training import exact_match, task_spec, train_builtin_teacher
+from ars_opd.tokenizer import build_char_word_tokenizer, check_shared_tokenizer, tokenizer_fingerprint
+
+
+class TeacherTooWeakError(RuntimeError):
+    """The built-in teacher missed ``models.teacher_training.min_accuracy``."""
+
+
+def _build_builtin(out: Path, cfg: ModelsConfig, synth: SyntheticConfig, seed: int, progress: bool) -> dict:
+    tokenizer = build_char_word_tokenizer(synthetic.instruction_words())
+    tokenizer.save_pretrained(out / "tokenizer")
+
+    teacher = build_causal_lm(cfg.teacher_arch, tokenizer, derive_seed(seed, "teacher-init"))
+    student = build_causal_lm(cfg.student_arch, tokenizer, derive_seed(seed, "student-init"))
+    t0 = time.perf_counter()
+    log = train_builtin_teacher(teacher, tokenizer, cfg.teacher_training, synth, derive_seed(seed, "teacher-data"),
+                                progress=progress)
+    train_s = time.perf_counter() - t0
+    eval_rows = synthetic.generate(cfg.teacher_training.eval_examples, seed=derive_seed(seed, "teacher-eval"),
+                                   tasks=synth.tasks, spec=task_spec(synth))
+    t1 = time.perf_counter()
+    teacher_eval = exact_match(teacher, tokenizer, eval_rows)
+    student_eval = exact_match(student, tokenizer, eval_rows)
+    eval_s = time.perf_counter() - t1
+    if teacher_eval["exact_match"] < cfg.teacher_training.min_accuracy:
+        raise TeacherTooWeakError(
+            f"built-in teacher reached {teacher_eval['exact_match']:.1%} held-out exact match, below "
+            f"models.teacher_training.min_accuracy = {cfg.teacher_training.min_accuracy:.1%}; raise "
+            "models.teacher_training.steps or lower the gate"
+        )
+    for role, model in (("teacher", teacher), ("student", student)):
+        model.save_pretrained(out / role, safe_serialization=True)
+        tokenizer.save_pretrained(out / role)
+    write_json(out / "teacher_train_log.json", log)
+    return {
+        "teacher_params": count_parameters(teacher),
+        "student_params": count_parameters(student),
+        "teacher_exact_match": teacher_eval["exact_match"],
+        "teacher_exact_match_per_task": teacher_eval["per_task"],
+        "student_base_exact_match": student_eval["exact_match"],
+        "eval_examples": teacher_eval["n"],
+        "teacher_final_loss": log[-1]["loss"] if log else None,
+        "teacher_train_steps": cfg.teacher_training.steps,
+        "teacher_train_seconds": round(train_s, 1),
+        "eval_seconds": round(eval_s, 1),
+    }
+
+
+def _pin_pretrained(out: Path, cfg: ModelsConfig) -> tuple[dict, dict[str, ModelRef]]:
+    refs = {
+        "teacher": resolve_pretrained(cfg.teacher, cfg.teacher_revision),
+        "student": resolve_pretrained(cfg.student, cfg.student_revision),
+    }
+    tok = {}
+    for role, ref in refs.items():
+        try:
+            tok[role] = AutoTokenizer.from_pretrained(ref.path, trust_remote_code=cfg.trust_remote_code)
+        except Exception as e:
+            raise RuntimeError(f"cannot load the {role} tokenizer from {ref.name} ({ref.path}): {e}") from None
+    check_shared_tokenizer(tok["teacher"], tok["student"])
+    if not tok["student"].chat_template:
+        raise ValueError(f"student tokenizer of {refs['student'].name} has no chat template; "
+                         "prompts are rendered with it, so choose an instruct/chat model")
+    tok["student"].save_pretrained(out / "tokenizer")
+    return {}, refs
+
+
+def prepare_models(base: BaseConfig, cfg: ModelsConfig, synth: SyntheticConfig, models_dir: str,
+                   metrics_path: str, progress: bool = True) -> dict:
+    """Run the models stage; write ``models_dir`` and ``metrics_path`` all or nothing; return the metrics."""
+    if base.threads:
+        torch.set_num_threads(base.threads)
+    with atomic_outputs(models_dir, metrics_path) as (out, metrics_tmp):
+        out.mkdir(parents=True)
+        if cfg.teacher == BUILTIN:
+            metrics = _build_builtin(out, cfg, synth, base.seed, progress)
+            refs = {role: builtin_ref(out, role) for role in ("teacher", "student")}
+            paths = {role: out / role for role in refs}
+        else:
+            metrics, refs = _pin_pretrained(out, cfg)
+            paths = {role: Path(ref.path) for role, ref in refs.items()}
+        tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+        manifest = {
+            role: {**ref.to_json(), "embedding_rows": embedding_rows(str(paths[role]))}
+            for role, ref in refs.items()
+        }
+        for role in manifest:  # built-in paths are relative to models_dir, so the manifest is portable
+            if refs[role].source == BUILTIN:
+                manifest[role]["path"] = role
+        manifest["tokenizer"] = {**tokenizer_fingerprint(tok), "sha256": sha256_of_files(out / "tokenizer")}
+        manifest["vocab_rule"] = (
+            "logits are compared over the tokenizer's ids only (0..vocab_size-1); embedding rows beyond "
+            "the tokenizer are padding and are dropped on both sides"
+        )
+        manifest["provenance"] = provenance({"base": to_dict(base), "models": to_dict(cfg),
+                                             "synthetic": to_dict(synth)})
+        write_json(out / MANIFEST, manifest)
+        metrics["tokenizer_vocab_size"] = manifest["tokenizer"]["vocab_size"]
+        metrics["teacher_embedding_rows"] = manifest["teacher"]["embedding_rows"]
+        metrics["student_embedding_rows"] = manifest["student"]["embedding_rows"]
+        write_json(metrics_tmp, metrics)
+    return metrics

@@ -1,0 +1,133 @@
+"""Training the built-in teacher on the synthetic tasks, and exact-match evaluation.
+
+The offline default needs a teacher that is good at the tasks, so the ``models`` stage trains one from
+scratch: a fresh, seeded stream of synthetic examples each step (no example repeats by construction of
+the stream, though small task spaces such as two-digit addition recur), loss on response tokens only,
+AdamW with linear warmup and cosine decay, fp32 on one process. Deterministic for a seed and a thread
+count.
+
+This is deliberately a small single-process loop that builds the *default teacher*; the data-parallel
+engine with exact loss normalisation and consistency statistics is what trains the student.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ars_opd import synthetic
+from ars_opd.config import SyntheticConfig, TeacherTrainingConfig
+from ars_opd.generation import generate_texts, pad_right_with_labels
+from ars_opd.losses import causal_lm_token_loss_sum
+from ars_opd.prompts import alpaca_messages, encode_completions, encode_prompts
+
+
+def task_spec(cfg: SyntheticConfig) -> synthetic.TaskSpec:
+    return synthetic.TaskSpec(max_operand=cfg.max_operand, min_len=cfg.min_len, max_len=cfg.max_len)
+
+
+def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Learning-rate multiplier: linear warmup to 1, then cosine down to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _batches(tokenizer, rows: Iterator[dict], batch_size: int, bucket: int = 8,
+             seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """Right-padded batches; ``bucket`` batches at a time are formed from length-sorted examples.
+
+    Grouping similar lengths cuts padding (and so compute) by about a sixth on the synthetic tasks; the
+    order of the grouped batches is shuffled so lengths do not drift within a window.
+    """
+    rng = random.Random(seed)
+    while True:
+        chunk = [next(rows) for _ in range(batch_size * bucket)]
+        prompts = encode_prompts(tokenizer, [alpaca_messages(r["instruction"], r["input"]) for r in chunk])
+        completions = encode_completions(tokenizer, [r["output"] for r in chunk])
+        order = sorted(range(len(chunk)), key=lambda i: len(prompts[i]) + len(completions[i]))
+        groups = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        rng.shuffle(groups)
+        for g in groups:
+            yield pad_right_with_labels([prompts[i] for i in g], [completions[i] for i in g], tokenizer.pad_token_id)
+
+
+def train_builtin_teacher(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: TeacherTrainingConfig,
+    tasks: SyntheticConfig,
+    seed: int,
+    progress: bool = True,
+) -> list[dict]:
+    """Train ``model`` in place; returns a log row every 50 steps (step, loss, lr, seconds)."""
+    torch.manual_seed(seed)
+    batches = _batches(tokenizer, synthetic.stream(seed, tasks.tasks, task_spec(tasks)), cfg.batch_size, seed=seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95),
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: warmup_cosine(s, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
+    model.train()
+    log, t0, running = [], time.perf_counter(), None
+    bar = tqdm(range(cfg.steps), desc="train teacher", disable=not progress, mininterval=2.0)
+    for step in bar:
+        batch = next(batches)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss_sum, n = causal_lm_token_loss_sum(logits, batch["labels"])
+        loss = loss_sum / n
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"teacher training loss is {loss.item()} at step {step}; lower models.teacher_training.lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        value = loss.item()
+        running = value if running is None else 0.98 * running + 0.02 * value
+        bar.set_postfix(loss=f"{running:.3f}", refresh=False)
+        if step % 50 == 0 or step == cfg.steps - 1:
+            log.append({"step": step, "loss": value, "lr": sched.get_last_lr()[0],
+                        "seconds": round(time.perf_counter() - t0, 2)})
+    model.eval()
+    return log
+
+
+def exact_match(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict],
+    max_new_tokens: int = 16,
+    batch_size: int = 128,
+) -> dict:
+    """Greedy exact-match accuracy on Alpaca rows with ``task``; overall and per task.
+
+    The reference is recomputed from the instruction and input by ``synthetic.expected_answer``, an
+    oracle independent of the stored ``output``.
+    """
+    if not rows:
+        raise ValueError("exact_match needs at least one row")
+    answers = generate_texts(model, tokenizer, [alpaca_messages(r["instruction"], r["input"]) for r in rows],
+                             max_new_tokens=max_new_tokens, batch_size=batch_size)
+    per_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for r, a in zip(rows, answers):
+        ok = synthetic.is_correct(a, synthetic.expected_answer(r["task"], r["instruction"], r["input"]))
+        per_task[r["task"]][0] += int(ok)
+        per_task[r["task"]][1] += 1
+    correct = sum(c for c, _ in per_task.values())
+    return {
+        "exact_match": correct / len(rows),
+        "n": len(rows),
+        "per_task": {t: c / n for t, (c, n) in sorted(per_task.items())},
+    }

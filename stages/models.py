@@ -1,0 +1,16 @@
+"""models stage: shared tokenizer, teacher and student base, pinned in a manifest (see ars_opd.model_setup)."""
+
+from ars_opd.config import load_params
+from ars_opd.model_setup import prepare_models
+
+
+def main() -> None:
+    p = load_params(sections=("base", "paths", "synthetic", "models"))
+    metrics = prepare_models(p.base, p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics)
+    if "teacher_exact_match" in metrics:
+        print(f"teacher held-out exact match {metrics['teacher_exact_match']:.1%} "
+              f"(student base {metrics['student_base_exact_match']:.1%})")
+
+
+if __name__ == "__main__":
+    main()

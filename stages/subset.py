@@ -1,0 +1,15 @@
+"""subset stage: load the instruction dataset, normalise to messages, seeded subset, train/eval split."""
+
+from ars_opd.config import load_params
+from ars_opd.instruction_data import write_subset
+
+
+def main() -> None:
+    p = load_params(sections=("base", "paths", "synthetic", "data"))
+    stats = write_subset(p.base, p.data, p.synthetic, p.paths)
+    print(f"subset: {stats['train']} train, {stats['eval']} eval rows "
+          f"({stats['malformed']} malformed, {stats['duplicates_dropped']} duplicates dropped)")
+
+
+if __name__ == "__main__":
+    main()

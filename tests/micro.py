@@ -1,0 +1,38 @@
+"""A micro configuration of the whole pipeline: seconds per stage, for stage tests."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+MICRO_OVERRIDES = {
+    "models": {
+        "teacher_arch": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2,
+                         "intermediate_size": 64},
+        "student_arch": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2,
+                         "intermediate_size": 32},
+        "teacher_training": {"steps": 6, "batch_size": 8, "warmup_steps": 2, "eval_examples": 16,
+                             "min_accuracy": 0.0},
+    },
+    "data": {"subset_size": 60, "eval_size": 10},
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def micro_params(repo_root: Path, extra: dict | None = None) -> dict:
+    params = yaml.safe_load((repo_root / "params.yaml").read_text())
+    params = _merge(params, MICRO_OVERRIDES)
+    return _merge(params, extra or {})
+
+
+def write_micro_params(repo_root: Path, dest: Path, extra: dict | None = None) -> Path:
+    dest.write_text(yaml.safe_dump(micro_params(repo_root, extra), sort_keys=False))
+    return dest

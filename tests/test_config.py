@@ -1,0 +1,85 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ars_opd.config import (
+    SECTIONS, ArchConfig, ConfigError, DataConfig, ModelsConfig, load_params, parse_section, to_dict,
+)
+
+
+def test_real_params_yaml_loads_every_section(repo_root):
+    params = load_params(repo_root / "params.yaml")
+    for name in SECTIONS:
+        assert getattr(params, name) is not None, name
+    assert params.models.teacher == "builtin"
+    # the real file sets every key explicitly: nothing silently falls back to a code default
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    assert to_dict(params.models) == raw["models"]
+    assert to_dict(params.paths) == raw["paths"]
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "params.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_unknown_key_is_named_with_allowed_keys(tmp_path):
+    p = _write(tmp_path, "models:\n  teacher_training:\n    learning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_params(p, sections=("models",))
+    assert e.value.key == "models.teacher_training.learning_rate"
+    assert "lr" in str(e.value) and "steps" in str(e.value)
+
+
+def test_unknown_section_rejected(tmp_path):
+    p = _write(tmp_path, "modles:\n  teacher: builtin\n")
+    with pytest.raises(ConfigError, match="modles"):
+        load_params(p)
+
+
+@pytest.mark.parametrize(
+    "section, raw, key, fragment",
+    [
+        ("data", {"eval_size": 500, "subset_size": 100}, "data.eval_size", "smaller than subset_size"),
+        ("data", {"max_malformed_fraction": 1.5}, "data.max_malformed_fraction", "[0, 1]"),
+        ("data", {"format": "xml"}, "data.format", "one of"),
+        ("data", {"subset_size": "many"}, "data.subset_size", "integer"),
+        ("data", {"drop_duplicates": "yes"}, "data.drop_duplicates", "true or false"),
+        ("models", {"teacher_arch": {"hidden_size": 100, "num_heads": 3}}, "models.teacher_arch.num_heads", "divisible"),
+        ("models", {"teacher": "Qwen/Qwen3-1.7B"}, "models.student", "builtin"),
+        ("models", {"teacher_training": {"lr": 0}}, "models.teacher_training.lr", "(0, 1)"),
+        ("synthetic", {"tasks": ["add", "divide"]}, "synthetic.tasks", "divide"),
+        ("synthetic", {"min_len": 5, "max_len": 4}, "synthetic.max_len", "min_len"),
+        ("paths", {"models_dir": "/abs/models"}, "paths.models_dir", "relative"),
+        ("base", {"seed": True}, "base.seed", "integer"),
+    ],
+)
+def test_bad_values_name_key_and_allowed(section, raw, key, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_section(SECTIONS[section], raw, section)
+    assert e.value.key == key
+    assert fragment in str(e.value)
+
+
+def test_floats_accept_ints_and_tuples_from_lists():
+    cfg = parse_section(ModelsConfig, {"teacher_training": {"weight_decay": 1}}, "models")
+    assert cfg.teacher_training.weight_decay == 1.0 and isinstance(cfg.teacher_training.weight_decay, float)
+    synth = parse_section(SECTIONS["synthetic"], {"tasks": ["add"]}, "synthetic")
+    assert synth.tasks == ("add",)
+
+
+def test_configs_are_frozen():
+    cfg = DataConfig()
+    with pytest.raises(Exception):
+        cfg.subset_size = 3  # type: ignore[misc]
+    assert ArchConfig().hidden_size % ArchConfig().num_heads == 0
+
+
+def test_cli_params_reports_bad_key(tmp_path, capsys):
+    from ars_opd.cli import main
+
+    p = _write(tmp_path, "data:\n  subset_sise: 10\n")
+    assert main(["params", "--file", str(p)]) == 2
+    assert "data.subset_sise" in capsys.readouterr().err

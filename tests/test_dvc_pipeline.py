@@ -1,0 +1,118 @@
+"""dvc.yaml consistency, and `dvc repro` of the real stages in a temporary git copy of the repo."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from micro import write_micro_params
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _ars_imports(path: Path, seen: set[str]) -> set[str]:
+    """ars_opd modules imported (transitively, at any depth in the file) by a Python file."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ars_opd"):
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("ars_opd")]
+        for name in names:
+            file = REPO / (name.replace(".", "/") + ".py")
+            if file.exists() and name not in seen:
+                seen.add(name)
+                _ars_imports(file, seen)
+    return seen
+
+
+def test_each_stage_lists_exactly_the_library_modules_it_imports():
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        entry = REPO / "stages" / f"{name}.py"
+        assert stage["cmd"] == f"python stages/{name}.py"
+        imported = {f"{m.replace('.', '/')}.py" for m in _ars_imports(entry, set())} | {"ars_opd/__init__.py"}
+        listed = {d for d in stage["deps"] if d.startswith("ars_opd/")}
+        assert listed == imported, f"stage {name}: missing {imported - listed}, extra {listed - imported}"
+        assert f"stages/{name}.py" in stage["deps"]
+
+
+def test_stage_files_run_nothing_on_import():
+    for entry in sorted((REPO / "stages").glob("*.py")):
+        tree = ast.parse(entry.read_text())
+        for node in tree.body:
+            assert isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.If, ast.Expr)), \
+                f"{entry.name}: top-level {type(node).__name__} runs on import"
+
+
+def test_paths_are_written_once():
+    """dvc.yaml takes every output path from params.yaml; no literal data/ path in dvc.yaml or code."""
+    text = (REPO / "dvc.yaml").read_text()
+    assert "data/" not in text.replace("# ", "")
+    for py in list((REPO / "ars_opd").glob("*.py")) + list((REPO / "stages").glob("*.py")):
+        if py.name == "config.py":
+            continue
+        assert '"data/' not in py.read_text(), py
+
+
+def _repo_copy(dest: Path) -> Path:
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if f.startswith("data/") or not (REPO / f).is_file():
+            continue
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / f, dest / f)
+    return dest
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_dvc_repro_models_and_subset_then_noop(tmp_path):
+    work = _repo_copy(tmp_path / "repo")
+    write_micro_params(REPO, work / "params.yaml")
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "micro"]):
+        assert _run(cmd, work).returncode == 0
+    dvc = str(Path(sys.executable).parent / "dvc")
+    first = _run([dvc, "repro", "models", "subset"], work)
+    assert first.returncode == 0, first.stdout + first.stderr
+    params = yaml.safe_load((work / "params.yaml").read_text())["paths"]
+    for key in ("subset_train", "subset_eval", "subset_stats", "subset_metrics", "models_metrics"):
+        assert (work / params[key]).is_file(), key
+    for sub in ("manifest.json", "teacher/model.safetensors", "student/model.safetensors", "tokenizer/tokenizer.json"):
+        assert (work / params["models_dir"] / sub).is_file(), sub
+    stats = json.loads((work / params["subset_stats"]).read_text())
+    assert (stats["train"], stats["eval"]) == (50, 10)
+    assert len((work / params["subset_train"]).read_text().splitlines()) == 50
+    assert (work / "dvc.lock").is_file()
+
+    t0 = time.perf_counter()
+    again = _run([dvc, "repro", "models", "subset"], work)
+    elapsed = time.perf_counter() - t0
+    assert again.returncode == 0, again.stderr
+    assert "Running stage" not in again.stdout and "didn't change, skipping" in again.stdout
+    assert elapsed < 60
+
+    # a params change reruns only the stage that reads it
+    rerun = _run([dvc, "repro", "-s", "subset", "--dry"], work)
+    assert "Running stage" not in rerun.stdout
+    text = (work / "params.yaml").read_text().replace("eval_size: 10", "eval_size: 12")
+    (work / "params.yaml").write_text(text)
+    third = _run([dvc, "repro", "models", "subset"], work)
+    assert third.returncode == 0, third.stderr
+    assert "Running stage 'subset'" in third.stdout and "Running stage 'models'" not in third.stdout
