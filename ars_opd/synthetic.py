@@ -8,11 +8,14 @@ same rows, in the same order.
 
 Tasks (names are the values accepted by ``synthetic.tasks`` in params.yaml):
 
-- ``add``: ``"37 + 58"`` -> ``"95"`` (operands 0..max_operand)
+- ``add``: ``"13 + 8"`` -> ``"21"`` (operands 0..max_operand)
 - ``reverse``: ``"hqzt"`` -> ``"tzqh"``
 - ``sort_digits``: ``"5382"`` -> ``"2358"``
-- ``count_letter``: instruction names a letter, input is a letter string -> the count as digits
+- ``length``: ``"hqzt"`` -> ``"4"`` (count the letters)
 - ``uppercase``: ``"hqzt"`` -> ``"HQZT"``
+- ``count_letter``: instruction names a letter, input is a letter string -> how often it occurs. Not in
+  the default mix: a tiny model needs far longer to learn it (measured: stuck at the majority class
+  after 1,500 steps while the other tasks passed 60%).
 
 Letter payloads never equal one of the instruction words, so the local tokenizer (which keeps those
 words whole) always sees them letter by letter. What this module leaves out: tokenisation and
@@ -34,19 +37,21 @@ INSTRUCTIONS = {
     "add": "Add the two numbers.",
     "reverse": "Reverse the letters.",
     "sort_digits": "Sort the digits.",
-    "count_letter": "Count the letter {letter}.",
+    "length": "Count the letters.",
     "uppercase": "Uppercase the letters.",
+    "count_letter": "Count the letter {letter}.",
 }
 TASK_NAMES = tuple(INSTRUCTIONS)
+DEFAULT_TASKS = ("add", "reverse", "sort_digits", "length", "uppercase")
 
 
 @dataclass(frozen=True)
 class TaskSpec:
     """Sizes of the synthetic payloads."""
 
-    max_operand: int = 99
+    max_operand: int = 19
     min_len: int = 3
-    max_len: int = 8
+    max_len: int = 5
 
 
 def instruction_words() -> list[str]:
@@ -80,6 +85,11 @@ def _make_sort_digits(rng: random.Random, spec: TaskSpec) -> tuple[str, str, str
     return INSTRUCTIONS["sort_digits"], s, "".join(sorted(s))
 
 
+def _make_length(rng: random.Random, spec: TaskSpec) -> tuple[str, str, str]:
+    s = _letters(rng, spec)
+    return INSTRUCTIONS["length"], s, str(len(s))
+
+
 def _make_count_letter(rng: random.Random, spec: TaskSpec) -> tuple[str, str, str]:
     letter = rng.choice(LETTERS)
     s = _letters(rng, spec)
@@ -102,12 +112,13 @@ _MAKERS: dict[str, Callable[[random.Random, TaskSpec], tuple[str, str, str]]] = 
     "add": _make_add,
     "reverse": _make_reverse,
     "sort_digits": _make_sort_digits,
-    "count_letter": _make_count_letter,
+    "length": _make_length,
     "uppercase": _make_uppercase,
+    "count_letter": _make_count_letter,
 }
 
 
-def generate(n: int, seed: int, tasks: tuple[str, ...] = TASK_NAMES, spec: TaskSpec = TaskSpec()) -> list[dict]:
+def generate(n: int, seed: int, tasks: tuple[str, ...] = DEFAULT_TASKS, spec: TaskSpec = TaskSpec()) -> list[dict]:
     """Return ``n`` Alpaca rows ``{instruction, input, output, task}``; tasks drawn uniformly, seeded."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
@@ -123,7 +134,7 @@ def generate(n: int, seed: int, tasks: tuple[str, ...] = TASK_NAMES, spec: TaskS
     return rows
 
 
-def stream(seed: int, tasks: tuple[str, ...] = TASK_NAMES, spec: TaskSpec = TaskSpec(), chunk: int = 4096):
+def stream(seed: int, tasks: tuple[str, ...] = DEFAULT_TASKS, spec: TaskSpec = TaskSpec(), chunk: int = 4096):
     """Endless deterministic stream of rows (for training the built-in teacher)."""
     k = 0
     while True:
@@ -140,6 +151,8 @@ def expected_answer(task: str, instruction: str, inp: str) -> str:
         return inp[::-1]
     if task == "sort_digits":
         return "".join(sorted(inp))
+    if task == "length":
+        return str(len(inp))
     if task == "count_letter":
         m = re.search(r"letter (\w)\.", instruction)
         if not m:

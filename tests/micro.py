@@ -13,7 +13,8 @@ MICRO_OVERRIDES = {
                          "intermediate_size": 64},
         "student_arch": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2,
                          "intermediate_size": 32},
-        "teacher_training": {"steps": 6, "batch_size": 8, "warmup_steps": 2, "eval_examples": 16,
+        # enough steps that the micro teacher answers with something (an empty answer is a failure)
+        "teacher_training": {"steps": 100, "batch_size": 16, "lr": 0.01, "warmup_steps": 5, "eval_examples": 16,
                              "min_accuracy": 0.0},
     },
     "data": {"subset_size": 60, "eval_size": 10},

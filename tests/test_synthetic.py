@@ -13,7 +13,7 @@ def test_generation_is_deterministic_and_seed_dependent():
 
 def test_every_answer_is_correct_by_an_independent_computation():
     spec = synthetic.TaskSpec(max_operand=99, min_len=3, max_len=8)
-    rows = synthetic.generate(2000, seed=1, spec=spec)
+    rows = synthetic.generate(3000, seed=1, tasks=synthetic.TASK_NAMES, spec=spec)
     seen = set()
     for r in rows:
         t, inp, out = r["task"], r["input"], r["output"]
@@ -29,12 +29,19 @@ def test_every_answer_is_correct_by_an_independent_computation():
         elif t == "count_letter":
             letter = r["instruction"].split("letter ")[1][0]
             assert int(out) == sum(1 for c in inp if c == letter)
+        elif t == "length":
+            assert int(out) == len(inp) and inp.isalpha()
         elif t == "uppercase":
             assert out == inp.upper() and inp.islower()
         if t != "add":
             assert 3 <= len(inp) <= 9  # count_letter may append one letter to avoid a reserved word
         assert synthetic.expected_answer(t, r["instruction"], inp) == out
     assert seen == set(synthetic.TASK_NAMES)
+
+
+def test_default_mix_leaves_out_count_letter():
+    assert {r["task"] for r in synthetic.generate(500, seed=0)} == set(synthetic.DEFAULT_TASKS)
+    assert "count_letter" not in synthetic.DEFAULT_TASKS and "count_letter" in synthetic.TASK_NAMES
 
 
 def test_task_subset_and_unknown_task():
@@ -46,7 +53,7 @@ def test_task_subset_and_unknown_task():
 
 def test_letter_payloads_never_equal_instruction_words():
     words = {w.lower() for w in synthetic.instruction_words()}
-    rows = synthetic.generate(5000, seed=3, spec=synthetic.TaskSpec(min_len=3, max_len=4))
+    rows = synthetic.generate(5000, seed=3, tasks=synthetic.TASK_NAMES, spec=synthetic.TaskSpec(min_len=3, max_len=4))
     assert not any(r["input"] in words for r in rows if r["task"] != "add")
 
 
