@@ -5,8 +5,8 @@ Subcommands:
 - ``ars-opd params [--file params.yaml]``: validate every section of the params file and print the
   resolved values (defaults filled in) as JSON; exits 2 naming the first bad key. Cheap enough for a
   pre-commit hook or the first step of CI, before hours of ``dvc repro``.
-
-Later subcommands (teacher server, output checks) are added here as the pipeline grows.
+- ``ars-opd serve MODEL_DIR [...]``: the bundled OpenAI-compatible server (``ars_opd.teacher_server``)
+  for any local Hugging Face causal-LM directory, on 127.0.0.1 by default.
 """
 
 from __future__ import annotations
@@ -28,16 +28,27 @@ def _cmd_params(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(argv: list[str]) -> int:
+    from ars_opd import teacher_server  # heavy imports only for this subcommand
+
+    return teacher_server.main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ars-opd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("params", help="validate params.yaml and print the resolved values")
     p.add_argument("--file", default="params.yaml", help="params file (default: params.yaml)")
     p.set_defaults(func=_cmd_params)
+    # parsed by the server itself (main() hands it the rest of the command line)
+    sub.add_parser("serve", help="serve a local HF causal LM with an OpenAI-compatible API (serve --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return _serve(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

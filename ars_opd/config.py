@@ -21,7 +21,7 @@ from typing import Any, Literal, Mapping
 
 import yaml
 
-from ars_opd.synthetic import TASK_NAMES
+from ars_opd.synthetic import DEFAULT_TASKS, TASK_NAMES
 
 PARAMS_FILE = "params.yaml"
 
@@ -71,6 +71,12 @@ class PathsConfig:
     """subset stage: counts, lengths, malformed rows by reason with examples, provenance."""
     subset_metrics: str = "data/metrics/subset.json"
     """subset stage metrics (row counts), for dvc exp show."""
+    teacher_cache: str = "data/teacher_cache/answers.jsonl"
+    """teacher_gen: the sha256-keyed answer cache (a persistent DVC out: it survives reruns)."""
+    teacher_dir: str = "data/teacher"
+    """teacher_gen: train.jsonl / eval.jsonl (prompts joined to completions), failures.jsonl, manifest.json."""
+    teacher_metrics: str = "data/metrics/teacher_gen.json"
+    """teacher_gen metrics (counts, failures by reason, throughput)."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -83,13 +89,13 @@ class PathsConfig:
 class SyntheticConfig:
     """The built-in synthetic instruction tasks (used by the built-in teacher and by ``data.source: synthetic``)."""
 
-    tasks: tuple[str, ...] = TASK_NAMES
-    """Task names, drawn uniformly; allowed: add, reverse, sort_digits, count_letter, uppercase."""
-    max_operand: int = 99
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    """Task names, drawn uniformly; allowed: add, reverse, sort_digits, length, uppercase, count_letter."""
+    max_operand: int = 19
     """add: operands are drawn from 0..max_operand."""
     min_len: int = 3
-    """Shortest letter/digit string in reverse, sort_digits, count_letter and uppercase."""
-    max_len: int = 8
+    """Shortest letter/digit string in reverse, sort_digits, length, uppercase and count_letter."""
+    max_len: int = 5
     """Longest letter/digit string."""
 
     def __post_init__(self):
@@ -106,7 +112,7 @@ class SyntheticConfig:
 class ArchConfig:
     """Shape of a model built from config (built-in default only)."""
 
-    family: Literal["qwen3", "llama"] = "qwen3"
+    family: Literal["llama", "qwen3"] = "llama"
     """Architecture family of the transformers config class used."""
     hidden_size: int = 128
     """Model width."""
@@ -138,7 +144,7 @@ class ArchConfig:
 class TeacherTrainingConfig:
     """How the models stage trains the built-in teacher on the synthetic tasks."""
 
-    steps: int = 2000
+    steps: int = 1500
     """Optimizer steps (a step count, not a time budget, so the result is deterministic)."""
     batch_size: int = 64
     """Sequences per step."""
@@ -146,7 +152,7 @@ class TeacherTrainingConfig:
     """Peak AdamW learning rate."""
     warmup_steps: int = 100
     """Linear warmup steps before the cosine decay."""
-    min_lr_ratio: float = 0.05
+    min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
@@ -238,12 +244,101 @@ class DataConfig:
             _require(self.subset_size > 0, "subset_size", "must be > 0 for the synthetic source")
 
 
+LOCAL_ENDPOINT = "local"
+
+
+@dataclass(frozen=True)
+class TeacherServerConfig:
+    """The bundled local server (``teacher_gen.endpoint: local``)."""
+
+    max_batch_size: int = 64
+    """Most requests batched into one generate call."""
+    max_wait_ms: float = 5.0
+    """How long the first request of a batch waits for company."""
+    threads: int = 2
+    """torch CPU threads of the server process."""
+    startup_timeout_s: float = 180.0
+    """Give up if the server is not ready after this long."""
+
+    def __post_init__(self):
+        _require(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")
+        _require(self.max_wait_ms >= 0, "max_wait_ms", f"must be >= 0, got {self.max_wait_ms}")
+        _require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
+        _require(self.startup_timeout_s > 0, "startup_timeout_s", f"must be > 0, got {self.startup_timeout_s}")
+
+
+@dataclass(frozen=True)
+class TeacherGenConfig:
+    """Asking the teacher for a completion of every prompt."""
+
+    endpoint: str = LOCAL_ENDPOINT
+    """'local' (start the bundled server for the models-stage teacher) or a base URL such as http://localhost:8000/v1."""
+    model: str | None = None
+    """Model name at the endpoint (required unless endpoint is 'local')."""
+    model_revision: str | None = None
+    """Identifies the remote model's weights in cache keys (set it when the endpoint's model changes under one name)."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the API key (the key itself never goes in params)."""
+    splits: tuple[Literal["train", "eval"], ...] = ("train", "eval")
+    """Subset splits to complete (eval completions feed the evaluate stage)."""
+    temperature: float = 0.0
+    """Sampling temperature (0 = greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_tokens: int = 32
+    """Most completion tokens per answer."""
+    seed: int | None = None
+    """Sampling seed sent with each request (null: none)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings."""
+    system_prompt: str | None = None
+    """System message prepended to prompts that have none."""
+    strip_thinking: bool = True
+    """Remove a leading <think>...</think> block from training text (the cache keeps the raw answer)."""
+    concurrency: int = 32
+    """Requests in flight at once."""
+    request_timeout_s: float = 60.0
+    """Per-request timeout."""
+    max_attempts: int = 5
+    """Attempts per request, first included."""
+    backoff_base_s: float = 0.5
+    """First retry waits about this long; doubles each attempt (with jitter)."""
+    backoff_max_s: float = 30.0
+    """Longest backoff between attempts."""
+    max_failure_fraction: float = 0.0
+    """Fail the stage when more than this fraction of prompts ends without an answer."""
+    server: TeacherServerConfig = field(default_factory=TeacherServerConfig)
+    """The bundled server (endpoint 'local' only)."""
+
+    def __post_init__(self):
+        local = self.endpoint == LOCAL_ENDPOINT
+        _require(local or self.endpoint.startswith(("http://", "https://")), "endpoint",
+                 f"must be 'local' or an http(s) base URL, got {self.endpoint!r}")
+        _require(local or bool(self.model), "model", "must name the model when endpoint is a URL")
+        _require(len(self.splits) > 0 and len(set(self.splits)) == len(self.splits), "splits",
+                 "must list train and/or eval once each")
+        _require(0 <= self.temperature <= 5, "temperature", f"must be in [0, 5], got {self.temperature}")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.max_tokens > 0, "max_tokens", f"must be > 0, got {self.max_tokens}")
+        _require(1 <= self.concurrency <= 4096, "concurrency", f"must be in 1..4096, got {self.concurrency}")
+        _require(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
+        _require(self.max_attempts >= 1, "max_attempts", f"must be >= 1, got {self.max_attempts}")
+        _require(self.backoff_base_s >= 0, "backoff_base_s", f"must be >= 0, got {self.backoff_base_s}")
+        _require(self.backoff_max_s >= self.backoff_base_s, "backoff_max_s", "must be >= backoff_base_s")
+        _require(0 <= self.max_failure_fraction <= 1, "max_failure_fraction",
+                 f"must be in [0, 1], got {self.max_failure_fraction}")
+        if self.api_key_env is not None:
+            _require(self.api_key_env.replace("_", "").isalnum(), "api_key_env",
+                     "must be the *name* of an environment variable (letters, digits, _), never the key itself")
+
+
 SECTIONS: dict[str, type] = {
     "base": BaseConfig,
     "paths": PathsConfig,
     "synthetic": SyntheticConfig,
     "models": ModelsConfig,
     "data": DataConfig,
+    "teacher_gen": TeacherGenConfig,
 }
 
 
@@ -324,6 +419,7 @@ class Params:
     synthetic: SyntheticConfig | None = None
     models: ModelsConfig | None = None
     data: DataConfig | None = None
+    teacher_gen: TeacherGenConfig | None = None
 
 
 def read_params_file(path: str | Path = PARAMS_FILE) -> dict:

@@ -28,6 +28,8 @@ def _ars_imports(path: Path, seen: set[str]) -> set[str]:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names if a.name.startswith("ars_opd")]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("ars_opd."):
+            names = [node.value]  # a module started as a subprocess (python -m ars_opd.x)
         for name in names:
             file = REPO / (name.replace(".", "/") + ".py")
             if file.exists() and name not in seen:

@@ -1,0 +1,220 @@
+"""A scriptable OpenAI-compatible endpoint for tests and benchmarks: fixed latency, injected faults.
+
+It answers ``POST /v1/chat/completions`` with a deterministic text derived from the prompt (so a test
+can check every answer) after ``latency_s``, and ``GET /v1/models``. With ``fault_rate`` > 0 a
+deterministic share of prompts (chosen by a hash of the prompt) misbehaves on its first attempt, each
+with one of: 429 with ``Retry-After``, 500, a hang past any sane timeout, a malformed JSON body, an
+empty ``choices`` list, or a dropped connection. ``always_fail_400`` / ``always_fail_500`` make shares of
+prompts fail on every attempt. Every request is logged (prompt, attempt, outcome, time) in memory and,
+optionally, to a JSON Lines file, so tests can count re-requests.
+
+It runs in a background thread of the caller (``FakeEndpoint(...).start()``) or as its own process
+(``python -m ars_opd.fake_endpoint --port 0 --ready-file F --latency 1.0``) for benchmarks, where the
+client's and server's CPU must not share one interpreter. Loopback only. Not a model: nothing here
+generates text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+FAULTS = ("429", "500", "hang", "malformed_json", "empty_choices", "drop_connection")
+
+
+def expected_answer(prompt: str) -> str:
+    """The text the fake endpoint answers for ``prompt`` (the last user message)."""
+    return "answer-" + hashlib.sha256(prompt.encode()).hexdigest()[:12]
+
+
+def _bucket(prompt: str, salt: str) -> float:
+    return int(hashlib.sha256(f"{salt}:{prompt}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
+@dataclass
+class FakeEndpoint:
+    model: str = "fake-teacher"
+    latency_s: float = 0.0
+    fault_rate: float = 0.0
+    always_fail_400: float = 0.0
+    always_fail_500: float = 0.0
+    retry_after_s: float = 0.2
+    hang_s: float = 30.0
+    log_path: str | None = None
+    api_key: str | None = None  # if set, requests without "Authorization: Bearer <api_key>" get 401
+    host: str = "127.0.0.1"
+    port: int = 0
+    log: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._attempts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._log_file = open(self.log_path, "a") if self.log_path else None
+
+    # -- behaviour -------------------------------------------------------------------------------
+    def fault_for(self, prompt: str, attempt: int) -> str | None:
+        if _bucket(prompt, "400") < self.always_fail_400:
+            return "400"
+        if _bucket(prompt, "500") < self.always_fail_500:
+            return "500"
+        if attempt == 1 and _bucket(prompt, "fault") < self.fault_rate:
+            return FAULTS[int(_bucket(prompt, "kind") * len(FAULTS)) % len(FAULTS)]
+        return None
+
+    def _record(self, prompt: str, attempt: int, outcome: str, body: dict) -> None:
+        entry = {"prompt": prompt, "attempt": attempt, "outcome": outcome, "time": time.time(),
+                 "messages": body.get("messages")}
+        with self._lock:
+            self.log.append(entry)
+            if self._log_file:
+                self._log_file.write(json.dumps(entry) + "\n")
+                self._log_file.flush()
+
+    def _unauthorized(self, request: web.Request) -> web.Response | None:
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"message": "invalid api key", "type": "auth"}}, status=401)
+        return None
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        body = await request.json()
+        messages = body.get("messages") or []
+        prompt = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
+        with self._lock:
+            attempt = self._attempts.get(prompt, 0) + 1
+            self._attempts[prompt] = attempt
+        fault = self.fault_for(prompt, attempt)
+        self._record(prompt, attempt, fault or "ok", body)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        if fault == "400":
+            return web.json_response({"error": {"message": "bad request (injected)", "type": "invalid_request_error"}},
+                                     status=400)
+        if fault == "429":
+            return web.json_response({"error": {"message": "slow down (injected)", "type": "rate_limit"}}, status=429,
+                                     headers={"Retry-After": str(self.retry_after_s)})
+        if fault == "500":
+            return web.json_response({"error": {"message": "boom (injected)", "type": "server_error"}}, status=500)
+        if fault == "hang":
+            await asyncio.sleep(self.hang_s)
+        if fault == "malformed_json":
+            return web.Response(text='{"id": "x", "choices": [', content_type="application/json")
+        if fault == "drop_connection":
+            request.transport.close()
+            return web.Response()
+        choices = [] if fault == "empty_choices" else [{
+            "index": 0, "finish_reason": "stop",
+            "message": {"role": "assistant", "content": expected_answer(prompt)},
+        }]
+        return web.json_response({
+            "id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()), "model": self.model,
+            "choices": choices, "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        })
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    # -- running ---------------------------------------------------------------------------------
+    async def _start(self) -> None:
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    def start(self) -> str:
+        """Serve from a background thread; return the base URL."""
+        started = threading.Event()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(self._start())
+            started.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        if not started.wait(10):
+            raise RuntimeError("fake endpoint did not start")
+        return self.base_url
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+
+        async def shutdown() -> None:
+            await self._runner.cleanup()
+            # handlers still sleeping (injected hangs) would be destroyed pending: cancel them cleanly
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        if self._log_file:
+            self._log_file.close()
+
+    def __enter__(self) -> "FakeEndpoint":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Fake OpenAI-compatible endpoint (fixed latency, injected faults)")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--latency", type=float, default=0.0)
+    p.add_argument("--fault-rate", type=float, default=0.0)
+    p.add_argument("--ready-file", required=True)
+    p.add_argument("--log", default=None)
+    a = p.parse_args(argv)
+    ep = FakeEndpoint(latency_s=a.latency, fault_rate=a.fault_rate, port=a.port, log_path=a.log)
+
+    async def serve() -> None:
+        await ep._start()
+        tmp = a.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"host": ep.host, "port": ep.port, "pid": os.getpid()}, f)
+        os.replace(tmp, a.ready_file)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await ep._runner.cleanup()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The teacher-answer cache: append-only JSON Lines keyed by sha256, safe across crashes and reruns.
+
+One JSON object per line, ``\\n``-terminated: ``{"key", "request", "response", ...}``. Each answer is
+appended and flushed as it arrives, and fsynced at intervals (``fsync_every`` records or
+``fsync_interval_s`` seconds, and on close), so a crash loses at most the answers since the last fsync
+of an OS crash, and nothing but a torn final line of a process crash. On open, a torn last line (no
+newline, or not valid JSON) is detected, reported and cut off; an invalid line elsewhere means the file
+was damaged otherwise and is an error naming the line.
+
+Duplicates are impossible: keys already present are never appended again (the cache is the single
+writer, guarded by an exclusive ``flock`` so two runs cannot interleave on one file), and a file that
+somehow holds a key twice keeps the first answer.
+
+The key is the sha256 of canonical JSON (sorted keys, fixed separators) of everything that determines the
+answer: model name and revision, messages (system prompt included), sampling parameters. Secrets never
+enter it, nor anything else in the file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from ars_opd.artifacts import dumps_canonical
+
+
+class CacheCorruptError(RuntimeError):
+    """A line other than the last is not valid JSON: the file was damaged by something else than a crash."""
+
+
+class CacheLockedError(RuntimeError):
+    """Another process holds the cache open for writing."""
+
+
+def cache_key(request: dict[str, Any]) -> str:
+    """sha256 hex of the canonical JSON of ``request`` (everything that determines the answer)."""
+    return hashlib.sha256(dumps_canonical(request).encode("utf-8")).hexdigest()
+
+
+class TeacherCache:
+    """Append-only answer cache; use as a context manager (holds the file lock while open)."""
+
+    def __init__(self, path: str | Path, fsync_every: int = 64, fsync_interval_s: float = 2.0):
+        self.path = Path(path)
+        self.fsync_every, self.fsync_interval_s = fsync_every, fsync_interval_s
+        self._entries: dict[str, dict] = {}
+        self._file = None
+        self._unsynced = 0
+        self._last_sync = time.monotonic()
+        self.dropped_torn_line = False
+        self.duplicate_lines = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def open(self) -> "TeacherCache":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+b")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise CacheLockedError(f"{self.path} is in use by another process (is another teacher_gen running?)") from None
+        self._file = f
+        self._load()
+        return self
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._sync()
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "TeacherCache":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _load(self) -> None:
+        f = self._file
+        f.seek(0)
+        data = f.read()
+        good_end = 0  # byte offset just past the last complete, valid line
+        lines = data.split(b"\n")
+        offset = 0
+        for i, raw in enumerate(lines):
+            is_last_piece = i == len(lines) - 1
+            end = offset + len(raw) + (0 if is_last_piece else 1)
+            if is_last_piece:
+                if raw.strip():  # bytes after the final newline: a torn write
+                    self.dropped_torn_line = True
+                break
+            if raw.strip():
+                try:
+                    entry = json.loads(raw)
+                    key = entry["key"]
+                except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+                    if i == len(lines) - 2 and not lines[-1].strip():
+                        # a complete-looking but invalid final line (e.g. zero-filled after a power loss)
+                        self.dropped_torn_line = True
+                        break
+                    raise CacheCorruptError(f"{self.path}:{i + 1}: not a valid cache entry; move the file "
+                                            "aside or repair that line") from None
+                if key in self._entries:
+                    self.duplicate_lines += 1
+                else:
+                    self._entries[key] = entry
+            good_end = end
+            offset = end
+        if good_end < len(data):
+            f.truncate(good_end)
+            f.flush()
+            os.fsync(f.fileno())
+        f.seek(0, os.SEEK_END)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> dict | None:
+        return self._entries.get(key)
+
+    def entries(self) -> Iterator[dict]:
+        return iter(self._entries.values())
+
+    # -- writing ---------------------------------------------------------------------------------
+    def put(self, key: str, request: dict, response: dict, **extra: Any) -> bool:
+        """Append one answer; returns False (and writes nothing) if the key is already cached."""
+        if self._file is None:
+            raise RuntimeError("cache is not open")
+        if key in self._entries:
+            return False
+        entry = {"key": key, "request": request, "response": response, **extra}
+        line = (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+        self._file.write(line)
+        self._file.flush()
+        self._entries[key] = entry
+        self._unsynced += 1
+        if self._unsynced >= self.fsync_every or time.monotonic() - self._last_sync >= self.fsync_interval_s:
+            self._sync()
+        return True
+
+    def _sync(self) -> None:
+        if self._file is not None and self._unsynced:
+            os.fsync(self._file.fileno())
+        self._unsynced = 0
+        self._last_sync = time.monotonic()

@@ -1,0 +1,284 @@
+"""Asking a teacher through any OpenAI-compatible endpoint: bounded concurrency, retries, no lost work.
+
+``ask_all`` sends every request whose key is not yet in the ``TeacherCache`` with ``openai.AsyncOpenAI``,
+at most ``concurrency`` in flight (a fixed pool of worker coroutines pulling from one iterator, so memory
+does not grow with the number of prompts). Each answer goes to the cache the moment it arrives.
+
+Retries: timeouts, dropped connections, 408/409/425/429 and 5xx, malformed bodies and empty ``choices``
+are retried with exponential backoff and jitter, honouring ``retry-after`` / ``retry-after-ms`` (capped),
+up to ``max_attempts``. 400/401/403/404/422 cannot succeed by retrying and fail at once. Every final
+failure is returned with its reason. 401/403 abort the whole run (the key is wrong for every request),
+and so does a run whose first ``abort_after`` results are all failures: a misconfigured endpoint is
+reported in seconds, not after hours.
+
+Before the first request, ``preflight`` checks that the endpoint answers (``GET /models``) and names the
+URL if it does not. The API key is read from the environment by the caller and only passed to the client;
+it is never logged or written anywhere.
+
+What this module leaves out: streaming (answers are short and wanted whole), logprobs, tool calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import httpx2
+import openai
+from tqdm.auto import tqdm
+
+from ars_opd.teacher_cache import TeacherCache
+
+NON_RETRYABLE_STATUS = {400, 401, 403, 404, 422}
+AUTH_STATUS = {401, 403}
+
+
+class EndpointError(RuntimeError):
+    """The endpoint is unreachable, rejects the key, or fails every request."""
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    base_url: str
+    api_key: str = "EMPTY"
+    concurrency: int = 32
+    timeout_s: float = 60.0
+    max_attempts: int = 5
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    max_retry_after_s: float = 60.0
+    abort_after: int = 20
+    transport: str = "aiohttp"  # "aiohttp" (faster at high concurrency) or "httpx"
+
+    def __repr__(self) -> str:  # never show the key
+        return f"ClientSettings(base_url={self.base_url!r}, concurrency={self.concurrency}, ...)"
+
+
+@dataclass(frozen=True)
+class TeacherRequest:
+    """One question: ``body`` goes to ``chat.completions.create``; ``identity`` is what was hashed into ``key``."""
+
+    key: str
+    body: dict
+    identity: dict
+
+
+@dataclass
+class Failure:
+    key: str
+    reason: str
+    attempts: int
+
+
+@dataclass
+class AskSummary:
+    requested: int = 0
+    already_cached: int = 0
+    completed: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    retries: int = 0
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> int:
+        return len(self.failures)
+
+    def failures_by_reason(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for f in self.failures:
+            kind = f.reason.split(":", 1)[0]
+            out[kind] = out.get(kind, 0) + 1
+        return dict(sorted(out.items()))
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, wait_s: float | None = None):
+        super().__init__(reason)
+        self.reason, self.wait_s = reason, wait_s
+
+
+class _Final(Exception):
+    def __init__(self, reason: str, status: int | None = None):
+        super().__init__(reason)
+        self.reason, self.status = reason, status
+
+
+def _retry_after_s(headers: httpx2.Headers | None) -> float | None:
+    if not headers:
+        return None
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            return float(ms) / 1000.0
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        parsed = email.utils.parsedate_to_datetime(value) if value else None
+        return max(0.0, parsed.timestamp() - time.time()) if parsed else None
+
+
+def _short(text: Any, n: int = 160) -> str:
+    s = str(text).replace("\n", " ")
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def make_client(settings: ClientSettings) -> openai.AsyncOpenAI:
+    """An AsyncOpenAI client whose connection pool matches the concurrency; retries are ours, not its."""
+    limits = httpx2.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
+    timeout = httpx2.Timeout(settings.timeout_s, connect=min(10.0, settings.timeout_s))
+    kind = {"aiohttp": openai.DefaultAioHttpClient, "httpx": openai.DefaultAsyncHttpxClient}[settings.transport]
+    http_client = kind(limits=limits, timeout=timeout)
+    return openai.AsyncOpenAI(base_url=settings.base_url, api_key=settings.api_key, max_retries=0,
+                              timeout=timeout, http_client=http_client)
+
+
+async def preflight(client: openai.AsyncOpenAI, model: str, timeout_s: float = 15.0) -> list[str]:
+    """Check the endpoint answers and accepts the key; return the model ids it lists (may be empty)."""
+    try:
+        page = await asyncio.wait_for(client.models.list(), timeout_s)
+    except (openai.APIConnectionError, asyncio.TimeoutError, OSError) as e:
+        raise EndpointError(f"cannot reach the teacher endpoint {client.base_url} ({type(e).__name__}: "
+                            f"{_short(e)}); is the server running and teacher_gen.endpoint right?") from None
+    except openai.APIStatusError as e:
+        if e.status_code in AUTH_STATUS:
+            raise EndpointError(f"the teacher endpoint {client.base_url} rejected the API key "
+                                f"(HTTP {e.status_code}); check the variable named by teacher_gen.api_key_env") from None
+        return []  # some compatible servers do not implement /models; the first request will tell
+    ids = [m.id for m in page.data]
+    if ids and model not in ids:
+        raise EndpointError(f"model {model!r} is not served at {client.base_url}; it serves {ids[:10]}")
+    return ids
+
+
+async def _ask_once(client: openai.AsyncOpenAI, body: dict) -> dict:
+    try:
+        resp = await client.chat.completions.create(**body)
+    except openai.APITimeoutError:
+        raise _Retryable("timeout") from None
+    except openai.APIConnectionError as e:
+        raise _Retryable(f"connection_error: {_short(e.__cause__ or e)}") from None
+    except openai.APIStatusError as e:
+        status = e.status_code
+        detail = _short(getattr(e, "message", e))
+        if status in NON_RETRYABLE_STATUS:
+            raise _Final(f"http_{status}: {detail}", status) from None
+        raise _Retryable(f"http_{status}: {detail}", _retry_after_s(e.response.headers)) from None
+    except (openai.APIResponseValidationError, ValueError) as e:
+        raise _Retryable(f"malformed_response: {_short(e)}") from None
+    choices = getattr(resp, "choices", None)
+    if not choices:
+        raise _Retryable("empty_choices")
+    message = choices[0].message
+    content = getattr(message, "content", None) if message is not None else None
+    if not isinstance(content, str):
+        raise _Retryable("malformed_response: choices[0].message.content is not a string")
+    usage = getattr(resp, "usage", None)
+    return {
+        "content": content,
+        "finish_reason": choices[0].finish_reason,
+        "model": getattr(resp, "model", None),
+        "usage": {"prompt_tokens": getattr(usage, "prompt_tokens", None),
+                  "completion_tokens": getattr(usage, "completion_tokens", None)} if usage else None,
+    }
+
+
+async def ask_all(
+    items: Iterable[TeacherRequest],
+    cache: TeacherCache,
+    settings: ClientSettings,
+    progress: bool = True,
+    client: openai.AsyncOpenAI | None = None,
+    check_endpoint: bool = True,
+) -> AskSummary:
+    """Ask for every request whose key is not in ``cache``; store answers as they arrive.
+
+    Each ``body`` is passed to ``chat.completions.create`` as is (model, messages, sampling params).
+    Requests sharing a key are asked once. Returns counts, retries and the final failures with reasons.
+    """
+    summary = AskSummary()
+    pending: list[TeacherRequest] = []
+    seen: set[str] = set()
+    for req in items:
+        if req.key in seen:
+            continue
+        seen.add(req.key)
+        summary.requested += 1
+        if req.key in cache:
+            summary.already_cached += 1
+        else:
+            pending.append(req)
+    if not pending:
+        return summary
+    own_client = client is None
+    client = client or make_client(settings)
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(pending), desc="teacher", unit="req", disable=not progress, mininterval=0.5,
+               smoothing=0.05, dynamic_ncols=True)
+    abort: list[EndpointError] = []
+    results_seen = 0
+    queue = iter(pending)
+
+    async def handle(req: TeacherRequest) -> None:
+        nonlocal results_seen
+        key, attempt = req.key, 0
+        while True:
+            attempt += 1
+            try:
+                answer = await _ask_once(client, req.body)
+            except _Final as e:
+                summary.failures.append(Failure(key, e.reason, attempt))
+                if e.status in AUTH_STATUS:
+                    abort.append(EndpointError(f"the teacher endpoint rejected the request ({e.reason}); "
+                                               "check the API key variable named by teacher_gen.api_key_env"))
+                break
+            except _Retryable as e:
+                if attempt >= settings.max_attempts:
+                    summary.failures.append(Failure(key, e.reason, attempt))
+                    break
+                summary.retries += 1
+                cap = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** (attempt - 1))
+                wait = cap / 2 + random.uniform(0, cap / 2)
+                if e.wait_s is not None:
+                    wait = max(wait, min(e.wait_s, settings.max_retry_after_s))
+                await asyncio.sleep(wait)
+                continue
+            cache.put(key, req.identity, answer)
+            summary.completed += 1
+            break
+        results_seen += 1
+        if results_seen == settings.abort_after and summary.completed == 0 and not abort:
+            reasons = sorted({f.reason for f in summary.failures})[:3]
+            abort.append(EndpointError(f"the first {results_seen} teacher requests all failed ({reasons}); "
+                                       "stopping instead of failing every prompt"))
+        bar.update(1)
+        if summary.failures:
+            bar.set_postfix(failed=summary.failed, retries=summary.retries, refresh=False)
+
+    async def worker() -> None:
+        for req in queue:
+            if abort:
+                return
+            await handle(req)
+
+    try:
+        if check_endpoint:
+            await preflight(client, pending[0].body["model"])
+        await asyncio.gather(*(worker() for _ in range(min(settings.concurrency, len(pending)))))
+    finally:
+        bar.close()
+        summary.seconds = time.perf_counter() - t0
+        if own_client:
+            await client.close()
+    if abort:
+        raise abort[0]
+    return summary
+

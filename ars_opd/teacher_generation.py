@@ -1,0 +1,228 @@
+"""The ``teacher_gen`` stage: a teacher completion for every prompt of the subset, resumable.
+
+Flow: read the subset splits; build one request per prompt (the configured system prompt prepended
+where a prompt has none) and its cache key; ask only for keys missing from the persistent cache
+(``ars_opd.teacher_client``); join answers back to the prompts in subset order. With ``endpoint: local``
+the stage starts the bundled server (``ars_opd.teacher_server``) on 127.0.0.1 for the teacher pinned by the
+models stage, and stops it afterwards, also on errors and Ctrl-C.
+
+The cache key covers model name, model revision (the teacher's file hash for the local server, or
+``teacher_gen.model_revision``), messages and sampling parameters; so retraining the teacher or
+changing temperature asks again, and rerunning after a crash asks only for what is missing.
+
+Outputs (written only when the failure fraction is within ``teacher_gen.max_failure_fraction``), in
+``paths.teacher_dir``: ``train.jsonl``/``eval.jsonl`` rows ``{id, messages, reference, task, completion,
+finish_reason, key}`` in subset order, where ``completion`` has a leading ``<think>…</think>`` block
+removed (the raw answer stays in the cache; a split not in ``teacher_gen.splits`` gives an empty file);
+``failures.jsonl`` rows ``{id, split, key, reason, attempts}``; ``manifest.json`` (config, model,
+revision, versions). Metrics (counts, failures by reason, throughput) go to ``paths.teacher_metrics``. The API key is read from the environment variable named in params, passed to
+the client, and written nowhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
+from ars_opd.config import LOCAL_ENDPOINT, PathsConfig, TeacherGenConfig, TeacherServerConfig, to_dict
+from ars_opd.models import model_path, read_manifest
+from ars_opd.teacher_cache import TeacherCache, cache_key
+from ars_opd.teacher_client import AskSummary, ClientSettings, EndpointError, TeacherRequest, ask_all
+
+LOCAL_MODEL_NAME = "ars-opd-teacher"
+SPLITS = ("train", "eval")
+FAILURES_FILE, MANIFEST_FILE = "failures.jsonl", "manifest.json"
+
+
+def completions_path(teacher_dir: str | Path, split: str) -> Path:
+    """Where teacher_gen writes a split's prompts joined to completions."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return Path(teacher_dir) / f"{split}.jsonl"
+_THINK = re.compile(r"^\s*<think>.*?</think>\s*", re.DOTALL)
+
+
+class TeacherGenerationError(RuntimeError):
+    """Too many prompts ended without an answer, or the setup is wrong."""
+
+
+def strip_thinking(text: str) -> str:
+    """Remove one leading ``<think>…</think>`` block; an unterminated block leaves nothing to train on."""
+    stripped = _THINK.sub("", text, count=1)
+    if stripped == text and text.lstrip().startswith("<think>"):
+        return ""  # the answer was cut off inside its reasoning
+    return stripped
+
+
+def build_requests(rows: list[dict], cfg: TeacherGenConfig, model: str, model_revision: str | None) -> list[TeacherRequest]:
+    """One request per row, keyed by sha256 of everything that determines the answer."""
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens}
+    if cfg.seed is not None:
+        sampling["seed"] = cfg.seed
+    if cfg.stop:
+        sampling["stop"] = list(cfg.stop)
+    out = []
+    for row in rows:
+        messages = row["messages"]
+        if cfg.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+        identity = {"model": model, "model_revision": model_revision, "messages": messages, "sampling": sampling}
+        out.append(TeacherRequest(cache_key(identity), {"model": model, "messages": messages, **sampling}, identity))
+    return out
+
+
+@contextlib.contextmanager
+def local_teacher_server(model_dir: str, server: TeacherServerConfig, model_name: str = LOCAL_MODEL_NAME,
+                         log_requests: str | None = None) -> Iterator[str]:
+    """Start the bundled server for ``model_dir`` on 127.0.0.1 (ephemeral port); yield its base URL."""
+    with tempfile.TemporaryDirectory(prefix="ars-opd-serve-") as tmp:
+        ready = Path(tmp) / "ready.json"
+        log = open(Path(tmp) / "server.log", "w+")
+        cmd = [sys.executable, "-m", "ars_opd.teacher_server", model_dir, "--model-name", model_name,
+               "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
+               "--max-batch-size", str(server.max_batch_size), "--max-wait-ms", str(server.max_wait_ms),
+               "--threads", str(server.threads)]
+        if log_requests:
+            cmd += ["--log-requests", log_requests]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + server.startup_timeout_s
+            while not ready.exists():
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise TeacherGenerationError(f"the local teacher server exited with {proc.returncode} "
+                                                 f"before it was ready:\n{log.read()[-2000:]}")
+                if time.monotonic() > deadline:
+                    raise TeacherGenerationError(f"the local teacher server was not ready after "
+                                                 f"{server.startup_timeout_s:.0f} s")
+                time.sleep(0.05)
+            info = json.loads(ready.read_text())
+            yield f"http://{info['host']}:{info['port']}/v1"
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            log.close()
+
+
+def _api_key(cfg: TeacherGenConfig) -> str:
+    if cfg.api_key_env is None:
+        return "EMPTY"
+    key = os.environ.get(cfg.api_key_env)
+    if not key:
+        raise TeacherGenerationError(f"teacher_gen.api_key_env names {cfg.api_key_env}, but that environment "
+                                     "variable is not set (or empty); export it before running the stage")
+    return key
+
+
+def _settings(cfg: TeacherGenConfig, base_url: str, api_key: str) -> ClientSettings:
+    return ClientSettings(base_url=base_url, api_key=api_key, concurrency=cfg.concurrency,
+                          timeout_s=cfg.request_timeout_s, max_attempts=cfg.max_attempts,
+                          backoff_base_s=cfg.backoff_base_s, backoff_max_s=cfg.backoff_max_s)
+
+
+def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, progress: bool = True,
+                                 log_requests: str | None = None) -> dict:
+    """Run the stage; returns its metrics. Raises ``TeacherGenerationError`` above the failure threshold."""
+    split_paths = {"train": paths.subset_train, "eval": paths.subset_eval}
+    rows = {split: read_jsonl(split_paths[split]) if split in cfg.splits else [] for split in SPLITS}
+    api_key = _api_key(cfg)  # before any work: a missing key is an immediate, clear error
+
+    if cfg.endpoint == LOCAL_ENDPOINT:
+        model, revision = LOCAL_MODEL_NAME, read_manifest(paths.models_dir)["teacher"]["revision"]
+        server = local_teacher_server(model_path(paths.models_dir, "teacher"), cfg.server, log_requests=log_requests)
+    else:
+        model, revision = cfg.model, cfg.model_revision
+        server = contextlib.nullcontext(cfg.endpoint)
+    requests = {split: build_requests(rows[split], cfg, model, revision) for split in SPLITS}
+
+    summary = AskSummary()
+    with TeacherCache(paths.teacher_cache) as cache:
+        if cache.dropped_torn_line:
+            print(f"teacher cache: dropped a torn last line in {paths.teacher_cache} (from an interrupted run)",
+                  file=sys.stderr)
+        all_requests = [r for split in SPLITS for r in requests[split]]
+        if any(r.key not in cache for r in all_requests):
+            with server as base_url:
+                summary = asyncio.run(ask_all(all_requests, cache, _settings(cfg, base_url, api_key),
+                                              progress=progress))
+        else:
+            summary.requested = len({r.key for r in all_requests})
+            summary.already_cached = summary.requested
+        answers = {r.key: cache.get(r.key) for r in all_requests if r.key in cache}
+    failed_keys = {f.key: f for f in summary.failures}
+
+    outputs: dict[str, list[dict]] = {}
+    failures: list[dict] = []
+    for split in SPLITS:
+        outputs[split] = []
+        for row, req in zip(rows[split], requests[split]):
+            entry = answers.get(req.key)
+            if entry is None:
+                f = failed_keys.get(req.key)
+                failures.append({"id": row["id"], "split": split, "key": req.key,
+                                 "reason": f.reason if f else "not_asked", "attempts": f.attempts if f else 0})
+                continue
+            raw = entry["response"]["content"]
+            text = strip_thinking(raw) if cfg.strip_thinking else raw
+            if not text.strip():
+                failures.append({"id": row["id"], "split": split, "key": req.key,
+                                 "reason": "empty_after_think_strip" if raw.strip() else "empty_completion",
+                                 "attempts": 0})
+                continue
+            outputs[split].append({**{k: row[k] for k in ("id", "messages", "reference", "task")},
+                                   "completion": text, "finish_reason": entry["response"].get("finish_reason"),
+                                   "key": req.key})
+
+    total = sum(len(rows[s]) for s in SPLITS)
+    by_reason: dict[str, int] = {}
+    for f in failures:
+        kind = f["reason"].split(":", 1)[0]
+        by_reason[kind] = by_reason.get(kind, 0) + 1
+    metrics = {
+        "prompts": total,
+        "unique_requests": summary.requested,
+        "cached_before_run": summary.already_cached,
+        "asked": summary.requested - summary.already_cached,
+        "answered": summary.completed,
+        "failed": len(failures),
+        "failed_fraction": round(len(failures) / total, 6) if total else 0.0,
+        "failures_by_reason": dict(sorted(by_reason.items())),
+        "retries": summary.retries,
+        "seconds": round(summary.seconds, 2),
+        "requests_per_s": round(summary.completed / summary.seconds, 2) if summary.seconds else None,
+        "length_finish_fraction": round(
+            sum(r["finish_reason"] == "length" for s in outputs.values() for r in s) / max(1, total - len(failures)), 4),
+        **{f"{split}_rows": len(outputs[split]) for split in SPLITS},
+    }
+    if total and len(failures) / total > cfg.max_failure_fraction:
+        examples = "; ".join(f"{f['id']}: {f['reason']}" for f in failures[:5])
+        raise TeacherGenerationError(
+            f"{len(failures)} of {total} prompts have no teacher answer ({len(failures) / total:.1%} > "
+            f"teacher_gen.max_failure_fraction = {cfg.max_failure_fraction:.1%}); by reason {by_reason}; e.g. "
+            f"{examples}. Answers received are cached: rerun to ask only for the missing ones."
+        )
+    with atomic_outputs(paths.teacher_dir, paths.teacher_metrics) as (out_dir, metrics_tmp):
+        out_dir.mkdir(parents=True)
+        for split in SPLITS:
+            write_jsonl(completions_path(out_dir, split), outputs[split])
+        write_jsonl(out_dir / FAILURES_FILE, failures)
+        write_json(out_dir / MANIFEST_FILE, {"model": model, "model_revision": revision, "endpoint": cfg.endpoint,
+                                             **provenance({"teacher_gen": to_dict(cfg)})})
+        write_json(metrics_tmp, metrics)
+    return metrics

@@ -1,0 +1,15 @@
+"""teacher_gen stage: a teacher completion for every prompt, through an OpenAI-compatible endpoint."""
+
+from ars_opd.config import load_params
+from ars_opd.teacher_generation import generate_teacher_completions
+
+
+def main() -> None:
+    p = load_params(sections=("paths", "teacher_gen"))
+    m = generate_teacher_completions(p.teacher_gen, p.paths)
+    print(f"teacher_gen: {m['prompts']} prompts, {m['cached_before_run']} cached, {m['answered']} answered now, "
+          f"{m['failed']} without an answer {m['failures_by_reason'] or ''}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+import json
+import os
+
+import pytest
+
+from ars_opd.teacher_cache import CacheCorruptError, CacheLockedError, TeacherCache, cache_key
+
+
+def test_key_is_canonical_and_sensitive_to_every_field():
+    a = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "sampling": {"temperature": 0.0, "top_p": 1.0}}
+    b = {"sampling": {"top_p": 1.0, "temperature": 0.0}, "messages": [{"content": "hi", "role": "user"}], "model": "m"}
+    assert cache_key(a) == cache_key(b)
+    assert len(cache_key(a)) == 64
+    for changed in ({**a, "model": "m2"}, {**a, "sampling": {"temperature": 0.5, "top_p": 1.0}},
+                    {**a, "messages": [{"role": "user", "content": "hi "}]}):
+        assert cache_key(changed) != cache_key(a)
+
+
+def test_put_get_reopen_and_no_duplicates(tmp_path):
+    p = tmp_path / "c.jsonl"
+    with TeacherCache(p) as c:
+        assert c.put("k1", {"q": 1}, {"content": "a"})
+        assert not c.put("k1", {"q": 1}, {"content": "other"})
+        assert c.put("k2", {"q": 2}, {"content": "b"})
+    lines = p.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and len(lines) == 3  # every record newline-terminated
+    with TeacherCache(p) as c:
+        assert len(c) == 2 and c.get("k1")["response"]["content"] == "a"
+        assert not c.dropped_torn_line
+
+
+def test_torn_last_line_is_dropped_and_truncated(tmp_path):
+    p = tmp_path / "c.jsonl"
+    with TeacherCache(p) as c:
+        c.put("k1", {}, {"content": "a"})
+    good = p.read_bytes()
+    p.write_bytes(good + b'{"key": "k2", "request": {}, "resp')
+    with TeacherCache(p) as c:
+        assert c.dropped_torn_line and len(c) == 1 and "k2" not in c
+        c.put("k3", {}, {"content": "c"})
+    assert p.read_bytes().startswith(good)
+    with TeacherCache(p) as c:
+        assert sorted(e["key"] for e in c.entries()) == ["k1", "k3"] and not c.dropped_torn_line
+
+
+def test_invalid_final_line_with_newline_is_treated_as_torn(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_bytes(b'{"key": "k1", "request": {}, "response": {}}\n\x00\x00\x00\n')
+    with TeacherCache(p) as c:
+        assert c.dropped_torn_line and len(c) == 1
+
+
+def test_damage_in_the_middle_is_an_error_naming_the_line(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"key": "k1", "request": {}, "response": {}}\nnot json\n{"key": "k2", "request": {}, "response": {}}\n')
+    with pytest.raises(CacheCorruptError, match=r"c.jsonl:2"):
+        TeacherCache(p).open()
+
+
+def test_duplicate_lines_keep_the_first(tmp_path):
+    p = tmp_path / "c.jsonl"
+    rows = [{"key": "k", "request": {}, "response": {"content": x}} for x in ("first", "second")]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with TeacherCache(p) as c:
+        assert c.get("k")["response"]["content"] == "first" and c.duplicate_lines == 1
+
+
+def test_second_writer_is_refused(tmp_path):
+    p = tmp_path / "c.jsonl"
+    with TeacherCache(p):
+        with pytest.raises(CacheLockedError):
+            TeacherCache(p).open()
+    with TeacherCache(p):  # released on close
+        pass
+
+
+def test_fsync_cadence(tmp_path, monkeypatch):
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd)))
+    with TeacherCache(tmp_path / "c.jsonl", fsync_every=3, fsync_interval_s=1e9) as c:
+        for i in range(7):
+            c.put(f"k{i}", {}, {})
+        assert len(calls) == 2
+    assert len(calls) == 3  # the last record is synced on close
