@@ -77,6 +77,12 @@ class PathsConfig:
     """teacher_gen: train.jsonl / eval.jsonl (prompts joined to completions), failures.jsonl, manifest.json."""
     teacher_metrics: str = "data/metrics/teacher_gen.json"
     """teacher_gen metrics (counts, failures by reason, throughput)."""
+    sft_dir: str = "data/sft"
+    """sft: model/ (HF directory), steps.jsonl (per-step, per-worker log), manifest.json."""
+    sft_live: str = "data/live/sft"
+    """sft: DVCLive directory (metrics.json for dvc exp show, plots/ for dvc plots)."""
+    sft_checkpoints: str = "data/checkpoints/sft"
+    """sft: resumable checkpoints (a persistent DVC out)."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -332,6 +338,116 @@ class TeacherGenConfig:
                      "must be the *name* of an environment variable (letters, digits, _), never the key itself")
 
 
+@dataclass(frozen=True)
+class DDPConfig:
+    """Data-parallel workers (torch DDP) shared by the training stages."""
+
+    workers: int = 2
+    """Worker processes the stage starts on this machine (ignored under an outside torchrun/accelerate launch)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when visible (one GPU per worker), else CPU."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl on CUDA, gloo on CPU."""
+    threads_per_worker: int = 1
+    """torch CPU threads per worker."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size."""
+    gradient_as_bucket_view: bool = True
+    """Let .grad alias DDP's buckets (saves a copy)."""
+    scenario: Literal["S1-1", "S1-2", "S1-3"] = "S1-1"
+    """Seed scenario: S1-1 one seed everywhere; S1-2 rank 0's seed differs; S1-3 every rank's seed differs."""
+    timeout_s: float = 600.0
+    """Process-group timeout."""
+
+    def __post_init__(self):
+        _require(1 <= self.workers <= 1024, "workers", f"must be in 1..1024, got {self.workers}")
+        _require(self.threads_per_worker >= 0, "threads_per_worker", f"must be >= 0, got {self.threads_per_worker}")
+        _require(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
+        _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
+        _require(not (self.device == "cpu" and self.backend == "nccl"), "backend", "nccl needs device cuda")
+
+
+@dataclass(frozen=True)
+class TrainLoopConfig:
+    """The optimisation loop shared by SFT and OPD."""
+
+    steps: int = 400
+    """Optimizer steps."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step, over all workers and accumulation micro-batches."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on one worker (accumulation = global / workers / micro)."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine decay)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (matrices only)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; null = noclip (the pre-clip norm is logged either way)."""
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """On a non-finite loss or gradient: stop with a message, or skip the step (counted)."""
+    max_skipped_steps: int = 20
+    """Stop anyway once more steps than this were skipped."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 autocast on CUDA, fp32 on CPU."""
+    checkpoint_every: int = 100
+    """Steps between checkpoints (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk."""
+
+    def __post_init__(self):
+        _require(self.steps > 0, "steps", f"must be > 0, got {self.steps}")
+        _require(self.global_batch_size > 0, "global_batch_size", f"must be > 0, got {self.global_batch_size}")
+        _require(0 < self.micro_batch_size <= self.global_batch_size, "micro_batch_size",
+                 f"must be in 1..global_batch_size ({self.global_batch_size}), got {self.micro_batch_size}")
+        _require(0 < self.lr < 1, "lr", f"must be in (0, 1), got {self.lr}")
+        _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _require(0 <= self.adam_beta1 < 1, "adam_beta1", f"must be in [0, 1), got {self.adam_beta1}")
+        _require(0 <= self.adam_beta2 < 1, "adam_beta2", f"must be in [0, 1), got {self.adam_beta2}")
+        _require(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
+        _require(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm",
+                 f"must be > 0, or null for no clipping, got {self.max_grad_norm}")
+        _require(self.max_skipped_steps >= 0, "max_skipped_steps", f"must be >= 0, got {self.max_skipped_steps}")
+        _require(self.checkpoint_every >= 0, "checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
+        _require(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
+
+
+@dataclass(frozen=True)
+class SFTConfig(TrainLoopConfig):
+    """Supervised fine-tuning of the student on the teacher's completions (loss on response tokens)."""
+
+    max_prompt_tokens: int = 256
+    """Prompts longer than this are dropped (counted), never cut: a cut prompt is another task."""
+    max_completion_tokens: int = 64
+    """Completions (EOS included) longer than this are truncated (counted)."""
+    max_seq_len: int = 512
+    """Prompt + completion budget; a row left with no room for any completion token is dropped (counted)."""
+    packing: bool = False
+    """Padding-free packing: concatenate sequences into rows of pack_length, positions reset, no cross-attention."""
+    pack_length: int = 512
+    """Tokens per packed row."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require(self.max_prompt_tokens > 0, "max_prompt_tokens", f"must be > 0, got {self.max_prompt_tokens}")
+        _require(self.max_completion_tokens > 0, "max_completion_tokens",
+                 f"must be > 0, got {self.max_completion_tokens}")
+        _require(self.max_seq_len > 1, "max_seq_len", f"must be > 1, got {self.max_seq_len}")
+        _require(self.pack_length >= self.max_seq_len or not self.packing, "pack_length",
+                 f"must be >= max_seq_len ({self.max_seq_len}) so every sequence fits a packed row")
+
+
 SECTIONS: dict[str, type] = {
     "base": BaseConfig,
     "paths": PathsConfig,
@@ -339,6 +455,8 @@ SECTIONS: dict[str, type] = {
     "models": ModelsConfig,
     "data": DataConfig,
     "teacher_gen": TeacherGenConfig,
+    "ddp": DDPConfig,
+    "sft": SFTConfig,
 }
 
 
@@ -420,6 +538,8 @@ class Params:
     models: ModelsConfig | None = None
     data: DataConfig | None = None
     teacher_gen: TeacherGenConfig | None = None
+    ddp: DDPConfig | None = None
+    sft: SFTConfig | None = None
 
 
 def read_params_file(path: str | Path = PARAMS_FILE) -> dict:

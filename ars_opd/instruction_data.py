@@ -293,7 +293,8 @@ def make_subset(cfg: DataConfig, synth: SyntheticConfig, seed: int) -> SubsetRes
     """Load, normalise, select and split; raises ``MalformedDataError`` above the malformed threshold."""
     if cfg.source == "synthetic":
         spec = synthetic.TaskSpec(max_operand=synth.max_operand, min_len=synth.min_len, max_len=synth.max_len)
-        rows: Sequence[Any] = synthetic.generate(cfg.subset_size, seed=seed, tasks=synth.tasks, spec=spec)
+        # twice the rows asked for: small task spaces repeat prompts, and duplicates are dropped below
+        rows: Sequence[Any] = synthetic.generate(2 * cfg.subset_size, seed=seed, tasks=synth.tasks, spec=spec)
         fmt = "alpaca"
     else:
         rows = load_source(cfg)

@@ -38,7 +38,7 @@ from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json
 from ars_opd.config import LOCAL_ENDPOINT, PathsConfig, TeacherGenConfig, TeacherServerConfig, to_dict
 from ars_opd.models import model_path, read_manifest
 from ars_opd.teacher_cache import TeacherCache, cache_key
-from ars_opd.teacher_client import AskSummary, ClientSettings, EndpointError, TeacherRequest, ask_all
+from ars_opd.teacher_client import AskSummary, ClientSettings, TeacherRequest, ask_all
 
 LOCAL_MODEL_NAME = "ars-opd-teacher"
 SPLITS = ("train", "eval")

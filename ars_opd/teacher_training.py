@@ -12,7 +12,6 @@ engine with exact loss normalisation and consistency statistics is what trains t
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from typing import Iterator
@@ -26,18 +25,11 @@ from ars_opd.config import SyntheticConfig, TeacherTrainingConfig
 from ars_opd.generation import generate_texts, pad_right_with_labels
 from ars_opd.losses import causal_lm_token_loss_sum
 from ars_opd.prompts import alpaca_messages, encode_completions, encode_prompts
+from ars_opd.schedules import warmup_cosine
 
 
 def task_spec(cfg: SyntheticConfig) -> synthetic.TaskSpec:
     return synthetic.TaskSpec(max_operand=cfg.max_operand, min_len=cfg.min_len, max_len=cfg.max_len)
-
-
-def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """Learning-rate multiplier: linear warmup to 1, then cosine down to ``min_ratio`` at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _batches(tokenizer, rows: Iterator[dict], batch_size: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -42,7 +42,7 @@ def test_each_stage_lists_exactly_the_library_modules_it_imports():
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     for name, stage in stages.items():
         entry = REPO / "stages" / f"{name}.py"
-        assert stage["cmd"] == f"python stages/{name}.py"
+        assert stage["cmd"] == f"python -m stages.{name}"  # -m: the repo root (not site-packages) provides ars_opd
         imported = {f"{m.replace('.', '/')}.py" for m in _ars_imports(entry, set())} | {"ars_opd/__init__.py"}
         listed = {d for d in stage["deps"] if d.startswith("ars_opd/")}
         assert listed == imported, f"stage {name}: missing {imported - listed}, extra {listed - imported}"

@@ -1,0 +1,135 @@
+"""Starting data-parallel workers and talking between them (torch.distributed only).
+
+``launch(fn, job, workers)`` runs ``fn(job)`` on ``workers`` processes through torch's elastic launch API
+(the engine behind ``torchrun``), on this machine, with a c10d rendezvous on 127.0.0.1 and a free port,
+and returns rank 0's result. So ``dvc repro`` needs no extra launcher. When the current process already
+is a worker of an outside launcher (``torchrun``/``accelerate launch`` set ``WORLD_SIZE``, e.g. for
+multi-node runs), ``fn`` runs here directly and the launcher's world is used.
+
+``init_worker`` joins the process group (gloo on CPU, NCCL on CUDA by default) and pins the device and
+CPU threads. ``gather_floats`` all-gathers a few scalars per worker in one call.
+
+What this module leaves out: FSDP and model parallelism (DDP only), fault-tolerant restarts
+(``max_restarts=0``: a failed worker fails the stage, which then resumes from its checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+class WorkerFailedError(RuntimeError):
+    """A data-parallel worker raised; the message carries its error."""
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("ddp.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+    return torch.device(device)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_externally() -> bool:
+    """True inside a worker started by torchrun / accelerate launch (they set WORLD_SIZE and RANK)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _run_and_capture(fn: Callable[[Any], Any], job: Any) -> Any:
+    try:
+        return fn(job)
+    except BaseException as e:  # elastic reports only "exitcode 1" for a plain raise; keep the message
+        import traceback
+
+        rank = os.environ.get("RANK", "?")
+        raise WorkerFailedError(f"worker {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}") from e
+
+
+def launch(fn: Callable[[Any], Any], job: Any, workers: int, threads_per_worker: int = 1) -> Any:
+    """Run ``fn(job)`` on ``workers`` local processes (or here, under an outside launcher); rank 0's result."""
+    if launched_externally():
+        return fn(job)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, threads_per_worker)))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=workers, run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"join_timeout": 120},
+        max_restarts=0, monitor_interval=0.2, start_method="spawn", local_addr="127.0.0.1",
+    )
+    try:
+        results = elastic_launch(config, _run_and_capture)(fn, job)
+    except ChildFailedError as e:
+        first = next(iter(e.failures.values()))
+        message = first.message if isinstance(first.message, str) else str(first.message)
+        raise WorkerFailedError(f"a data-parallel worker failed: {message[-4000:]}") from None
+    return results[0]
+
+
+def init_worker(device: str = "auto", backend: str = "auto", threads: int = 1,
+                timeout_s: float = 600.0) -> WorkerContext:
+    """Join (or create, for a single process) the default process group; pin device and threads."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a single in-process worker: a world of one on a private port
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        dev = resolve_device(device)
+        chosen = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+        if dev.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(chosen, timeout=timedelta(seconds=timeout_s))
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return WorkerContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                         local_rank=int(os.environ.get("LOCAL_RANK", 0)), device=dev,
+                         backend=dist.get_backend())
+
+
+def shutdown_worker() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(value: float | int, device: torch.device, dtype=torch.float64) -> float:
+    t = torch.tensor([value], dtype=dtype, device=device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def gather_floats(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """All-gather one small fp64 vector per worker -> (world_size, len) on CPU, in rank order."""
+    local = torch.as_tensor(values, dtype=torch.float64).reshape(-1).to(device)
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, local)
+    return torch.stack(out).cpu()

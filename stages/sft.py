@@ -1,0 +1,14 @@
+"""sft stage: fine-tune the student on the teacher's completions on DDP workers (see ars_opd.sft)."""
+
+from ars_opd.config import load_params
+from ars_opd.sft import run_sft
+
+
+def main() -> None:
+    p = load_params(sections=("base", "paths", "ddp", "sft"))
+    summary = run_sft(p.sft, p.ddp, p.paths, p.base.seed)
+    print(f"sft: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""The training engine: loss normalisation invariance (gloo DDP), masking, packing, clipping, batching."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from ars_opd.config import SFTConfig, TrainLoopConfig, parse_section
+from ars_opd.distributed import launch
+from ars_opd.engine import (
+    BatchConfigError, BatchGeometry, NonFiniteError, TrainerState, epoch_shard, optimizer_step, step_indices,
+)
+from ars_opd.generation import pad_right_with_labels
+from ars_opd.losses import IGNORE_INDEX, causal_lm_token_loss_sum
+from ars_opd.sft import encode_sft_rows, pack_sequences
+from ddp_probe import grad_probe, tiny_model
+
+
+def _ragged_batch(tokenizer, n=8, seed=0):
+    rng = random.Random(seed)
+    prompts, completions = [], []
+    for i in range(n):
+        prompts.append([rng.randrange(4, len(tokenizer)) for _ in range(rng.randint(3, 14))])
+        completions.append([rng.randrange(4, len(tokenizer)) for _ in range(rng.randint(1, 9))])
+    return prompts, completions
+
+
+def _oracle(tokenizer, prompts, completions):
+    """Loss and gradients of the global token mean, computed one sequence at a time (no padding, no DDP)."""
+    model = tiny_model(tokenizer)
+    total, n_tok = 0.0, 0
+    for p, c in zip(prompts, completions):
+        ids = torch.tensor([p + c])
+        logits = model(input_ids=ids).logits[0, len(p) - 1:-1]  # positions predicting the completion
+        total = total + torch.nn.functional.cross_entropy(logits.float(), torch.tensor(c), reduction="sum")
+        n_tok += len(c)
+    loss = total / n_tok
+    loss.backward()
+    return loss.item(), n_tok, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_loss_and_gradients_invariant_to_worker_and_accumulation_split(char_tokenizer):
+    prompts, completions = _ragged_batch(char_tokenizer)
+    ref_loss, ref_tokens, ref_grads = _oracle(char_tokenizer, prompts, completions)
+    job = {"prompts": prompts, "completions": completions}
+    runs = {
+        "1x8": launch(grad_probe, {**job, "micro": 8}, workers=1),
+        "2x4": launch(grad_probe, {**job, "micro": 4}, workers=2),
+        "2x2xaccum2": launch(grad_probe, {**job, "micro": 2}, workers=2),
+        "2x1xaccum4 no bucket view": launch(grad_probe, {**job, "micro": 1, "bucket_view": False}, workers=2),
+        "2x4 packed": launch(grad_probe, {**job, "micro": 4, "packing": True, "pack_length": 32}, workers=2),
+    }
+    assert runs["2x2xaccum2"]["n_micro"] == 2 and runs["2x1xaccum4 no bucket view"]["n_micro"] == 4
+    for name, r in runs.items():
+        assert r["tokens"] == ref_tokens, name
+        assert abs(r["loss"] - ref_loss) < 1e-6, (name, r["loss"], ref_loss)
+        for pname, g in ref_grads.items():
+            err = (r["grads"][pname] - g).abs().max().item()
+            assert err < 1e-6, (name, pname, err)
+
+
+def test_prompt_positions_never_change_the_loss_completion_positions_do(char_tokenizer):
+    prompts, completions = _ragged_batch(char_tokenizer, n=4, seed=1)
+    batch = pad_right_with_labels(prompts, completions, char_tokenizer.pad_token_id)
+    labels = batch["labels"]
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        assert (labels[i, :len(p)] == IGNORE_INDEX).all() and labels[i, len(p):len(p) + len(c)].tolist() == c
+        assert (labels[i, len(p) + len(c):] == IGNORE_INDEX).all()
+    torch.manual_seed(0)
+    logits = torch.randn(*labels.shape, len(char_tokenizer))
+    base, n = causal_lm_token_loss_sum(logits, labels)
+    assert n == sum(len(c) for c in completions)
+    prompt_pred = logits.clone()
+    for i, p in enumerate(prompts):  # positions whose next token is a prompt token (or padding)
+        prompt_pred[i, :len(p) - 1] = torch.randn(len(p) - 1, logits.shape[-1]) * 10
+        prompt_pred[i, len(p) + len(completions[i]) - 1:] = 7.0
+    assert torch.equal(causal_lm_token_loss_sum(prompt_pred, labels)[0], base)
+    completion_pred = logits.clone()
+    completion_pred[0, len(prompts[0]) - 1] += torch.randn(logits.shape[-1]) * 3
+    assert causal_lm_token_loss_sum(completion_pred, labels)[0] != base
+    changed = labels.clone()
+    changed[0, len(prompts[0])] = (changed[0, len(prompts[0])] + 1) % len(char_tokenizer)
+    assert causal_lm_token_loss_sum(logits, changed)[0] != base
+
+
+def test_packed_logits_equal_unpacked_and_attention_stays_inside_sequences(char_tokenizer):
+    prompts, completions = _ragged_batch(char_tokenizer, n=5, seed=2)
+    model = tiny_model(char_tokenizer).eval()
+    packed = pack_sequences(prompts, completions, pack_length=40, pad_id=char_tokenizer.pad_token_id)
+    assert packed["input_ids"].shape[0] < 5  # several sequences share a row
+    with torch.no_grad():
+        out = model(input_ids=packed["input_ids"], attention_mask=packed["attention_mask"],
+                    position_ids=packed["position_ids"]).logits
+        r, t = 0, 0
+        for p, c in zip(prompts, completions):
+            n = len(p) + len(c)
+            if t + n > 40:
+                r, t = r + 1, 0
+            alone = model(input_ids=torch.tensor([p + c])).logits[0]
+            assert torch.allclose(out[r, t:t + n], alone, atol=1e-5), (r, t)
+            t += n
+    # the loss over packed rows equals the loss over padded rows
+    padded = pad_right_with_labels(prompts, completions, char_tokenizer.pad_token_id)
+    with torch.no_grad():
+        lp = causal_lm_token_loss_sum(out, packed["labels"])
+        lq = causal_lm_token_loss_sum(model(**{k: padded[k] for k in ("input_ids", "attention_mask")}).logits,
+                                      padded["labels"])
+    assert lp[1] == lq[1] and abs(lp[0].item() - lq[0].item()) < 1e-4
+
+
+def test_budgets_drop_and_truncate_with_counts(char_tokenizer):
+    rows = [{"messages": [{"role": "user", "content": "x" * n}], "completion": "y" * m}
+            for n, m in [(5, 3), (80, 3), (5, 40), (20, 3)]]
+    cfg = parse_section(SFTConfig, {"max_prompt_tokens": 30, "max_completion_tokens": 10, "max_seq_len": 28}, "sft")
+    data = encode_sft_rows(char_tokenizer, rows, cfg)
+    assert data.counts == {"rows": 4, "kept": 2, "dropped_prompt_over_budget": 1,
+                           "dropped_no_room_for_completion": 1, "completion_truncated": 1}
+    assert [len(c) for c in data.completions] == [4, 10]
+
+
+def test_batch_geometry_errors_name_the_keys():
+    with pytest.raises(BatchConfigError, match="sft.global_batch_size = 10 does not divide by ddp.workers = 3"):
+        BatchGeometry.check(10, 3, 1, "sft")
+    with pytest.raises(BatchConfigError, match="sft.micro_batch_size = 3"):
+        BatchGeometry.check(8, 2, 3, "sft")
+    g = BatchGeometry.check(16, 2, 4, "sft")
+    assert (g.per_worker, g.accumulation) == (8, 2)
+    with pytest.raises(BatchConfigError, match="cannot fill one step"):
+        step_indices(0, 10, g, 0, 0)
+
+
+def test_shards_are_disjoint_cover_the_data_and_follow_the_step():
+    shards = [epoch_shard(101, 3, sampler_seed=7, rank=r, world_size=4) for r in range(4)]
+    flat = [i for s in shards for i in s]
+    assert len(flat) == len(set(flat)) == 100
+    g = BatchGeometry(8, 2, 2)
+    seen = [i for step in range(6) for r in range(2) for i in step_indices(step, 48, g, 5, r)]
+    assert sorted(seen) == list(range(48))  # 6 steps x 8 = one full epoch
+    assert step_indices(6, 48, g, 5, 0) != step_indices(0, 48, g, 5, 0)  # next epoch reshuffles
+
+
+def _one_param_model(grad_value: float):
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), grad_value)
+    model = torch.nn.Module()
+    model.p = p
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return model, opt, sched
+
+
+def test_clipping_is_explicit_and_logged_pre_clip():
+    cfg = TrainLoopConfig(max_grad_norm=1.0)
+    model, opt, sched = _one_param_model(3.0)  # norm 6
+    state = TrainerState()
+    norm, coef, clipped, skipped = optimizer_step(model, opt, sched, cfg, 1.0, state)
+    assert norm == pytest.approx(6.0) and coef == pytest.approx(1 / 6, rel=1e-5) and clipped and not skipped
+    assert torch.allclose(model.p, torch.full((4,), 1 - 0.1 * 0.5), atol=1e-6)  # clipped grad = 0.5 each
+    assert state.clipped_steps == 1
+    model, opt, sched = _one_param_model(3.0)
+    norm, coef, clipped, _ = optimizer_step(model, opt, sched, TrainLoopConfig(max_grad_norm=None), 1.0, TrainerState())
+    assert norm == pytest.approx(6.0) and coef == 1.0 and not clipped  # noclip: raw gradient applied
+    assert torch.allclose(model.p, torch.full((4,), 1 - 0.1 * 3.0))
+
+
+def test_nonfinite_skip_counts_and_stop_raises():
+    model, opt, sched = _one_param_model(float("nan"))
+    state = TrainerState()
+    _, _, _, skipped = optimizer_step(model, opt, sched, TrainLoopConfig(nonfinite="skip"), 1.0, state)
+    assert skipped and state.skipped_steps == 1 and torch.equal(model.p.detach(), torch.ones(4))
+    model, opt, sched = _one_param_model(1.0)
+    with pytest.raises(NonFiniteError, match="non-finite loss"):
+        optimizer_step(model, opt, sched, TrainLoopConfig(nonfinite="stop"), math.inf, TrainerState(step=3))
+    model, opt, sched = _one_param_model(float("inf"))
+    with pytest.raises(NonFiniteError, match="max_skipped_steps"):
+        optimizer_step(model, opt, sched, TrainLoopConfig(nonfinite="skip", max_skipped_steps=0), 1.0, TrainerState())

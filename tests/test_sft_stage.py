@@ -1,0 +1,117 @@
+"""The sft stage on a micro config: outputs, exact resume after kill -9, fresh start on a new config."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from ars_opd import synthetic
+from ars_opd.artifacts import read_jsonl, write_jsonl
+from ars_opd.config import BaseConfig, load_params
+from ars_opd.model_setup import prepare_models
+from ars_opd.prompts import alpaca_messages
+from micro import write_micro_params
+
+REPO = Path(__file__).resolve().parents[1]
+SFT_MICRO = {"steps": 60, "global_batch_size": 8, "micro_batch_size": 2, "checkpoint_every": 5,
+             "warmup_steps": 3, "lr": 0.01}
+
+
+def _workspace(root: Path, extra_sft: dict | None = None) -> Path:
+    """Micro models and a teacher train split (completions = reference answers) under ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    write_micro_params(REPO, root / "params.yaml",
+                       {"sft": {**SFT_MICRO, **(extra_sft or {})}, "ddp": {"workers": 2, "threads_per_worker": 1}})
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        p = load_params("params.yaml")
+        if not Path(p.paths.models_dir).exists():
+            prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
+                           progress=False)
+            rows = synthetic.generate(120, seed=3)
+            out = [{"id": str(i), "messages": alpaca_messages(r["instruction"], r["input"]), "reference": r["output"],
+                    "task": r["task"], "completion": r["output"], "finish_reason": "stop", "key": str(i)}
+                   for i, r in enumerate(rows)]
+            Path(p.paths.teacher_dir).mkdir(parents=True)
+            write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", out)
+        return root
+    finally:
+        os.chdir(cwd)
+
+
+def _stage(root: Path, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "stages.sft"], cwd=root, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _weights(root: Path) -> dict:
+    return load_file(str(root / "data/sft/model/model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_sft_resume_after_kill_is_bit_identical(tmp_path):
+    straight = _workspace(tmp_path / "straight")
+    proc = _stage(straight)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    steps = read_jsonl(straight / "data/sft/steps.jsonl")
+    assert [r["step"] for r in steps] == list(range(60))
+    row = steps[0]
+    for key in ("loss", "tokens", "lr", "grad_norm", "clip_coef", "clipped_total", "step_s", "worker_loss",
+                "worker_tokens"):
+        assert key in row, key
+    assert len(row["worker_loss"]) == 2 and sum(row["worker_tokens"]) == row["tokens"]
+    live = json.loads((straight / "data/live/sft/metrics.json").read_text())
+    assert live["steps"] == 60 and live["final_loss"] == pytest.approx(steps[-1]["loss"])
+    manifest = json.loads((straight / "data/sft/manifest.json").read_text())
+    assert manifest["data"]["kept"] == 120 and manifest["workers"] == 2
+
+    killed = _workspace(tmp_path / "killed")
+    latest = killed / "data/checkpoints/sft/latest.json"
+    proc = _stage(killed)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if latest.exists() and json.loads(latest.read_text())["step"] >= 10:
+            break
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the stage and its DDP workers
+    proc.wait()
+    killed_at = json.loads(latest.read_text())["step"]
+    assert killed_at < 60, "the run finished before it could be killed"
+    proc = _stage(killed)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resuming from step" in out
+    a, b = _weights(straight), _weights(killed)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)  # bit-identical
+    resumed_steps = read_jsonl(killed / "data/sft/steps.jsonl")
+    assert [r["loss"] for r in resumed_steps] == [r["loss"] for r in steps]
+    assert json.loads((killed / "data/sft/manifest.json").read_text())["resumed_from"] >= killed_at
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_changed_config_starts_afresh_and_bad_geometry_is_clear(tmp_path):
+    root = _workspace(tmp_path / "w", {"steps": 6, "checkpoint_every": 3})
+    proc = _stage(root)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    _workspace(root, {"steps": 6, "checkpoint_every": 3, "lr": 0.002})
+    proc = _stage(root)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "another configuration; starting afresh" in out
+    _workspace(root, {"global_batch_size": 6, "micro_batch_size": 2, "steps": 6})  # 6 / 2 workers = 3, not / 2
+    proc = _stage(root)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0 and "does not divide by sft.micro_batch_size" in out
