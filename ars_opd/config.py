@@ -356,6 +356,10 @@ class DDPConfig:
     """Let .grad alias DDP's buckets (saves a copy)."""
     scenario: Literal["S1-1", "S1-2", "S1-3"] = "S1-1"
     """Seed scenario: S1-1 one seed everywhere; S1-2 rank 0's seed differs; S1-3 every rank's seed differs."""
+    consistency: bool = True
+    """Record per-worker loss and gradient statistics before the all-reduce (a DDP comm hook)."""
+    gram_every: int = 50
+    """With more than 2 workers: exact pairwise cosines (Gram matrix of local gradients) every this many steps."""
     timeout_s: float = 600.0
     """Process-group timeout."""
 
@@ -364,6 +368,7 @@ class DDPConfig:
         _require(self.threads_per_worker >= 0, "threads_per_worker", f"must be >= 0, got {self.threads_per_worker}")
         _require(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
         _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
+        _require(self.gram_every >= 0, "gram_every", f"must be >= 0, got {self.gram_every}")
         _require(not (self.device == "cpu" and self.backend == "nccl"), "backend", "nccl needs device cuda")
 
 

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import time
 import warnings
@@ -45,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ars_opd.artifacts import dumps_canonical, write_json
 from ars_opd.config import DDPConfig, TrainLoopConfig
+from ars_opd.consistency import ConsistencyHook, consistency_metrics
 from ars_opd.distributed import WorkerContext, gather_floats
 from ars_opd.schedules import warmup_cosine
 from ars_opd.seeding import derive_seed
@@ -289,6 +291,7 @@ class StepResult:
     worker_loss: list[float]
     worker_tokens: list[int]
     metrics: dict[str, float] = field(default_factory=dict)
+    consistency: dict = field(default_factory=dict)
 
 
 def wrap_ddp(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig) -> DDP:
@@ -358,29 +361,42 @@ def optimizer_step(model: torch.nn.Module, opt, sched, cfg: TrainLoopConfig, los
         if clipped:
             state.clipped_steps += 1
     with warnings.catch_warnings():  # a skipped step still advances the schedule: lr stays a function of step
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
         sched.step()
     return norm, clip_coef, clipped, skipped
 
 
 def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContext, cfg: TrainLoopConfig,
-               state: TrainerState) -> StepResult:
+               state: TrainerState, monitor: ConsistencyHook | None = None) -> StepResult:
     model = ddp_model.module
     micro = task.micro_batches(state.step, model)
+    if monitor is not None:
+        monitor.begin_step(state.step)
     local_sum, local_tokens, global_tokens, metric_sums = accumulate_gradients(ddp_model, task, micro, ctx, cfg)
     names = task.metric_names()
-    vec = [local_sum, float(local_tokens)] + [x for n in names for x in metric_sums.get(n, (0.0, 0.0))]
-    gathered = gather_floats(vec, ctx.device)  # (K, 2 + 2M): the one per-step gather
+    stats = monitor.local_stats(ctx.device) if monitor is not None else torch.full((2,), float("nan"))
+    vec = torch.cat([torch.tensor([local_sum, float(local_tokens)], dtype=torch.float64, device=ctx.device),
+                     stats.to(device=ctx.device, dtype=torch.float64),
+                     torch.tensor([x for n in names for x in metric_sums.get(n, (0.0, 0.0))],
+                                  dtype=torch.float64, device=ctx.device)])
+    gathered = gather_floats(vec, ctx.device)  # (K, 4 + 2M): the one per-step gather
+    gram = monitor.gram() if monitor is not None else None
     loss = gathered[:, 0].sum().item() / global_tokens
     norm, coef, clipped, skipped = optimizer_step(model, opt, sched, cfg, loss, state)
     worker_tokens = [int(t) for t in gathered[:, 1].tolist()]
     worker_loss = [s / t if t else float("nan") for s, t in zip(gathered[:, 0].tolist(), worker_tokens)]
     metrics = {}
     for i, n in enumerate(names):
-        s, c = gathered[:, 2 + 2 * i].sum().item(), gathered[:, 3 + 2 * i].sum().item()
+        s, c = gathered[:, 4 + 2 * i].sum().item(), gathered[:, 5 + 2 * i].sum().item()
         metrics[n] = s / c if c else float("nan")
+    consistency = {}
+    if monitor is not None:
+        # ‖ḡ‖ is the pre-clip norm of the reduced gradient (identical on every worker)
+        consistency = consistency_metrics(worker_loss, gathered[:, 2].tolist(), gathered[:, 3].tolist(),
+                                          norm * norm, gram)
     state.tokens_seen += global_tokens
-    return StepResult(loss, global_tokens, norm, coef, clipped, skipped, worker_loss, worker_tokens, metrics)
+    return StepResult(loss, global_tokens, norm, coef, clipped, skipped, worker_loss, worker_tokens, metrics,
+                      consistency)
 
 
 def set_seeds(rng_seed: int) -> None:
@@ -418,6 +434,7 @@ class StepLogger:
         self._file.flush()
         for k, v in row.items():
             if (k in self.SCALARS or k.startswith(("task/", "consistency/"))) and isinstance(v, (int, float)) \
+                    and not isinstance(v, bool) \
                     and math.isfinite(v):
                 self._live.log_metric(f"train/{k}", v, plot=True)
         self._live.step = row["step"]
@@ -450,6 +467,10 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
     from tqdm.auto import tqdm
 
     ddp_model = wrap_ddp(model, ctx, ddp_cfg)
+    monitor = None
+    if ddp_cfg.consistency:
+        monitor = ConsistencyHook(ctx.world_size, gram_every=ddp_cfg.gram_every)
+        monitor.attach(ddp_model)
     opt = make_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
@@ -468,7 +489,7 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
     try:
         while state.step < cfg.steps:
             t0 = time.perf_counter()
-            result = train_step(ddp_model, task, opt, sched, ctx, cfg, state)
+            result = train_step(ddp_model, task, opt, sched, ctx, cfg, state, monitor)
             step_s = time.perf_counter() - t0
             state.train_seconds += step_s
             row = {
@@ -477,7 +498,9 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
                 "clipped": result.clipped, "clipped_total": state.clipped_steps, "skipped": result.skipped,
                 "skipped_total": state.skipped_steps, "step_s": round(step_s, 5),
                 "worker_loss": result.worker_loss, "worker_tokens": result.worker_tokens,
+                "scenario": ddp_cfg.scenario,
                 **{f"task/{k}": v for k, v in result.metrics.items()},
+                **{f"consistency/{k}": v for k, v in result.consistency.items()},
             }
             if on_step is not None:
                 row.update(on_step(state.step) or {})

@@ -51,3 +51,139 @@ def _grad_probe(job: dict, ctx) -> dict:
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return {"loss": total.item() / global_tokens, "tokens": global_tokens, "grads": grads,
             "n_micro": len(micro)}
+
+
+class FixedTask:
+    """Per-rank micro-batches given explicitly (for consistency tests): job['batches'][rank][micro]."""
+
+    def __init__(self, batches, ctx, pad_id, identical: bool):
+        from ars_opd.engine import MicroBatch
+        from ars_opd.generation import pad_right_with_labels
+        from ars_opd.sft import count_loss_tokens
+
+        mine = batches[0] if identical else batches[ctx.rank]
+        self.micro = []
+        for p, c in mine:
+            t = pad_right_with_labels(p, c, pad_id)
+            self.micro.append(MicroBatch(t, count_loss_tokens(t["labels"]), len(p)))
+
+    def metric_names(self):
+        return []
+
+    def micro_batches(self, step, model):
+        return self.micro
+
+    def loss_sum(self, model, batch):
+        from ars_opd.losses import causal_lm_token_loss_sum
+
+        t = batch.tensors
+        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits
+        return causal_lm_token_loss_sum(logits, t["labels"])[0], {}
+
+
+def _brute_force(ddp, task, ctx, cfg):
+    """Every statistic from all-gathered flattened local gradients (no_sync: nothing is reduced)."""
+    model = ddp.module
+    local_tokens = sum(b.n_tokens for b in task.micro)
+    n = torch.tensor([float(local_tokens)], dtype=torch.float64)
+    dist.all_reduce(n)
+    scale = ctx.world_size / n.item()
+    loss_sum = 0.0
+    with ddp.no_sync():
+        for b in task.micro:
+            ls, _ = task.loss_sum(ddp, b)
+            (ls * scale).backward()
+            loss_sum += ls.item()
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    parts = [torch.empty_like(flat) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, flat)
+    losses = [torch.zeros(1, dtype=torch.float64) for _ in range(ctx.world_size)]
+    dist.all_gather(losses, torch.tensor([loss_sum / local_tokens], dtype=torch.float64))
+    model.zero_grad(set_to_none=True)
+    G = torch.stack(parts)  # (K, P)
+    mean = G.mean(0)
+    K = ctx.world_size
+    norms = G.norm(dim=1)
+    cos = [float(torch.dot(G[i], G[j]) / (norms[i] * norms[j])) for i in range(K) for j in range(i + 1, K)]
+    wl = [float(x) for x in torch.cat(losses)]
+    return {
+        "worker_loss": wl,
+        "loss_dispersion": float(torch.tensor(wl).std(unbiased=False)),
+        "grad_norm_dispersion": float(norms.std(unbiased=False)),
+        "worker_grad_norm": norms.tolist(),
+        "worker_cos_to_mean": [float(torch.dot(G[k], mean) / (norms[k] * mean.norm())) for k in range(K)],
+        "gradient_diversity": float((norms ** 2).sum() / G.sum(0).pow(2).sum()),
+        "grad_direction_consistency": sum(cos) / len(cos) if cos else float("nan"),
+        "mean": mean,
+    }
+
+
+def consistency_probe(job: dict) -> list:
+    ctx = init_worker("cpu", "gloo", threads=1, timeout_s=120)
+    try:
+        return _consistency_probe(job, ctx)
+    finally:
+        shutdown_worker()
+
+
+def _consistency_probe(job: dict, ctx) -> list:
+    from ars_opd import synthetic
+    from ars_opd.consistency import ConsistencyHook, consistency_metrics
+    from ars_opd.distributed import gather_floats
+    from ars_opd.engine import accumulate_gradients
+    from ars_opd.tokenizer import build_char_word_tokenizer
+
+    tok = build_char_word_tokenizer(synthetic.instruction_words())
+    model = tiny_model(tok)
+    cfg = SFTConfig(steps=job["steps"], global_batch_size=8, micro_batch_size=1)
+    task = FixedTask(job["batches"], ctx, tok.pad_token_id, job.get("identical", False))
+    ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size, bucket_cap_mb=job.get("bucket_cap_mb", 0.002),
+                                         gradient_as_bucket_view=job.get("bucket_view", True)))
+    hook = ConsistencyHook(ctx.world_size, gram_every=job.get("gram_every", 0))
+    hook.attach(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    out = []
+    for step in range(job["steps"]):
+        brute = _brute_force(ddp, task, ctx, cfg)
+        hook.begin_step(step)
+        local_sum, local_tokens, _, _ = accumulate_gradients(ddp, task, task.micro, ctx, cfg)
+        g = gather_floats(torch.cat([torch.tensor([local_sum / local_tokens], dtype=torch.float64),
+                                     hook.local_stats(ctx.device)]), ctx.device)
+        gram = hook.gram()
+        reduced = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+        stats = consistency_metrics(g[:, 0].tolist(), g[:, 1].tolist(), g[:, 2].tolist(),
+                                    float(reduced.pow(2).sum()), gram)
+        out.append({"hook": stats, "brute": {k: v for k, v in brute.items() if k != "mean"},
+                    "reduced_err": float((reduced - brute["mean"]).abs().max()),
+                    "buckets": len(hook._sq)})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def bitwise_probe(job: dict) -> bool:
+    """Reduced gradients with the consistency hook equal DDP's own all-reduce bit for bit."""
+    ctx = init_worker("cpu", "gloo", threads=1, timeout_s=120)
+    try:
+        from ars_opd import synthetic
+        from ars_opd.consistency import ConsistencyHook
+        from ars_opd.tokenizer import build_char_word_tokenizer
+
+        tok = build_char_word_tokenizer(synthetic.instruction_words())
+        cfg = SFTConfig(steps=1, global_batch_size=8, micro_batch_size=1)
+        grads = []
+        for with_hook in (True, False):
+            model = tiny_model(tok)
+            task = FixedTask(job["batches"], ctx, tok.pad_token_id, False)
+            ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size, bucket_cap_mb=0.002,
+                                                 gradient_as_bucket_view=job["bucket_view"]))
+            if with_hook:
+                hook = ConsistencyHook(ctx.world_size)
+                hook.attach(ddp)
+                hook.begin_step(0)
+            accumulate_gradients(ddp, task, task.micro, ctx, cfg)
+            grads.append([p.grad.clone() for p in model.parameters()])
+            del ddp
+        return all(torch.equal(a, b) for a, b in zip(*grads))
+    finally:
+        shutdown_worker()
