@@ -83,6 +83,12 @@ class PathsConfig:
     """sft: DVCLive directory (metrics.json for dvc exp show, plots/ for dvc plots)."""
     sft_checkpoints: str = "data/checkpoints/sft"
     """sft: resumable checkpoints (a persistent DVC out)."""
+    opd_dir: str = "data/opd"
+    """opd: model/ (HF directory), steps.jsonl, manifest.json."""
+    opd_live: str = "data/live/opd"
+    """opd: DVCLive directory."""
+    opd_checkpoints: str = "data/checkpoints/opd"
+    """opd: resumable checkpoints (a persistent DVC out)."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -453,6 +459,44 @@ class SFTConfig(TrainLoopConfig):
                  f"must be >= max_seq_len ({self.max_seq_len}) so every sequence fits a packed row")
 
 
+@dataclass(frozen=True)
+class OPDConfig(TrainLoopConfig):
+    """On-policy distillation: student rollouts scored by the frozen teacher, token-level divergence."""
+
+    loss: Literal["full_vocab", "sampled_token"] = "full_vocab"
+    """full_vocab: exact divergence over the vocabulary; sampled_token: policy-gradient estimator of reverse KL."""
+    beta: float = 1.0
+    """Divergence: 0 forward KL, 1 reverse KL, in between generalised JSD (full_vocab only)."""
+    temperature: float = 1.0
+    """Temperature of both distributions in the divergence."""
+    chunk_size: int = 1024
+    """Positions per chunk of the full-vocabulary divergence (bounds its fp32 memory)."""
+    sample_temperature: float = 1.0
+    """Rollout sampling temperature (0 = greedy)."""
+    top_p: float = 1.0
+    """Rollout nucleus sampling mass."""
+    max_new_tokens: int = 16
+    """Longest rollout."""
+    on_policy_fraction: float = 1.0
+    """GKD λ: probability that a step uses student rollouts (else the teacher's cached completions)."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this are dropped (counted)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require(0 <= self.beta <= 1, "beta", f"must be in [0, 1] (0 forward KL, 1 reverse KL), got {self.beta}")
+        _require(self.loss == "full_vocab" or self.beta == 1.0, "beta",
+                 "the sampled_token loss estimates reverse KL only; set beta: 1.0")
+        _require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        _require(self.chunk_size > 0, "chunk_size", f"must be > 0, got {self.chunk_size}")
+        _require(0 <= self.sample_temperature <= 5, "sample_temperature", f"must be in [0, 5], got {self.sample_temperature}")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
+        _require(0 <= self.on_policy_fraction <= 1, "on_policy_fraction",
+                 f"must be in [0, 1], got {self.on_policy_fraction}")
+        _require(self.max_prompt_tokens > 0, "max_prompt_tokens", f"must be > 0, got {self.max_prompt_tokens}")
+
+
 SECTIONS: dict[str, type] = {
     "base": BaseConfig,
     "paths": PathsConfig,
@@ -462,6 +506,7 @@ SECTIONS: dict[str, type] = {
     "teacher_gen": TeacherGenConfig,
     "ddp": DDPConfig,
     "sft": SFTConfig,
+    "opd": OPDConfig,
 }
 
 
@@ -545,6 +590,7 @@ class Params:
     teacher_gen: TeacherGenConfig | None = None
     ddp: DDPConfig | None = None
     sft: SFTConfig | None = None
+    opd: OPDConfig | None = None
 
 
 def read_params_file(path: str | Path = PARAMS_FILE) -> dict:

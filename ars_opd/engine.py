@@ -75,6 +75,7 @@ class MicroBatch:
     n_tokens: int  # positions with a loss target
     n_sequences: int
     n_real_tokens: int = 0  # non-padding positions (for the padding fraction)
+    meta: dict[str, tuple[float, float]] = field(default_factory=dict)  # task metric (sum, count) pairs
 
 
 class TrainingTask(Protocol):
@@ -322,7 +323,7 @@ def accumulate_gradients(ddp_model: DDP, task: TrainingTask, micro: list[MicroBa
             loss_sum, metrics = task.loss_sum(ddp_model, batch)
         (loss_sum.float() * scale).backward()
         local_sum += loss_sum.detach().float().item()
-        for k, v in metrics.items():
+        for k, v in list(metrics.items()) + list(batch.meta.items()):
             acc = metric_sums.setdefault(k, [0.0, 0.0])
             acc[0] += v[0]
             acc[1] += v[1]

@@ -187,3 +187,17 @@ def bitwise_probe(job: dict) -> bool:
         return all(torch.equal(a, b) for a, b in zip(*grads))
     finally:
         shutdown_worker()
+
+
+def gkd_probe(job: dict) -> list:
+    """Every worker's GKD draws for steps 0..n-1, gathered (they must be identical)."""
+    ctx = init_worker("cpu", "gloo", threads=1, timeout_s=120)
+    try:
+        from ars_opd.opd import uses_student_rollouts
+
+        mine = torch.tensor([float(uses_student_rollouts(job["seed"], s, job["lam"])) for s in range(job["steps"])])
+        parts = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+        dist.all_gather(parts, mine)
+        return [p.tolist() for p in parts]
+    finally:
+        shutdown_worker()

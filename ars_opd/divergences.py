@@ -1,0 +1,169 @@
+"""Token-level divergences between student and teacher distributions, exact over the full vocabulary.
+
+At every masked-in position, with temperature τ, teacher p = softmax(z_T / τ) and student
+q = softmax(z_S / τ) over the shared vocabulary:
+
+- β = 0: forward KL(p ‖ q);  β = 1: reverse KL(q ‖ p);
+- 0 < β < 1: generalised JSD, β·KL(p ‖ m) + (1 − β)·KL(q ‖ m) with m = β·p + (1 − β)·q.
+
+The interior formula tends to 0 at both ends, so β = 0 and β = 1 are computed as the exact KLs, never by
+plugging the end values into the JSD. No τ² factor is applied (multiply outside if wanted).
+
+Memory: ``token_divergence`` never materialises (tokens × vocab) fp32 tensors for the whole batch. A custom
+autograd function walks the positions in chunks of ``chunk_size``: the forward computes only the loss
+(log-softmaxes in fp32 per chunk), the backward recomputes each chunk and writes the analytic gradient
+∂D/∂z_S = (1/τ)·q ⊙ (h − ⟨q, h⟩), h = ∂D/∂q, into one tensor of the logits' dtype — the gradient
+autograd must hand to the model anyway. The teacher gets no gradient.
+
+``sampled_token_loss`` is the cheaper estimator that needs only the teacher's log-probability of the tokens
+the student sampled: per-token advantage A_t = log p_T(y_t) − log p_S(y_t) (detached) and the
+policy-gradient loss −Σ A_t·log p_S(y_t), whose gradient is that of the reverse KL in expectation.
+
+All functions are pure: inputs and outputs are tensors, no I/O, no globals. What this leaves out: fusing
+with the LM head (logits are taken as given), top-k/sparse teacher distributions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class DivergenceInputError(ValueError):
+    """Bad shapes, an all-masked batch, or β / τ out of range."""
+
+
+def _check(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, beta: float,
+           temperature: float) -> None:
+    if not 0.0 <= beta <= 1.0 or math.isnan(beta):
+        raise DivergenceInputError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
+    if not temperature > 0:
+        raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
+    if student_logits.shape != teacher_logits.shape:
+        raise DivergenceInputError(f"student logits {tuple(student_logits.shape)} and teacher logits "
+                                   f"{tuple(teacher_logits.shape)} differ; slice both to the shared vocabulary")
+    if mask.shape != student_logits.shape[:-1]:
+        raise DivergenceInputError(f"mask {tuple(mask.shape)} does not match logits {tuple(student_logits.shape[:-1])}")
+    if not bool(mask.any()):
+        raise DivergenceInputError("every position is masked out: no token to compute a divergence on "
+                                   "(empty completions?)")
+
+
+def _chunk_terms(zs: torch.Tensor, zt: torch.Tensor, beta: float, temperature: float, need_grad: bool):
+    """Per-row divergence (fp32) and, if asked, ∂D/∂z_S for one chunk of rows (R, V)."""
+    log_q = torch.log_softmax(zs.float() / temperature, dim=-1)  # (R, V)
+    log_p = torch.log_softmax(zt.float() / temperature, dim=-1)  # (R, V)
+    q = log_q.exp()
+    if beta == 0.0:  # forward KL(p || q)
+        p = log_p.exp()
+        div = (p * (log_p - log_q)).sum(-1)
+        grad = (q - p) / temperature if need_grad else None
+        return div, grad
+    if beta == 1.0:  # reverse KL(q || p)
+        s = log_q - log_p
+        div = (q * s).sum(-1)
+        grad = q * (s - div[:, None]) / temperature if need_grad else None
+        return div, grad
+    p = log_p.exp()
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))  # log(β p + (1-β) q)
+    div = beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
+    grad = None
+    if need_grad:
+        h = (1 - beta) * (log_q - log_m)  # ∂JSD/∂q
+        grad = q * (h - (q * h).sum(-1, keepdim=True)) / temperature
+    return div, grad
+
+
+class _ChunkedDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student, teacher, rows, beta, temperature, chunk_size):
+        # student/teacher: (N, V) views of all positions; rows: (M,) indices of the masked-in positions
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        with torch.no_grad():
+            for start in range(0, rows.numel(), chunk_size):
+                idx = rows[start:start + chunk_size]
+                div, _ = _chunk_terms(student.index_select(0, idx), teacher.index_select(0, idx), beta,
+                                      temperature, need_grad=False)
+                total += div.sum()
+        ctx.save_for_backward(student, teacher, rows)
+        ctx.beta, ctx.temperature, ctx.chunk_size = beta, temperature, chunk_size
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        student, teacher, rows = ctx.saved_tensors
+        grad = torch.zeros_like(student)  # (N, V) in the logits' dtype: what autograd passes to the model
+        with torch.no_grad():
+            for start in range(0, rows.numel(), ctx.chunk_size):
+                idx = rows[start:start + ctx.chunk_size]
+                _, g = _chunk_terms(student.index_select(0, idx), teacher.index_select(0, idx), ctx.beta,
+                                    ctx.temperature, need_grad=True)
+                grad.index_copy_(0, idx, (g * grad_out).to(grad.dtype))
+        return grad, None, None, None, None, None
+
+
+def token_divergence(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float = 1.0,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, int]:
+    """Summed divergence over masked-in positions, and their count.
+
+    student_logits, teacher_logits: (..., V), any float dtype (computed in fp32); the teacher side gets no
+    gradient. mask: (...) bool, True where a token counts. Returns (loss_sum: 0-dim fp32 tensor with grad
+    w.r.t. student_logits, n_tokens: int). Divide by the (global) token count for a mean.
+    Raises DivergenceInputError on an all-masked batch, mismatched shapes, β ∉ [0, 1] or τ <= 0.
+    """
+    _check(student_logits, teacher_logits, mask, beta, temperature)
+    if chunk_size <= 0:
+        raise DivergenceInputError(f"chunk_size must be > 0, got {chunk_size}")
+    V = student_logits.shape[-1]
+    student = student_logits.reshape(-1, V)
+    teacher = teacher_logits.detach().reshape(-1, V)
+    rows = mask.reshape(-1).nonzero().squeeze(-1)
+    total = _ChunkedDivergence.apply(student, teacher, rows, float(beta), float(temperature), int(chunk_size))
+    return total, int(rows.numel())
+
+
+def token_divergence_reference(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+                               beta: float = 1.0, temperature: float = 1.0) -> tuple[torch.Tensor, int]:
+    """The same quantity computed naively with autograd over whole (tokens × vocab) fp32 tensors.
+
+    For tests and for the memory benchmark's baseline only.
+    """
+    _check(student_logits, teacher_logits, mask, beta, temperature)
+    log_q = torch.log_softmax(student_logits.float() / temperature, -1)[mask]
+    log_p = torch.log_softmax(teacher_logits.detach().float() / temperature, -1)[mask]
+    q, p = log_q.exp(), log_p.exp()
+    if beta == 0.0:
+        div = (p * (log_p - log_q)).sum(-1)
+    elif beta == 1.0:
+        div = (q * (log_q - log_p)).sum(-1)
+    else:
+        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+        div = beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
+    return div.sum(), int(mask.sum())
+
+
+def sampled_token_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, tokens: torch.Tensor,
+                       mask: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Policy-gradient loss with per-token advantage log p_T(y) − log p_S(y) of the sampled tokens.
+
+    student_logits: (B, T, V) predicting ``tokens`` (B, T) at the same positions; teacher_logprobs: (B, T)
+    log p_T(y_t) at temperature τ; mask: (B, T) bool. Returns (loss_sum with grad, the summed per-token
+    reverse-KL estimate Σ(log p_S − log p_T) detached, n_tokens).
+    """
+    if not temperature > 0:
+        raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
+    if not bool(mask.any()):
+        raise DivergenceInputError("every position is masked out: no token to compute a divergence on")
+    rows = mask.nonzero(as_tuple=True)
+    z = student_logits[rows].float() / temperature  # (M, V): only masked-in rows
+    logq = torch.log_softmax(z, -1).gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)  # (M,)
+    advantage = (teacher_logprobs[rows].float() - logq).detach()
+    loss_sum = -(advantage * logq).sum()
+    return loss_sum, (-advantage).sum(), int(rows[0].numel())

@@ -1,0 +1,14 @@
+"""opd stage: on-policy distillation of the SFT student from the teacher (see ars_opd.opd)."""
+
+from ars_opd.config import load_params
+from ars_opd.opd import run_opd
+
+
+def main() -> None:
+    p = load_params(sections=("base", "paths", "models", "ddp", "opd"))
+    summary = run_opd(p.opd, p.ddp, p.paths, p.base.seed, p.models.trust_remote_code)
+    print(f"opd: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
+
+
+if __name__ == "__main__":
+    main()

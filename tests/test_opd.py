@@ -1,0 +1,126 @@
+"""On-policy distillation: rollout batch rebuilding, the GKD draw, and the stage on a micro config."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ars_opd import synthetic
+from ars_opd.artifacts import read_jsonl, write_jsonl
+from ars_opd.config import BaseConfig, load_params
+from ars_opd.distributed import launch
+from ars_opd.model_setup import prepare_models
+from ars_opd.models import load_model, load_tokenizer
+from ars_opd.opd import build_rollout_batch, run_opd, uses_student_rollouts
+from ars_opd.prompts import alpaca_messages
+from ddp_probe import gkd_probe
+from micro import write_micro_params
+
+REPO = Path(__file__).resolve().parents[1]
+EOS, PAD = 2, 2  # pad == eos, as in several real tokenizers
+
+
+def test_rollout_batch_keeps_up_to_first_eos_when_pad_equals_eos():
+    prompts = [[5, 6, 7], [5, 6], [9, 9, 9, 9]]
+    completions = [[8, EOS, EOS, 9], [EOS, 4, 4], [10, 11, 12]]  # EOS mid-way; EOS first; no EOS
+    b = build_rollout_batch(prompts, completions, pad_id=PAD, eos_id=EOS)
+    assert b["lengths"].tolist() == [2, 1, 3] and b["has_eos"].tolist() == [True, True, False]
+    assert b["input_ids"][0, :5].tolist() == [5, 6, 7, 8, EOS]
+    # loss positions are those predicting completion tokens, EOS included, nothing after it
+    assert b["loss_mask"][0].nonzero().squeeze(-1).tolist() == [2, 3]
+    assert b["targets"][0, 2:4].tolist() == [8, EOS]
+    assert b["loss_mask"][1].nonzero().squeeze(-1).tolist() == [1] and b["targets"][1, 1] == EOS
+    assert b["loss_mask"][2].nonzero().squeeze(-1).tolist() == [3, 4, 5]
+    assert b["attention_mask"].sum(1).tolist() == [5, 3, 7]  # padding (== EOS id) is not attended
+    assert int(b["loss_mask"].sum()) == 6
+
+
+def test_rollout_batch_masks_come_from_lengths_not_ids():
+    b = build_rollout_batch([[PAD, 5]], [[PAD]], pad_id=PAD, eos_id=EOS)  # a prompt containing the pad id
+    assert b["attention_mask"].tolist() == [[1, 1, 1]] and b["loss_mask"].tolist() == [[False, True, False]]
+
+
+def test_gkd_draw_follows_lambda_and_is_a_function_of_seed_and_step():
+    draws = [uses_student_rollouts(3, s, 0.3) for s in range(2000)]
+    assert 0.25 < sum(draws) / len(draws) < 0.35
+    assert draws == [uses_student_rollouts(3, s, 0.3) for s in range(2000)]
+    assert all(uses_student_rollouts(3, s, 1.0) for s in range(100))
+    assert not any(uses_student_rollouts(3, s, 0.0) for s in range(100))
+
+
+@pytest.mark.ddp
+def test_gkd_draw_identical_on_every_worker():
+    parts = launch(gkd_probe, {"seed": 11, "steps": 64, "lam": 0.5}, workers=2)
+    assert parts[0] == parts[1] and 10 < sum(parts[0]) < 54
+
+
+def _workspace(root: Path, opd: dict) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    write_micro_params(REPO, root / "params.yaml", {"opd": opd, "ddp": {"workers": 2, "threads_per_worker": 1}})
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        p = load_params("params.yaml")
+        prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
+                       progress=False)
+        rows = synthetic.generate(64, seed=5)
+        Path(p.paths.teacher_dir).mkdir(parents=True)
+        write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", [
+            {"id": str(i), "messages": alpaca_messages(r["instruction"], r["input"]), "reference": r["output"],
+             "task": r["task"], "completion": r["output"], "finish_reason": "stop", "key": str(i)}
+            for i, r in enumerate(rows)])
+        # the SFT student stands in as the base student: the OPD stage only needs an HF model directory
+        load_model(p.paths.models_dir, "student").save_pretrained(Path(p.paths.sft_dir) / "model")
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.parametrize("loss, lam", [("full_vocab", 0.5), ("sampled_token", 1.0)])
+def test_opd_stage_end_to_end_on_micro_config(tmp_path, loss, lam):
+    opd = {"steps": 6, "global_batch_size": 8, "micro_batch_size": 2, "max_new_tokens": 6, "loss": loss,
+           "on_policy_fraction": lam, "checkpoint_every": 3, "warmup_steps": 1, "lr": 0.005}
+    _workspace(tmp_path, opd)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        p = load_params("params.yaml")
+        before = {k: v.clone() for k, v in load_model(p.paths.models_dir, "student").state_dict().items()}
+        summary = run_opd(p.opd, p.ddp, p.paths, p.base.seed, progress=False)
+        steps = read_jsonl(Path(p.paths.opd_dir) / "steps.jsonl")
+        after = load_model_dir_state(Path(p.paths.opd_dir) / "model")
+    finally:
+        os.chdir(cwd)
+    assert summary["steps"] == 6 and [r["step"] for r in steps] == list(range(6))
+    sources = [r["gkd_source"] for r in steps]
+    assert sources == ["student" if uses_student_rollouts_for(s, lam, p) else "teacher" for s in range(6)]
+    for r in steps:
+        for key in ("task/teacher_logprob", "task/response_length", "task/eos_rate", "task/gen_s", "task/teacher_s",
+                    "consistency/grad_direction_consistency", "grad_norm", "worker_loss"):
+            assert key in r, key
+        assert r["task/teacher_logprob"] <= 0 and 0 <= r["task/eos_rate"] <= 1
+        assert 1 <= r["task/response_length"] <= 6
+        if loss == "full_vocab":
+            assert r["loss"] >= 0  # a divergence
+        assert r["task/on_policy"] == (1.0 if r["gkd_source"] == "student" else 0.0)
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the student was trained
+    manifest = json.loads((tmp_path / p.paths.opd_dir / "manifest.json").read_text())
+    assert manifest["vocab"] == len(load_tokenizer(tmp_path / p.paths.models_dir))
+    assert manifest["data"]["kept"] == 64
+
+
+def uses_student_rollouts_for(step: int, lam: float, p) -> bool:
+    from ars_opd.seeding import derive_seed
+
+    return uses_student_rollouts(derive_seed(p.base.seed, "opd"), step, lam)
+
+
+def load_model_dir_state(path: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
