@@ -5,6 +5,10 @@ Subcommands:
 - ``ars-opd params [--file params.yaml]``: validate every section of the params file and print the
   resolved values (defaults filled in) as JSON; exits 2 naming the first bad key. Cheap enough for a
   pre-commit hook or the first step of CI, before hours of ``dvc repro``.
+- ``ars-opd check [--stages s1,s2] [--file params.yaml]``: validate the stages' outputs (files, schemas,
+  row counts across stages, finite in-range metrics); exits 1 listing every problem.
+- ``ars-opd scenarios [--from exp.json] [--out reports/scenarios.md]``: compare the seed scenarios of the DVC
+  experiments (``dvc exp show --json``) against the paper's expected ordering.
 - ``ars-opd serve MODEL_DIR [...]``: the bundled OpenAI-compatible server (``ars_opd.teacher_server``)
   for any local Hugging Face causal-LM directory, on 127.0.0.1 by default.
 """
@@ -28,6 +32,59 @@ def _cmd_params(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from ars_opd.checks import STAGES, check_outputs
+
+    try:
+        paths = load_params(args.file, sections=("paths",)).paths
+    except ConfigError as e:
+        print(f"ars-opd: invalid params: {e}", file=sys.stderr)
+        return 2
+    stages = tuple(s.strip() for s in args.stages.split(",")) if args.stages else STAGES
+    try:
+        problems = check_outputs(paths, stages)
+    except ValueError as e:
+        print(f"ars-opd check: {e}", file=sys.stderr)
+        return 2
+    for line in problems:
+        print(line, file=sys.stderr)
+    if problems:
+        print(f"ars-opd check: {len(problems)} problem(s) in the outputs of {', '.join(stages)}", file=sys.stderr)
+        return 1
+    print(f"ars-opd check: outputs of {', '.join(stages)} are sound")
+    return 0
+
+
+SCENARIO_COMMANDS = """\
+dvc exp run --queue -S ddp.scenario=S1-1 -n s1-1
+dvc exp run --queue -S ddp.scenario=S1-2 -n s1-2
+dvc exp run --queue -S ddp.scenario=S1-3 -n s1-3
+dvc queue start --jobs 1 && dvc queue status   # wait until all three are done
+dvc exp show --only-changed
+ars-opd scenarios --out reports/scenarios.md
+"""
+
+
+def _cmd_scenarios(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ars_opd import scenarios
+
+    data = json.loads(Path(args.source).read_text()) if args.source else scenarios.exp_show_json()
+    found = scenarios.collect(data)
+    if not found:
+        print("ars-opd scenarios: no experiment with ddp.scenario and report metrics found; run:\n"
+              + SCENARIO_COMMANDS, file=sys.stderr)
+        return 1
+    text = scenarios.render(found, SCENARIO_COMMANDS)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+    return 0
+
+
 def _serve(argv: list[str]) -> int:
     from ars_opd import teacher_server  # heavy imports only for this subcommand
 
@@ -40,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("params", help="validate params.yaml and print the resolved values")
     p.add_argument("--file", default="params.yaml", help="params file (default: params.yaml)")
     p.set_defaults(func=_cmd_params)
+    c = sub.add_parser("check", help="validate the stages' outputs (for CI)")
+    c.add_argument("--stages", default=None, help="comma-separated stages (default: all)")
+    c.add_argument("--file", default="params.yaml", help="params file (default: params.yaml)")
+    c.set_defaults(func=_cmd_check)
+    sc = sub.add_parser("scenarios", help="compare the seed-scenario experiments (S1-1/2/3)")
+    sc.add_argument("--from", dest="source", default=None, help="saved `dvc exp show --json` output")
+    sc.add_argument("--out", default=None, help="write the markdown here (default: stdout)")
+    sc.set_defaults(func=_cmd_scenarios)
     # parsed by the server itself (main() hands it the rest of the command line)
     sub.add_parser("serve", help="serve a local HF causal LM with an OpenAI-compatible API (serve --help)")
     return parser

@@ -89,6 +89,18 @@ class PathsConfig:
     """opd: DVCLive directory."""
     opd_checkpoints: str = "data/checkpoints/opd"
     """opd: resumable checkpoints (a persistent DVC out)."""
+    eval_dir: str = "data/evaluate"
+    """evaluate: table.md, answers.jsonl (every greedy answer), manifest.json."""
+    eval_metrics: str = "data/metrics/evaluate.json"
+    """evaluate metrics, nested by model (base, sft, opd, teacher)."""
+    report_md: str = "reports/report.md"
+    """report: the markdown report."""
+    report_figures: str = "reports/figures"
+    """report: PNG figures."""
+    report_plots: str = "reports/plots"
+    """report: per-step CSV series (dvc plots)."""
+    report_metrics: str = "reports/metrics.json"
+    """report: flat metrics for dvc exp show."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -497,6 +509,45 @@ class OPDConfig(TrainLoopConfig):
         _require(self.max_prompt_tokens > 0, "max_prompt_tokens", f"must be > 0, got {self.max_prompt_tokens}")
 
 
+@dataclass(frozen=True)
+class EvaluateConfig:
+    """Held-out evaluation of base, SFT and OPD students and the teacher."""
+
+    max_examples: int = 0
+    """Evaluate on the first N held-out prompts (0: all)."""
+    max_new_tokens: int = 16
+    """Longest greedy answer and student sample."""
+    batch_size: int = 64
+    """Prompts per generate call."""
+    seed: int = 0
+    """Seed of the student samples behind reverse KL."""
+    threads: int = 2
+    """torch CPU threads."""
+
+    def __post_init__(self):
+        _require(self.max_examples >= 0, "max_examples", f"must be >= 0, got {self.max_examples}")
+        _require(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
+        _require(self.batch_size > 0, "batch_size", f"must be > 0, got {self.batch_size}")
+        _require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """The report: the silent-inconsistency rule's parameters."""
+
+    window: int = 50
+    """Trailing steps that form a statistic's baseline (median and MAD)."""
+    k: float = 4.0
+    """A step is far above its baseline beyond median + k * max(MAD, 5% of median) ..."""
+    ratio: float = 2.0
+    """... and beyond ratio * median."""
+
+    def __post_init__(self):
+        _require(self.window >= 4, "window", f"must be >= 4, got {self.window}")
+        _require(self.k > 0, "k", f"must be > 0, got {self.k}")
+        _require(self.ratio >= 1, "ratio", f"must be >= 1, got {self.ratio}")
+
+
 SECTIONS: dict[str, type] = {
     "base": BaseConfig,
     "paths": PathsConfig,
@@ -507,6 +558,8 @@ SECTIONS: dict[str, type] = {
     "ddp": DDPConfig,
     "sft": SFTConfig,
     "opd": OPDConfig,
+    "evaluate": EvaluateConfig,
+    "report": ReportConfig,
 }
 
 
@@ -591,6 +644,8 @@ class Params:
     ddp: DDPConfig | None = None
     sft: SFTConfig | None = None
     opd: OPDConfig | None = None
+    evaluate: EvaluateConfig | None = None
+    report: ReportConfig | None = None
 
 
 def read_params_file(path: str | Path = PARAMS_FILE) -> dict:

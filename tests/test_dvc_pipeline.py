@@ -84,37 +84,55 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_dvc_repro_models_and_subset_then_noop(tmp_path):
+@pytest.mark.ddp
+def test_dvc_repro_whole_pipeline_then_noop_then_check(tmp_path):
+    """The real stages through `dvc repro` on the micro config, in a temporary git copy of the repo."""
     work = _repo_copy(tmp_path / "repo")
     write_micro_params(REPO, work / "params.yaml")
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
                 ["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "micro"]):
         assert _run(cmd, work).returncode == 0
     dvc = str(Path(sys.executable).parent / "dvc")
-    first = _run([dvc, "repro", "models", "subset"], work)
-    assert first.returncode == 0, first.stdout + first.stderr
-    params = yaml.safe_load((work / "params.yaml").read_text())["paths"]
-    for key in ("subset_train", "subset_eval", "subset_stats", "subset_metrics", "models_metrics"):
-        assert (work / params[key]).is_file(), key
-    for sub in ("manifest.json", "teacher/model.safetensors", "student/model.safetensors", "tokenizer/tokenizer.json"):
-        assert (work / params["models_dir"] / sub).is_file(), sub
-    stats = json.loads((work / params["subset_stats"]).read_text())
+    first = _run([dvc, "repro"], work)
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    stages = yaml.safe_load((work / "dvc.yaml").read_text())["stages"]
+    for name in stages:
+        assert f"Running stage '{name}'" in first.stdout, name
+    paths = yaml.safe_load((work / "params.yaml").read_text())["paths"]
+    stats = json.loads((work / paths["subset_stats"]).read_text())
     assert (stats["train"], stats["eval"]) == (50, 10)
-    assert len((work / params["subset_train"]).read_text().splitlines()) == 50
+    assert len((work / paths["subset_train"]).read_text().splitlines()) == 50
     assert (work / "dvc.lock").is_file()
+    report = (work / paths["report_md"]).read_text()
+    assert "## Did distillation work?" in report and "### sft: 6 steps, 2 workers" in report
+
+    check = _run([sys.executable, "-m", "ars_opd.cli", "check"], work)
+    assert check.returncode == 0, check.stderr
 
     t0 = time.perf_counter()
-    again = _run([dvc, "repro", "models", "subset"], work)
+    again = _run([dvc, "repro"], work)
     elapsed = time.perf_counter() - t0
     assert again.returncode == 0, again.stderr
     assert "Running stage" not in again.stdout and "didn't change, skipping" in again.stdout
     assert elapsed < 60
 
-    # a params change reruns only the stage that reads it
-    rerun = _run([dvc, "repro", "-s", "subset", "--dry"], work)
-    assert "Running stage" not in rerun.stdout
-    text = (work / "params.yaml").read_text().replace("eval_size: 10", "eval_size: 12")
+    # a params change reruns only the stages that read it (and what depends on their outputs)
+    text = (work / "params.yaml").read_text().replace("window: 4", "window: 5")
     (work / "params.yaml").write_text(text)
-    third = _run([dvc, "repro", "models", "subset"], work)
+    third = _run([dvc, "repro"], work)
     assert third.returncode == 0, third.stderr
-    assert "Running stage 'subset'" in third.stdout and "Running stage 'models'" not in third.stdout
+    assert "Running stage 'report'" in third.stdout and "Running stage 'sft'" not in third.stdout
+
+    # the check catches damaged outputs, naming each problem
+    metrics = work / paths["eval_metrics"]
+    m = json.loads(metrics.read_text())
+    m["opd"]["reverse_kl"] = float("nan")
+    metrics.write_text(json.dumps(m))
+    (work / paths["teacher_dir"] / "failures.jsonl").unlink()
+    steps = work / paths["sft_dir"] / "steps.jsonl"
+    steps.write_bytes(steps.read_bytes()[:-40])  # a torn last line
+    bad = _run([sys.executable, "-m", "ars_opd.cli", "check"], work)
+    assert bad.returncode == 1
+    assert "opd.reverse_kl: not finite (nan)" in bad.stderr
+    assert "failures.jsonl: missing" in bad.stderr
+    assert "steps.jsonl: last line has no newline" in bad.stderr and "steps.jsonl:6: not valid JSON" in bad.stderr

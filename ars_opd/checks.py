@@ -1,0 +1,227 @@
+"""``ars-opd check``: validate every stage's outputs so CI can gate on them.
+
+For each stage: the files it promises exist; JSON and JSON Lines parse (a truncated or torn line is named
+with its file and line); rows have their schema; counts agree across stages (subset → teacher completions
++ failures → training data); training logs have one row per step with finite values; every metric is a
+finite number within its range (accuracies and fractions in [0, 1], losses and divergences >= 0).
+Returns the problems as "path: what is wrong" lines; none means the outputs are sound.
+
+What it leaves out: judging quality (a weak teacher passes; the models stage has its own accuracy gate).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from ars_opd.config import PathsConfig
+
+STAGES = ("models", "subset", "teacher_gen", "sft", "opd", "evaluate", "report")
+
+
+class Problems(list):
+    def add(self, where: Any, message: str) -> None:
+        self.append(f"{where}: {message}")
+
+
+def _read_json(path: Path, problems: Problems) -> Any:
+    if not path.is_file():
+        problems.add(path, "missing")
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        problems.add(path, f"not valid JSON ({e.msg} at line {e.lineno})")
+        return None
+
+
+def _read_jsonl(path: Path, problems: Problems, required: tuple[str, ...] = ()) -> list[dict] | None:
+    if not path.is_file():
+        problems.add(path, "missing")
+        return None
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        problems.add(path, "last line has no newline: truncated write?")
+    rows = []
+    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.add(f"{path}:{i}", f"not valid JSON ({e.msg})")
+            continue
+        missing = [k for k in required if k not in row]
+        if missing:
+            problems.add(f"{path}:{i}", f"missing keys {missing}")
+        rows.append(row)
+    return rows
+
+
+def _finite_numbers(obj: Any, where: str, problems: Problems, rules: dict[str, Callable[[float], bool]]) -> None:
+    """Every number in a (nested) metrics object is finite, and within range where a rule names its key."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _finite_numbers(v, f"{where}.{k}" if where else k, problems, rules)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _finite_numbers(v, f"{where}[{i}]", problems, rules)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        if not math.isfinite(obj):
+            problems.add(where, f"not finite ({obj})")
+            return
+        leaf = where.split(".")[-1].split("/")[-1]
+        for key, ok in rules.items():
+            if key in leaf and not ok(obj):
+                problems.add(where, f"out of range ({obj}) for {key}")
+
+
+RULES: dict[str, Callable[[float], bool]] = {
+    "exact_match": lambda v: 0.0 <= v <= 1.0,
+    "fraction": lambda v: 0.0 <= v <= 1.0,
+    "reverse_kl": lambda v: v >= -1e-6,
+    "nll": lambda v: v >= 0.0,
+    "loss": lambda v: v >= -1e-6,
+    "tokens_per_s": lambda v: v > 0,
+    "steps": lambda v: v >= 0,
+}
+
+
+def _metrics(path: Path, problems: Problems) -> dict | None:
+    m = _read_json(path, problems)
+    if m is not None:
+        _finite_numbers(m, str(path), problems, RULES)
+    return m
+
+
+def check_models(p: PathsConfig, problems: Problems) -> None:
+    d = Path(p.models_dir)
+    manifest = _read_json(d / "manifest.json", problems)
+    if manifest:
+        for role in ("teacher", "student", "tokenizer"):
+            if role not in manifest:
+                problems.add(d / "manifest.json", f"no '{role}' entry")
+        for role in ("teacher", "student"):
+            ref = manifest.get(role) or {}
+            if ref.get("source") == "builtin" and not (d / role / "model.safetensors").is_file():
+                problems.add(d / role, "built-in model weights missing")
+    if not (d / "tokenizer" / "tokenizer_config.json").is_file():
+        problems.add(d / "tokenizer", "tokenizer missing")
+    _metrics(Path(p.models_metrics), problems)
+
+
+SUBSET_KEYS = ("id", "messages", "reference", "task")
+
+
+def check_subset(p: PathsConfig, problems: Problems) -> dict[str, list[dict]]:
+    out = {}
+    stats = _read_json(Path(p.subset_stats), problems)
+    for split, path in (("train", p.subset_train), ("eval", p.subset_eval)):
+        rows = _read_jsonl(Path(path), problems, SUBSET_KEYS)
+        if rows is None:
+            continue
+        out[split] = rows
+        for i, r in enumerate(rows, 1):
+            msgs = r.get("messages")
+            if not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                    and isinstance(m.get("content"), str) for m in msgs):
+                problems.add(f"{path}:{i}", "messages are not a list of {role, content}")
+        if stats and stats.get(split) != len(rows):
+            problems.add(path, f"{len(rows)} rows but stats.json says {stats.get(split)}")
+    _metrics(Path(p.subset_metrics), problems)
+    return out
+
+
+def check_teacher(p: PathsConfig, problems: Problems, subset: dict[str, list[dict]]) -> None:
+    d = Path(p.teacher_dir)
+    failures = _read_jsonl(d / "failures.jsonl", problems, ("id", "split", "reason")) or []
+    _read_json(d / "manifest.json", problems)
+    for split in ("train", "eval"):
+        rows = _read_jsonl(d / f"{split}.jsonl", problems, SUBSET_KEYS + ("completion",))
+        if rows is None:
+            continue
+        for i, r in enumerate(rows, 1):
+            if not isinstance(r.get("completion"), str) or not r["completion"].strip():
+                problems.add(f"{d / f'{split}.jsonl'}:{i}", "empty completion")
+        source = subset.get(split)
+        if source is not None and rows:
+            failed = {f["id"] for f in failures if f.get("split") == split}
+            expected = [r["id"] for r in source if r["id"] not in failed]
+            if [r.get("id") for r in rows] != expected:
+                problems.add(d / f"{split}.jsonl", f"{len(rows)} rows do not match the {len(source)} subset rows "
+                                                   f"minus {len(failed)} failures (ids or order differ)")
+    if Path(p.teacher_cache).exists():
+        _read_jsonl(Path(p.teacher_cache), problems, ("key", "request", "response"))
+    _metrics(Path(p.teacher_metrics), problems)
+
+
+def check_training(stage: str, out_dir: str, live_dir: str, problems: Problems) -> None:
+    d = Path(out_dir)
+    for f in ("model/config.json", "model/model.safetensors"):
+        if not (d / f).is_file():
+            problems.add(d / f, "missing")
+    manifest = _read_json(d / "manifest.json", problems)
+    steps = _read_jsonl(d / "steps.jsonl", problems, ("step", "loss", "grad_norm", "worker_loss", "worker_tokens"))
+    if steps is not None:
+        if [r.get("step") for r in steps] != list(range(len(steps))):
+            problems.add(d / "steps.jsonl", "steps are not 0..N-1 in order (a lost or repeated step)")
+        if manifest and manifest.get("steps") != len(steps):
+            problems.add(d / "steps.jsonl", f"{len(steps)} rows but manifest says {manifest.get('steps')} steps")
+        for r in steps:
+            if r.get("skipped"):
+                continue
+            for key in ("loss", "grad_norm"):
+                v = r.get(key)
+                if not isinstance(v, (int, float)) or not math.isfinite(v):
+                    problems.add(f"{d / 'steps.jsonl'} step {r.get('step')}", f"{key} is {v}")
+            if manifest and len(r.get("worker_loss", [])) != manifest.get("workers"):
+                problems.add(f"{d / 'steps.jsonl'} step {r.get('step')}", "worker columns do not match the workers")
+                break
+    _metrics(Path(live_dir) / "metrics.json", problems)
+
+
+def check_evaluate(p: PathsConfig, problems: Problems) -> None:
+    m = _metrics(Path(p.eval_metrics), problems)
+    if m:
+        for model in ("base", "sft", "opd", "teacher"):
+            if model not in m:
+                problems.add(p.eval_metrics, f"no '{model}' entry")
+    for f in ("table.md", "answers.jsonl"):
+        if not (Path(p.eval_dir) / f).is_file():
+            problems.add(Path(p.eval_dir) / f, "missing")
+
+
+def check_report(p: PathsConfig, problems: Problems) -> None:
+    if not Path(p.report_md).is_file():
+        problems.add(p.report_md, "missing")
+    _metrics(Path(p.report_metrics), problems)
+    for stage in ("sft", "opd"):
+        if not (Path(p.report_figures) / f"{stage}.png").is_file():
+            problems.add(Path(p.report_figures) / f"{stage}.png", "missing")
+
+
+def check_outputs(paths: PathsConfig, stages: tuple[str, ...] = STAGES) -> list[str]:
+    """All problems found in the named stages' outputs (an empty list means sound)."""
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; known: {list(STAGES)}")
+    problems = Problems()
+    subset: dict[str, list[dict]] = {}
+    if "models" in stages:
+        check_models(paths, problems)
+    if "subset" in stages or "teacher_gen" in stages:
+        subset = check_subset(paths, problems) if "subset" in stages else check_subset(paths, Problems())
+    if "teacher_gen" in stages:
+        check_teacher(paths, problems, subset)
+    if "sft" in stages:
+        check_training("sft", paths.sft_dir, paths.sft_live, problems)
+    if "opd" in stages:
+        check_training("opd", paths.opd_dir, paths.opd_live, problems)
+    if "evaluate" in stages:
+        check_evaluate(paths, problems)
+    if "report" in stages:
+        check_report(paths, problems)
+    return list(problems)

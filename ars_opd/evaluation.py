@@ -1,0 +1,153 @@
+"""The ``evaluate`` stage: did distillation work? Base, SFT and OPD students and the teacher on held-out prompts.
+
+For each model, on the held-out prompts of the subset (the teacher_gen eval split, which carries the
+teacher's completions):
+
+- ``exact_match``: greedy answers compared with the ground truth where the data has a checkable one (rows of
+  the synthetic tasks, whose reference answers are verified against an independent recomputation in the
+  tests); null otherwise. Also per task.
+- ``reverse_kl``: KL(q ‖ p) per token between the model q and the teacher p, exact over the vocabulary,
+  averaged over the tokens of the model's *own* samples (temperature 1, seeded) — the quantity on-policy
+  distillation minimises. 0 for the teacher by definition.
+- ``teacher_nll``: mean per-token negative log-likelihood of the teacher's completions (EOS included) under
+  the model — how well it imitates the teacher on the teacher's own text (the SFT objective).
+
+Outputs: one metrics JSON (DVC metrics, nested by model), a markdown table, and every greedy answer as
+JSON Lines for inspection. Runs in one process (evaluation needs no data parallelism at this size).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from ars_opd import synthetic
+from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
+from ars_opd.config import EvaluateConfig, PathsConfig, to_dict
+from ars_opd.divergences import token_divergence
+from ars_opd.generation import decode_completion, generate_token_ids, pad_right_with_labels
+from ars_opd.losses import causal_lm_token_loss_sum
+from ars_opd.models import load_model, load_tokenizer
+from ars_opd.opd import build_rollout_batch
+from ars_opd.prompts import encode_completions, encode_prompts
+
+MODELS = ("base", "sft", "opd", "teacher")
+
+
+def _load(paths: PathsConfig, name: str, trust_remote_code: bool) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if name in ("base", "teacher"):
+        model = load_model(paths.models_dir, "student" if name == "base" else "teacher",
+                           trust_remote_code=trust_remote_code)
+    else:
+        d = Path(paths.sft_dir if name == "sft" else paths.opd_dir) / "model"
+        if not (d / "config.json").exists():
+            raise FileNotFoundError(f"{d} holds no model: run the {name} stage first")
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def _reverse_kl_on_own_samples(model, teacher, tokenizer, prompts, cfg: EvaluateConfig, vocab: int) -> float:
+    torch.manual_seed(cfg.seed)
+    samples = generate_token_ids(model, tokenizer, prompts, cfg.max_new_tokens, batch_size=cfg.batch_size,
+                                 do_sample=True, temperature=1.0, top_p=1.0)
+    total, n = 0.0, 0
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    for i in range(0, len(prompts), cfg.batch_size):
+        b = build_rollout_batch(prompts[i:i + cfg.batch_size], samples[i:i + cfg.batch_size], pad,
+                                tokenizer.eos_token_id)
+        if not bool(b["loss_mask"].any()):
+            continue
+        kw = {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
+        s, k = token_divergence(model(**kw).logits[..., :vocab], teacher(**kw).logits[..., :vocab], b["loss_mask"],
+                                beta=1.0)
+        total += float(s)
+        n += k
+    return total / n if n else float("nan")
+
+
+@torch.no_grad()
+def _teacher_nll(model, tokenizer, prompts, completions, batch_size: int) -> float:
+    total, n = 0.0, 0
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    for i in range(0, len(prompts), batch_size):
+        b = pad_right_with_labels(prompts[i:i + batch_size], completions[i:i + batch_size], pad)
+        s, k = causal_lm_token_loss_sum(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
+                                        b["labels"])
+        total += float(s)
+        n += int(k)
+    return total / n if n else float("nan")
+
+
+def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: bool = False) -> dict:
+    """Run the stage; write metrics, table and answers; return the metrics."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    rows = read_jsonl(Path(paths.teacher_dir) / "eval.jsonl")
+    if cfg.max_examples:
+        rows = rows[: cfg.max_examples]
+    if not rows:
+        raise ValueError(f"{paths.teacher_dir}/eval.jsonl has no rows: evaluation needs held-out prompts "
+                         "(teacher_gen.splits must include eval and data.eval_size > 0)")
+    tokenizer = load_tokenizer(paths.models_dir)
+    vocab = len(tokenizer)
+    prompts = encode_prompts(tokenizer, [r["messages"] for r in rows])
+    completions = encode_completions(tokenizer, [r["completion"] for r in rows])
+    checkable = [r.get("task") in synthetic.TASK_NAMES and r.get("reference") is not None for r in rows]
+    teacher = _load(paths, "teacher", trust_remote_code)
+    metrics: dict = {"examples": len(rows), "checkable_examples": sum(checkable)}
+    answers: list[dict] = [{"id": r["id"], "task": r.get("task")} for r in rows]
+    for name in MODELS:
+        model = teacher if name == "teacher" else _load(paths, name, trust_remote_code)
+        greedy = generate_token_ids(model, tokenizer, prompts, cfg.max_new_tokens, batch_size=cfg.batch_size)
+        texts = [decode_completion(tokenizer, g) for g in greedy]
+        m: dict = {}
+        if any(checkable):
+            per_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+            for r, t, ok in zip(rows, texts, checkable):
+                if not ok:
+                    continue
+                correct = synthetic.is_correct(t, r["reference"])
+                per_task[r["task"]][0] += int(correct)
+                per_task[r["task"]][1] += 1
+            m["exact_match"] = sum(c for c, _ in per_task.values()) / sum(n for _, n in per_task.values())
+            m["exact_match_per_task"] = {k: c / n for k, (c, n) in sorted(per_task.items())}
+        else:
+            m["exact_match"] = None
+        m["reverse_kl"] = 0.0 if name == "teacher" else _reverse_kl_on_own_samples(
+            model, teacher, tokenizer, prompts, cfg, vocab)
+        m["teacher_nll"] = _teacher_nll(model, tokenizer, prompts, completions, cfg.batch_size)
+        metrics[name] = m
+        for a, t in zip(answers, texts):
+            a[name] = t
+    table = render_table(metrics)
+    with atomic_outputs(paths.eval_metrics, paths.eval_dir) as (metrics_tmp, out):
+        out.mkdir(parents=True)
+        (out / "table.md").write_text(table)
+        write_jsonl(out / "answers.jsonl", answers)
+        write_json(out / "manifest.json", provenance({"evaluate": to_dict(cfg)}))
+        write_json(metrics_tmp, metrics)
+    return metrics
+
+
+def render_table(metrics: dict) -> str:
+    """Markdown table: one row per model."""
+    lines = ["| model | exact match | reverse KL to teacher (per token) | NLL of teacher completions (per token) |",
+             "|---|---|---|---|"]
+    for name in MODELS:
+        m = metrics.get(name)
+        if m is None:
+            continue
+        em = "n/a" if m.get("exact_match") is None else f"{m['exact_match']:.1%}"
+        lines.append(f"| {name} | {em} | {m['reverse_kl']:.4f} | {m['teacher_nll']:.4f} |")
+    tasks = sorted({t for name in MODELS for t in (metrics.get(name) or {}).get("exact_match_per_task", {})})
+    if tasks:
+        lines += ["", "| model | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+        for name in MODELS:
+            per = (metrics.get(name) or {}).get("exact_match_per_task", {})
+            lines.append(f"| {name} | " + " | ".join(f"{per.get(t, float('nan')):.1%}" for t in tasks) + " |")
+    return "\n".join(lines) + "\n"

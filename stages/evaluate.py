@@ -1,0 +1,13 @@
+"""evaluate stage: base, SFT and OPD students and the teacher on held-out prompts (see ars_opd.evaluation)."""
+
+from ars_opd.config import load_params
+from ars_opd.evaluation import evaluate_models, render_table
+
+
+def main() -> None:
+    p = load_params(sections=("paths", "models", "evaluate"))
+    print(render_table(evaluate_models(p.evaluate, p.paths, p.models.trust_remote_code)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""report stage: consistency report and distillation verdict (see ars_opd.report)."""
+
+from ars_opd.config import load_params
+from ars_opd.report import write_report
+
+
+def main() -> None:
+    p = load_params(sections=("paths", "report"))
+    flat = write_report(p.report, p.paths)
+    print(f"report: {p.paths.report_md} ({sum(v for k, v in flat.items() if k.endswith('silent_steps'))} silent steps)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The evaluate stage on micro models: metric structure, an independent exact-match recount, invariants."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ars_opd import synthetic
+from ars_opd.artifacts import read_jsonl, write_jsonl
+from ars_opd.config import BaseConfig, load_params
+from ars_opd.evaluation import evaluate_models
+from ars_opd.model_setup import prepare_models
+from ars_opd.models import load_model
+from ars_opd.prompts import alpaca_messages
+from micro import write_micro_params
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_evaluate_on_micro_models(tmp_path, monkeypatch):
+    write_micro_params(REPO, tmp_path / "params.yaml")
+    monkeypatch.chdir(tmp_path)
+    p = load_params("params.yaml")
+    prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
+                   progress=False)
+    rows = synthetic.generate(12, seed=9)
+    Path(p.paths.teacher_dir).mkdir(parents=True)
+    write_jsonl(Path(p.paths.teacher_dir) / "eval.jsonl", [
+        {"id": str(i), "messages": alpaca_messages(r["instruction"], r["input"]), "reference": r["output"],
+         "task": r["task"], "completion": r["output"], "finish_reason": "stop", "key": str(i)}
+        for i, r in enumerate(rows)])
+    for stage in ("sft", "opd"):  # stand-ins: the trained-student directories hold the teacher and the base
+        load_model(p.paths.models_dir, "teacher" if stage == "opd" else "student").save_pretrained(
+            Path(getattr(p.paths, f"{stage}_dir")) / "model")
+    m = evaluate_models(p.evaluate, p.paths)
+    assert m["examples"] == 10 and m["checkable_examples"] == 10  # micro config: max_examples 10
+    on_disk = json.loads(Path(p.paths.eval_metrics).read_text())
+    assert on_disk == json.loads(json.dumps(m))
+    answers = read_jsonl(Path(p.paths.eval_dir) / "answers.jsonl")
+    refs = {str(i): r["output"] for i, r in enumerate(rows)}
+    for model in ("base", "sft", "opd", "teacher"):
+        recount = sum(a[model].strip() == refs[a["id"]] for a in answers) / len(answers)
+        assert m[model]["exact_match"] == pytest.approx(recount)
+        assert m[model]["teacher_nll"] > 0 and m[model]["reverse_kl"] >= 0
+    assert m["teacher"]["reverse_kl"] == 0.0
+    # the "opd" stand-in is the teacher itself: its samples are the teacher's, so the KL is ~0
+    assert m["opd"]["reverse_kl"] < 1e-4 < m["base"]["reverse_kl"]
+    assert m["opd"]["teacher_nll"] == pytest.approx(m["teacher"]["teacher_nll"], rel=1e-5)
+    assert [a["teacher"] for a in answers] == [a["opd"] for a in answers]
+    table = (Path(p.paths.eval_dir) / "table.md").read_text()
+    assert table.splitlines()[0].startswith("| model | exact match")
