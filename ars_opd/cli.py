@@ -61,7 +61,7 @@ dvc exp run --queue -S ddp.scenario=S1-2 -n s1-2
 dvc exp run --queue -S ddp.scenario=S1-3 -n s1-3
 dvc queue start --jobs 1 && dvc queue status   # wait until all three are done
 dvc exp show --only-changed
-ars-opd scenarios --out reports/scenarios.md
+ars-opd scenarios --notes reports/scenarios_notes.md --out reports/scenarios.md
 """
 
 
@@ -76,7 +76,8 @@ def _cmd_scenarios(args: argparse.Namespace) -> int:
         print("ars-opd scenarios: no experiment with ddp.scenario and report metrics found; run:\n"
               + SCENARIO_COMMANDS, file=sys.stderr)
         return 1
-    text = scenarios.render(found, SCENARIO_COMMANDS)
+    notes = Path(args.notes).read_text() if args.notes else ""
+    text = scenarios.render(found, SCENARIO_COMMANDS, notes)
     if args.out:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("scenarios", help="compare the seed-scenario experiments (S1-1/2/3)")
     sc.add_argument("--from", dest="source", default=None, help="saved `dvc exp show --json` output")
     sc.add_argument("--out", default=None, help="write the markdown here (default: stdout)")
+    sc.add_argument("--notes", default=None, help="markdown appended after the tables (the interpretation)")
     sc.set_defaults(func=_cmd_scenarios)
     # parsed by the server itself (main() hands it the rest of the command line)
     sub.add_parser("serve", help="serve a local HF causal LM with an OpenAI-compatible API (serve --help)")

@@ -30,26 +30,28 @@ def _walk_experiments(data: Any):
         exp = queue.pop(0)
         for exp_range in exp.get("experiments") or []:
             for rev in exp_range.get("revs") or []:
-                queue.append({**rev, "name": rev.get("name") or exp_range.get("name")})
+                queue.append({**rev, "name": rev.get("name") or exp_range.get("name"), "_experiment": True})
         d = exp.get("data") or {}
         params = ((d.get("params") or {}).get("params.yaml") or {}).get("data") or {}
         metrics: dict = {}
         for m in (d.get("metrics") or {}).values():
             metrics.update(m.get("data") or {})
-        yield exp.get("name") or exp.get("rev"), params, metrics
+        yield exp.get("name") or exp.get("rev"), params, metrics, bool(exp.get("_experiment"))
 
 
 def collect(data: Any) -> dict[str, dict]:
-    """scenario -> {name, metrics} for the newest experiment of each scenario found."""
+    """scenario -> {name, metrics}: the first experiment of each scenario, else a baseline revision."""
     found: dict[str, dict] = {}
-    for name, params, metrics in _walk_experiments(data):
+    baselines: dict[str, dict] = {}
+    for name, params, metrics, is_experiment in _walk_experiments(data):
         scenario = (params.get("ddp") or {}).get("scenario")
-        if scenario in SCENARIOS and any(k.endswith("_mean") for k in metrics) and scenario not in found:
-            found[scenario] = {"name": name, "metrics": metrics}
-    return found
+        if scenario in SCENARIOS and any(k.endswith("_mean") for k in metrics):
+            target = found if is_experiment else baselines
+            target.setdefault(scenario, {"name": name, "metrics": metrics})
+    return {s: found.get(s) or baselines[s] for s in SCENARIOS if s in found or s in baselines}
 
 
-def render(found: dict[str, dict], commands: str) -> str:
+def render(found: dict[str, dict], commands: str, notes: str = "") -> str:
     lines = ["# Seed scenarios: does dispersion rise and direction consistency fall from S1-1 to S1-3?", "",
              "Made from a real run of the default pipeline with these commands:", "", "```", commands.strip(), "```",
              ""]
@@ -75,6 +77,8 @@ def render(found: dict[str, dict], commands: str) -> str:
                 lines.append(f"- {label}: paper's ordering {expected} **{'holds' if holds else 'does not hold'}** "
                              f"here ({', '.join(_fmt(v) for v in values)}).")
         lines.append("")
+    if notes.strip():
+        lines += [notes.strip(), ""]
     return "\n".join(lines) + "\n"
 
 

@@ -36,6 +36,14 @@ def test_ordering_that_holds_and_one_that_does_not():
     assert "direction consistency: paper's ordering S1-1 > S1-2 > S1-3 **does not hold**" in md
 
 
+def test_named_experiments_win_over_the_baseline_revision():
+    data = _show({"S1-1": (0.5, 0.5, 0.5)})
+    data[0]["data"]["metrics"] = {"reports/metrics.json": {"data": {"sft/loss_dispersion_mean": 9.0}}}
+    assert collect(data)["S1-1"]["name"] == "exp-S1-1"
+    data[0]["experiments"] = []
+    assert collect(data)["S1-1"]["name"] == "workspace"  # no experiment: the baseline revision stands in
+
+
 def test_missing_scenarios_are_named(tmp_path, capsys):
     data = _show({"S1-1": (0.01, 0.1, 0.9)})
     assert "Missing scenarios in the experiments found: ['S1-2', 'S1-3']" in render(collect(data), "cmd")
