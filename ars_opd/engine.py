@@ -476,7 +476,8 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
     state, history = TrainerState(), []
-    ckpt_dir.mkdir(parents=True, exist_ok=True) if ctx.is_main else None
+    if ctx.is_main:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     path, why = find_checkpoint(ckpt_dir, fingerprint, ctx.world_size)
     if path is not None:
