@@ -481,7 +481,7 @@ class OPDConfig(TrainLoopConfig):
     """Divergence: 0 forward KL, 1 reverse KL, in between generalised JSD (full_vocab only)."""
     temperature: float = 1.0
     """Temperature of both distributions in the divergence."""
-    chunk_size: int = 1024
+    chunk_size: int = 256
     """Positions per chunk of the full-vocabulary divergence (bounds its fp32 memory)."""
     sample_temperature: float = 1.0
     """Rollout sampling temperature (0 = greedy)."""

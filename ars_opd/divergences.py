@@ -10,10 +10,11 @@ The interior formula tends to 0 at both ends, so β = 0 and β = 1 are computed 
 plugging the end values into the JSD. No τ² factor is applied (multiply outside if wanted).
 
 Memory: ``token_divergence`` never materialises (tokens × vocab) fp32 tensors for the whole batch. A custom
-autograd function walks the positions in chunks of ``chunk_size``: the forward computes only the loss
-(log-softmaxes in fp32 per chunk), the backward recomputes each chunk and writes the analytic gradient
-∂D/∂z_S = (1/τ)·q ⊙ (h − ⟨q, h⟩), h = ∂D/∂q, into one tensor of the logits' dtype — the gradient
-autograd must hand to the model anyway. The teacher gets no gradient.
+autograd function walks the masked-in positions in chunks of ``chunk_size``, computing each chunk's loss
+(log-softmaxes in fp32) and the analytic gradient ∂D/∂z_S = (1/τ)·q ⊙ (h − ⟨q, h⟩), h = ∂D/∂q, in one pass,
+written into a single tensor of the logits' dtype — the gradient autograd must hand to the model anyway,
+scaled in place in the backward. Extra peak: that one logits-sized tensor plus a few (chunk × vocab) fp32
+temporaries. One backward pass only (no ``retain_graph``). The teacher gets no gradient.
 
 ``sampled_token_loss`` is the cheaper estimator that needs only the teacher's log-probability of the tokens
 the student sampled: per-token advantage A_t = log p_T(y_t) − log p_S(y_t) (detached) and the
@@ -78,28 +79,32 @@ def _chunk_terms(zs: torch.Tensor, zt: torch.Tensor, beta: float, temperature: f
 class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, teacher, rows, beta, temperature, chunk_size):
-        # student/teacher: (N, V) views of all positions; rows: (M,) indices of the masked-in positions
+        # student/teacher: (N, V) views of all positions; rows: (M,) indices of the masked-in positions.
+        # One pass: each chunk's loss and, when the student needs a gradient, its analytic gradient, written
+        # into one (N, V) tensor of the logits' dtype (the tensor autograd must hand to the model anyway).
+        need_grad = ctx.needs_input_grad[0]
         total = torch.zeros((), dtype=torch.float32, device=student.device)
-        with torch.no_grad():
-            for start in range(0, rows.numel(), chunk_size):
-                idx = rows[start:start + chunk_size]
-                div, _ = _chunk_terms(student.index_select(0, idx), teacher.index_select(0, idx), beta,
-                                      temperature, need_grad=False)
-                total += div.sum()
-        ctx.save_for_backward(student, teacher, rows)
-        ctx.beta, ctx.temperature, ctx.chunk_size = beta, temperature, chunk_size
+        grad = torch.zeros_like(student) if need_grad else None
+        for start in range(0, rows.numel(), chunk_size):
+            idx = rows[start:start + chunk_size]
+            div, g = _chunk_terms(student.index_select(0, idx), teacher.index_select(0, idx), beta, temperature,
+                                  need_grad)
+            total += div.sum()
+            if need_grad:
+                grad.index_copy_(0, idx, g.to(grad.dtype))
+            del div, g
+        ctx.grad = grad
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        student, teacher, rows = ctx.saved_tensors
-        grad = torch.zeros_like(student)  # (N, V) in the logits' dtype: what autograd passes to the model
-        with torch.no_grad():
-            for start in range(0, rows.numel(), ctx.chunk_size):
-                idx = rows[start:start + ctx.chunk_size]
-                _, g = _chunk_terms(student.index_select(0, idx), teacher.index_select(0, idx), ctx.beta,
-                                    ctx.temperature, need_grad=True)
-                grad.index_copy_(0, idx, (g * grad_out).to(grad.dtype))
+        grad = ctx.grad
+        if grad is None:
+            raise RuntimeError("token_divergence's gradient was already used; it supports one backward pass "
+                               "(no retain_graph)")
+        ctx.grad = None  # scaled in place and handed over: no second logits-sized tensor
+        if grad_out.item() != 1.0:
+            grad.mul_(grad_out.to(grad.dtype))
         return grad, None, None, None, None, None
 
 
@@ -109,7 +114,7 @@ def token_divergence(
     mask: torch.Tensor,
     beta: float = 1.0,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
 ) -> tuple[torch.Tensor, int]:
     """Summed divergence over masked-in positions, and their count.
 
