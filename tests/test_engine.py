@@ -179,3 +179,57 @@ def test_nonfinite_skip_counts_and_stop_raises():
     model, opt, sched = _one_param_model(float("inf"))
     with pytest.raises(NonFiniteError, match="max_skipped_steps"):
         optimizer_step(model, opt, sched, TrainLoopConfig(nonfinite="skip", max_skipped_steps=0), 1.0, TrainerState())
+
+
+class _ScaledTask:
+    """Wraps a task: multiplies the loss by ``scale[step]`` (default 1) to provoke explosions on purpose."""
+
+    def __init__(self, inner, scale: dict[int, float]):
+        self.inner, self.scale, self.step = inner, scale, 0
+
+    def metric_names(self):
+        return []
+
+    def micro_batches(self, step, model):
+        self.step = step
+        return self.inner.micro_batches(step, model)
+
+    def loss_sum(self, model, batch):
+        loss, m = self.inner.loss_sum(model, batch)
+        return loss * self.scale.get(self.step, 1.0), m
+
+
+def _fit_in_process(tmp_path, char_tokenizer, scale, **cfg_kw):
+    import json
+
+    from ars_opd.config import DDPConfig
+    from ars_opd.distributed import init_worker, shutdown_worker
+    from ars_opd.engine import fit
+    from ddp_probe import FixedTask
+
+    ctx = init_worker("cpu", "gloo", threads=1)
+    try:
+        model = tiny_model(char_tokenizer)
+        prompts, completions = _ragged_batch(char_tokenizer, n=4, seed=3)
+        task = _ScaledTask(FixedTask([[(prompts, completions)]], ctx, char_tokenizer.pad_token_id, True), scale)
+        cfg = TrainLoopConfig(steps=6, global_batch_size=4, micro_batch_size=4, warmup_steps=1, lr=1e-3, **cfg_kw)
+        fit(ctx, model, task, cfg, DDPConfig(workers=1), "fp", tmp_path / "ckpt", tmp_path / "out",
+            tmp_path / "live", progress=False)
+        return [json.loads(line) for line in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
+    finally:
+        shutdown_worker()
+
+
+def test_an_exploding_step_is_visible_in_the_log(tmp_path, char_tokenizer):
+    rows = _fit_in_process(tmp_path, char_tokenizer, {3: 1e6}, max_grad_norm=1.0)
+    norms = [r["grad_norm"] for r in rows]
+    assert norms[3] > 1e4 * max(norms[:3] + norms[4:])  # the pre-clip norm shows the explosion
+    assert rows[3]["clipped"] and rows[3]["clip_coef"] < 1e-4 and rows[3]["clipped_total"] >= 1
+
+
+def test_a_nonfinite_step_is_skipped_and_counted_or_stops_the_run(tmp_path, char_tokenizer):
+    rows = _fit_in_process(tmp_path / "skip", char_tokenizer, {2: float("inf")}, nonfinite="skip")
+    assert [r["skipped"] for r in rows] == [False, False, True, False, False, False]
+    assert rows[-1]["skipped_total"] == 1 and len(rows) == 6
+    with pytest.raises(NonFiniteError, match="at step 2"):
+        _fit_in_process(tmp_path / "stop", char_tokenizer, {2: float("inf")}, nonfinite="stop")

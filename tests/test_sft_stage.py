@@ -115,3 +115,13 @@ def test_changed_config_starts_afresh_and_bad_geometry_is_clear(tmp_path):
     proc = _stage(root)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0 and "does not divide by sft.micro_batch_size" in out
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_empty_training_data_is_a_clear_error(tmp_path):
+    root = _workspace(tmp_path / "w", {"steps": 2})
+    (root / "data/teacher/train.jsonl").write_text("")
+    proc = _stage(root)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0 and "no SFT rows left after the budgets" in out
