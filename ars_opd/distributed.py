@@ -100,14 +100,16 @@ def init_worker(device: str = "auto", backend: str = "auto", threads: int = 1,
     if threads > 0:
         torch.set_num_threads(threads)
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # a single in-process worker: a world of one on a private port
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
         dev = resolve_device(device)
         chosen = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
         if dev.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(chosen, timeout=timedelta(seconds=timeout_s))
+        if "RANK" in os.environ:
+            dist.init_process_group(chosen, timeout=timedelta(seconds=timeout_s))
+        else:  # a single in-process worker: a world of one on a private in-memory store. The environment
+            # is left alone, so that a later launch() in this process is not mistaken for an outside launcher.
+            dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s))
     dev = resolve_device(device)
     if dev.type == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

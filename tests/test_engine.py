@@ -233,3 +233,21 @@ def test_a_nonfinite_step_is_skipped_and_counted_or_stops_the_run(tmp_path, char
     assert rows[-1]["skipped_total"] == 1 and len(rows) == 6
     with pytest.raises(NonFiniteError, match="at step 2"):
         _fit_in_process(tmp_path / "stop", char_tokenizer, {2: float("inf")}, nonfinite="stop")
+
+
+@pytest.mark.ddp
+def test_an_in_process_world_of_one_leaves_later_launches_with_their_workers():
+    """Regression: a world of one in this process once set RANK/WORLD_SIZE in os.environ, so a later
+    launch(workers=2) took itself for a worker of an outside launcher and ran on one process."""
+    import os
+
+    from ars_opd.distributed import init_worker, launch, shutdown_worker
+    from ddp_probe import gkd_probe
+
+    before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    ctx = init_worker("cpu", "gloo", threads=1)
+    assert ctx.world_size == 1 and ctx.rank == 0
+    shutdown_worker()
+    assert {k: os.environ.get(k) for k in before} == before
+    parts = launch(gkd_probe, {"seed": 1, "steps": 8, "lam": 0.5}, workers=2)
+    assert len(parts) == 2
