@@ -15,8 +15,11 @@ One optimiser step, on every worker k of K:
 
 Checkpoints (every ``checkpoint_every`` steps and at the end) hold the weights (safetensors), optimizer and
 scheduler state, every worker's RNG state, the counters, the per-step log so far, and a fingerprint of
-the configuration; a rerun with the same configuration resumes from the latest one (the data position
-follows from the step number), one with another configuration starts afresh and says so. Loading uses
+the run: configuration, the content of the training data and the source of this package. A rerun with the
+same fingerprint resumes from the latest one (the data position follows from the step number); one with
+another configuration, other data or changed code starts afresh and says so. (Keying on the row count
+alone let a rerun after new teacher completions "resume" from the old run's final step and publish the
+old model as the new one; DVC reruns a stage exactly when such inputs change.) Loading uses
 ``torch.load(weights_only=True)``. Resumed runs are bit-identical to uninterrupted ones on CPU (tested).
 
 Precision: fp32 on CPU; bf16 autocast on CUDA (``precision: auto``); losses are always taken in fp32.
@@ -166,10 +169,23 @@ def step_indices(step: int, n_items: int, geometry: BatchGeometry, sampler_seed:
 # checkpoints
 
 
-def config_fingerprint(obj: Any) -> str:
+def code_fingerprint() -> str:
+    """sha256 over this package's Python sources (relative names and bytes, sorted)."""
     import hashlib
 
-    return hashlib.sha256(dumps_canonical(obj).encode()).hexdigest()[:16]
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def config_fingerprint(obj: Any) -> str:
+    """Fingerprint of a training run for its checkpoints: ``obj`` (configuration, data hashes) plus the
+    package source, so that a checkpoint is never resumed under other data or other code."""
+    import hashlib
+
+    return hashlib.sha256(dumps_canonical({"run": obj, "code": code_fingerprint()}).encode()).hexdigest()[:16]
 
 
 def _rng_state() -> dict:
@@ -241,7 +257,7 @@ def find_checkpoint(ckpt_dir: Path, fingerprint: str, world_size: int) -> tuple[
     info = json.loads(latest.read_text())
     path = ckpt_dir / info["dir"]
     if info.get("fingerprint") != fingerprint:
-        return None, f"checkpoint at step {info['step']} was made with another configuration; starting afresh"
+        return None, f"checkpoint at step {info['step']} was made with another configuration, other data or other code; starting afresh"
     state = json.loads((path / "state.json").read_text())
     if state.get("world_size") != world_size:
         return None, f"checkpoint was made with {state.get('world_size')} workers, not {world_size}; starting afresh"

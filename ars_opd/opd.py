@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ars_opd.artifacts import provenance, read_jsonl, write_json
+from ars_opd.artifacts import file_sha256, provenance, read_jsonl, write_json
 from ars_opd.config import DDPConfig, OPDConfig, PathsConfig, to_dict
 from ars_opd.distributed import WorkerContext, init_worker, launch, shutdown_worker
 from ars_opd.divergences import sampled_token_loss, token_divergence
@@ -200,7 +200,7 @@ def opd_worker(job: OPDJob) -> dict:
         fingerprint = config_fingerprint({
             "opd": to_dict(job.cfg), "workers": job.ddp.workers, "scenario": job.ddp.scenario, "seed": job.seed,
             "student": sha256_of_files(student_dir), "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
-            "rows": len(rows)})
+            "rows": len(rows), "data": file_sha256(Path(job.paths.teacher_dir) / "train.jsonl")})
         out_dir = Path(job.paths.opd_dir)
         state, log = fit(ctx, model, task, job.cfg, job.ddp, fingerprint, Path(job.paths.opd_checkpoints), out_dir,
                          Path(job.paths.opd_live), job.progress, on_step=lambda s: {"gkd_source": task.source(s)})

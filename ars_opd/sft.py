@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ars_opd.artifacts import provenance, read_jsonl, write_json
+from ars_opd.artifacts import file_sha256, provenance, read_jsonl, write_json
 from ars_opd.config import DDPConfig, PathsConfig, SFTConfig, to_dict
 from ars_opd.distributed import WorkerContext, init_worker, launch, shutdown_worker
 from ars_opd.engine import BatchGeometry, MicroBatch, config_fingerprint, fit, scenario_seeds, set_seeds, step_indices
@@ -161,7 +161,8 @@ class SFTJob:
 
 def _fingerprint(job: SFTJob, init_revision: str, n_rows: int) -> str:
     return config_fingerprint({"sft": to_dict(job.cfg), "workers": job.ddp.workers, "scenario": job.ddp.scenario,
-                               "seed": job.seed, "init": init_revision, "rows": n_rows})
+                               "seed": job.seed, "init": init_revision, "rows": n_rows,
+                               "data": file_sha256(Path(job.paths.teacher_dir) / "train.jsonl")})
 
 
 def sft_worker(job: SFTJob) -> dict:

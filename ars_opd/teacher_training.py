@@ -12,7 +12,6 @@ engine with exact loss normalisation and consistency statistics is what trains t
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from typing import Iterator
 
@@ -54,7 +53,7 @@ def train_builtin_teacher(
     seed: int,
     progress: bool = True,
 ) -> list[dict]:
-    """Train ``model`` in place; returns a log row every 50 steps (step, loss, lr, seconds)."""
+    """Train ``model`` in place; returns a log row every 50 steps (step, loss, lr)."""
     torch.manual_seed(seed)
     batches = _batches(tokenizer, synthetic.stream(seed, tasks.tasks, task_spec(tasks)), cfg.batch_size)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -66,7 +65,7 @@ def train_builtin_teacher(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
     model.train()
-    log, t0, running = [], time.perf_counter(), None
+    log, running = [], None
     bar = tqdm(range(cfg.steps), desc="train teacher", disable=not progress, mininterval=2.0)
     for step in bar:
         batch = next(batches)
@@ -84,8 +83,9 @@ def train_builtin_teacher(
         running = value if running is None else 0.98 * running + 0.02 * value
         bar.set_postfix(loss=f"{running:.3f}", refresh=False)
         if step % 50 == 0 or step == cfg.steps - 1:
-            log.append({"step": step, "loss": value, "lr": sched.get_last_lr()[0],
-                        "seconds": round(time.perf_counter() - t0, 2)})
+            # no wall-clock time here: this log lies in data/models, which every later stage depends on,
+            # and a time in it would change that directory's hash (and rerun everything) on each retrain
+            log.append({"step": step, "loss": value, "lr": sched.get_last_lr()[0]})
     model.eval()
     return log
 

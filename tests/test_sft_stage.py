@@ -110,7 +110,20 @@ def test_changed_config_starts_afresh_and_bad_geometry_is_clear(tmp_path):
     _workspace(root, {"steps": 6, "checkpoint_every": 3, "lr": 0.002})
     proc = _stage(root)
     out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0 and "another configuration; starting afresh" in out
+    assert proc.returncode == 0 and "another configuration, other data or other code; starting afresh" in out
+    before = _weights(root)
+    proc = _stage(root)  # nothing changed: the final checkpoint is taken as is
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "resuming from step 6" in out
+    assert all(before[k].equal(v) for k, v in _weights(root).items())
+    # new teacher completions, same row count and config: must train again, not resume the old run's end
+    train = root / "data/teacher/train.jsonl"
+    rows = read_jsonl(train)
+    write_jsonl(train, [{**r, "completion": r["completion"][::-1] + "!"} for r in rows])
+    proc = _stage(root)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "other data or other code; starting afresh" in out, out[-3000:]
+    assert any(not before[k].equal(v) for k, v in _weights(root).items())
     _workspace(root, {"global_batch_size": 6, "micro_batch_size": 2, "steps": 6})  # 6 / 2 workers = 3, not / 2
     proc = _stage(root)
     out, _ = proc.communicate(timeout=600)
