@@ -103,8 +103,11 @@ class _ChunkedDivergence(torch.autograd.Function):
             raise RuntimeError("token_divergence's gradient was already used; it supports one backward pass "
                                "(no retain_graph)")
         ctx.grad = None  # scaled in place and handed over: no second logits-sized tensor
-        if grad_out.item() != 1.0:
-            grad.mul_(grad_out.to(grad.dtype))
+        scale = grad_out.item()
+        if scale != 1.0:
+            # a Python float keeps the scale (the engine's K / N_global) exact: casting it to a bf16 grad's
+            # dtype first rounded it, skewing every gradient of the step by up to 2**-9
+            grad.mul_(scale)
         return grad, None, None, None, None, None
 
 

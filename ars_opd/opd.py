@@ -146,9 +146,18 @@ class OPDTask:
             tlp = teacher_lp if self.cfg.temperature == 1.0 else (
                 torch.log_softmax(teacher_logits.float() / self.cfg.temperature, -1)
                 .gather(-1, targets.unsqueeze(-1)).squeeze(-1))
-            loss_sum, _, n = sampled_token_loss(logits, tlp, targets, mask, self.cfg.temperature)
+            loss_sum, n = sampled_token_objective(logits, tlp, targets, mask, self.cfg.temperature)
         return loss_sum, {"teacher_logprob": (float(teacher_lp[mask].sum()), float(n)),
                           "teacher_s": (teacher_s, 1.0 if batch.meta.get("gen_s") else 0.0)}
+
+
+def sampled_token_objective(logits, teacher_logprobs, targets, mask, temperature) -> tuple[torch.Tensor, int]:
+    """The sampled-token loss for the engine: its value is the reverse-KL estimate Σ(log q − log p) of the
+    sampled tokens, its gradient the policy-gradient surrogate's. The surrogate's own value (−Σ A·log q,
+    often negative) is no divergence; logging it made ``loss`` and the per-worker losses of a
+    sampled_token run incomparable with a full_vocab run's."""
+    surrogate, estimate, n = sampled_token_loss(logits, teacher_logprobs, targets, mask, temperature)
+    return surrogate + (estimate - surrogate).detach(), n
 
 
 @dataclass(frozen=True)
