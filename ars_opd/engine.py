@@ -507,12 +507,13 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
     try:
         while state.step < cfg.steps:
             t0 = time.perf_counter()
+            lr = opt.param_groups[0]["lr"]  # the rate this step uses (train_step advances the schedule)
             result = train_step(ddp_model, task, opt, sched, ctx, cfg, state, monitor)
             step_s = time.perf_counter() - t0
             state.train_seconds += step_s
             row = {
                 "step": state.step, "loss": result.loss, "tokens": result.tokens,
-                "lr": sched.get_last_lr()[0], "grad_norm": result.grad_norm, "clip_coef": result.clip_coef,
+                "lr": lr, "grad_norm": result.grad_norm, "clip_coef": result.clip_coef,
                 "clipped": result.clipped, "clipped_total": state.clipped_steps, "skipped": result.skipped,
                 "skipped_total": state.skipped_steps, "step_s": round(step_s, 5),
                 "worker_loss": result.worker_loss, "worker_tokens": result.worker_tokens,

@@ -10,7 +10,7 @@ loss dispersion, gradient-norm dispersion, or 1 − direction consistency — is
 baseline while the global loss moves normally. Baselines are the median and the scaled MAD over the
 previous ``window`` steps (no look-ahead); "far above" means above median + k·max(MAD, 5%·median) *and*
 more than ``ratio`` × median; "moves normally" means the step's |Δ global loss| is within the same kind of
-bound computed on the loss changes. The first window/2 steps are not judged (no baseline yet).
+bound computed on the loss changes. A step needs window/2 earlier values (and loss changes) to be judged.
 
 Pure functions (``silent_steps``, ``summarise``) do the arithmetic; ``write_report`` does the I/O.
 """
@@ -70,11 +70,27 @@ def load_steps(path: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def min_baseline(window: int) -> int:
+    """Finite earlier values a step needs before it is judged."""
+    return max(2, window // 2)
+
+
 def _rolling_bound(x: pd.Series, window: int, k: float) -> tuple[pd.Series, pd.Series]:
-    prev = x.shift(1)
-    med = prev.rolling(window, min_periods=max(2, window // 2)).median()
-    mad = (prev - med).abs().rolling(window, min_periods=max(2, window // 2)).median() * 1.4826
-    return med, med + k * np.maximum(mad, 0.05 * med.abs())
+    """For each step i: median and scaled MAD of the finite values among x[i-window:i] (no look-ahead),
+    NaN while fewer than ``min_baseline(window)`` are there. The MAD is that of the window itself, about
+    the window's own median (a rolling median of deviations from earlier medians is not, and doubled the
+    threshold on a trend)."""
+    v = x.to_numpy(dtype=float)
+    med, mad = np.full(len(v), np.nan), np.full(len(v), np.nan)
+    need = min_baseline(window)
+    for i in range(len(v)):
+        w = v[max(0, i - window):i]
+        w = w[np.isfinite(w)]
+        if len(w) >= need:
+            med[i] = np.median(w)
+            mad[i] = 1.4826 * np.median(np.abs(w - med[i]))
+    med_s = pd.Series(med, index=x.index)
+    return med_s, med_s + k * np.maximum(pd.Series(mad, index=x.index), 0.05 * med_s.abs())
 
 
 def silent_steps(df: pd.DataFrame, window: int = 50, k: float = 4.0, ratio: float = 2.0) -> pd.DataFrame:
@@ -193,8 +209,8 @@ def build_report(stage_logs: dict[str, pd.DataFrame], eval_metrics: dict | None,
            f"A step is flagged when loss dispersion, gradient-norm dispersion or 1 − direction consistency exceeds "
            f"both median + {cfg.k}·max(MAD, 5% of median) and {cfg.ratio}× median of the previous {cfg.window} "
            f"steps, while the step's |Δ global loss| stays within the same bound computed on the loss changes "
-           f"(so the averaged loss curve shows nothing). The first {cfg.window // 2} steps have no baseline and "
-           "are not judged.", ""]
+           f"(so the averaged loss curve shows nothing). A step is judged once {min_baseline(cfg.window)} earlier "
+           f"steps (and loss changes) exist, so steps 0–{min_baseline(cfg.window)} are not judged.", ""]
     for stage, df in stage_logs.items():
         if df.empty:
             continue

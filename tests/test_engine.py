@@ -251,3 +251,13 @@ def test_an_in_process_world_of_one_leaves_later_launches_with_their_workers():
     assert {k: os.environ.get(k) for k in before} == before
     parts = launch(gkd_probe, {"seed": 1, "steps": 8, "lam": 0.5}, workers=2)
     assert len(parts) == 2
+
+
+def test_the_logged_lr_is_the_rate_each_step_used(tmp_path, char_tokenizer):
+    """Regression: the log once read the scheduler after it had stepped, one step ahead of the truth."""
+    from ars_opd.schedules import warmup_cosine
+
+    rows = _fit_in_process(tmp_path, char_tokenizer, {}, min_lr_ratio=0.1)
+    expected = [1e-3 * warmup_cosine(s, 6, 1, 0.1) for s in range(6)]
+    assert [r["lr"] for r in rows] == pytest.approx(expected, rel=1e-12)
+    assert rows[-1]["lr"] > 1e-4  # the floor (min_lr_ratio) is reached only after the last step

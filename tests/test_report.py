@@ -96,3 +96,23 @@ def test_write_report_files(tmp_path, monkeypatch):
         csv = pd.read_csv(tmp_path / f"reports/plots/{stage}.csv")
         assert list(csv["step"]) == list(range(200)) and "loss_dispersion" in csv
     assert json.loads((tmp_path / "reports/metrics.json").read_text()) == flat and flat["opd/silent_steps"] == 1
+
+
+def test_a_step_is_judged_as_soon_as_half_a_window_of_baseline_exists():
+    """Regression: the MAD was NaN until step 2·(window/2) − 1, so with window 50 steps 26–49 went unjudged
+    while the report said only the first 25 were."""
+    for step in (26, 30, 49):
+        df = _log(plant=[(step, "ld", 0.6)])
+        assert (step, "loss_dispersion") in set(zip(*silent_steps(df, window=50).loc[:, ["step", "statistic"]].T.values))
+
+
+def test_the_baseline_is_the_median_and_mad_of_the_previous_window():
+    from ars_opd.report import _rolling_bound
+
+    x = pd.Series(np.linspace(1.0, 2.0, 200))
+    med, hi = _rolling_bound(x, window=50, k=4.0)
+    prev = x.iloc[100:150].to_numpy()  # the 50 steps before step 150
+    m = float(np.median(prev))
+    mad = 1.4826 * float(np.median(np.abs(prev - m)))
+    assert med.iloc[150] == np.float64(m) and hi.iloc[150] == np.float64(m + 4.0 * max(mad, 0.05 * m))
+    assert med.iloc[:25].isna().all() and not np.isnan(med.iloc[25])
