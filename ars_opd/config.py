@@ -507,6 +507,14 @@ class OPDConfig(TrainLoopConfig):
         _require(0 <= self.on_policy_fraction <= 1, "on_policy_fraction",
                  f"must be in [0, 1], got {self.on_policy_fraction}")
         _require(self.max_prompt_tokens > 0, "max_prompt_tokens", f"must be > 0, got {self.max_prompt_tokens}")
+        if self.loss == "sampled_token":  # its gradient is reverse KL's only for tokens drawn from q at temperature
+            _require(self.on_policy_fraction == 1.0, "on_policy_fraction",
+                     "the sampled_token loss needs tokens sampled from the student (teacher completions would "
+                     f"bias its gradient with no importance weight); set 1.0, got {self.on_policy_fraction}")
+            _require(self.sample_temperature == self.temperature and self.top_p == 1.0, "sample_temperature",
+                     "the sampled_token loss needs rollouts from the distribution it differentiates: "
+                     f"sample_temperature == temperature ({self.temperature}) and top_p == 1.0, got "
+                     f"{self.sample_temperature} and {self.top_p}")
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ def test_unknown_section_rejected(tmp_path):
         ("synthetic", {"min_len": 5, "max_len": 4}, "synthetic.max_len", "min_len"),
         ("paths", {"models_dir": "/abs/models"}, "paths.models_dir", "relative"),
         ("base", {"seed": True}, "base.seed", "integer"),
+        ("opd", {"loss": "sampled_token", "on_policy_fraction": 0.5}, "opd.on_policy_fraction", "sampled from the student"),
+        ("opd", {"loss": "sampled_token", "sample_temperature": 0.7}, "opd.sample_temperature", "== temperature"),
+        ("opd", {"loss": "sampled_token", "top_p": 0.9}, "opd.sample_temperature", "top_p == 1.0"),
     ],
 )
 def test_bad_values_name_key_and_allowed(section, raw, key, fragment):
