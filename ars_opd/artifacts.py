@@ -39,15 +39,33 @@ def dumps_canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def _hash_file(h, path: Path) -> None:
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+
+
 def file_sha256(path: str | Path) -> str:
     """sha256 hex of a file's bytes, read in blocks."""
     import hashlib
 
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    _hash_file(h, Path(path))
     return h.hexdigest()
+
+
+def files_sha256(directory: str | Path, suffixes: tuple[str, ...]) -> tuple[str, int]:
+    """One sha256 over the files under ``directory`` with these suffixes (relative name, then bytes, in
+    sorted order), and how many files went in."""
+    import hashlib
+
+    directory = Path(directory)
+    h = hashlib.sha256()
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix in suffixes)
+    for p in files:
+        h.update(str(p.relative_to(directory)).encode())
+        _hash_file(h, p)
+    return h.hexdigest(), len(files)
 
 
 def write_json(path: str | Path, obj: Any) -> None:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ars_opd.artifacts import dumps_canonical, write_json
+from ars_opd.artifacts import dumps_canonical, files_sha256, write_json
 from ars_opd.config import DDPConfig, TrainLoopConfig
 from ars_opd.consistency import ConsistencyHook, consistency_metrics
 from ars_opd.distributed import WorkerContext, gather_floats
@@ -171,13 +171,7 @@ def step_indices(step: int, n_items: int, geometry: BatchGeometry, sampler_seed:
 
 def code_fingerprint() -> str:
     """sha256 over this package's Python sources (relative names and bytes, sorted)."""
-    import hashlib
-
-    root = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*.py")):
-        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()
+    return files_sha256(Path(__file__).resolve().parent, (".py",))[0]
 
 
 def config_fingerprint(obj: Any) -> str:

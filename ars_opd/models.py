@@ -13,7 +13,6 @@ when allowed (``HF_HUB_OFFLINE`` unset) and needed; offline and absent is a clea
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ars_opd.artifacts import files_sha256
 from ars_opd.config import BUILTIN, ArchConfig
 
 MANIFEST = "manifest.json"
@@ -73,16 +73,10 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 def sha256_of_files(directory: Path, suffixes=(".json", ".safetensors", ".bin", ".model", ".txt", ".jinja")) -> str:
     """One sha256 over a model directory's relevant files (names and bytes, in sorted order)."""
-    h = hashlib.sha256()
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix in suffixes)
-    if not files:
+    digest, n = files_sha256(directory, suffixes)
+    if not n:
         raise ModelSourceError(f"{directory} holds no model files ({', '.join(suffixes)})")
-    for p in files:
-        h.update(str(p.relative_to(directory)).encode())
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
+    return digest
 
 
 @dataclass(frozen=True)
