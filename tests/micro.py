@@ -44,3 +44,13 @@ def micro_params(repo_root: Path, extra: dict | None = None) -> dict:
 def write_micro_params(repo_root: Path, dest: Path, extra: dict | None = None) -> Path:
     dest.write_text(yaml.safe_dump(micro_params(repo_root, extra), sort_keys=False))
     return dest
+
+
+def teacher_rows(n: int, seed: int) -> list[dict]:
+    """``n`` synthetic rows in the teacher_gen output schema, the reference answer as the completion."""
+    from ars_opd import synthetic
+    from ars_opd.prompts import alpaca_messages
+
+    return [{"id": str(i), "messages": alpaca_messages(r["instruction"], r["input"]), "reference": r["output"],
+             "task": r["task"], "completion": r["output"], "finish_reason": "stop", "key": str(i)}
+            for i, r in enumerate(synthetic.generate(n, seed=seed))]

@@ -7,14 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from ars_opd import synthetic
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import BaseConfig, load_params
 from ars_opd.evaluation import evaluate_models
 from ars_opd.model_setup import prepare_models
 from ars_opd.models import load_model
-from ars_opd.prompts import alpaca_messages
-from micro import write_micro_params
+from micro import teacher_rows, write_micro_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,12 +24,9 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     p = load_params("params.yaml")
     prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
                    progress=False)
-    rows = synthetic.generate(12, seed=9)
     Path(p.paths.teacher_dir).mkdir(parents=True)
-    write_jsonl(Path(p.paths.teacher_dir) / "eval.jsonl", [
-        {"id": str(i), "messages": alpaca_messages(r["instruction"], r["input"]), "reference": r["output"],
-         "task": r["task"], "completion": r["output"], "finish_reason": "stop", "key": str(i)}
-        for i, r in enumerate(rows)])
+    rows = teacher_rows(12, seed=9)
+    write_jsonl(Path(p.paths.teacher_dir) / "eval.jsonl", rows)
     for stage in ("sft", "opd"):  # stand-ins: the trained-student directories hold the teacher and the base
         load_model(p.paths.models_dir, "teacher" if stage == "opd" else "student").save_pretrained(
             Path(getattr(p.paths, f"{stage}_dir")) / "model")
@@ -40,7 +35,7 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     on_disk = json.loads(Path(p.paths.eval_metrics).read_text())
     assert on_disk == json.loads(json.dumps(m))
     answers = read_jsonl(Path(p.paths.eval_dir) / "answers.jsonl")
-    refs = {str(i): r["output"] for i, r in enumerate(rows)}
+    refs = {r["id"]: r["reference"] for r in rows}
     for model in ("base", "sft", "opd", "teacher"):
         recount = sum(a[model].strip() == refs[a["id"]] for a in answers) / len(answers)
         assert m[model]["exact_match"] == pytest.approx(recount)

@@ -9,16 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ars_opd import synthetic
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import BaseConfig, load_params
 from ars_opd.distributed import launch
 from ars_opd.model_setup import prepare_models
 from ars_opd.models import load_model, load_tokenizer
 from ars_opd.opd import build_rollout_batch, run_opd, uses_student_rollouts
-from ars_opd.prompts import alpaca_messages
 from ddp_probe import gkd_probe
-from micro import write_micro_params
+from micro import teacher_rows, write_micro_params
 
 REPO = Path(__file__).resolve().parents[1]
 EOS, PAD = 2, 2  # pad == eos, as in several real tokenizers
@@ -67,12 +65,8 @@ def _workspace(root: Path, opd: dict) -> None:
         p = load_params("params.yaml")
         prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
                        progress=False)
-        rows = synthetic.generate(64, seed=5)
         Path(p.paths.teacher_dir).mkdir(parents=True)
-        write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", [
-            {"id": str(i), "messages": alpaca_messages(r["instruction"], r["input"]), "reference": r["output"],
-             "task": r["task"], "completion": r["output"], "finish_reason": "stop", "key": str(i)}
-            for i, r in enumerate(rows)])
+        write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", teacher_rows(64, seed=5))
         # the SFT student stands in as the base student: the OPD stage only needs an HF model directory
         load_model(p.paths.models_dir, "student").save_pretrained(Path(p.paths.sft_dir) / "model")
     finally:

@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from ars_opd import synthetic
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import BaseConfig, load_params
 from ars_opd.model_setup import prepare_models
-from ars_opd.prompts import alpaca_messages
-from micro import write_micro_params
+from micro import teacher_rows, write_micro_params
 
 REPO = Path(__file__).resolve().parents[1]
 SFT_MICRO = {"steps": 60, "global_batch_size": 8, "micro_batch_size": 2, "checkpoint_every": 5,
@@ -37,12 +35,8 @@ def _workspace(root: Path, extra_sft: dict | None = None) -> Path:
         if not Path(p.paths.models_dir).exists():
             prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
                            progress=False)
-            rows = synthetic.generate(120, seed=3)
-            out = [{"id": str(i), "messages": alpaca_messages(r["instruction"], r["input"]), "reference": r["output"],
-                    "task": r["task"], "completion": r["output"], "finish_reason": "stop", "key": str(i)}
-                   for i, r in enumerate(rows)]
             Path(p.paths.teacher_dir).mkdir(parents=True)
-            write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", out)
+            write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", teacher_rows(120, seed=3))
         return root
     finally:
         os.chdir(cwd)
