@@ -140,47 +140,49 @@ def check_teacher(p: PathsConfig, problems: Problems, subset: dict[str, list[dic
     failures = _read_jsonl(d / "failures.jsonl", problems, ("id", "split", "reason")) or []
     _read_json(d / "manifest.json", problems)
     for split in ("train", "eval"):
-        rows = _read_jsonl(d / f"{split}.jsonl", problems, SUBSET_KEYS + ("completion",))
+        path = Path(p.completions(split))
+        rows = _read_jsonl(path, problems, SUBSET_KEYS + ("completion",))
         if rows is None:
             continue
         for i, r in enumerate(rows, 1):
             if not isinstance(r.get("completion"), str) or not r["completion"].strip():
-                problems.add(f"{d / f'{split}.jsonl'}:{i}", "empty completion")
+                problems.add(f"{path}:{i}", "empty completion")
         source = subset.get(split)
         if source is not None and rows:
             failed = {f["id"] for f in failures if f.get("split") == split}
             expected = [r["id"] for r in source if r["id"] not in failed]
             if [r.get("id") for r in rows] != expected:
-                problems.add(d / f"{split}.jsonl", f"{len(rows)} rows do not match the {len(source)} subset rows "
+                problems.add(path, f"{len(rows)} rows do not match the {len(source)} subset rows "
                                                    f"minus {len(failed)} failures (ids or order differ)")
     if Path(p.teacher_cache).exists():
         _read_jsonl(Path(p.teacher_cache), problems, ("key", "request", "response"))
     _metrics(Path(p.teacher_metrics), problems)
 
 
-def check_training(stage: str, out_dir: str, live_dir: str, problems: Problems) -> None:
-    d = Path(out_dir)
-    for f in ("model/config.json", "model/model.safetensors"):
-        if not (d / f).is_file():
-            problems.add(d / f, "missing")
-    manifest = _read_json(d / "manifest.json", problems)
-    steps = _read_jsonl(d / "steps.jsonl", problems, ("step", "loss", "grad_norm", "worker_loss", "worker_tokens"))
+def check_training(stage: str, paths: PathsConfig, problems: Problems) -> None:
+    out = paths.training(stage)
+    for f in ("config.json", "model.safetensors"):
+        if not (Path(out.model) / f).is_file():
+            problems.add(Path(out.model) / f, "missing")
+    manifest = _read_json(Path(out.manifest), problems)
+    steps_path = Path(out.steps)
+    steps = _read_jsonl(steps_path, problems, ("step", "loss", "grad_norm", "worker_loss", "worker_tokens"))
     if steps is not None:
         if [r.get("step") for r in steps] != list(range(len(steps))):
-            problems.add(d / "steps.jsonl", "steps are not 0..N-1 in order (a lost or repeated step)")
+            problems.add(steps_path, "steps are not 0..N-1 in order (a lost or repeated step)")
         if manifest and manifest.get("steps") != len(steps):
-            problems.add(d / "steps.jsonl", f"{len(steps)} rows but manifest says {manifest.get('steps')} steps")
+            problems.add(steps_path, f"{len(steps)} rows but manifest says {manifest.get('steps')} steps")
         for r in steps:
             if r.get("skipped"):
                 continue
             for key in ("loss", "grad_norm"):
                 v = r.get(key)
                 if not isinstance(v, (int, float)) or not math.isfinite(v):
-                    problems.add(f"{d / 'steps.jsonl'} step {r.get('step')}", f"{key} is {v}")
+                    problems.add(f"{steps_path} step {r.get('step')}", f"{key} is {v}")
             if manifest and len(r.get("worker_loss", [])) != manifest.get("workers"):
-                problems.add(f"{d / 'steps.jsonl'} step {r.get('step')}", "worker columns do not match the workers")
+                problems.add(f"{steps_path} step {r.get('step')}", "worker columns do not match the workers")
                 break
-    _metrics(Path(live_dir) / "metrics.json", problems)
+    _metrics(Path(out.live) / "metrics.json", problems)
 
 
 def check_evaluate(p: PathsConfig, problems: Problems) -> None:
@@ -216,10 +218,9 @@ def check_outputs(paths: PathsConfig, stages: tuple[str, ...] = STAGES) -> list[
         subset = check_subset(paths, problems) if "subset" in stages else check_subset(paths, Problems())
     if "teacher_gen" in stages:
         check_teacher(paths, problems, subset)
-    if "sft" in stages:
-        check_training("sft", paths.sft_dir, paths.sft_live, problems)
-    if "opd" in stages:
-        check_training("opd", paths.opd_dir, paths.opd_live, problems)
+    for stage in ("sft", "opd"):
+        if stage in stages:
+            check_training(stage, paths, problems)
     if "evaluate" in stages:
         check_evaluate(paths, problems)
     if "report" in stages:

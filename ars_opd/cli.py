@@ -9,7 +9,7 @@ Subcommands:
   row counts across stages, finite in-range metrics); exits 1 listing every problem.
 - ``ars-opd scenarios [--from exp.json] [--out reports/scenarios.md]``: compare the seed scenarios of the DVC
   experiments (``dvc exp show --json``) against the paper's expected ordering.
-- ``ars-opd serve MODEL_DIR [...]``: the bundled OpenAI-compatible server (``ars_opd.teacher_server``)
+- ``ars-opd serve MODEL_DIR [...]``: the bundled OpenAI-compatible server (``ars_opd.teacher.server``)
   for any local Hugging Face causal-LM directory, on 127.0.0.1 by default.
 """
 
@@ -25,6 +25,9 @@ from ars_opd.config import ConfigError, load_params, to_dict
 def _cmd_params(args: argparse.Namespace) -> int:
     try:
         params = load_params(args.file)
+        from ars_opd.lm.objectives import check_config
+
+        check_config(params.opd)
     except ConfigError as e:
         print(f"ars-opd: invalid params: {e}", file=sys.stderr)
         return 2
@@ -68,7 +71,7 @@ ars-opd scenarios --notes reports/scenarios_notes.md --out reports/scenarios.md
 def _cmd_scenarios(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ars_opd import scenarios
+    from ars_opd.evaluation import scenarios
 
     data = json.loads(Path(args.source).read_text()) if args.source else scenarios.exp_show_json()
     found = scenarios.collect(data)
@@ -87,9 +90,9 @@ def _cmd_scenarios(args: argparse.Namespace) -> int:
 
 
 def _serve(argv: list[str]) -> int:
-    from ars_opd import teacher_server  # heavy imports only for this subcommand
+    from ars_opd.teacher import server  # heavy imports only for this subcommand
 
-    return teacher_server.main(argv)
+    return server.main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from typing import Any, Literal, Mapping
 
 import yaml
 
-from ars_opd.synthetic import DEFAULT_TASKS, TASK_NAMES
+from ars_opd.data.synthetic import DEFAULT_TASKS, TASK_NAMES
 
 PARAMS_FILE = "params.yaml"
 
@@ -77,14 +77,18 @@ class PathsConfig:
     """teacher_gen: train.jsonl / eval.jsonl (prompts joined to completions), failures.jsonl, manifest.json."""
     teacher_metrics: str = "data/metrics/teacher_gen.json"
     """teacher_gen metrics (counts, failures by reason, throughput)."""
-    sft_dir: str = "data/sft"
-    """sft: model/ (HF directory), steps.jsonl (per-step, per-worker log), manifest.json."""
+    sft_model: str = "data/sft/model"
+    """sft: the trained student (HF directory); the only sft output later stages read."""
+    sft_log: str = "data/sft/log"
+    """sft: steps.jsonl (per-step, per-worker log, no wall-clock columns) and manifest.json."""
     sft_live: str = "data/live/sft"
     """sft: DVCLive directory (metrics.json for dvc exp show, plots/ for dvc plots)."""
     sft_checkpoints: str = "data/checkpoints/sft"
     """sft: resumable checkpoints (a persistent DVC out)."""
-    opd_dir: str = "data/opd"
-    """opd: model/ (HF directory), steps.jsonl, manifest.json."""
+    opd_model: str = "data/opd/model"
+    """opd: the distilled student (HF directory)."""
+    opd_log: str = "data/opd/log"
+    """opd: steps.jsonl and manifest.json."""
     opd_live: str = "data/live/opd"
     """opd: DVCLive directory."""
     opd_checkpoints: str = "data/checkpoints/opd"
@@ -107,6 +111,33 @@ class PathsConfig:
             value = getattr(self, f.name)
             _require(bool(value.strip()), f.name, "must be a non-empty path")
             _require(not Path(value).is_absolute(), f.name, f"must be relative to the repo root, got {value!r}")
+
+    def completions(self, split: str) -> str:
+        """teacher_gen's prompts joined to completions for ``split`` (train or eval)."""
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be train or eval, got {split!r}")
+        return str(Path(self.teacher_dir) / f"{split}.jsonl")
+
+    def training(self, stage: str) -> "TrainingPaths":
+        """The outputs of a training stage (``sft`` or ``opd``)."""
+        return TrainingPaths(*(getattr(self, f"{stage}_{part}") for part in TrainingPaths._fields))
+
+
+class TrainingPaths(typing.NamedTuple):
+    model: str
+    log: str
+    live: str
+    checkpoints: str
+
+    @property
+    def steps(self) -> str:
+        """The per-step log (one JSON line per step, per-worker columns, no wall-clock columns)."""
+        return str(Path(self.log) / "steps.jsonl")
+
+    @property
+    def manifest(self) -> str:
+        """Counts, batch geometry, resume point and provenance of the run."""
+        return str(Path(self.log) / "manifest.json")
 
 
 @dataclass(frozen=True)
@@ -165,33 +196,57 @@ class ArchConfig:
 
 
 @dataclass(frozen=True)
-class TeacherTrainingConfig:
-    """How the models stage trains the built-in teacher on the synthetic tasks."""
+class OptimConfig:
+    """AdamW, warmup + cosine learning rate, gradient clipping: shared by every training loop."""
+
+    lr: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 20
+    """Linear warmup steps before the cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine decay)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (matrices only)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; null = noclip (the pre-clip norm is logged either way)."""
+
+    def __post_init__(self):
+        _require(0 < self.lr < 1, "lr", f"must be in (0, 1), got {self.lr}")
+        _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _require(0 <= self.adam_beta1 < 1, "adam_beta1", f"must be in [0, 1), got {self.adam_beta1}")
+        _require(0 <= self.adam_beta2 < 1, "adam_beta2", f"must be in [0, 1), got {self.adam_beta2}")
+        _require(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
+        _require(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm",
+                 f"must be > 0, or null for no clipping, got {self.max_grad_norm}")
+
+
+@dataclass(frozen=True)
+class TeacherTrainingConfig(OptimConfig):
+    """How the models stage trains the built-in teacher on the synthetic tasks (single process)."""
 
     steps: int = 1500
     """Optimizer steps (a step count, not a time budget, so the result is deterministic)."""
     batch_size: int = 64
     """Sequences per step."""
-    lr: float = 3e-3
-    """Peak AdamW learning rate."""
     warmup_steps: int = 100
     """Linear warmup steps before the cosine decay."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
     eval_examples: int = 500
     """Held-out synthetic prompts for the teacher's exact-match accuracy."""
     min_accuracy: float = 0.0
     """Fail the stage if held-out exact match is below this (0 disables the gate)."""
 
     def __post_init__(self):
+        super().__post_init__()
         _require(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
         _require(self.batch_size > 0, "batch_size", f"must be > 0, got {self.batch_size}")
-        _require(0 < self.lr < 1, "lr", f"must be in (0, 1), got {self.lr}")
-        _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         _require(self.eval_examples > 0, "eval_examples", f"must be > 0, got {self.eval_examples}")
         _require(0 <= self.min_accuracy <= 1, "min_accuracy", f"must be in [0, 1], got {self.min_accuracy}")
 
@@ -292,17 +347,47 @@ class TeacherServerConfig:
 
 
 @dataclass(frozen=True)
-class TeacherGenConfig:
-    """Asking the teacher for a completion of every prompt."""
+class EndpointConfig:
+    """An OpenAI-compatible endpoint, and how the client talks to it (bounded concurrency, retries)."""
 
     endpoint: str = LOCAL_ENDPOINT
     """'local' (start the bundled server for the models-stage teacher) or a base URL such as http://localhost:8000/v1."""
     model: str | None = None
     """Model name at the endpoint (required unless endpoint is 'local')."""
-    model_revision: str | None = None
-    """Identifies the remote model's weights in cache keys (set it when the endpoint's model changes under one name)."""
     api_key_env: str | None = None
     """Name of the environment variable holding the API key (the key itself never goes in params)."""
+    concurrency: int = 32
+    """Requests in flight at once."""
+    request_timeout_s: float = 60.0
+    """Per-request timeout."""
+    max_attempts: int = 5
+    """Attempts per request, first included."""
+    backoff_base_s: float = 0.5
+    """First retry waits about this long; doubles each attempt (with jitter)."""
+    backoff_max_s: float = 30.0
+    """Longest backoff between attempts."""
+
+    def __post_init__(self):
+        local = self.endpoint == LOCAL_ENDPOINT
+        _require(local or self.endpoint.startswith(("http://", "https://")), "endpoint",
+                 f"must be 'local' or an http(s) base URL, got {self.endpoint!r}")
+        _require(local or bool(self.model), "model", "must name the model when endpoint is a URL")
+        _require(1 <= self.concurrency <= 4096, "concurrency", f"must be in 1..4096, got {self.concurrency}")
+        _require(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
+        _require(self.max_attempts >= 1, "max_attempts", f"must be >= 1, got {self.max_attempts}")
+        _require(self.backoff_base_s >= 0, "backoff_base_s", f"must be >= 0, got {self.backoff_base_s}")
+        _require(self.backoff_max_s >= self.backoff_base_s, "backoff_max_s", "must be >= backoff_base_s")
+        if self.api_key_env is not None:
+            _require(self.api_key_env.replace("_", "").isalnum(), "api_key_env",
+                     "must be the *name* of an environment variable (letters, digits, _), never the key itself")
+
+
+@dataclass(frozen=True)
+class TeacherGenConfig(EndpointConfig):
+    """Asking the teacher for a completion of every prompt."""
+
+    model_revision: str | None = None
+    """Identifies the remote model's weights in cache keys (set it when the endpoint's model changes under one name)."""
     splits: tuple[Literal["train", "eval"], ...] = ("train", "eval")
     """Subset splits to complete (eval completions feed the evaluate stage)."""
     temperature: float = 0.0
@@ -319,41 +404,20 @@ class TeacherGenConfig:
     """System message prepended to prompts that have none."""
     strip_thinking: bool = True
     """Remove a leading <think>...</think> block from training text (the cache keeps the raw answer)."""
-    concurrency: int = 32
-    """Requests in flight at once."""
-    request_timeout_s: float = 60.0
-    """Per-request timeout."""
-    max_attempts: int = 5
-    """Attempts per request, first included."""
-    backoff_base_s: float = 0.5
-    """First retry waits about this long; doubles each attempt (with jitter)."""
-    backoff_max_s: float = 30.0
-    """Longest backoff between attempts."""
     max_failure_fraction: float = 0.0
     """Fail the stage when more than this fraction of prompts ends without an answer."""
     server: TeacherServerConfig = field(default_factory=TeacherServerConfig)
     """The bundled server (endpoint 'local' only)."""
 
     def __post_init__(self):
-        local = self.endpoint == LOCAL_ENDPOINT
-        _require(local or self.endpoint.startswith(("http://", "https://")), "endpoint",
-                 f"must be 'local' or an http(s) base URL, got {self.endpoint!r}")
-        _require(local or bool(self.model), "model", "must name the model when endpoint is a URL")
+        super().__post_init__()
         _require(len(self.splits) > 0 and len(set(self.splits)) == len(self.splits), "splits",
                  "must list train and/or eval once each")
         _require(0 <= self.temperature <= 5, "temperature", f"must be in [0, 5], got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.max_tokens > 0, "max_tokens", f"must be > 0, got {self.max_tokens}")
-        _require(1 <= self.concurrency <= 4096, "concurrency", f"must be in 1..4096, got {self.concurrency}")
-        _require(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
-        _require(self.max_attempts >= 1, "max_attempts", f"must be >= 1, got {self.max_attempts}")
-        _require(self.backoff_base_s >= 0, "backoff_base_s", f"must be >= 0, got {self.backoff_base_s}")
-        _require(self.backoff_max_s >= self.backoff_base_s, "backoff_max_s", "must be >= backoff_base_s")
         _require(0 <= self.max_failure_fraction <= 1, "max_failure_fraction",
                  f"must be in [0, 1], got {self.max_failure_fraction}")
-        if self.api_key_env is not None:
-            _require(self.api_key_env.replace("_", "").isalnum(), "api_key_env",
-                     "must be the *name* of an environment variable (letters, digits, _), never the key itself")
 
 
 @dataclass(frozen=True)
@@ -391,8 +455,8 @@ class DDPConfig:
 
 
 @dataclass(frozen=True)
-class TrainLoopConfig:
-    """The optimisation loop shared by SFT and OPD."""
+class TrainLoopConfig(OptimConfig):
+    """The data-parallel optimisation loop shared by SFT and OPD."""
 
     steps: int = 400
     """Optimizer steps."""
@@ -400,22 +464,6 @@ class TrainLoopConfig:
     """Sequences per optimizer step, over all workers and accumulation micro-batches."""
     micro_batch_size: int = 16
     """Sequences per forward/backward on one worker (accumulation = global / workers / micro)."""
-    lr: float = 3e-3
-    """Peak AdamW learning rate."""
-    warmup_steps: int = 20
-    """Linear warmup steps."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak (cosine decay)."""
-    weight_decay: float = 0.01
-    """AdamW weight decay (matrices only)."""
-    adam_beta1: float = 0.9
-    """AdamW beta1."""
-    adam_beta2: float = 0.95
-    """AdamW beta2."""
-    adam_eps: float = 1e-8
-    """AdamW epsilon."""
-    max_grad_norm: float | None = 1.0
-    """Clip the global gradient norm to this; null = noclip (the pre-clip norm is logged either way)."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """On a non-finite loss or gradient: stop with a message, or skip the step (counted)."""
     max_skipped_steps: int = 20
@@ -428,19 +476,11 @@ class TrainLoopConfig:
     """Checkpoints kept on disk."""
 
     def __post_init__(self):
+        super().__post_init__()
         _require(self.steps > 0, "steps", f"must be > 0, got {self.steps}")
         _require(self.global_batch_size > 0, "global_batch_size", f"must be > 0, got {self.global_batch_size}")
         _require(0 < self.micro_batch_size <= self.global_batch_size, "micro_batch_size",
                  f"must be in 1..global_batch_size ({self.global_batch_size}), got {self.micro_batch_size}")
-        _require(0 < self.lr < 1, "lr", f"must be in (0, 1), got {self.lr}")
-        _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        _require(0 <= self.adam_beta1 < 1, "adam_beta1", f"must be in [0, 1), got {self.adam_beta1}")
-        _require(0 <= self.adam_beta2 < 1, "adam_beta2", f"must be in [0, 1), got {self.adam_beta2}")
-        _require(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
-        _require(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm",
-                 f"must be > 0, or null for no clipping, got {self.max_grad_norm}")
         _require(self.max_skipped_steps >= 0, "max_skipped_steps", f"must be >= 0, got {self.max_skipped_steps}")
         _require(self.checkpoint_every >= 0, "checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
@@ -475,10 +515,11 @@ class SFTConfig(TrainLoopConfig):
 class OPDConfig(TrainLoopConfig):
     """On-policy distillation: student rollouts scored by the frozen teacher, token-level divergence."""
 
-    loss: Literal["full_vocab", "sampled_token"] = "full_vocab"
-    """full_vocab: exact divergence over the vocabulary; sampled_token: policy-gradient estimator of reverse KL."""
+    loss: str = "full_vocab"
+    """An objective of ars_opd.lm.objectives: full_vocab (exact divergence over the vocabulary) or sampled_token
+    (policy-gradient estimator of reverse KL from the sampled tokens' teacher log-probabilities)."""
     beta: float = 1.0
-    """Divergence: 0 forward KL, 1 reverse KL, in between generalised JSD (full_vocab only)."""
+    """Divergence: 0 forward KL, 1 reverse KL, in between generalised JSD (objectives that use beta)."""
     temperature: float = 1.0
     """Temperature of both distributions in the divergence."""
     chunk_size: int = 256
@@ -496,9 +537,10 @@ class OPDConfig(TrainLoopConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        # which losses exist and what each demands (beta, pure on-policy rollouts) is checked against the
+        # objectives registry, ars_opd.lm.objectives.check_config, by the opd stage and `ars-opd params`
+        _require(bool(self.loss.strip()), "loss", "must name an objective, e.g. full_vocab or sampled_token")
         _require(0 <= self.beta <= 1, "beta", f"must be in [0, 1] (0 forward KL, 1 reverse KL), got {self.beta}")
-        _require(self.loss == "full_vocab" or self.beta == 1.0, "beta",
-                 "the sampled_token loss estimates reverse KL only; set beta: 1.0")
         _require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         _require(self.chunk_size > 0, "chunk_size", f"must be > 0, got {self.chunk_size}")
         _require(0 <= self.sample_temperature <= 5, "sample_temperature", f"must be in [0, 5], got {self.sample_temperature}")
@@ -507,14 +549,6 @@ class OPDConfig(TrainLoopConfig):
         _require(0 <= self.on_policy_fraction <= 1, "on_policy_fraction",
                  f"must be in [0, 1], got {self.on_policy_fraction}")
         _require(self.max_prompt_tokens > 0, "max_prompt_tokens", f"must be > 0, got {self.max_prompt_tokens}")
-        if self.loss == "sampled_token":  # its gradient is reverse KL's only for tokens drawn from q at temperature
-            _require(self.on_policy_fraction == 1.0, "on_policy_fraction",
-                     "the sampled_token loss needs tokens sampled from the student (teacher completions would "
-                     f"bias its gradient with no importance weight); set 1.0, got {self.on_policy_fraction}")
-            _require(self.sample_temperature == self.temperature and self.top_p == 1.0, "sample_temperature",
-                     "the sampled_token loss needs rollouts from the distribution it differentiates: "
-                     f"sample_temperature == temperature ({self.temperature}) and top_p == 1.0, got "
-                     f"{self.sample_temperature} and {self.top_p}")
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from ars_opd.config import DDPConfig, SFTConfig  # noqa: E402
-from ars_opd.consistency import ConsistencyHook, consistency_metrics  # noqa: E402
-from ars_opd.distributed import gather_floats, init_worker, launch, shutdown_worker  # noqa: E402
-from ars_opd.engine import BatchGeometry, accumulate_gradients, make_optimizer, wrap_ddp  # noqa: E402
-from ars_opd.sft import EncodedData, SFTTask  # noqa: E402
+from ars_opd.training.consistency import ConsistencyHook, consistency_metrics  # noqa: E402
+from ars_opd.training.distributed import gather_floats, init_worker, launch, shutdown_worker  # noqa: E402
+from ars_opd.training.geometry import BatchGeometry  # noqa: E402
+from ars_opd.training.loop import accumulate_gradients, wrap_ddp  # noqa: E402
+from ars_opd.training.optim import make_optimizer  # noqa: E402
+from ars_opd.training.sft import EncodedData, SFTTask  # noqa: E402
 
 PRESETS = {
     "cpu-6m": dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=6,
@@ -70,7 +72,7 @@ def worker(job: dict) -> dict:
                 hook = ConsistencyHook(ctx.world_size)
                 hook.attach(ddp)
             runs[name] = (model, ddp, hook, make_optimizer(model, cfg))
-        task = SFTTask(data, cfg, geometry, sampler_seed=0, ctx=ctx, pad_id=0)
+        task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0)
         times = {"with": [], "without": []}
         params = sum(p.numel() for p in {id(p): p for p in runs["with"][0].parameters()}.values())
         for step in range(job["steps"] + 2):

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def _measure(variant: str, tokens: int, vocab: int, dtype: str, chunk: int, repeats: int) -> dict:
     import torch
 
-    from ars_opd.divergences import token_divergence, token_divergence_reference
+    from ars_opd.lm.divergences import token_divergence, token_divergence_reference
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")

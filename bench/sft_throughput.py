@@ -25,9 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from ars_opd.config import DDPConfig, SFTConfig  # noqa: E402
-from ars_opd.distributed import init_worker, shutdown_worker  # noqa: E402
-from ars_opd.engine import BatchGeometry, TrainerState, accumulate_gradients, make_optimizer, optimizer_step, wrap_ddp  # noqa: E402
-from ars_opd.sft import EncodedData, SFTTask  # noqa: E402
+from ars_opd.training.distributed import init_worker, shutdown_worker  # noqa: E402
+from ars_opd.training.checkpoint import TrainerState  # noqa: E402
+from ars_opd.training.geometry import BatchGeometry  # noqa: E402
+from ars_opd.training.loop import accumulate_gradients, optimizer_step, wrap_ddp  # noqa: E402
+from ars_opd.training.optim import make_optimizer  # noqa: E402
+from ars_opd.training.sft import EncodedData, SFTTask  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 PRESETS = {
@@ -88,7 +91,7 @@ def main() -> None:
                         pack_length=max(hi, 2048 if gpu else 512), max_seq_len=hi, max_grad_norm=1.0,
                         precision="auto")
         geometry = BatchGeometry.check(micro, ctx.world_size, micro, "sft")
-        task = SFTTask(data, cfg, geometry, sampler_seed=0, ctx=ctx, pad_id=0)
+        task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0)
         ddp = wrap_ddp(model, ctx, DDPConfig(workers=1))
         opt = make_optimizer(model, cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

@@ -1,6 +1,6 @@
 """Throughput of the teacher client + cache against an endpoint with a fixed latency.
 
-Starts the fake OpenAI-compatible endpoint (ars_opd.fake_endpoint) as its own process, answering every
+Starts the fake OpenAI-compatible endpoint (tests/fake_endpoint.py) as its own process, answering every
 request after ``--latency`` seconds, and for each concurrency C sends ``--per-c`` x C requests through the
 stage's real client (``ask_all``) into a fresh ``TeacherCache`` (writes included). Prints one JSON line per
 C: concurrency, latency_s, requests, requests_per_s, ideal_requests_per_s (C / latency), efficiency.
@@ -23,14 +23,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ars_opd.teacher_cache import TeacherCache, cache_key  # noqa: E402
-from ars_opd.teacher_client import ClientSettings, TeacherRequest, ask_all  # noqa: E402
+from ars_opd.config import EndpointConfig  # noqa: E402
+from ars_opd.teacher.cache import TeacherCache, cache_key  # noqa: E402
+from ars_opd.teacher.client import ClientSettings, TeacherRequest, ask_all  # noqa: E402
 
 
 def start_endpoint(latency: float, tmp: Path) -> tuple[subprocess.Popen, str]:
     ready = tmp / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "ars_opd.fake_endpoint", "--latency", str(latency),
-                             "--ready-file", str(ready)], cwd=Path(__file__).resolve().parents[1])
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, str(repo / "tests" / "fake_endpoint.py"), "--latency", str(latency),
+                             "--ready-file", str(ready)], cwd=repo)
     deadline = time.monotonic() + 60
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -62,7 +64,8 @@ def main() -> None:
         try:
             for c in args.concurrency:
                 reqs = requests_for(args.per_c * c, f"c{c}")
-                settings = ClientSettings(base_url=url, concurrency=c, timeout_s=60, transport=args.transport)
+                settings = ClientSettings(url, limits=EndpointConfig(concurrency=c, request_timeout_s=60),
+                                          transport=args.transport)
                 with TeacherCache(Path(tmp) / f"cache-{c}.jsonl") as cache:
                     t0 = time.perf_counter()
                     summary = asyncio.run(ask_all(reqs, cache, settings, progress=False))

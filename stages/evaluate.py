@@ -1,7 +1,8 @@
-"""evaluate stage: base, SFT and OPD students and the teacher on held-out prompts (see ars_opd.evaluation)."""
+"""evaluate stage: base, SFT and OPD students and the teacher on held-out prompts (see ars_opd.evaluation.evaluate)."""
 
 from ars_opd.config import load_params
-from ars_opd.evaluation import evaluate_models, render_table
+from ars_opd.evaluation.evaluate import evaluate_models
+from ars_opd.evaluation.tables import render_table
 
 
 def main() -> None:

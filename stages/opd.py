@@ -1,7 +1,7 @@
-"""opd stage: on-policy distillation of the SFT student from the teacher (see ars_opd.opd)."""
+"""opd stage: on-policy distillation of the SFT student from the teacher (see ars_opd.training.opd)."""
 
 from ars_opd.config import load_params
-from ars_opd.opd import run_opd
+from ars_opd.training.opd import run_opd
 
 
 def main() -> None:

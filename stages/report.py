@@ -1,7 +1,7 @@
-"""report stage: consistency report and distillation verdict (see ars_opd.report)."""
+"""report stage: consistency report and distillation verdict (see ars_opd.evaluation.report)."""
 
 from ars_opd.config import load_params
-from ars_opd.report import write_report
+from ars_opd.evaluation.report import write_report
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
-"""sft stage: fine-tune the student on the teacher's completions on DDP workers (see ars_opd.sft)."""
+"""sft stage: fine-tune the student on the teacher's completions on DDP workers (see ars_opd.training.sft)."""
 
 from ars_opd.config import load_params
-from ars_opd.sft import run_sft
+from ars_opd.training.sft import run_sft
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """subset stage: load the instruction dataset, normalise to messages, seeded subset, train/eval split."""
 
 from ars_opd.config import load_params
-from ars_opd.instruction_data import write_subset
+from ars_opd.data.subset import write_subset
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def char_tokenizer():
-    from ars_opd import synthetic
-    from ars_opd.tokenizer import build_char_word_tokenizer
+    from ars_opd.data import synthetic
+    from ars_opd.models.tokenizer import build_char_word_tokenizer
 
     return build_char_word_tokenizer(synthetic.instruction_words())

@@ -6,10 +6,11 @@ import torch
 import torch.distributed as dist
 
 from ars_opd.config import ArchConfig, DDPConfig, SFTConfig
-from ars_opd.distributed import init_worker, shutdown_worker
-from ars_opd.engine import BatchGeometry, accumulate_gradients, wrap_ddp
-from ars_opd.models import build_causal_lm
-from ars_opd.sft import EncodedData, SFTTask
+from ars_opd.training.distributed import init_worker, shutdown_worker
+from ars_opd.training.geometry import BatchGeometry
+from ars_opd.training.loop import accumulate_gradients, wrap_ddp
+from ars_opd.models.builtin import build_causal_lm
+from ars_opd.training.sft import EncodedData, SFTTask
 
 ARCH = ArchConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 
@@ -31,8 +32,8 @@ def grad_probe(job: dict) -> dict:
 
 
 def _grad_probe(job: dict, ctx) -> dict:
-    from ars_opd import synthetic
-    from ars_opd.tokenizer import build_char_word_tokenizer
+    from ars_opd.data import synthetic
+    from ars_opd.models.tokenizer import build_char_word_tokenizer
 
     tok = build_char_word_tokenizer(synthetic.instruction_words())
     model = tiny_model(tok)
@@ -41,7 +42,7 @@ def _grad_probe(job: dict, ctx) -> dict:
                     packing=job.get("packing", False), pack_length=job.get("pack_length", 512),
                     max_seq_len=job.get("pack_length", 512))
     geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "sft")
-    task = SFTTask(data, cfg, geometry, sampler_seed=0, ctx=ctx, pad_id=tok.pad_token_id)
+    task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=tok.pad_token_id)
     ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size,
                                          gradient_as_bucket_view=job.get("bucket_view", True)))
     micro = task.micro_batches(0, model)
@@ -57,9 +58,9 @@ class FixedTask:
     """Per-rank micro-batches given explicitly (for consistency tests): job['batches'][rank][micro]."""
 
     def __init__(self, batches, ctx, pad_id, identical: bool):
-        from ars_opd.engine import MicroBatch
-        from ars_opd.generation import pad_right_with_labels
-        from ars_opd.sft import count_loss_tokens
+        from ars_opd.training.loop import MicroBatch
+        from ars_opd.lm.batching import pad_right_with_labels
+        from ars_opd.lm.batching import count_loss_tokens
 
         mine = batches[0] if identical else batches[ctx.rank]
         self.micro = []
@@ -74,7 +75,7 @@ class FixedTask:
         return self.micro
 
     def loss_sum(self, model, batch):
-        from ars_opd.losses import causal_lm_token_loss_sum
+        from ars_opd.lm.losses import causal_lm_token_loss_sum
 
         t = batch.tensors
         logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits
@@ -127,11 +128,11 @@ def consistency_probe(job: dict) -> list:
 
 
 def _consistency_probe(job: dict, ctx) -> list:
-    from ars_opd import synthetic
-    from ars_opd.consistency import ConsistencyHook, consistency_metrics
-    from ars_opd.distributed import gather_floats
-    from ars_opd.engine import accumulate_gradients
-    from ars_opd.tokenizer import build_char_word_tokenizer
+    from ars_opd.data import synthetic
+    from ars_opd.training.consistency import ConsistencyHook, consistency_metrics
+    from ars_opd.training.distributed import gather_floats
+    from ars_opd.training.loop import accumulate_gradients
+    from ars_opd.models.tokenizer import build_char_word_tokenizer
 
     tok = build_char_word_tokenizer(synthetic.instruction_words())
     model = tiny_model(tok)
@@ -165,9 +166,9 @@ def bitwise_probe(job: dict) -> bool:
     """Reduced gradients with the consistency hook equal DDP's own all-reduce bit for bit."""
     ctx = init_worker("cpu", "gloo", threads=1, timeout_s=120)
     try:
-        from ars_opd import synthetic
-        from ars_opd.consistency import ConsistencyHook
-        from ars_opd.tokenizer import build_char_word_tokenizer
+        from ars_opd.data import synthetic
+        from ars_opd.training.consistency import ConsistencyHook
+        from ars_opd.models.tokenizer import build_char_word_tokenizer
 
         tok = build_char_word_tokenizer(synthetic.instruction_words())
         cfg = SFTConfig(steps=1, global_batch_size=8, micro_batch_size=1)
@@ -193,7 +194,7 @@ def gkd_probe(job: dict) -> list:
     """Every worker's GKD draws for steps 0..n-1, gathered (they must be identical)."""
     ctx = init_worker("cpu", "gloo", threads=1, timeout_s=120)
     try:
-        from ars_opd.opd import uses_student_rollouts
+        from ars_opd.training.opd import uses_student_rollouts
 
         mine = torch.tensor([float(uses_student_rollouts(job["seed"], s, job["lam"])) for s in range(job["steps"])])
         parts = [torch.empty_like(mine) for _ in range(ctx.world_size)]

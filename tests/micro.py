@@ -48,8 +48,8 @@ def write_micro_params(repo_root: Path, dest: Path, extra: dict | None = None) -
 
 def teacher_rows(n: int, seed: int) -> list[dict]:
     """``n`` synthetic rows in the teacher_gen output schema, the reference answer as the completion."""
-    from ars_opd import synthetic
-    from ars_opd.prompts import alpaca_messages
+    from ars_opd.data import synthetic
+    from ars_opd.data.prompts import alpaca_messages
 
     return [{"id": str(i), "messages": alpaca_messages(r["instruction"], r["input"]), "reference": r["output"],
              "task": r["task"], "completion": r["output"], "finish_reason": "stop", "key": str(i)}

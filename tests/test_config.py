@@ -7,6 +7,8 @@ from ars_opd.config import (
     SECTIONS, ArchConfig, ConfigError, DataConfig, ModelsConfig, load_params, parse_section, to_dict,
 )
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def test_real_params_yaml_loads_every_section(repo_root):
     params = load_params(repo_root / "params.yaml")
@@ -54,9 +56,6 @@ def test_unknown_section_rejected(tmp_path):
         ("synthetic", {"min_len": 5, "max_len": 4}, "synthetic.max_len", "min_len"),
         ("paths", {"models_dir": "/abs/models"}, "paths.models_dir", "relative"),
         ("base", {"seed": True}, "base.seed", "integer"),
-        ("opd", {"loss": "sampled_token", "on_policy_fraction": 0.5}, "opd.on_policy_fraction", "sampled from the student"),
-        ("opd", {"loss": "sampled_token", "sample_temperature": 0.7}, "opd.sample_temperature", "== temperature"),
-        ("opd", {"loss": "sampled_token", "top_p": 0.9}, "opd.sample_temperature", "top_p == 1.0"),
     ],
 )
 def test_bad_values_name_key_and_allowed(section, raw, key, fragment):
@@ -64,6 +63,32 @@ def test_bad_values_name_key_and_allowed(section, raw, key, fragment):
         parse_section(SECTIONS[section], raw, section)
     assert e.value.key == key
     assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "raw, key, fragment",
+    [
+        ({"loss": "top_k"}, "opd.loss", "full_vocab"),
+        ({"loss": "sampled_token", "beta": 0.5}, "opd.beta", "reverse KL only"),
+        ({"loss": "sampled_token", "on_policy_fraction": 0.5}, "opd.on_policy_fraction", "sampled from the student"),
+        ({"loss": "sampled_token", "sample_temperature": 0.7}, "opd.sample_temperature", "== temperature"),
+        ({"loss": "sampled_token", "top_p": 0.9}, "opd.sample_temperature", "top_p == 1.0"),
+    ],
+)
+def test_objective_constraints_come_from_the_registry(raw, key, fragment, tmp_path, capsys):
+    from ars_opd.cli import main
+    from ars_opd.lm.objectives import check_config
+
+    cfg = parse_section(SECTIONS["opd"], raw, "opd")  # the section alone parses: the registry decides
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    assert e.value.key == key and fragment in str(e.value)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["opd"].update(raw)
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(params))
+    assert main(["params", "--file", str(p)]) == 2
+    assert key in capsys.readouterr().err
 
 
 def test_floats_accept_ints_and_tuples_from_lists():

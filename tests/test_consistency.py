@@ -8,9 +8,10 @@ import random
 import pytest
 import torch
 
-from ars_opd.consistency import consistency_metrics
-from ars_opd.distributed import launch
-from ars_opd.engine import epoch_shard, scenario_seeds, set_seeds
+from ars_opd.training.consistency import consistency_metrics
+from ars_opd.training.distributed import launch
+from ars_opd.seeding import scenario_seeds, set_seeds
+from ars_opd.training.geometry import epoch_shard
 from ddp_probe import bitwise_probe, consistency_probe
 
 KEYS = ("loss_dispersion", "grad_norm_dispersion", "gradient_diversity", "grad_direction_consistency")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
 
-from ars_opd.divergences import (
+from ars_opd.lm.divergences import (
     DivergenceInputError, sampled_token_loss, token_divergence, token_divergence_reference,
 )
 
@@ -157,7 +157,7 @@ def test_bf16_gradient_keeps_the_loss_scale_exact():
 
 
 def test_sampled_token_objective_reports_the_divergence_and_trains_on_the_surrogate():
-    from ars_opd.opd import sampled_token_objective
+    from ars_opd.lm.objectives import TeacherScores, get_objective
 
     torch.manual_seed(4)
     s, t = torch.randn(3, 5, 11), torch.randn(3, 5, 11)
@@ -166,7 +166,7 @@ def test_sampled_token_objective_reports_the_divergence_and_trains_on_the_surrog
     tau = 0.7
     logp = torch.distributions.Categorical(logits=t / tau).log_prob(y)
     a = s.clone().requires_grad_(True)
-    value, n = sampled_token_objective(a, logp, y, m, tau)
+    value, n = get_objective("sampled_token").loss(a, TeacherScores(token_logprobs=logp), m, y, 1.0, tau, 256)
     value.backward()
     logq = torch.distributions.Categorical(logits=s / tau).log_prob(y)
     assert n == int(m.sum()) and torch.allclose(value, (logq - logp)[m].sum(), atol=1e-5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -19,8 +20,18 @@ from micro import write_micro_params
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _module_file(name: str) -> Path | None:
+    """The file behind an ars_opd module or package name, or None (e.g. a function imported by name)."""
+    base = REPO / name.replace(".", "/")
+    for file in (base.with_suffix(".py"), base / "__init__.py"):
+        if file.is_file():
+            return file
+    return None
+
+
 def _ars_imports(path: Path, seen: set[str]) -> set[str]:
-    """ars_opd modules imported (transitively, at any depth in the file) by a Python file."""
+    """ars_opd files imported (transitively, at any depth in the file, packages' __init__ included) by a
+    Python file, as paths relative to the repo."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         names = []
@@ -31,10 +42,13 @@ def _ars_imports(path: Path, seen: set[str]) -> set[str]:
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("ars_opd."):
             names = [node.value]  # a module started as a subprocess (python -m ars_opd.x)
         for name in names:
-            file = REPO / (name.replace(".", "/") + ".py")
-            if file.exists() and name not in seen:
-                seen.add(name)
-                _ars_imports(file, seen)
+            parts = name.split(".")
+            for k in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__, a/b/__init__ and a/b/c
+                file = _module_file(".".join(parts[:k]))
+                rel = file and str(file.relative_to(REPO))
+                if rel and rel not in seen:
+                    seen.add(rel)
+                    _ars_imports(file, seen)
     return seen
 
 
@@ -43,7 +57,7 @@ def test_each_stage_lists_exactly_the_library_modules_it_imports():
     for name, stage in stages.items():
         entry = REPO / "stages" / f"{name}.py"
         assert stage["cmd"] == f"python -m stages.{name}"  # -m: the repo root (not site-packages) provides ars_opd
-        imported = {f"{m.replace('.', '/')}.py" for m in _ars_imports(entry, set())} | {"ars_opd/__init__.py"}
+        imported = _ars_imports(entry, set())
         listed = {d for d in stage["deps"] if d.startswith("ars_opd/")}
         assert listed == imported, f"stage {name}: missing {imported - listed}, extra {listed - imported}"
         assert f"stages/{name}.py" in stage["deps"]
@@ -60,8 +74,8 @@ def test_stage_files_run_nothing_on_import():
 def test_paths_are_written_once():
     """dvc.yaml takes every output path from params.yaml; no literal data/ path in dvc.yaml or code."""
     text = (REPO / "dvc.yaml").read_text()
-    assert "data/" not in text.replace("# ", "")
-    for py in list((REPO / "ars_opd").glob("*.py")) + list((REPO / "stages").glob("*.py")):
+    assert not re.search(r"(?<![\w/])data/", text.replace("# ", ""))  # ars_opd/data/ is the data package
+    for py in list((REPO / "ars_opd").rglob("*.py")) + list((REPO / "stages").glob("*.py")):
         if py.name == "config.py":
             continue
         assert '"data/' not in py.read_text(), py
@@ -116,6 +130,14 @@ def test_dvc_repro_whole_pipeline_then_noop_then_check(tmp_path):
     assert "Running stage" not in again.stdout and "didn't change, skipping" in again.stdout
     assert elapsed < 60
 
+    # an identical retrain of sft (no checkpoint to resume from) writes the same model and the same
+    # timing-free log, so nothing downstream reruns
+    shutil.rmtree(work / paths["sft_checkpoints"])
+    retrain = _run([dvc, "repro", "-f", "sft"], work)
+    assert retrain.returncode == 0 and "Running stage 'sft'" in retrain.stdout, retrain.stderr
+    status = _run([dvc, "status"], work)
+    assert status.returncode == 0 and "Data and pipelines are up to date" in status.stdout, status.stdout
+
     # a params change reruns only the stages that read it (and what depends on their outputs)
     text = (work / "params.yaml").read_text().replace("window: 4", "window: 5")
     (work / "params.yaml").write_text(text)
@@ -129,7 +151,7 @@ def test_dvc_repro_whole_pipeline_then_noop_then_check(tmp_path):
     m["opd"]["reverse_kl"] = float("nan")
     metrics.write_text(json.dumps(m))
     (work / paths["teacher_dir"] / "failures.jsonl").unlink()
-    steps = work / paths["sft_dir"] / "steps.jsonl"
+    steps = work / paths["sft_log"] / "steps.jsonl"
     steps.write_bytes(steps.read_bytes()[:-40])  # a torn last line
     bad = _run([sys.executable, "-m", "ars_opd.cli", "check"], work)
     assert bad.returncode == 1

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from ars_opd.config import SFTConfig, TrainLoopConfig, parse_section
-from ars_opd.distributed import launch
-from ars_opd.engine import (
-    BatchConfigError, BatchGeometry, NonFiniteError, TrainerState, epoch_shard, optimizer_step, step_indices,
-)
-from ars_opd.generation import pad_right_with_labels
-from ars_opd.losses import IGNORE_INDEX, causal_lm_token_loss_sum
-from ars_opd.sft import encode_sft_rows, pack_sequences
+from ars_opd.training.distributed import launch
+from ars_opd.lm.batching import IGNORE_INDEX, pack_sequences, pad_right_with_labels
+from ars_opd.lm.losses import causal_lm_token_loss_sum
+from ars_opd.training.checkpoint import TrainerState
+from ars_opd.training.geometry import BatchConfigError, BatchGeometry, epoch_shard, step_indices
+from ars_opd.training.loop import NonFiniteError, optimizer_step
+from ars_opd.training.sft import encode_sft_rows
 from ddp_probe import grad_probe, tiny_model
 
 
@@ -203,8 +203,8 @@ def _fit_in_process(tmp_path, char_tokenizer, scale, **cfg_kw):
     import json
 
     from ars_opd.config import DDPConfig
-    from ars_opd.distributed import init_worker, shutdown_worker
-    from ars_opd.engine import fit
+    from ars_opd.training.distributed import init_worker, shutdown_worker
+    from ars_opd.training.loop import fit
     from ddp_probe import FixedTask
 
     ctx = init_worker("cpu", "gloo", threads=1)
@@ -213,7 +213,7 @@ def _fit_in_process(tmp_path, char_tokenizer, scale, **cfg_kw):
         prompts, completions = _ragged_batch(char_tokenizer, n=4, seed=3)
         task = _ScaledTask(FixedTask([[(prompts, completions)]], ctx, char_tokenizer.pad_token_id, True), scale)
         cfg = TrainLoopConfig(steps=6, global_batch_size=4, micro_batch_size=4, warmup_steps=1, lr=1e-3, **cfg_kw)
-        fit(ctx, model, task, cfg, DDPConfig(workers=1), "fp", tmp_path / "ckpt", tmp_path / "out",
+        fit(ctx, model, task, cfg, DDPConfig(workers=1), "fp", tmp_path / "ckpt", tmp_path / "out" / "steps.jsonl",
             tmp_path / "live", progress=False)
         return [json.loads(line) for line in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
     finally:
@@ -241,7 +241,7 @@ def test_an_in_process_world_of_one_leaves_later_launches_with_their_workers():
     launch(workers=2) took itself for a worker of an outside launcher and ran on one process."""
     import os
 
-    from ars_opd.distributed import init_worker, launch, shutdown_worker
+    from ars_opd.training.distributed import init_worker, launch, shutdown_worker
     from ddp_probe import gkd_probe
 
     before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
@@ -255,7 +255,7 @@ def test_an_in_process_world_of_one_leaves_later_launches_with_their_workers():
 
 def test_the_logged_lr_is_the_rate_each_step_used(tmp_path, char_tokenizer):
     """Regression: the log once read the scheduler after it had stepped, one step ahead of the truth."""
-    from ars_opd.schedules import warmup_cosine
+    from ars_opd.training.optim import warmup_cosine
 
     rows = _fit_in_process(tmp_path, char_tokenizer, {}, min_lr_ratio=0.1)
     expected = [1e-3 * warmup_cosine(s, 6, 1, 0.1) for s in range(6)]

@@ -9,9 +9,9 @@ import pytest
 
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import BaseConfig, load_params
-from ars_opd.evaluation import evaluate_models
-from ars_opd.model_setup import prepare_models
-from ars_opd.models import load_model
+from ars_opd.evaluation.evaluate import evaluate_models
+from ars_opd.models.stage import prepare_models
+from ars_opd.models.pinning import load_model
 from micro import teacher_rows, write_micro_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     write_jsonl(Path(p.paths.teacher_dir) / "eval.jsonl", rows)
     for stage in ("sft", "opd"):  # stand-ins: the trained-student directories hold the teacher and the base
         load_model(p.paths.models_dir, "teacher" if stage == "opd" else "student").save_pretrained(
-            Path(getattr(p.paths, f"{stage}_dir")) / "model")
+            Path(p.paths.training(stage).model))
     m = evaluate_models(p.evaluate, p.paths)
     assert m["examples"] == 10 and m["checkable_examples"] == 10  # micro config: max_examples 10
     on_disk = json.loads(Path(p.paths.eval_metrics).read_text())

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from ars_opd.config import DataConfig, SyntheticConfig
-from ars_opd.instruction_data import (
+from ars_opd.data.subset import (
     DataSourceError, MalformedDataError, RowError, make_subset, normalise_row,
 )
 

@@ -5,12 +5,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ars_opd import synthetic
+from ars_opd.data import synthetic
 from ars_opd.config import BaseConfig, ModelsConfig, SyntheticConfig, parse_section
-from ars_opd.generation import generate_token_ids
-from ars_opd.model_setup import TeacherTooWeakError, prepare_models
-from ars_opd.models import ModelSourceError, load_model, load_tokenizer, read_manifest, resolve_pretrained
-from ars_opd.prompts import alpaca_messages, encode_prompts
+from ars_opd.lm.generation import generate_token_ids
+from ars_opd.models.stage import TeacherTooWeakError, prepare_models
+from ars_opd.models.pinning import ModelSourceError, load_model, load_tokenizer, read_manifest, resolve_pretrained
+from ars_opd.data.prompts import alpaca_messages, encode_prompts
 from micro import MICRO_OVERRIDES
 
 
@@ -85,7 +85,7 @@ def test_batched_greedy_generation_equals_one_by_one(built):
 
 def test_local_model_directory_is_pinned_by_file_hash(tmp_path, char_tokenizer):
     from ars_opd.config import ArchConfig
-    from ars_opd.models import build_causal_lm
+    from ars_opd.models.builtin import build_causal_lm
 
     m = build_causal_lm(ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2,
                                    intermediate_size=32), char_tokenizer, seed=0)
@@ -100,8 +100,8 @@ def test_local_model_directory_is_pinned_by_file_hash(tmp_path, char_tokenizer):
 
 def test_pretrained_pair_with_different_tokenizers_is_refused(tmp_path, char_tokenizer):
     from ars_opd.config import ArchConfig
-    from ars_opd.models import build_causal_lm
-    from ars_opd.tokenizer import TokenizerMismatchError, build_char_word_tokenizer
+    from ars_opd.models.builtin import build_causal_lm
+    from ars_opd.models.tokenizer import TokenizerMismatchError, build_char_word_tokenizer
 
     arch = ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32)
     other_tok = build_char_word_tokenizer(["Zebra"])
@@ -130,7 +130,7 @@ def _resolve_in_fresh_process(tmp_path, **env) -> str:
     import sys
 
     full_env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), **env}
-    code = ("from ars_opd.models import resolve_pretrained, ModelSourceError\n"
+    code = ("from ars_opd.models.pinning import resolve_pretrained, ModelSourceError\n"
             "try:\n    resolve_pretrained('Qwen/Qwen3-0.6B')\n"
             "except ModelSourceError as e:\n    print('ModelSourceError:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120,

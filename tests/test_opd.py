@@ -11,10 +11,11 @@ import torch
 
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import BaseConfig, load_params
-from ars_opd.distributed import launch
-from ars_opd.model_setup import prepare_models
-from ars_opd.models import load_model, load_tokenizer
-from ars_opd.opd import build_rollout_batch, run_opd, uses_student_rollouts
+from ars_opd.training.distributed import launch
+from ars_opd.models.stage import prepare_models
+from ars_opd.models.pinning import load_model, load_tokenizer
+from ars_opd.lm.batching import build_rollout_batch
+from ars_opd.training.opd import run_opd, uses_student_rollouts
 from ddp_probe import gkd_probe
 from micro import teacher_rows, write_micro_params
 
@@ -68,7 +69,7 @@ def _workspace(root: Path, opd: dict) -> None:
         Path(p.paths.teacher_dir).mkdir(parents=True)
         write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", teacher_rows(64, seed=5))
         # the SFT student stands in as the base student: the OPD stage only needs an HF model directory
-        load_model(p.paths.models_dir, "student").save_pretrained(Path(p.paths.sft_dir) / "model")
+        load_model(p.paths.models_dir, "student").save_pretrained(Path(p.paths.sft_model))
     finally:
         os.chdir(cwd)
 
@@ -86,24 +87,27 @@ def test_opd_stage_end_to_end_on_micro_config(tmp_path, loss, lam):
         p = load_params("params.yaml")
         before = {k: v.clone() for k, v in load_model(p.paths.models_dir, "student").state_dict().items()}
         summary = run_opd(p.opd, p.ddp, p.paths, p.base.seed, progress=False)
-        steps = read_jsonl(Path(p.paths.opd_dir) / "steps.jsonl")
-        after = load_model_dir_state(Path(p.paths.opd_dir) / "model")
+        steps = read_jsonl(p.paths.training("opd").steps)
+        after = load_model_dir_state(Path(p.paths.opd_model))
     finally:
         os.chdir(cwd)
     assert summary["steps"] == 6 and [r["step"] for r in steps] == list(range(6))
     sources = [r["gkd_source"] for r in steps]
     assert sources == ["student" if uses_student_rollouts_for(s, lam, p) else "teacher" for s in range(6)]
     for r in steps:
-        for key in ("task/teacher_logprob", "task/response_length", "task/eos_rate", "task/gen_s", "task/teacher_s",
+        for key in ("task/teacher_logprob", "task/response_length", "task/eos_rate",
                     "consistency/grad_direction_consistency", "grad_norm", "worker_loss"):
             assert key in r, key
+        assert "task/gen_s" not in r and "task/teacher_s" not in r  # wall-clock columns: DVCLive only
         assert r["task/teacher_logprob"] <= 0 and 0 <= r["task/eos_rate"] <= 1
         assert 1 <= r["task/response_length"] <= 6
         if loss == "full_vocab":
             assert r["loss"] >= 0  # a divergence
         assert r["task/on_policy"] == (1.0 if r["gkd_source"] == "student" else 0.0)
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the student was trained
-    manifest = json.loads((tmp_path / p.paths.opd_dir / "manifest.json").read_text())
+    live = tmp_path / p.paths.opd_live / "plots/metrics/train/task"
+    assert (live / "gen_s.tsv").is_file() and (live / "teacher_s.tsv").is_file()
+    manifest = json.loads((tmp_path / p.paths.training("opd").manifest).read_text())
     assert manifest["vocab"] == len(load_tokenizer(tmp_path / p.paths.models_dir))
     assert manifest["data"]["kept"] == 64
 

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from ars_opd.config import PathsConfig, ReportConfig
-from ars_opd.report import build_report, loss_spikes, silent_steps, summarise, write_report
+from ars_opd.evaluation.report import build_report, loss_spikes, silent_steps, summarise, write_report
 
 
 def _log(n=200, seed=0, plant=None, loss_spike_at=None):
@@ -83,9 +83,9 @@ def test_write_report_files(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     paths = PathsConfig()
     for stage, df in (("sft", _log()), ("opd", _log(seed=2, plant=[(100, "gnd", 3.0)]))):
-        d = tmp_path / getattr(paths, f"{stage}_dir")
-        d.mkdir(parents=True)
-        with open(d / "steps.jsonl", "w") as f:
+        steps = tmp_path / paths.training(stage).steps
+        steps.parent.mkdir(parents=True)
+        with open(steps, "w") as f:
             for row in df.to_dict("records"):
                 f.write(json.dumps(row) + "\n")
     flat = write_report(ReportConfig(), paths)
@@ -107,7 +107,7 @@ def test_a_step_is_judged_as_soon_as_half_a_window_of_baseline_exists():
 
 
 def test_the_baseline_is_the_median_and_mad_of_the_previous_window():
-    from ars_opd.report import _rolling_bound
+    from ars_opd.evaluation.report import _rolling_bound
 
     x = pd.Series(np.linspace(1.0, 2.0, 200))
     med, hi = _rolling_bound(x, window=50, k=4.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ars_opd.cli import main
-from ars_opd.scenarios import collect, render
+from ars_opd.evaluation.scenarios import collect, render
 
 
 def _exp(name, scenario, ld, gnd, gdc, rev="abc"):

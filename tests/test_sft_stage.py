@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import BaseConfig, load_params
-from ars_opd.model_setup import prepare_models
+from ars_opd.models.stage import prepare_models
 from micro import teacher_rows, write_micro_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,16 +59,18 @@ def test_sft_resume_after_kill_is_bit_identical(tmp_path):
     proc = _stage(straight)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
-    steps = read_jsonl(straight / "data/sft/steps.jsonl")
+    steps = read_jsonl(straight / "data/sft/log/steps.jsonl")
     assert [r["step"] for r in steps] == list(range(60))
     row = steps[0]
-    for key in ("loss", "tokens", "lr", "grad_norm", "clip_coef", "clipped_total", "step_s", "worker_loss",
-                "worker_tokens"):
+    for key in ("loss", "tokens", "lr", "grad_norm", "clip_coef", "clipped_total", "worker_loss", "worker_tokens"):
         assert key in row, key
+    # wall-clock seconds go to DVCLive only: an identical retrain must write an identical steps.jsonl
+    assert not [k for r in steps for k in r if k.endswith("_s")]
+    assert (straight / "data/live/sft/plots/metrics/train/step_s.tsv").is_file()
     assert len(row["worker_loss"]) == 2 and sum(row["worker_tokens"]) == row["tokens"]
     live = json.loads((straight / "data/live/sft/metrics.json").read_text())
     assert live["steps"] == 60 and live["final_loss"] == pytest.approx(steps[-1]["loss"])
-    manifest = json.loads((straight / "data/sft/manifest.json").read_text())
+    manifest = json.loads((straight / "data/sft/log/manifest.json").read_text())
     assert manifest["data"]["kept"] == 120 and manifest["workers"] == 2
 
     killed = _workspace(tmp_path / "killed")
@@ -89,9 +91,9 @@ def test_sft_resume_after_kill_is_bit_identical(tmp_path):
     assert "resuming from step" in out
     a, b = _weights(straight), _weights(killed)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)  # bit-identical
-    resumed_steps = read_jsonl(killed / "data/sft/steps.jsonl")
+    resumed_steps = read_jsonl(killed / "data/sft/log/steps.jsonl")
     assert [r["loss"] for r in resumed_steps] == [r["loss"] for r in steps]
-    assert json.loads((killed / "data/sft/manifest.json").read_text())["resumed_from"] >= killed_at
+    assert json.loads((killed / "data/sft/log/manifest.json").read_text())["resumed_from"] >= killed_at
 
 
 @pytest.mark.slow

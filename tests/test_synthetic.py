@@ -1,6 +1,6 @@
 import pytest
 
-from ars_opd import synthetic
+from ars_opd.data import synthetic
 
 
 def test_generation_is_deterministic_and_seed_dependent():

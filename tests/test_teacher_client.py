@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ars_opd.fake_endpoint import FakeEndpoint, expected_answer
-from ars_opd.teacher_cache import TeacherCache, cache_key
-from ars_opd.teacher_client import ClientSettings, EndpointError, TeacherRequest, ask_all
+from fake_endpoint import FakeEndpoint, expected_answer
+from ars_opd.config import EndpointConfig
+from ars_opd.teacher.cache import TeacherCache, cache_key
+from ars_opd.teacher.client import ClientSettings, EndpointError, TeacherRequest, ask_all
 
 
 def _requests(n: int, model: str = "fake-teacher", tag: str = "q") -> list[TeacherRequest]:
@@ -24,9 +25,9 @@ def _requests(n: int, model: str = "fake-teacher", tag: str = "q") -> list[Teach
     return out
 
 
-def _settings(url: str, **kw) -> ClientSettings:
-    base = dict(base_url=url, concurrency=64, timeout_s=1.0, max_attempts=4, backoff_base_s=0.02, backoff_max_s=0.2)
-    return ClientSettings(**{**base, **kw})
+def _settings(url: str, api_key: str = "EMPTY", **kw) -> ClientSettings:
+    limits = dict(concurrency=64, request_timeout_s=1.0, max_attempts=4, backoff_base_s=0.02, backoff_max_s=0.2)
+    return ClientSettings(url, api_key, limits=EndpointConfig(**{**limits, **kw}))
 
 
 @pytest.mark.slow
@@ -112,16 +113,18 @@ def test_an_endpoint_failing_everything_is_stopped_early(tmp_path):
 _ULIMIT_SCRIPT = r"""
 import asyncio, json, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-from ars_opd.fake_endpoint import FakeEndpoint
-from ars_opd.teacher_cache import TeacherCache, cache_key
-from ars_opd.teacher_client import ClientSettings, TeacherRequest, ask_all
+sys.path.insert(0, "tests")
+from fake_endpoint import FakeEndpoint
+from ars_opd.config import EndpointConfig
+from ars_opd.teacher.cache import TeacherCache, cache_key
+from ars_opd.teacher.client import ClientSettings, TeacherRequest, ask_all
 reqs = []
 for i in range(600):
     ident = {"model": "fake-teacher", "messages": [{"role": "user", "content": f"u {i}"}]}
     reqs.append(TeacherRequest(cache_key(ident), {**ident, "max_tokens": 4}, ident))
 with FakeEndpoint(latency_s=0.05) as ep, TeacherCache(sys.argv[1]) as cache:
-    s = asyncio.run(ask_all(reqs, cache, ClientSettings(base_url=ep.base_url, concurrency=64, timeout_s=10),
-                            progress=False))
+    limits = EndpointConfig(concurrency=64, request_timeout_s=10)
+    s = asyncio.run(ask_all(reqs, cache, ClientSettings(ep.base_url, limits=limits), progress=False))
 print(json.dumps({"completed": s.completed, "failed": s.failed,
                   "limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}))
 """

@@ -14,10 +14,10 @@ import yaml
 
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import DataConfig, PathsConfig, SyntheticConfig, TeacherGenConfig, parse_section
-from ars_opd.fake_endpoint import FakeEndpoint, expected_answer
-from ars_opd.instruction_data import make_subset
-from ars_opd.teacher_generation import (
-    TeacherGenerationError, build_requests, completions_path, generate_teacher_completions, strip_thinking,
+from fake_endpoint import FakeEndpoint, expected_answer
+from ars_opd.data.subset import make_subset
+from ars_opd.teacher.generate import (
+    TeacherGenerationError, build_requests, generate_teacher_completions, strip_thinking,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def test_stage_against_faulty_endpoint_writes_ordered_outputs_and_lists_failures
     failures = read_jsonl(Path(paths.teacher_dir) / "failures.jsonl")
     assert m["failed"] == len(failures) > 0 and {f["reason"].split(":")[0] for f in failures} == {"http_500"}
     for split, source in (("train", paths.subset_train), ("eval", paths.subset_eval)):
-        out = read_jsonl(completions_path(paths.teacher_dir, split))
+        out = read_jsonl(paths.completions(split))
         ids = [r["id"] for r in read_jsonl(source) if r["id"] not in {f["id"] for f in failures}]
         assert [r["id"] for r in out] == ids  # subset order, failures left out
         for r in out:
@@ -163,10 +163,10 @@ def _valid(line: bytes) -> bool:
 @pytest.mark.slow
 def test_stage_end_to_end_with_the_bundled_server_on_micro_models(in_tmp):
     from ars_opd.config import BaseConfig, ModelsConfig
-    from ars_opd.generation import decode_completion, generate_token_ids
-    from ars_opd.model_setup import prepare_models
-    from ars_opd.models import load_model, load_tokenizer
-    from ars_opd.prompts import encode_prompts
+    from ars_opd.lm.generation import decode_completion, generate_token_ids
+    from ars_opd.models.stage import prepare_models
+    from ars_opd.models.pinning import load_model, load_tokenizer
+    from ars_opd.data.prompts import encode_prompts
     from micro import MICRO_OVERRIDES
 
     paths = _workspace(in_tmp, n=30, eval_size=6)
@@ -176,7 +176,7 @@ def test_stage_end_to_end_with_the_bundled_server_on_micro_models(in_tmp):
     log = in_tmp / "requests.jsonl"
     m = generate_teacher_completions(cfg, paths, progress=False, log_requests=str(log))
     assert m["answered"] == m["unique_requests"] and m["failed"] == 0 and m["prompts"] == 30
-    out = read_jsonl(completions_path(paths.teacher_dir, "train")) + read_jsonl(completions_path(paths.teacher_dir, "eval"))
+    out = read_jsonl(paths.completions("train")) + read_jsonl(paths.completions("eval"))
     # the server's greedy answers equal local greedy generation with the same teacher (independent path)
     tok, teacher = load_tokenizer(paths.models_dir), load_model(paths.models_dir, "teacher")
     ids = generate_token_ids(teacher, tok, encode_prompts(tok, [r["messages"] for r in out]), max_new_tokens=6)

@@ -23,11 +23,11 @@ import pytest
 import torch
 from aiohttp import web
 
-from ars_opd import teacher_server
+from ars_opd.teacher import batcher, server as teacher_server
 from ars_opd.config import ArchConfig
-from ars_opd.generation import decode_completion, generate_token_ids
-from ars_opd.models import build_causal_lm
-from ars_opd.prompts import encode_prompt
+from ars_opd.lm.generation import decode_completion, generate_token_ids
+from ars_opd.models.builtin import build_causal_lm
+from ars_opd.data.prompts import encode_prompt
 
 MODEL = "tiny-teacher"
 # 16 prompts of different lengths, so a batch of them is really left-padded
@@ -72,7 +72,7 @@ class _ServerThread:
         self.url = f"http://127.0.0.1:{self.port}"
 
     @property
-    def stats(self) -> teacher_server.ServerStats:
+    def stats(self) -> batcher.ServerStats:
         return self.app[teacher_server.ENGINE_KEY].stats
 
     def close(self):
@@ -298,7 +298,7 @@ def test_row_sampler_draws_from_the_tempered_nucleus():
     rows = [SimpleNamespace(temperature=0.0, top_p=1.0, seed=0),   # greedy: no noise
             SimpleNamespace(temperature=0.7, top_p=1.0, seed=1),
             SimpleNamespace(temperature=1.3, top_p=0.8, seed=2)]
-    sampler = teacher_server._RowSampler(rows, torch.device("cpu"))
+    sampler = batcher._RowSampler(rows, torch.device("cpu"))
     draws, counts = 2000, torch.zeros(3, 5)
     for _ in range(draws):
         picks = sampler(None, logits.expand(3, 5).clone()).argmax(dim=-1)
@@ -356,7 +356,7 @@ def test_module_runs_as_a_process_and_stops_cleanly_on_sigterm(model_dir, tmp_pa
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ars_opd.teacher_server", str(model_dir), "--port", "0", "--ready-file", str(ready),
+        [sys.executable, "-m", "ars_opd.teacher.server", str(model_dir), "--port", "0", "--ready-file", str(ready),
          "--log-requests", str(requests_log), "--threads", "1"],
         cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -1,10 +1,10 @@
 import pytest
 
-from ars_opd import synthetic
-from ars_opd.prompts import (
+from ars_opd.data import synthetic
+from ars_opd.data.prompts import (
     alpaca_messages, encode_completion, encode_completions, encode_prompt, encode_prompts,
 )
-from ars_opd.tokenizer import (
+from ars_opd.models.tokenizer import (
     EOS, PAD, TokenizerMismatchError, build_char_word_tokenizer, check_shared_tokenizer,
 )
 

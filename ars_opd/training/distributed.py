@@ -123,12 +123,6 @@ def shutdown_worker() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_sum(value: float | int, device: torch.device, dtype=torch.float64) -> float:
-    t = torch.tensor([value], dtype=dtype, device=device)
-    dist.all_reduce(t)
-    return t.item()
-
-
 def gather_floats(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
     """All-gather one small fp64 vector per worker -> (world_size, len) on CPU, in rank order."""
     local = torch.as_tensor(values, dtype=torch.float64).reshape(-1).to(device)

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ars_opd import synthetic
+from ars_opd.data import synthetic
 from ars_opd.artifacts import atomic_outputs, dumps_canonical, provenance, write_json, write_jsonl
 from ars_opd.config import BaseConfig, DataConfig, PathsConfig, SyntheticConfig, to_dict
 from ars_opd.seeding import derive_seed
-from ars_opd.prompts import alpaca_messages
+from ars_opd.data.prompts import alpaca_messages
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 ROLES = ("system", "user", "assistant")

@@ -1,8 +1,9 @@
-"""Token-level losses as pure tensor functions (no I/O, no globals); trainers call them.
+"""Next-token cross-entropy as a pure tensor function (no I/O, no globals); trainers call it.
 
-Every loss here returns a *sum* over valid tokens together with the valid-token count, never a mean:
-the caller divides by the global token count of the whole optimiser step (DESIGN §3), so the loss is
-the same however the global batch is split across workers and accumulation micro-batches.
+Like every loss of the pipeline it returns a *sum* over valid tokens together with the valid-token
+count, never a mean: the caller divides by the global token count of the whole optimiser step (the loss
+normalisation contract in docs/design.md), so the loss is the same however the global batch is split
+across workers and accumulation micro-batches.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from ars_opd.lm.batching import IGNORE_INDEX
 
 
 def causal_lm_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ prompts fail on every attempt. Every request is logged (prompt, attempt, outcome
 optionally, to a JSON Lines file, so tests can count re-requests.
 
 It runs in a background thread of the caller (``FakeEndpoint(...).start()``) or as its own process
-(``python -m ars_opd.fake_endpoint --port 0 --ready-file F --latency 1.0``) for benchmarks, where the
+(``python tests/fake_endpoint.py --port 0 --ready-file F --latency 1.0``) for benchmarks, where the
 client's and server's CPU must not share one interpreter. Loopback only. Not a model: nothing here
 generates text.
 """

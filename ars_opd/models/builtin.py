@@ -1,10 +1,14 @@
-"""Training the built-in teacher on the synthetic tasks, and exact-match evaluation.
+"""The built-in models of the offline default: tiny causal LMs from config, and the teacher's training.
+
+``build_causal_lm`` creates a Qwen3- or Llama-shaped model for the local tokenizer with a seeded
+initialisation; saved beside a copy of the tokenizer it is a complete HF directory that
+``from_pretrained`` and the teacher server load.
 
 The offline default needs a teacher that is good at the tasks, so the ``models`` stage trains one from
-scratch: a fresh, seeded stream of synthetic examples each step (no example repeats by construction of
-the stream, though small task spaces such as two-digit addition recur), loss on response tokens only,
-AdamW with linear warmup and cosine decay, fp32 on one process. Deterministic for a seed and a thread
-count.
+scratch (``train_builtin_teacher``): a fresh, seeded stream of synthetic examples each step (no example
+repeats by construction of the stream, though small task spaces such as two-digit addition recur), loss
+on response tokens only, the shared optimiser setup (``ars_opd.training.optim``) with the
+``models.teacher_training`` params, fp32 on one process. Deterministic for a seed and a thread count.
 
 This is deliberately a small single-process loop that builds the *default teacher*; the data-parallel
 engine with exact loss normalisation and consistency statistics is what trains the student.
@@ -17,14 +21,54 @@ from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from ars_opd import synthetic
-from ars_opd.config import SyntheticConfig, TeacherTrainingConfig
-from ars_opd.generation import generate_texts, pad_right_with_labels
-from ars_opd.losses import causal_lm_token_loss_sum
-from ars_opd.prompts import alpaca_messages, encode_completions, encode_prompts
-from ars_opd.schedules import warmup_cosine
+from ars_opd.config import ArchConfig, SyntheticConfig, TeacherTrainingConfig
+from ars_opd.data import synthetic
+from ars_opd.data.prompts import alpaca_messages, encode_completions, encode_prompts
+from ars_opd.lm.batching import pad_right_with_labels
+from ars_opd.lm.generation import generate_texts
+from ars_opd.lm.losses import causal_lm_token_loss_sum
+from ars_opd.training.optim import clip_gradients, make_optimizer, make_scheduler
+
+
+def build_causal_lm(arch: ArchConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+    """A randomly initialised causal LM of shape ``arch`` for ``tokenizer``'s vocabulary (seeded)."""
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads,
+        num_key_value_heads=arch.num_kv_heads,
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if arch.family == "qwen3":
+        from transformers import Qwen3Config
+
+        config = Qwen3Config(head_dim=arch.hidden_size // arch.num_heads, **common)
+    elif arch.family == "llama":
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(head_dim=arch.hidden_size // arch.num_heads, **common)
+    else:  # config validation makes this unreachable from params
+        raise ValueError(f"unknown architecture family {arch.family!r}")
+    torch.manual_seed(seed)
+    # eager attention: ~10% faster than SDPA at these tiny widths on CPU
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def task_spec(cfg: SyntheticConfig) -> synthetic.TaskSpec:
@@ -56,14 +100,9 @@ def train_builtin_teacher(
     """Train ``model`` in place; returns a log row every 50 steps (step, loss, lr)."""
     torch.manual_seed(seed)
     batches = _batches(tokenizer, synthetic.stream(seed, tasks.tasks, task_spec(tasks)), cfg.batch_size)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95),
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: warmup_cosine(s, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
+    opt = make_optimizer(model, cfg)
+    sched = make_scheduler(opt, cfg, cfg.steps)
+    params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     log, running = [], None
     bar = tqdm(range(cfg.steps), desc="train teacher", disable=not progress, mininterval=2.0)
@@ -76,7 +115,7 @@ def train_builtin_teacher(
             raise FloatingPointError(f"teacher training loss is {loss.item()} at step {step}; lower models.teacher_training.lr")
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_gradients(params, cfg.max_grad_norm)
         opt.step()
         sched.step()
         value = loss.item()

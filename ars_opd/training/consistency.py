@@ -1,4 +1,5 @@
-"""Worker-consistency statistics of data-parallel training, taken before the all-reduce (DESIGN §5).
+"""Worker-consistency statistics of data-parallel training, taken before the all-reduce (definitions in
+docs/design.md, "Worker consistency").
 
 At step t with K workers, L_k is worker k's loss on its share (its token mean), g_k its local gradient
 (summed over its accumulation micro-batches, in the scale of the reduced gradient: the engine scales each
@@ -65,10 +66,6 @@ class ConsistencyHook:
         self._dot.clear()
         self._keep.clear()
         self._gram_step = self.world_size > 2 and self.gram_every > 0 and step % self.gram_every == 0
-
-    @property
-    def gram_step(self) -> bool:
-        return self._gram_step
 
     @property
     def tracks_dot(self) -> bool:

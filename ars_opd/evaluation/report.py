@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ars_opd.artifacts import atomic_outputs, write_json
+from ars_opd.artifacts import atomic_outputs, read_jsonl, write_json
 from ars_opd.config import PathsConfig, ReportConfig
+from ars_opd.evaluation.tables import render_table
 
 STAGES = ("sft", "opd")
 DISPERSION = {
@@ -66,8 +67,7 @@ def load_steps(path: Path) -> pd.DataFrame:
     """A stage's per-step log as a DataFrame (one row per step); empty if the file is absent."""
     if not path.exists():
         return pd.DataFrame()
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return pd.DataFrame(rows)
+    return pd.DataFrame(read_jsonl(path))
 
 
 def min_baseline(window: int) -> int:
@@ -191,8 +191,6 @@ def build_report(stage_logs: dict[str, pd.DataFrame], eval_metrics: dict | None,
     flat: dict = {}
     flagged_all: dict[str, pd.DataFrame] = {}
     if eval_metrics:
-        from ars_opd.evaluation import render_table
-
         md += ["## Did distillation work?", "", render_table(eval_metrics)]
         for model in ("base", "sft", "opd", "teacher"):
             m = eval_metrics.get(model) or {}
@@ -248,9 +246,10 @@ PLOT_COLUMNS = ("step", "loss", "consistency/loss_dispersion", "consistency/grad
 
 def write_report(cfg: ReportConfig, paths: PathsConfig) -> dict:
     """Run the stage: read logs and evaluation, write report.md, figures, plot series and metrics."""
-    logs = {s: load_steps(Path(getattr(paths, f"{s}_dir")) / "steps.jsonl") for s in STAGES}
+    logs = {s: load_steps(Path(paths.training(s).steps)) for s in STAGES}
     if all(df.empty for df in logs.values()):
-        raise FileNotFoundError("no training log found (data/sft/steps.jsonl, data/opd/steps.jsonl): run sft/opd first")
+        where = ", ".join(paths.training(s).steps for s in STAGES)
+        raise FileNotFoundError(f"no training log found ({where}): run sft/opd first")
     eval_path = Path(paths.eval_metrics)
     eval_metrics = json.loads(eval_path.read_text()) if eval_path.exists() else None
     md, flat, flagged = build_report(logs, eval_metrics, cfg)

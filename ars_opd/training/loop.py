@@ -1,31 +1,27 @@
-"""The training engine shared by SFT and OPD: DDP workers, one global token-mean loss, exact resume.
+"""The training engine shared by SFT and OPD: DDP workers, one global token-mean loss, explicit clipping.
 
 One optimiser step, on every worker k of K:
 
 1. the task builds this worker's micro-batches for the step (SFT: slices of the data; OPD: rollouts);
-2. the valid-token count of the *whole* global batch is all-reduced before any backward (DESIGN §3);
+2. the valid-token count of the *whole* global batch is all-reduced before any backward;
 3. each micro-batch's summed token loss is back-propagated scaled by ``K / N_global``, the last one
    outside ``no_sync`` so DDP all-reduces once. DDP's all-reduce averages over the K workers, so the
    reduced gradient is the gradient of (sum of every token loss of the step) / N_global, whatever the
    split into workers and micro-batches (tested: 1x8, 2x4 and 2x2 with accumulation 2 agree to 1e-6).
-   The ``K`` is the explicit inverse of DDP's documented mean; no implicit framework scaling is relied on;
+   The ``K`` is the explicit inverse of DDP's documented mean; no implicit framework scaling is relied on
+   (docs/design.md, "Loss normalisation");
 4. the pre-clip norm of the reduced gradient is logged; it is clipped to ``max_grad_norm`` unless that is
    null (``noclip``); a non-finite loss or gradient skips the step (counted) or stops the run, by param;
 5. AdamW step, LR schedule step; one all-gather of a few scalars per worker for the log.
 
-Checkpoints (every ``checkpoint_every`` steps and at the end) hold the weights (safetensors), optimizer and
-scheduler state, every worker's RNG state, the counters, the per-step log so far, and a fingerprint of
-the run: configuration, the content of the training data and the source of this package. A rerun with the
-same fingerprint resumes from the latest one (the data position follows from the step number); one with
-another configuration, other data or changed code starts afresh and says so. (Keying on the row count
-alone let a rerun after new teacher completions "resume" from the old run's final step and publish the
-old model as the new one; DVC reruns a stage exactly when such inputs change.) Loading uses
-``torch.load(weights_only=True)``. Resumed runs are bit-identical to uninterrupted ones on CPU (tested).
-
-Precision: fp32 on CPU; bf16 autocast on CUDA (``precision: auto``); losses are always taken in fp32.
+The per-step log (``steps.jsonl``, rank 0) holds one JSON line per step with the per-worker columns.
+Columns whose name ends in ``_s`` are wall-clock seconds: they go to DVCLive (``dvc plots``,
+``dvc exp show``) but not into ``steps.jsonl``, so an identical retrain writes an identical log and DVC
+reruns nothing downstream of it. Checkpoints: ``ars_opd.training.checkpoint``; batch split and data
+position: ``ars_opd.training.geometry``.
 
 What this module leaves out: FSDP/tensor parallelism, mixed-precision loss scaling (bf16 needs none),
-gradient checkpointing, and the loss itself (tasks provide it; see ``ars_opd.sft``).
+gradient checkpointing, and the loss itself (tasks provide it; see ``ars_opd.training.sft``).
 """
 
 from __future__ import annotations
@@ -33,41 +29,26 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import random
 import re
-import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ars_opd.artifacts import dumps_canonical, files_sha256, write_json
 from ars_opd.config import DDPConfig, TrainLoopConfig
-from ars_opd.consistency import ConsistencyHook, consistency_metrics
-from ars_opd.distributed import WorkerContext, gather_floats
-from ars_opd.schedules import warmup_cosine
-from ars_opd.seeding import derive_seed
-
-STEPS_LOG = "steps.jsonl"
-LATEST = "latest.json"
+from ars_opd.training.checkpoint import TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
+from ars_opd.training.consistency import ConsistencyHook, consistency_metrics
+from ars_opd.training.distributed import WorkerContext, gather_floats
+from ars_opd.training.optim import autocast_context, clip_gradients, make_optimizer, make_scheduler
 
 
 class NonFiniteError(FloatingPointError):
     """A non-finite loss or gradient under ``nonfinite: stop`` (or too many skipped steps)."""
-
-
-class BatchConfigError(ValueError):
-    """The global batch does not split into workers and micro-batches, or the data is too small."""
-
-
-# --------------------------------------------------------------------------------------------------
-# tasks
 
 
 @dataclass
@@ -94,201 +75,9 @@ class TrainingTask(Protocol):
         """Task metrics reported per step; each is a (sum, count) pair reduced over all workers."""
 
 
-# --------------------------------------------------------------------------------------------------
-# seeds and batch geometry
-
-
-def scenario_seeds(scenario: str, seed: int, rank: int) -> tuple[int, int]:
-    """(sampler seed, RNG seed) of a worker under a consistency scenario (DESIGN §5).
-
-    S1-1 strict: one seed everywhere (disjoint, identically shuffled shards; identical RNG streams).
-    S1-2 mild: rank 0 uses another seed for both; the other ranks the baseline.
-    S1-3 significant: every rank's seeds depend on its rank.
-    """
-    if scenario == "S1-1":
-        return seed, seed
-    if scenario == "S1-2":
-        return (derive_seed(seed, "rank0-differs"),) * 2 if rank == 0 else (seed, seed)
-    if scenario == "S1-3":
-        s = derive_seed(seed, f"rank-{rank}")
-        return s, s
-    raise ValueError(f"unknown scenario {scenario!r}; allowed: S1-1, S1-2, S1-3")
-
-
-@dataclass(frozen=True)
-class BatchGeometry:
-    """How one optimiser step's global batch splits: per worker, then into micro-batches."""
-
-    global_batch: int
-    workers: int
-    micro_batch: int
-
-    @property
-    def per_worker(self) -> int:
-        return self.global_batch // self.workers
-
-    @property
-    def accumulation(self) -> int:
-        return self.per_worker // self.micro_batch
-
-    @classmethod
-    def check(cls, global_batch: int, workers: int, micro_batch: int, section: str) -> "BatchGeometry":
-        if global_batch % workers:
-            raise BatchConfigError(f"{section}.global_batch_size = {global_batch} does not divide by "
-                                   f"ddp.workers = {workers}")
-        if (global_batch // workers) % micro_batch:
-            raise BatchConfigError(f"{section}.global_batch_size / ddp.workers = {global_batch // workers} "
-                                   f"does not divide by {section}.micro_batch_size = {micro_batch}")
-        return cls(global_batch, workers, micro_batch)
-
-
-def epoch_shard(n_items: int, epoch: int, sampler_seed: int, rank: int, world_size: int) -> list[int]:
-    """This worker's item indices for an epoch: a seeded permutation, dealt round-robin (drop the tail).
-
-    With one sampler seed on every worker the shards are disjoint and cover all but < world_size items.
-    """
-    g = torch.Generator().manual_seed(sampler_seed * 100_003 + epoch)
-    perm = torch.randperm(n_items, generator=g).tolist()
-    usable = (n_items // world_size) * world_size
-    return perm[rank:usable:world_size]
-
-
-def step_indices(step: int, n_items: int, geometry: BatchGeometry, sampler_seed: int, rank: int) -> list[int]:
-    """Item indices this worker uses at ``step`` (a pure function of the step: resume needs no data state)."""
-    per_shard = n_items // geometry.workers
-    steps_per_epoch = per_shard // geometry.per_worker
-    if steps_per_epoch == 0:
-        raise BatchConfigError(f"{n_items} training rows cannot fill one step of {geometry.global_batch} "
-                               f"sequences over {geometry.workers} workers; lower the global batch size")
-    epoch, k = divmod(step, steps_per_epoch)
-    shard = epoch_shard(n_items, epoch, sampler_seed, rank, geometry.workers)
-    return shard[k * geometry.per_worker:(k + 1) * geometry.per_worker]
-
-
-# --------------------------------------------------------------------------------------------------
-# checkpoints
-
-
-def code_fingerprint() -> str:
-    """sha256 over this package's Python sources (relative names and bytes, sorted)."""
-    return files_sha256(Path(__file__).resolve().parent, (".py",))[0]
-
-
-def config_fingerprint(obj: Any) -> str:
-    """Fingerprint of a training run for its checkpoints: ``obj`` (configuration, data hashes) plus the
-    package source, so that a checkpoint is never resumed under other data or other code."""
-    import hashlib
-
-    return hashlib.sha256(dumps_canonical({"run": obj, "code": code_fingerprint()}).encode()).hexdigest()[:16]
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(_as_tuple(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuple(x):
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-@dataclass
-class TrainerState:
-    step: int = 0  # next step to run
-    clipped_steps: int = 0
-    skipped_steps: int = 0
-    tokens_seen: int = 0
-    train_seconds: float = 0.0
-    resumed_from: int | None = None
-
-
-def save_checkpoint(ckpt_dir: Path, ctx: WorkerContext, model: torch.nn.Module, opt, sched,
-                    state: TrainerState, fingerprint: str, steps_log: list[dict], keep: int) -> None:
-    """All workers call this; weights/optimizer from rank 0, RNG from every rank; atomic switch of ``latest``."""
-    from safetensors.torch import save_model
-
-    final = ckpt_dir / f"step_{state.step:07d}"
-    tmp = ckpt_dir / f".step_{state.step:07d}.tmp"
-    if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
-    if ctx.is_main:
-        save_model(model, str(tmp / "model.safetensors"))
-        torch.save(opt.state_dict(), tmp / "optimizer.pt")
-        torch.save(sched.state_dict(), tmp / "scheduler.pt")
-        write_json(tmp / "state.json", {**state.__dict__, "fingerprint": fingerprint, "world_size": ctx.world_size})
-        with open(tmp / STEPS_LOG, "w") as f:
-            for row in steps_log:
-                f.write(json.dumps(row) + "\n")
-    dist.barrier()
-    if ctx.is_main:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        latest_tmp = ckpt_dir / f".{LATEST}.tmp"
-        write_json(latest_tmp, {"step": state.step, "dir": final.name, "fingerprint": fingerprint})
-        os.replace(latest_tmp, ckpt_dir / LATEST)
-        old = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())[:-keep]
-        for p in old:
-            shutil.rmtree(p, ignore_errors=True)
-    dist.barrier()
-
-
-def find_checkpoint(ckpt_dir: Path, fingerprint: str, world_size: int) -> tuple[Path | None, str]:
-    """The latest checkpoint if it matches this run's configuration, else (None, why not)."""
-    latest = ckpt_dir / LATEST
-    if not latest.exists():
-        return None, "no checkpoint"
-    info = json.loads(latest.read_text())
-    path = ckpt_dir / info["dir"]
-    if info.get("fingerprint") != fingerprint:
-        return None, f"checkpoint at step {info['step']} was made with another configuration, other data or other code; starting afresh"
-    state = json.loads((path / "state.json").read_text())
-    if state.get("world_size") != world_size:
-        return None, f"checkpoint was made with {state.get('world_size')} workers, not {world_size}; starting afresh"
-    return path, f"resuming from step {info['step']}"
-
-
-def load_checkpoint(path: Path, ctx: WorkerContext, model: torch.nn.Module, opt, sched) -> tuple[TrainerState, list[dict]]:
-    from safetensors.torch import load_model
-
-    load_model(model, str(path / "model.safetensors"), device=str(ctx.device))
-    opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=ctx.device))
-    sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    _set_rng_state(torch.load(path / f"rng_rank{ctx.rank}.pt", weights_only=True))
-    raw = json.loads((path / "state.json").read_text())
-    state = TrainerState(**{k: raw[k] for k in TrainerState.__dataclass_fields__})
-    state.resumed_from = state.step
-    steps_log = [json.loads(line) for line in (path / STEPS_LOG).read_text().splitlines() if line.strip()]
-    return state, steps_log
-
-
-# --------------------------------------------------------------------------------------------------
-# the loop
-
-
-def make_optimizer(model: torch.nn.Module, cfg: TrainLoopConfig) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-
-
-def autocast_context(cfg: TrainLoopConfig, device: torch.device):
-    use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-    if use_bf16:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def is_timing(column: str) -> bool:
+    """Wall-clock columns (seconds): logged to DVCLive, kept out of ``steps.jsonl``."""
+    return column.endswith("_s")
 
 
 @dataclass
@@ -329,7 +118,7 @@ def accumulate_gradients(ddp_model: DDP, task: TrainingTask, micro: list[MicroBa
     metric_sums: dict[str, list[float]] = {}
     for i, batch in enumerate(micro):
         last = i == len(micro) - 1
-        with (contextlib.nullcontext() if last else ddp_model.no_sync()), autocast_context(cfg, ctx.device):
+        with (contextlib.nullcontext() if last else ddp_model.no_sync()), autocast_context(cfg.precision, ctx.device):
             loss_sum, metrics = task.loss_sum(ddp_model, batch)
         (loss_sum.float() * scale).backward()
         local_sum += loss_sum.detach().float().item()
@@ -346,14 +135,10 @@ def optimizer_step(model: torch.nn.Module, opt, sched, cfg: TrainLoopConfig, los
                    state: TrainerState) -> tuple[float, float, bool, bool]:
     """Clip (or not), check finiteness, step. Returns (pre-clip norm, clip coef, clipped, skipped)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0).item()
-    finite = math.isfinite(norm) and math.isfinite(loss)
-    clip_coef, clipped = 1.0, False
-    if finite and cfg.max_grad_norm is not None:
-        clip_coef = min(1.0, cfg.max_grad_norm / (norm + 1e-6))
-        clipped = clip_coef < 1.0
-        if clipped:
-            torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, torch.tensor(norm))
+    finite = math.isfinite(loss)
+    norm, clip_coef = clip_gradients(params, cfg.max_grad_norm if finite else None)
+    finite = finite and math.isfinite(norm)
+    clipped = clip_coef < 1.0
     skipped = False
     if not finite:
         what = "loss" if not math.isfinite(loss) else "gradient norm"
@@ -410,11 +195,6 @@ def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContex
                       consistency)
 
 
-def set_seeds(rng_seed: int) -> None:
-    random.seed(rng_seed)
-    torch.manual_seed(rng_seed)
-
-
 class StepLogger:
     """Rank 0's per-step record: one JSON line per step (per-worker columns included) and DVCLive scalars.
 
@@ -425,7 +205,7 @@ class StepLogger:
 
     SCALARS = ("loss", "lr", "grad_norm", "clip_coef", "tokens", "step_s")
 
-    def __init__(self, out_dir: Path, live_dir: Path, enabled: bool):
+    def __init__(self, steps_path: Path, live_dir: Path, enabled: bool):
         self.enabled = enabled
         self.rows: list[dict] = []
         self._file = None
@@ -433,20 +213,19 @@ class StepLogger:
         if enabled:
             from dvclive import Live
 
-            out_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(out_dir / STEPS_LOG, "w")
+            steps_path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(steps_path, "w")
             self._live = Live(dir=str(live_dir), save_dvc_exp=False, dvcyaml=None, resume=False)
 
     def log(self, row: dict) -> None:
         self.rows.append(row)
         if not self.enabled:
             return
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps({k: v for k, v in row.items() if not is_timing(k)}) + "\n")
         self._file.flush()
         for k, v in row.items():
             if (k in self.SCALARS or k.startswith(("task/", "consistency/"))) and isinstance(v, (int, float)) \
-                    and not isinstance(v, bool) \
-                    and math.isfinite(v):
+                    and not isinstance(v, bool) and math.isfinite(v):
                 self._live.log_metric(f"train/{k}", v, plot=True)
         self._live.step = row["step"]
         self._live.next_step()
@@ -469,7 +248,7 @@ class StepLogger:
 
 
 def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: TrainLoopConfig,
-        ddp_cfg: DDPConfig, fingerprint: str, ckpt_dir: Path, out_dir: Path, live_dir: Path,
+        ddp_cfg: DDPConfig, fingerprint: str, ckpt_dir: Path, steps_path: Path, live_dir: Path,
         progress: bool = True, on_step=None) -> tuple[TrainerState, list[dict]]:
     """Train ``model`` (unwrapped, on ``ctx.device``) for ``cfg.steps`` optimiser steps, resuming if possible.
 
@@ -483,8 +262,7 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
         monitor = ConsistencyHook(ctx.world_size, gram_every=ddp_cfg.gram_every)
         monitor.attach(ddp_model)
     opt = make_optimizer(model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: warmup_cosine(s, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
+    sched = make_scheduler(opt, cfg, cfg.steps)
     state, history = TrainerState(), []
     if ctx.is_main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -494,7 +272,7 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
         state, history = load_checkpoint(path, ctx, model, opt, sched)
     if ctx.is_main and (path is not None or why != "no checkpoint"):
         print(f"checkpoints: {why}", flush=True)
-    logger = StepLogger(out_dir, live_dir, enabled=ctx.is_main)
+    logger = StepLogger(steps_path, live_dir, enabled=ctx.is_main)
     logger.replay(history)
     bar = tqdm(total=cfg.steps, initial=state.step, desc="train", unit="step", disable=not (progress and ctx.is_main),
                mininterval=1.0, dynamic_ncols=True)

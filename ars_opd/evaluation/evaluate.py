@@ -19,34 +19,27 @@ JSON Lines for inspection. Runs in one process (evaluation needs no data paralle
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-from ars_opd import synthetic
 from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
 from ars_opd.config import EvaluateConfig, PathsConfig, to_dict
-from ars_opd.divergences import token_divergence
-from ars_opd.generation import decode_completion, generate_token_ids, pad_right_with_labels
-from ars_opd.losses import causal_lm_token_loss_sum
-from ars_opd.models import load_model, load_tokenizer
-from ars_opd.opd import build_rollout_batch
-from ars_opd.prompts import encode_completions, encode_prompts
-
-MODELS = ("base", "sft", "opd", "teacher")
+from ars_opd.data import synthetic
+from ars_opd.data.prompts import encode_completions, encode_prompts
+from ars_opd.evaluation.tables import MODELS, render_table
+from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
+from ars_opd.lm.divergences import token_divergence
+from ars_opd.lm.generation import decode_completion, generate_token_ids
+from ars_opd.lm.losses import causal_lm_token_loss_sum
+from ars_opd.models.pinning import load_model, load_model_dir, load_tokenizer
 
 
 def _load(paths: PathsConfig, name: str, trust_remote_code: bool) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
     if name in ("base", "teacher"):
         model = load_model(paths.models_dir, "student" if name == "base" else "teacher",
                            trust_remote_code=trust_remote_code)
     else:
-        d = Path(paths.sft_dir if name == "sft" else paths.opd_dir) / "model"
-        if not (d / "config.json").exists():
-            raise FileNotFoundError(f"{d} holds no model: run the {name} stage first")
-        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+        model = load_model_dir(paths.training(name).model, stage=name)
     return model.eval().requires_grad_(False)
 
 
@@ -87,11 +80,11 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
     """Run the stage; write metrics, table and answers; return the metrics."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    rows = read_jsonl(Path(paths.teacher_dir) / "eval.jsonl")
+    rows = read_jsonl(paths.completions("eval"))
     if cfg.max_examples:
         rows = rows[: cfg.max_examples]
     if not rows:
-        raise ValueError(f"{paths.teacher_dir}/eval.jsonl has no rows: evaluation needs held-out prompts "
+        raise ValueError(f"{paths.completions('eval')} has no rows: evaluation needs held-out prompts "
                          "(teacher_gen.splits must include eval and data.eval_size > 0)")
     tokenizer = load_tokenizer(paths.models_dir)
     vocab = len(tokenizer)
@@ -132,22 +125,3 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
         write_json(out / "manifest.json", provenance({"evaluate": to_dict(cfg)}))
         write_json(metrics_tmp, metrics)
     return metrics
-
-
-def render_table(metrics: dict) -> str:
-    """Markdown table: one row per model."""
-    lines = ["| model | exact match | reverse KL to teacher (per token) | NLL of teacher completions (per token) |",
-             "|---|---|---|---|"]
-    for name in MODELS:
-        m = metrics.get(name)
-        if m is None:
-            continue
-        em = "n/a" if m.get("exact_match") is None else f"{m['exact_match']:.1%}"
-        lines.append(f"| {name} | {em} | {m['reverse_kl']:.4f} | {m['teacher_nll']:.4f} |")
-    tasks = sorted({t for name in MODELS for t in (metrics.get(name) or {}).get("exact_match_per_task", {})})
-    if tasks:
-        lines += ["", "| model | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
-        for name in MODELS:
-            per = (metrics.get(name) or {}).get("exact_match_per_task", {})
-            lines.append(f"| {name} | " + " | ".join(f"{per.get(t, float('nan')):.1%}" for t in tasks) + " |")
-    return "\n".join(lines) + "\n"

@@ -2,7 +2,8 @@
 
 Why this shape: on the synthetic letter tasks (reverse, uppercase, count) a BPE tokenizer fuses letter
 pairs and a tiny model then cannot learn letter-level operations in minutes; single characters plus
-whole-word tokens for the template and instruction words worked (DESIGN §2). So the vocabulary is:
+whole-word tokens for the template and instruction words worked (measured: BPE with 300 to 1,000 merges
+made no progress on reverse and uppercase in 100 s, this vocabulary did). So the vocabulary is:
 special tokens, every printable ASCII character plus newline and tab, the Alpaca section headers as
 single tokens (``### Instruction:\\n`` and ``\\n\\n### Input:\\n``), and a short list of whole words, each
 also with its leading space, that match only between non-letters. Short sequences matter on two CPU
@@ -12,8 +13,8 @@ cores: the prompt of a synthetic task is about 18 tokens. Anything else (e.g. no
 The chat template is ChatML (as Qwen uses): ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, and the
 generation prompt ``<|im_start|>assistant\\n``. EOS is ``<|im_end|>``; PAD is ``<|endoftext|>``.
 
-``check_shared_tokenizer`` implements the white-box rule of DESIGN §4: teacher and student must share
-vocabulary and special tokens; a difference is refused with the first differing entries named.
+``check_shared_tokenizer`` implements the white-box rule of token-level distillation: teacher and student
+must share vocabulary and special tokens; a difference is refused with the first differing entries named.
 """
 
 from __future__ import annotations

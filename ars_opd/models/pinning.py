@@ -1,9 +1,6 @@
-"""Teacher and student models: built from config (offline default) or pretrained (hub id / local dir).
+"""Where each stage's models come from: the manifest of the models stage, and loading exactly what it pinned.
 
-Built-in models are tiny Qwen3- or Llama-shaped causal LMs created from a transformers config with a
-seeded initialisation and saved as safetensors beside a copy of the shared tokenizer, so each model
-directory is a complete HF directory that ``from_pretrained`` and the teacher server can load.
-
+Built-in models (``ars_opd.models.builtin``) are complete HF directories inside the models stage's output.
 Pretrained models are not copied into the pipeline's outputs (they can be tens of GB): the manifest
 pins them instead, as a hub id plus the resolved commit hash, or a local directory plus a sha256 of its
 files. ``load_model``/``load_tokenizer`` read the manifest, so later stages load exactly what was pinned.
@@ -22,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ars_opd.artifacts import files_sha256
-from ars_opd.config import BUILTIN, ArchConfig
+from ars_opd.config import BUILTIN
 
 MANIFEST = "manifest.json"
 ROLES = ("teacher", "student")
@@ -30,45 +27,6 @@ ROLES = ("teacher", "student")
 
 class ModelSourceError(RuntimeError):
     """A model or tokenizer named in params cannot be found or loaded."""
-
-
-def build_causal_lm(arch: ArchConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
-    """A randomly initialised causal LM of shape ``arch`` for ``tokenizer``'s vocabulary (seeded)."""
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=arch.hidden_size,
-        intermediate_size=arch.intermediate_size,
-        num_hidden_layers=arch.num_layers,
-        num_attention_heads=arch.num_heads,
-        num_key_value_heads=arch.num_kv_heads,
-        max_position_embeddings=arch.max_position_embeddings,
-        tie_word_embeddings=arch.tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    if arch.family == "qwen3":
-        from transformers import Qwen3Config
-
-        config = Qwen3Config(head_dim=arch.hidden_size // arch.num_heads, **common)
-    elif arch.family == "llama":
-        from transformers import LlamaConfig
-
-        config = LlamaConfig(head_dim=arch.hidden_size // arch.num_heads, **common)
-    else:  # config validation makes this unreachable from params
-        raise ValueError(f"unknown architecture family {arch.family!r}")
-    torch.manual_seed(seed)
-    # eager attention: ~10% faster than SDPA at these tiny widths on CPU
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    return model
-
-
-def count_parameters(model: torch.nn.Module) -> int:
-    """Distinct parameters (tied weights counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def sha256_of_files(directory: Path, suffixes=(".json", ".safetensors", ".bin", ".model", ".txt", ".jinja")) -> str:
@@ -174,3 +132,11 @@ def embedding_rows(path: str) -> int:
 def builtin_ref(models_dir: str | Path, role: str) -> ModelRef:
     d = Path(models_dir) / role
     return ModelRef(BUILTIN, BUILTIN, sha256_of_files(d), str(d))
+
+
+def load_model_dir(path: str | Path, device: torch.device | str = "cpu", stage: str = "sft") -> PreTrainedModel:
+    """A model directory written by a training stage (fp32), or a clear error naming the stage to run."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} holds no model: run the {stage} stage first (dvc repro {stage})")
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)

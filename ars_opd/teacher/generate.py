@@ -2,8 +2,8 @@
 
 Flow: read the subset splits; build one request per prompt (the configured system prompt prepended
 where a prompt has none) and its cache key; ask only for keys missing from the persistent cache
-(``ars_opd.teacher_client``); join answers back to the prompts in subset order. With ``endpoint: local``
-the stage starts the bundled server (``ars_opd.teacher_server``) on 127.0.0.1 for the teacher pinned by the
+(``ars_opd.teacher.client``); join answers back to the prompts in subset order. With ``endpoint: local``
+the stage starts the bundled server (``ars_opd.teacher.server``) on 127.0.0.1 for the teacher pinned by the
 models stage, and stops it afterwards, also on errors and Ctrl-C.
 
 The cache key covers model name, model revision (the teacher's file hash for the local server, or
@@ -36,20 +36,13 @@ from typing import Iterator
 
 from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
 from ars_opd.config import LOCAL_ENDPOINT, PathsConfig, TeacherGenConfig, TeacherServerConfig, to_dict
-from ars_opd.models import model_path, read_manifest
-from ars_opd.teacher_cache import TeacherCache, cache_key
-from ars_opd.teacher_client import AskSummary, ClientSettings, TeacherRequest, ask_all
+from ars_opd.models.pinning import model_path, read_manifest
+from ars_opd.teacher.cache import TeacherCache, cache_key
+from ars_opd.teacher.client import AskSummary, ClientSettings, TeacherRequest, ask_all, count_by_reason
 
 LOCAL_MODEL_NAME = "ars-opd-teacher"
 SPLITS = ("train", "eval")
 FAILURES_FILE, MANIFEST_FILE = "failures.jsonl", "manifest.json"
-
-
-def completions_path(teacher_dir: str | Path, split: str) -> Path:
-    """Where teacher_gen writes a split's prompts joined to completions."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return Path(teacher_dir) / f"{split}.jsonl"
 _THINK = re.compile(r"^\s*<think>.*?</think>\s*", re.DOTALL)
 
 
@@ -89,7 +82,7 @@ def local_teacher_server(model_dir: str, server: TeacherServerConfig, model_name
     with tempfile.TemporaryDirectory(prefix="ars-opd-serve-") as tmp:
         ready = Path(tmp) / "ready.json"
         log = open(Path(tmp) / "server.log", "w+")
-        cmd = [sys.executable, "-m", "ars_opd.teacher_server", model_dir, "--model-name", model_name,
+        cmd = [sys.executable, "-m", "ars_opd.teacher.server", model_dir, "--model-name", model_name,
                "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
                "--max-batch-size", str(server.max_batch_size), "--max-wait-ms", str(server.max_wait_ms),
                "--threads", str(server.threads)]
@@ -130,16 +123,10 @@ def _api_key(cfg: TeacherGenConfig) -> str:
     return key
 
 
-def _settings(cfg: TeacherGenConfig, base_url: str, api_key: str) -> ClientSettings:
-    return ClientSettings(base_url=base_url, api_key=api_key, concurrency=cfg.concurrency,
-                          timeout_s=cfg.request_timeout_s, max_attempts=cfg.max_attempts,
-                          backoff_base_s=cfg.backoff_base_s, backoff_max_s=cfg.backoff_max_s)
-
-
 def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, progress: bool = True,
                                  log_requests: str | None = None) -> dict:
     """Run the stage; returns its metrics. Raises ``TeacherGenerationError`` above the failure threshold."""
-    split_paths = {"train": paths.subset_train, "eval": paths.subset_eval}
+    split_paths = {"train": paths.subset_train, "eval": paths.subset_eval}  # teacher_gen reads the subset
     rows = {split: read_jsonl(split_paths[split]) if split in cfg.splits else [] for split in SPLITS}
     api_key = _api_key(cfg)  # before any work: a missing key is an immediate, clear error
 
@@ -159,7 +146,7 @@ def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, prog
         all_requests = [r for split in SPLITS for r in requests[split]]
         if any(r.key not in cache for r in all_requests):
             with server as base_url:
-                summary = asyncio.run(ask_all(all_requests, cache, _settings(cfg, base_url, api_key),
+                summary = asyncio.run(ask_all(all_requests, cache, ClientSettings(base_url, api_key, cfg),
                                               progress=progress))
         else:
             summary.requested = len({r.key for r in all_requests})
@@ -190,10 +177,7 @@ def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, prog
                                    "key": req.key})
 
     total = sum(len(rows[s]) for s in SPLITS)
-    by_reason: dict[str, int] = {}
-    for f in failures:
-        kind = f["reason"].split(":", 1)[0]
-        by_reason[kind] = by_reason.get(kind, 0) + 1
+    by_reason = count_by_reason(f["reason"] for f in failures)
     metrics = {
         "prompts": total,
         "unique_requests": summary.requested,
@@ -202,7 +186,7 @@ def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, prog
         "answered": summary.completed,
         "failed": len(failures),
         "failed_fraction": round(len(failures) / total, 6) if total else 0.0,
-        "failures_by_reason": dict(sorted(by_reason.items())),
+        "failures_by_reason": by_reason,
         "retries": summary.retries,
         "seconds": round(summary.seconds, 2),
         "requests_per_s": round(summary.completed / summary.seconds, 2) if summary.seconds else None,
@@ -220,7 +204,7 @@ def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, prog
     with atomic_outputs(paths.teacher_dir, paths.teacher_metrics) as (out_dir, metrics_tmp):
         out_dir.mkdir(parents=True)
         for split in SPLITS:
-            write_jsonl(completions_path(out_dir, split), outputs[split])
+            write_jsonl(out_dir / Path(paths.completions(split)).name, outputs[split])
         write_jsonl(out_dir / FAILURES_FILE, failures)
         write_json(out_dir / MANIFEST_FILE, {"model": model, "model_revision": revision, "endpoint": cfg.endpoint,
                                              **provenance({"teacher_gen": to_dict(cfg)})})

@@ -31,7 +31,8 @@ import httpx2
 import openai
 from tqdm.auto import tqdm
 
-from ars_opd.teacher_cache import TeacherCache
+from ars_opd.config import EndpointConfig
+from ars_opd.teacher.cache import TeacherCache
 
 NON_RETRYABLE_STATUS = {400, 401, 403, 404, 422}
 AUTH_STATUS = {401, 403}
@@ -43,19 +44,17 @@ class EndpointError(RuntimeError):
 
 @dataclass(frozen=True)
 class ClientSettings:
+    """Where to send requests and how: ``limits`` holds the endpoint params (concurrency, timeout, retries)."""
+
     base_url: str
     api_key: str = "EMPTY"
-    concurrency: int = 32
-    timeout_s: float = 60.0
-    max_attempts: int = 5
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 30.0
+    limits: EndpointConfig = EndpointConfig()
     max_retry_after_s: float = 60.0
     abort_after: int = 20
     transport: str = "aiohttp"  # "aiohttp" (faster at high concurrency) or "httpx"
 
     def __repr__(self) -> str:  # never show the key
-        return f"ClientSettings(base_url={self.base_url!r}, concurrency={self.concurrency}, ...)"
+        return f"ClientSettings(base_url={self.base_url!r}, concurrency={self.limits.concurrency}, ...)"
 
 
 @dataclass(frozen=True)
@@ -87,12 +86,14 @@ class AskSummary:
     def failed(self) -> int:
         return len(self.failures)
 
-    def failures_by_reason(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for f in self.failures:
-            kind = f.reason.split(":", 1)[0]
-            out[kind] = out.get(kind, 0) + 1
-        return dict(sorted(out.items()))
+
+def count_by_reason(reasons: Iterable[str]) -> dict[str, int]:
+    """How many failures of each kind (the part of a reason before its first ':'), sorted by kind."""
+    out: dict[str, int] = {}
+    for reason in reasons:
+        kind = reason.split(":", 1)[0]
+        out[kind] = out.get(kind, 0) + 1
+    return dict(sorted(out.items()))
 
 
 class _Retryable(Exception):
@@ -133,8 +134,9 @@ def _short(text: Any, n: int = 160) -> str:
 
 def make_client(settings: ClientSettings) -> openai.AsyncOpenAI:
     """An AsyncOpenAI client whose connection pool matches the concurrency; retries are ours, not its."""
-    limits = httpx2.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
-    timeout = httpx2.Timeout(settings.timeout_s, connect=min(10.0, settings.timeout_s))
+    n, timeout_s = settings.limits.concurrency, settings.limits.request_timeout_s
+    limits = httpx2.Limits(max_connections=n, max_keepalive_connections=n)
+    timeout = httpx2.Timeout(timeout_s, connect=min(10.0, timeout_s))
     kind = {"aiohttp": openai.DefaultAioHttpClient, "httpx": openai.DefaultAsyncHttpxClient}[settings.transport]
     http_client = kind(limits=limits, timeout=timeout)
     return openai.AsyncOpenAI(base_url=settings.base_url, api_key=settings.api_key, max_retries=0,
@@ -247,11 +249,11 @@ async def ask_all(
                                                "check the API key variable named by teacher_gen.api_key_env"))
                 break
             except _Retryable as e:
-                if attempt >= settings.max_attempts:
+                if attempt >= settings.limits.max_attempts:
                     summary.failures.append(Failure(key, e.reason, attempt))
                     break
                 summary.retries += 1
-                cap = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** (attempt - 1))
+                cap = min(settings.limits.backoff_max_s, settings.limits.backoff_base_s * 2 ** (attempt - 1))
                 wait = cap / 2 + random.uniform(0, cap / 2)
                 if e.wait_s is not None:
                     wait = max(wait, min(e.wait_s, settings.max_retry_after_s))
@@ -278,7 +280,7 @@ async def ask_all(
     try:
         if check_endpoint:
             await preflight(client, pending[0].body["model"])
-        await asyncio.gather(*(worker() for _ in range(min(settings.concurrency, len(pending)))))
+        await asyncio.gather(*(worker() for _ in range(min(settings.limits.concurrency, len(pending)))))
     finally:
         bar.close()
         summary.seconds = time.perf_counter() - t0

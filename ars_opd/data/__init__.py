@@ -1,0 +1,1 @@
+"""The ``subset`` stage and what renders data as text: synthetic tasks, dataset loading, prompts."""

@@ -1,0 +1,139 @@
+"""Every batch layout of the pipeline in one place: token lists in, tensors out.
+
+- ``pad_left``: prompts for generation (every row's next token in the same column);
+- ``pad_right_with_labels``: prompt + completion rows for cross-entropy, labels -100 on prompt and padding;
+- ``pack_sequences``: the padding-free form of the same rows (several sequences per row, positions restart,
+  a block-diagonal causal mask stops attention at sequence boundaries);
+- ``build_rollout_batch``: prompt + sampled completion rows for scoring, each completion kept up to and
+  including its first EOS, with the mask of the positions whose next token is a completion token.
+
+Masks come from lengths, never from comparing ids with the pad id, so everything here is correct when
+pad == EOS (as in many chat models). Labels are *unshifted* (aligned with ``input_ids``); the losses shift.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def cut_at_first_eos(ids: Sequence[int], eos_id: int | None) -> tuple[list[int], bool]:
+    """Tokens up to and including the first EOS, and whether there was one."""
+    ids = list(ids)
+    if eos_id is not None and eos_id in ids:
+        return ids[: ids.index(eos_id) + 1], True
+    return ids, False
+
+
+def pad_left(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists -> (input_ids, attention_mask), both (B, T)."""
+    if not seqs:
+        raise ValueError("pad_left needs at least one sequence")
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, width - len(s):] = torch.as_tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def pad_right_with_labels(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Concatenate prompt+completion, right-pad; labels are the completion tokens, -100 elsewhere.
+
+    Returns ``input_ids``, ``attention_mask``, ``labels``, each (B, T).
+    """
+    if len(prompts) != len(completions) or not prompts:
+        raise ValueError(f"need equal, non-zero numbers of prompts and completions, got {len(prompts)}, {len(completions)}")
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        n = len(p) + len(c)
+        ids[i, :n] = torch.as_tensor(list(p) + list(c), dtype=torch.long)
+        mask[i, :n] = 1
+        labels[i, len(p):n] = torch.as_tensor(list(c), dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def count_loss_tokens(labels: torch.Tensor) -> int:
+    """Tokens that contribute to the shifted next-token loss (labels aligned with inputs)."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def pack_sequences(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pack_length: int,
+                   pad_id: int) -> dict[str, torch.Tensor]:
+    """Pack sequences in order into rows of ``pack_length``; each sequence stays whole within one row.
+
+    Returns input_ids, labels, position_ids (restart at 0 per sequence) of shape (R, L) and a float
+    attention mask (R, 1, L, L): 0 where a token may attend (same sequence, not later), -inf elsewhere.
+    """
+    rows: list[list[tuple[Sequence[int], Sequence[int]]]] = [[]]
+    used = 0
+    for p, c in zip(prompts, completions):
+        n = len(p) + len(c)
+        if n > pack_length:
+            raise ValueError(f"a sequence of {n} tokens does not fit pack_length {pack_length}")
+        if used + n > pack_length:
+            rows.append([])
+            used = 0
+        rows[-1].append((p, c))
+        used += n
+    R, L = len(rows), max(sum(len(p) + len(c) for p, c in row) for row in rows)
+    ids = torch.full((R, L), pad_id, dtype=torch.long)
+    labels = torch.full((R, L), IGNORE_INDEX, dtype=torch.long)
+    pos = torch.zeros((R, L), dtype=torch.long)
+    seq_id = torch.full((R, L), -1, dtype=torch.long)
+    for r, row in enumerate(rows):
+        t = 0
+        for s, (p, c) in enumerate(row):
+            n = len(p) + len(c)
+            ids[r, t:t + n] = torch.as_tensor(list(p) + list(c))
+            labels[r, t + len(p):t + n] = torch.as_tensor(list(c))
+            pos[r, t:t + n] = torch.arange(n)
+            seq_id[r, t:t + n] = s
+            t += n
+        seq_id[r, t:] = torch.arange(L - t) + 10**6  # each padding token alone: no NaN rows, no leakage
+    same = seq_id[:, :, None] == seq_id[:, None, :]  # (R, L, L)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    allowed = same & causal
+    mask = torch.zeros((R, 1, L, L), dtype=torch.float32)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": mask}
+
+
+def build_rollout_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int,
+                        eos_id: int | None) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+completion rows for scoring, the completion cut after its first EOS.
+
+    Returns input_ids, attention_mask (B, T); loss_mask (B, T) True at the positions whose next token is a
+    completion token (EOS included); targets (B, T) those next tokens (-100 elsewhere); lengths and has_eos
+    (B,).
+    """
+    if not prompts or len(prompts) != len(completions):
+        raise ValueError("need equal, non-zero numbers of prompts and completions")
+    cut = [cut_at_first_eos(c, eos_id) for c in completions]
+    width = max(len(p) + len(c) for p, (c, _) in zip(prompts, cut))
+    B = len(prompts)
+    ids = torch.full((B, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, width), dtype=torch.long)
+    loss_mask = torch.zeros((B, width), dtype=torch.bool)
+    targets = torch.full((B, width), IGNORE_INDEX, dtype=torch.long)
+    for i, (p, (c, _)) in enumerate(zip(prompts, cut)):
+        if not p:
+            raise ValueError("empty prompt")
+        n = len(p) + len(c)
+        ids[i, :n] = torch.as_tensor(list(p) + c, dtype=torch.long)
+        attn[i, :n] = 1
+        if c:
+            loss_mask[i, len(p) - 1:n - 1] = True
+            targets[i, len(p) - 1:n - 1] = torch.as_tensor(c, dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "targets": targets,
+            "lengths": torch.tensor([len(c) for c, _ in cut]), "has_eos": torch.tensor([e for _, e in cut])}

@@ -1,0 +1,82 @@
+"""Batched generation: left-padded prompts through ``model.generate``, completions cut after the first EOS.
+
+Prompts are padded on the left so every row's next token sits at the same column; ``generate`` derives
+the position ids from the attention mask, so a left-padded row sees the same positions as the row alone
+and batched greedy output equals one-by-one greedy output (tested).
+
+What this module leaves out: sampling loops of its own (``model.generate`` decodes with its KV cache)
+and any server concerns (see ``ars_opd.teacher``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ars_opd.data.prompts import encode_prompts
+from ars_opd.lm.batching import cut_at_first_eos, pad_left
+
+
+@torch.no_grad()
+def generate_token_ids(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    generator_seed: int | None = None,
+    stop_at_eos: bool = True,
+) -> list[list[int]]:
+    """New tokens for each prompt, cut after the first EOS (EOS kept) when ``stop_at_eos``."""
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_id = tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out: list[list[int]] = []
+    if generator_seed is not None:
+        torch.manual_seed(generator_seed)
+    try:
+        for start in range(0, len(prompt_ids), batch_size):
+            chunk = prompt_ids[start:start + batch_size]
+            ids, mask = pad_left(chunk, pad_id)
+            ids, mask = ids.to(device), mask.to(device)
+            kwargs = dict(do_sample=do_sample, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                          eos_token_id=eos_id)
+            if do_sample:
+                kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+            else:
+                kwargs.update(temperature=None, top_p=None, top_k=None)
+            gen = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            new = gen[:, ids.shape[1]:].tolist()
+            out.extend(cut_at_first_eos(row, eos_id)[0] if stop_at_eos else row for row in new)
+    finally:
+        model.train(was_training)
+    return out
+
+
+def decode_completion(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    """Text of generated ids up to (not including) the first EOS."""
+    ids, ended = cut_at_first_eos(ids, tokenizer.eos_token_id)
+    return tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=True)
+
+
+def generate_texts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[list[dict]],
+    max_new_tokens: int,
+    batch_size: int = 64,
+    **kwargs,
+) -> list[str]:
+    """Chat-templated generation for lists of prompt messages; returns the decoded completions."""
+    ids = encode_prompts(tokenizer, list(prompts))
+    return [decode_completion(tokenizer, g)
+            for g in generate_token_ids(model, tokenizer, ids, max_new_tokens, batch_size, **kwargs)]

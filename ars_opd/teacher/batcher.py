@@ -1,0 +1,317 @@
+"""The bundled server's model side: the queue of waiting requests and the batcher that serves them.
+
+A batcher task takes the first waiting request, waits ``max_wait_ms`` for others, and runs up to
+``max_batch_size`` of them, left-padded, through one ``model.generate`` call in a single worker thread, so
+the event loop keeps accepting requests while the next batch gathers. Rows of one batch may differ in
+temperature, top_p, max_tokens, seed and stop strings:
+
+* sampling is a logits processor: per-row temperature and nucleus (top_p) filtering plus Gumbel noise
+  from a per-row ``torch.Generator`` seeded with the request's ``seed`` (random when absent), with
+  ``generate(do_sample=False)`` taking the argmax. argmax(logits / T + Gumbel) is a sample from
+  softmax(logits / T), and the noise a row sees depends only on its own seed, so a seeded request gives
+  the same text alone or batched (up to float rounding of the logits). Rows with temperature 0 (or
+  below 1e-5) get no noise: greedy.
+* a stopping criterion called after every decoding step records each row's new token, ends the row at
+  EOS, at a stop string or at its ``max_tokens``, and pushes the row's progress to its request, which is
+  how streaming sends tokens while they are generated.
+
+The model's ``generation_config.json`` sampling defaults are ignored: the request's parameters (OpenAI
+defaults: temperature 1, top_p 1) decide the decoding alone. On stop, the running batch ends at its next
+decoding step and requests still in flight are answered with 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from jinja2 import TemplateError
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+
+from ars_opd.data.prompts import encode_prompt
+from ars_opd.lm.batching import pad_left
+from ars_opd.teacher.requests import ChatRequest, RequestError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+GREEDY_BELOW = 1e-5  # temperatures this small are greedy: dividing logits by them overflows (as in vLLM)
+
+
+@dataclass
+class _Progress:
+    """A row's completion so far (already cut at a stop string); ``finish_reason`` set on the last one."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str | None
+
+
+@dataclass
+class _Failure:
+    status: int
+    message: str
+
+
+@dataclass(eq=False)
+class _Job:
+    """One request's row in a batch. The generation thread writes the token fields, the handler reads events."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...]
+    stream: bool
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    completion_ids: list[int] = field(default_factory=list)
+    done: bool = False
+    cancelled: bool = False
+    """Set by the handler when it stops listening (client gone); the row is then dropped."""
+
+    def post(self, event: _Progress | _Failure) -> None:
+        """Hand an event to the request's handler from any thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+    def fail(self, status: int, message: str) -> None:
+        self.done = True
+        self.post(_Failure(status, message))
+
+
+class _RowSampler(LogitsProcessor):
+    """Per-row temperature, top_p and seeded Gumbel noise; ``generate(do_sample=False)`` then takes the argmax."""
+
+    def __init__(self, jobs: Sequence[_Job], device: torch.device):
+        sampled = [i for i, j in enumerate(jobs) if j.temperature >= GREEDY_BELOW]
+        self.rows = torch.tensor(sampled, dtype=torch.long, device=device)
+        self.temperature = torch.tensor([[jobs[i].temperature] for i in sampled], device=device)  # (R, 1)
+        self.top_p = torch.tensor([[jobs[i].top_p] for i in sampled], device=device)  # (R, 1)
+        self.use_top_p = any(jobs[i].top_p < 1.0 for i in sampled)
+        self.generators = [torch.Generator(device=device).manual_seed(jobs[i].seed) for i in sampled]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not self.generators:
+            return scores
+        logits = scores[self.rows].float() / self.temperature  # (R, V)
+        if self.use_top_p:
+            logits = _nucleus(logits, self.top_p)
+        # every row draws V uniforms per step from its own generator, whatever its batch-mates do
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device) for g in self.generators])
+        gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))  # (R, V)
+        out = scores.clone()
+        out[self.rows] = (logits + gumbel).to(out.dtype)
+        return out
+
+
+def _nucleus(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (-inf) tokens outside each row's smallest set whose probability reaches top_p. (R, V), (R, 1)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p  # mass before a token; the top token always stays
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, -math.inf)
+
+
+class _RowProgress(StoppingCriteria):
+    """Called by ``generate`` after every decoding step: advances each row and returns which rows are done."""
+
+    def __init__(self, jobs: Sequence[_Job], engine: "TeacherEngine"):
+        self.jobs, self.engine = jobs, engine
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        last = input_ids[:, -1].tolist()
+        for job, token in zip(self.jobs, last):
+            if job.done:  # generate pads finished rows; nothing to record
+                continue
+            if self.engine.stopping:
+                job.fail(503, "the server is shutting down")
+            elif job.cancelled:
+                job.done = True
+            else:
+                self.engine.advance(job, token)
+        return torch.tensor([j.done for j in self.jobs], dtype=torch.bool, device=input_ids.device)
+
+
+@dataclass
+class ServerStats:
+    """Counters for batching, readable at ``GET /stats``."""
+
+    completions: int = 0
+    """Chat requests accepted for generation."""
+    generate_calls: int = 0
+    """``model.generate`` calls started (one per batch)."""
+    rows_generated: int = 0
+    """Sum of batch sizes."""
+    largest_batch: int = 0
+    generating: bool = False
+    """A ``generate`` call is running now."""
+
+
+class TeacherEngine:
+    """The loaded model and tokenizer, the queue of waiting requests, and the batcher that serves them."""
+
+    def __init__(self, model_dir: str, model_name: str, max_batch_size: int = 64, max_wait_ms: float = 5.0,
+                 device: str = "cpu", dtype: str = "float32"):
+        if max_batch_size < 1 or max_wait_ms < 0:
+            raise ValueError(f"need max_batch_size >= 1 and max_wait_ms >= 0, got {max_batch_size}, {max_wait_ms}")
+        self.model_name = model_name
+        self.max_batch_size, self.max_wait_s = max_batch_size, max_wait_ms / 1000.0
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"the tokenizer in {model_dir} has no chat template; a chat server needs one")
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(self.device).eval()
+        eos = self.model.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        if not eos:
+            raise ValueError(f"neither the tokenizer nor the generation config in {model_dir} names an EOS token")
+        self.eos_ids = frozenset(eos)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
+        # a fresh config drops the checkpoint's sampling defaults (temperature, top_k, repetition penalty...):
+        # the request's parameters, applied by _RowSampler, are the only decoding policy
+        self.model.generation_config = GenerationConfig(eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
+        self.context_length = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        self.stats = ServerStats()
+        self.stopping = False
+        self._pending: asyncio.Queue[_Job] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._batcher: asyncio.Task | None = None
+
+    # -- event loop side --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._pending = asyncio.Queue()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        self._batcher = asyncio.create_task(self._batch_loop(), name="teacher-batcher")
+
+    async def stop(self) -> None:
+        """Refuse new requests, end the running batch at its next step with 503, and join the worker thread."""
+        self.stopping = True
+        while self._pending is not None and not self._pending.empty():
+            self._pending.get_nowait().fail(503, "the server is shutting down")
+        if self._batcher is not None:
+            self._batcher.cancel()
+            await asyncio.gather(self._batcher, return_exceptions=True)
+        if self._executor is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        try:
+            return encode_prompt(self.tokenizer, messages)
+        except (TemplateError, ValueError, TypeError) as e:  # e.g. a template that requires alternating roles
+            raise RequestError(400, f"the chat template rejected the messages: {e}", "invalid_value", "messages") from None
+
+    def resolve_max_tokens(self, max_tokens: int | None, prompt_tokens: int) -> int:
+        """The request's max_tokens, or the rest of the context; 400 when prompt and completion do not fit."""
+        if self.context_length is None:
+            return max_tokens if max_tokens is not None else 2048
+        room = self.context_length - prompt_tokens
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = f" plus {max_tokens} completion tokens" if max_tokens is not None else ""
+            raise RequestError(400, f"this model's context is {self.context_length} tokens; the request has "
+                                    f"{prompt_tokens} prompt tokens{asked}", "context_length_exceeded", "messages")
+        return max_tokens if max_tokens is not None else room
+
+    def submit(self, chat: ChatRequest, prompt_ids: list[int], max_tokens: int) -> _Job:
+        if self.stopping or self._pending is None:
+            raise RequestError(503, "the server is shutting down", "unavailable")
+        job = _Job(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=chat.temperature, top_p=chat.top_p,
+                   # any integer is a valid seed; torch generators take 64 bits
+                   seed=chat.seed % (1 << 64) if chat.seed is not None else secrets.randbits(63), stop=chat.stop,
+                   stream=chat.stream, loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        self.stats.completions += 1
+        self._pending.put_nowait(job)
+        return job
+
+    async def _batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._pending.get()]
+            try:
+                if self.max_wait_s > 0 and self._pending.qsize() < self.max_batch_size - 1:
+                    await asyncio.sleep(self.max_wait_s)  # give concurrent requests a moment to join
+                while len(batch) < self.max_batch_size and not self._pending.empty():
+                    batch.append(self._pending.get_nowait())
+                batch = [j for j in batch if not j.cancelled]
+                if batch:
+                    # requests arriving while this runs wait in the queue and form the next batch
+                    await loop.run_in_executor(self._executor, self._generate_batch, batch)
+            except asyncio.CancelledError:  # stopping: answer the rows taken from the queue but not finished
+                for job in batch:
+                    if not job.done:
+                        job.fail(503, "the server is shutting down")
+                raise
+
+    # -- generation thread side -------------------------------------------------------------------------
+
+    def _generate_batch(self, jobs: list[_Job]) -> None:
+        stats = self.stats
+        stats.generate_calls += 1
+        stats.rows_generated += len(jobs)
+        stats.largest_batch = max(stats.largest_batch, len(jobs))
+        stats.generating = True
+        ids, mask = pad_left([j.prompt_ids for j in jobs], self.pad_id)  # (B, T) each
+        try:
+            with torch.inference_mode():
+                # position ids come from the attention mask inside generate, so left padding is invisible
+                self.model.generate(
+                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
+                    max_new_tokens=max(j.max_tokens for j in jobs),
+                    logits_processor=LogitsProcessorList([_RowSampler(jobs, self.device)]),
+                    stopping_criteria=StoppingCriteriaList([_RowProgress(jobs, self)]),
+                )
+        except Exception as e:  # a server fault: every waiting request learns it, the server keeps running
+            log.exception("generate failed for a batch of %d", len(jobs))
+            for job in jobs:
+                if not job.done:
+                    job.fail(500, f"generation failed: {type(e).__name__}: {e}")
+        finally:
+            stats.generating = False
+        for job in jobs:
+            if not job.done:  # cannot happen unless generate stops early on its own
+                job.fail(500, "generation ended before this request's completion was finished")
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=True)
+
+    def advance(self, job: _Job, token: int) -> None:
+        """Record ``token`` for ``job``, decide whether the row is finished, and post its progress."""
+        job.completion_ids.append(token)
+        n = len(job.completion_ids)
+        finish = "stop" if token in self.eos_ids else "length" if n >= job.max_tokens else None
+        # decoding every step costs a little; only streams and stop strings need the text before the end
+        if finish or job.stream or job.stop:
+            text = self.decode(job.completion_ids)
+            cut = _first_stop(text, job.stop)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+            if finish or job.stream:
+                job.post(_Progress(text, n, finish))
+        job.done = finish is not None
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index where the earliest stop string starts in ``text``, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None

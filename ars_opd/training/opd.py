@@ -1,0 +1,171 @@
+"""On-policy distillation: the student samples, the frozen teacher scores, a token-level objective trains.
+
+Each step, on each worker: take this worker's share of the training prompts; with probability λ
+(``opd.on_policy_fraction``, GKD mixing) sample completions from the current student (no grad, KV cache,
+left-padded prompts), else take the teacher's cached completions; rebuild right-padded sequences that keep
+each completion up to and including its first EOS (``ars_opd.lm.batching.build_rollout_batch``); let the
+frozen teacher score them (eval mode, no grad) and train the student on the objective ``opd.loss`` chosen
+from ``ars_opd.lm.objectives``. The λ draw depends only on (seed, step), so every worker makes the same
+choice, and the log records it (``gkd_source``). It runs on the shared engine (exact token normalisation,
+clipping, resume) with the consistency hook.
+
+White-box rule: teacher and student must share the tokenizer (checked at start, clear error otherwise).
+Vocabulary rule: logits are compared over the tokenizer's ids 0..len(tokenizer)-1 only; embedding rows
+beyond it (e.g. 151,936 vs 152,064) are padding and are sliced off both sides.
+
+Per-step task columns: teacher_logprob (mean log p_T of the trained tokens at τ = 1), response_length,
+eos_rate, on_policy, and the seconds spent sampling (gen_s) and in the teacher forward (teacher_s).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from ars_opd.artifacts import file_sha256, read_jsonl
+from ars_opd.config import DDPConfig, OPDConfig, PathsConfig
+from ars_opd.data.prompts import encode_completions, encode_prompts
+from ars_opd.lm.batching import build_rollout_batch
+from ars_opd.lm.generation import generate_token_ids
+from ars_opd.lm.objectives import Objective, TeacherScores, check_config, get_objective
+from ars_opd.models.pinning import load_model, load_model_dir, model_path, read_manifest, sha256_of_files
+from ars_opd.models.tokenizer import check_shared_tokenizer
+from ars_opd.seeding import derive_seed
+from ars_opd.training.geometry import BatchGeometry, step_indices
+from ars_opd.training.loop import MicroBatch
+from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker
+
+
+def uses_student_rollouts(seed: int, step: int, on_policy_fraction: float) -> bool:
+    """GKD draw for a step: a pure function of (seed, step), identical on every worker."""
+    return random.Random(derive_seed(seed, f"gkd-step-{step}")).random() < on_policy_fraction
+
+
+class LocalTeacher:
+    """The frozen teacher in this process: one no-grad forward per micro-batch."""
+
+    def __init__(self, model: torch.nn.Module, vocab: int):
+        self.model, self.vocab = model.eval().requires_grad_(False), vocab
+
+    @torch.no_grad()
+    def score(self, tensors: dict[str, torch.Tensor], objective: Objective, temperature: float
+              ) -> tuple[TeacherScores, torch.Tensor]:
+        """(what ``objective`` needs, log p_T of the targets at τ = 1 for the log), both over (B, T)."""
+        logits = self.model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
+        logits = logits[..., :self.vocab]  # (B, T, V)
+        targets = tensors["targets"].clamp(min=0).unsqueeze(-1)
+        logged = logits.gather(-1, targets).squeeze(-1).float() - torch.logsumexp(logits.float(), -1)  # (B, T)
+        if objective.teacher_signal == "logits":
+            return TeacherScores(logits=logits), logged
+        at_t = logged if temperature == 1.0 else (
+            torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets).squeeze(-1))
+        return TeacherScores(token_logprobs=at_t), logged
+
+
+class OPDTask:
+    """Rollouts (or cached teacher completions) for this worker, scored by the teacher."""
+
+    def __init__(self, prompts: list[list[int]], teacher_completions: list[list[int]], teacher: LocalTeacher,
+                 tokenizer, cfg: OPDConfig, geometry: BatchGeometry, sampler_seed: int, seed: int, rank: int,
+                 device: torch.device):
+        self.prompts, self.teacher_completions, self.teacher = prompts, teacher_completions, teacher
+        self.tokenizer, self.cfg, self.geometry = tokenizer, cfg, geometry
+        self.sampler_seed, self.seed, self.rank, self.device = sampler_seed, seed, rank, device
+        self.objective = get_objective(cfg.loss)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def metric_names(self) -> list[str]:
+        return ["teacher_logprob", "response_length", "eos_rate", "gen_s", "teacher_s", "on_policy"]
+
+    def source(self, step: int) -> str:
+        return "student" if uses_student_rollouts(self.seed, step, self.cfg.on_policy_fraction) else "teacher"
+
+    def micro_batches(self, step: int, model: torch.nn.Module) -> list[MicroBatch]:
+        idx = step_indices(step, len(self.prompts), self.geometry, self.sampler_seed, self.rank)
+        prompts = [self.prompts[i] for i in idx]
+        on_policy = self.source(step) == "student"
+        t0 = time.perf_counter()
+        if on_policy:
+            sample = self.cfg.sample_temperature > 0
+            completions = generate_token_ids(
+                model, self.tokenizer, prompts, self.cfg.max_new_tokens, batch_size=len(prompts),
+                do_sample=sample, temperature=self.cfg.sample_temperature if sample else 1.0, top_p=self.cfg.top_p)
+        else:
+            completions = [self.teacher_completions[i][: self.cfg.max_new_tokens] for i in idx]
+        gen_s = time.perf_counter() - t0
+        out = []
+        for j in range(0, len(prompts), self.geometry.micro_batch):
+            b = build_rollout_batch(prompts[j:j + self.geometry.micro_batch],
+                                    completions[j:j + self.geometry.micro_batch], self.pad_id,
+                                    self.tokenizer.eos_token_id)
+            n_seq = b["lengths"].numel()
+            meta = {"response_length": (float(b["lengths"].sum()), float(n_seq)),
+                    "eos_rate": (float(b["has_eos"].sum()), float(n_seq)),
+                    "on_policy": (float(on_policy), 1.0)}
+            if j == 0:
+                meta["gen_s"] = (gen_s, 1.0)
+            t = {k: v.to(self.device) for k, v in b.items() if k not in ("lengths", "has_eos")}
+            out.append(MicroBatch(t, int(b["loss_mask"].sum()), n_seq, int(b["attention_mask"].sum()), meta))
+        return out
+
+    def loss_sum(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, dict]:
+        t = batch.tensors
+        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[..., :self.teacher.vocab]
+        t0 = time.perf_counter()
+        scores, teacher_lp = self.teacher.score(t, self.objective, self.cfg.temperature)
+        teacher_s = time.perf_counter() - t0
+        mask = t["loss_mask"]
+        loss_sum, n = self.objective.loss(logits, scores, mask, t["targets"].clamp(min=0), self.cfg.beta,
+                                          self.cfg.temperature, self.cfg.chunk_size)
+        return loss_sum, {"teacher_logprob": (float(teacher_lp[mask].sum()), float(n)),
+                          "teacher_s": (teacher_s, 1.0 if batch.meta.get("gen_s") else 0.0)}
+
+
+def _encode(tokenizer, rows: list[dict], cfg: OPDConfig) -> tuple[list[list[int]], list[list[int]], dict]:
+    prompts = encode_prompts(tokenizer, [r["messages"] for r in rows])
+    completions = encode_completions(tokenizer, [r["completion"] for r in rows])
+    keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
+    counts = {"rows": len(rows), "kept": len(keep), "dropped_prompt_over_budget": len(rows) - len(keep)}
+    return [prompts[i] for i in keep], [completions[i] for i in keep], counts
+
+
+def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
+    from transformers import AutoTokenizer
+
+    ctx, tokenizer = setup.ctx, setup.tokenizer
+    check_shared_tokenizer(AutoTokenizer.from_pretrained(model_path(job.paths.models_dir, "teacher"),
+                                                         trust_remote_code=job.trust_remote_code), tokenizer)
+    vocab = len(tokenizer)
+    student_dir = Path(job.paths.sft_model)
+    model = load_model_dir(student_dir, ctx.device, stage="sft")
+    teacher = load_model(job.paths.models_dir, "teacher", trust_remote_code=job.trust_remote_code).to(ctx.device)
+    for name, m in (("student", model), ("teacher", teacher)):
+        rows_out = m.get_output_embeddings().weight.shape[0]
+        if rows_out < vocab:
+            raise ValueError(f"the {name} has {rows_out} output rows but the tokenizer {vocab} ids")
+    train_path = job.paths.completions("train")
+    rows = read_jsonl(train_path)
+    prompts, completions, counts = _encode(tokenizer, rows, job.cfg)
+    if not prompts:
+        raise ValueError(f"no OPD prompts left after the budget: {counts}")
+    task = OPDTask(prompts, completions, LocalTeacher(teacher, vocab), tokenizer, job.cfg, setup.geometry,
+                   setup.sampler_seed, setup.stage_seed, ctx.rank, ctx.device)
+    fingerprint = {"student": sha256_of_files(student_dir),
+                   "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
+                   "rows": len(rows), "data": file_sha256(train_path)}
+    return PreparedRun(model, task, fingerprint, counts, manifest={"vocab": vocab},
+                       on_step=lambda s: {"gkd_source": task.source(s)})
+
+
+def opd_worker(job: TrainingJob) -> dict:
+    return run_worker(job, prepare_opd)
+
+
+def run_opd(cfg: OPDConfig, ddp: DDPConfig, paths: PathsConfig, seed: int, trust_remote_code: bool = False,
+            progress: bool = True) -> dict:
+    """The opd stage: start the workers, distil, write outputs. Returns rank 0's summary."""
+    check_config(cfg)  # before any worker starts: a loss the rollouts cannot serve is a config error
+    return launch_stage(opd_worker, TrainingJob("opd", cfg, ddp, paths, seed, trust_remote_code, progress))

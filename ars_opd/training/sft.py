@@ -1,0 +1,119 @@
+"""Supervised fine-tuning of the student on the teacher's completions, on the shared engine.
+
+Each row becomes prompt ids (chat template with the generation prompt) + completion ids + EOS; labels are
+the completion tokens and -100 on the prompt and padding, so the loss is on response tokens only.
+Budgets (``sft.max_prompt_tokens``, ``max_completion_tokens``, ``max_seq_len``): a prompt over budget
+drops the row (a cut prompt is a different task), a long completion is truncated, and a row left with no
+room for any completion token is dropped; all are counted in the stage manifest, never silent.
+
+Batches are right-padded, or with ``packing: true`` padding-free (``ars_opd.lm.batching.pack_sequences``:
+tested to give the same logits as unpacked rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ars_opd.artifacts import file_sha256, read_jsonl
+from ars_opd.config import DDPConfig, PathsConfig, SFTConfig
+from ars_opd.data.prompts import encode_completions, encode_prompts
+from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels
+from ars_opd.lm.losses import causal_lm_token_loss_sum
+from ars_opd.models.pinning import load_model, read_manifest
+from ars_opd.training.geometry import BatchGeometry, step_indices
+from ars_opd.training.loop import MicroBatch
+from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker
+
+
+@dataclass
+class EncodedData:
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    counts: dict[str, int]
+
+
+def encode_sft_rows(tokenizer, rows: list[dict], cfg: SFTConfig) -> EncodedData:
+    """Encode prompt+completion rows under the budgets; count what was dropped or truncated and why."""
+    prompts = encode_prompts(tokenizer, [r["messages"] for r in rows]) if rows else []
+    completions = encode_completions(tokenizer, [r["completion"] for r in rows]) if rows else []
+    counts = {"rows": len(rows), "kept": 0, "dropped_prompt_over_budget": 0, "dropped_no_room_for_completion": 0,
+              "completion_truncated": 0}
+    keep_p, keep_c = [], []
+    for p, c in zip(prompts, completions):
+        if len(p) > cfg.max_prompt_tokens:
+            counts["dropped_prompt_over_budget"] += 1
+            continue
+        room = min(cfg.max_completion_tokens, cfg.max_seq_len - len(p))
+        if room <= 0:
+            counts["dropped_no_room_for_completion"] += 1
+            continue
+        if len(c) > room:
+            counts["completion_truncated"] += 1
+            c = c[:room]
+        keep_p.append(p)
+        keep_c.append(c)
+    counts["kept"] = len(keep_p)
+    return EncodedData(keep_p, keep_c, counts)
+
+
+class SFTTask:
+    """Micro-batches of teacher completions for one worker; loss = summed token cross-entropy."""
+
+    def __init__(self, data: EncodedData, cfg: SFTConfig, geometry: BatchGeometry, sampler_seed: int,
+                 rank: int, device: torch.device, pad_id: int):
+        self.data, self.cfg, self.geometry = data, cfg, geometry
+        self.sampler_seed, self.rank, self.device, self.pad_id = sampler_seed, rank, device, pad_id
+
+    def metric_names(self) -> list[str]:
+        return ["padding_fraction"]
+
+    def micro_batches(self, step: int, model: torch.nn.Module) -> list[MicroBatch]:
+        idx = step_indices(step, len(self.data.prompts), self.geometry, self.sampler_seed, self.rank)
+        out = []
+        for i in range(0, len(idx), self.geometry.micro_batch):
+            chunk = idx[i:i + self.geometry.micro_batch]
+            p = [self.data.prompts[j] for j in chunk]
+            c = [self.data.completions[j] for j in chunk]
+            if self.cfg.packing:
+                t = pack_sequences(p, c, self.cfg.pack_length, self.pad_id)
+            else:
+                t = pad_right_with_labels(p, c, self.pad_id)
+            t = {k: v.to(self.device) for k, v in t.items()}
+            real = sum(len(x) + len(y) for x, y in zip(p, c))
+            out.append(MicroBatch(t, count_loss_tokens(t["labels"]), len(chunk), real))
+        return out
+
+    def loss_sum(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, dict]:
+        t = batch.tensors
+        kwargs = {"input_ids": t["input_ids"], "attention_mask": t["attention_mask"]}
+        if "position_ids" in t:
+            kwargs["position_ids"] = t["position_ids"]
+        logits = model(**kwargs).logits  # (B, T, V)
+        loss_sum, _ = causal_lm_token_loss_sum(logits, t["labels"])
+        total = t["input_ids"].numel()
+        return loss_sum, {"padding_fraction": (float(total - batch.n_real_tokens), float(total))}
+
+
+def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
+    train_path = job.paths.completions("train")
+    rows = read_jsonl(train_path)
+    data = encode_sft_rows(setup.tokenizer, rows, job.cfg)
+    if not data.prompts:
+        raise ValueError(f"no SFT rows left after the budgets: {data.counts}")
+    model = load_model(job.paths.models_dir, "student").to(setup.ctx.device)
+    task = SFTTask(data, job.cfg, setup.geometry, setup.sampler_seed, setup.ctx.rank, setup.ctx.device,
+                   setup.tokenizer.pad_token_id)
+    fingerprint = {"init": read_manifest(job.paths.models_dir)["student"]["revision"], "rows": len(rows),
+                   "data": file_sha256(train_path)}
+    return PreparedRun(model, task, fingerprint, data.counts)
+
+
+def sft_worker(job: TrainingJob) -> dict:
+    return run_worker(job, prepare_sft)
+
+
+def run_sft(cfg: SFTConfig, ddp: DDPConfig, paths: PathsConfig, seed: int, progress: bool = True) -> dict:
+    """The sft stage: start the workers, train, write outputs. Returns rank 0's summary."""
+    return launch_stage(sft_worker, TrainingJob("sft", cfg, ddp, paths, seed, progress=progress))

@@ -1,0 +1,97 @@
+"""What every training stage's worker does around the engine: join the world, seed, train, publish.
+
+``run_worker(job, prepare)`` is the body of one data-parallel worker of a training stage (``sft``,
+``opd``): join the process group, derive this rank's seeds from the stage seed and the seed scenario,
+load the shared tokenizer, let the stage's ``prepare`` build the model and the task, train with
+``ars_opd.training.loop.fit`` (resuming from a matching checkpoint), and on rank 0 write the stage's
+outputs: the model directory (``paths.<stage>_model``, the only output later stages read) and the run
+log directory (``paths.<stage>_log``: ``steps.jsonl`` and ``manifest.json``). ``launch_stage`` starts the
+workers (``ars_opd.training.distributed.launch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ars_opd.artifacts import provenance, write_json
+from ars_opd.config import DDPConfig, PathsConfig, TrainLoopConfig, to_dict
+from ars_opd.models.pinning import load_tokenizer
+from ars_opd.seeding import derive_seed, scenario_seeds, set_seeds
+from ars_opd.training.checkpoint import config_fingerprint
+from ars_opd.training.distributed import WorkerContext, init_worker, launch, shutdown_worker
+from ars_opd.training.geometry import BatchGeometry
+from ars_opd.training.loop import TrainingTask, fit
+
+@dataclass(frozen=True)
+class TrainingJob:
+    """Everything a worker needs (picklable: crosses into spawned processes)."""
+
+    stage: str  # "sft" | "opd": names the params section and the paths
+    cfg: TrainLoopConfig
+    ddp: DDPConfig
+    paths: PathsConfig
+    seed: int
+    trust_remote_code: bool = False
+    progress: bool = True
+
+
+@dataclass
+class WorkerSetup:
+    """This rank's view of the stage, handed to the stage's ``prepare``."""
+
+    ctx: WorkerContext
+    tokenizer: Any
+    geometry: BatchGeometry
+    sampler_seed: int  # this rank's data-order seed under the scenario
+    stage_seed: int  # the stage's seed, the same on every rank (e.g. for GKD draws)
+
+
+@dataclass
+class PreparedRun:
+    """What the stage's ``prepare`` returns: the model to train (on ``ctx.device``) and its task."""
+
+    model: torch.nn.Module
+    task: TrainingTask
+    fingerprint: dict  # what, beside the config and the code, must match for a checkpoint to resume
+    data_counts: dict  # rows kept and dropped, for the manifest
+    manifest: dict = field(default_factory=dict)  # more manifest entries
+    on_step: Callable[[int], dict] | None = None  # extra per-step log columns
+
+
+def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], PreparedRun]) -> dict:
+    ctx = init_worker(job.ddp.device, job.ddp.backend, job.ddp.threads_per_worker, job.ddp.timeout_s)
+    try:
+        stage_seed = derive_seed(job.seed, job.stage)
+        sampler_seed, rng_seed = scenario_seeds(job.ddp.scenario, stage_seed, ctx.rank)
+        set_seeds(rng_seed)
+        geometry = BatchGeometry.check(job.cfg.global_batch_size, ctx.world_size, job.cfg.micro_batch_size, job.stage)
+        tokenizer = load_tokenizer(job.paths.models_dir)
+        run = prepare(job, WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed))
+        run.model.train()
+        out = job.paths.training(job.stage)
+        fingerprint = config_fingerprint({job.stage: to_dict(job.cfg), "workers": job.ddp.workers,
+                                          "scenario": job.ddp.scenario, "seed": job.seed, **run.fingerprint})
+        state, log = fit(ctx, run.model, run.task, job.cfg, job.ddp, fingerprint, Path(out.checkpoints),
+                         Path(out.steps), Path(out.live), job.progress, on_step=run.on_step)
+        if ctx.is_main:
+            run.model.save_pretrained(Path(out.model), safe_serialization=True)
+            tokenizer.save_pretrained(Path(out.model))
+            write_json(out.manifest, {
+                "data": run.data_counts, "workers": ctx.world_size, "geometry": dataclasses.asdict(geometry),
+                "resumed_from": state.resumed_from, "steps": state.step, **run.manifest,
+                **provenance({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp), "seed": job.seed}),
+            })
+        return {"steps": state.step, "data": run.data_counts, "resumed_from": state.resumed_from,
+                "final_loss": log[-1]["loss"] if log else None}
+    finally:
+        shutdown_worker()
+
+
+def launch_stage(worker: Callable[[TrainingJob], dict], job: TrainingJob) -> dict:
+    """Start ``job.ddp.workers`` processes running ``worker(job)`` (or run here under an outside launcher)."""
+    return launch(worker, job, job.ddp.workers, job.ddp.threads_per_worker)
