@@ -85,6 +85,9 @@ class PathsConfig:
     """sft: DVCLive directory (metrics.json for dvc exp show, plots/ for dvc plots)."""
     sft_checkpoints: str = "data/checkpoints/sft"
     """sft: resumable checkpoints (a persistent DVC out)."""
+    distill_init: str = "data/sft/model"
+    """The student opd starts from: the sft stage's model by default; a fixed copy for a study that varies the
+    sft stage but must not let that vary opd's starting point."""
     opd_model: str = "data/opd/model"
     """opd: the distilled student (HF directory)."""
     opd_log: str = "data/opd/log"
@@ -105,6 +108,8 @@ class PathsConfig:
     """report: per-step CSV series (dvc plots)."""
     report_metrics: str = "reports/metrics.json"
     """report: flat metrics for dvc exp show."""
+    detection_benchmark: str = "reports/detection.jsonl"
+    """bench/detection.py's committed output, which the report quotes (false-alarm rate, detection delays)."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -420,6 +425,45 @@ class TeacherGenConfig(EndpointConfig):
                  f"must be in [0, 1], got {self.max_failure_fraction}")
 
 
+FAULT_KINDS = ("label_noise", "shard_skew", "loss_scale", "drop_microbatch", "param_desync")
+
+
+@dataclass(frozen=True)
+class InjectConfig:
+    """A deliberately injected data-parallel fault: a testing aid for the consistency detector, off by default."""
+
+    kind: str | None = None
+    """null (off), label_noise, shard_skew, loss_scale, drop_microbatch or param_desync."""
+    stages: tuple[Literal["sft", "opd"], ...] = ("sft",)
+    """The training stages that get the fault (label_noise: sft only)."""
+    rank: int = 1
+    """The faulty worker."""
+    start_step: int = 100
+    """First step with the fault (param_desync: the step whose start perturbs the weights)."""
+    magnitude: float = 0.0
+    """label_noise: fraction of the rank's target tokens replaced by random tokens, in (0, 1];
+    shard_skew: fraction of the rank's items drawn from one task, in (0, 1] (1: it sees only that task);
+    loss_scale: factor on the rank's loss in the backward (> 0, not 1); drop_microbatch: micro-batches the rank
+    skips per step while still counting their tokens (a whole number >= 1); param_desync: epsilon, the
+    perturbation's std relative to each parameter's RMS (> 0)."""
+    task: str | None = None
+    """shard_skew: the one task the faulty rank still sees (null: the first task in sorted order)."""
+
+    def __post_init__(self):
+        if self.kind is None:
+            return
+        _require(self.kind in FAULT_KINDS, "kind", f"must be null or one of {list(FAULT_KINDS)}, got {self.kind!r}")
+        _require(self.rank >= 0, "rank", f"must be >= 0, got {self.rank}")
+        _require(self.start_step >= 0, "start_step", f"must be >= 0, got {self.start_step}")
+        m = self.magnitude
+        ok = {"label_noise": 0 < m <= 1, "shard_skew": 0 < m <= 1, "loss_scale": m > 0 and m != 1,
+              "drop_microbatch": m >= 1 and m == int(m), "param_desync": m > 0}[self.kind]
+        _require(ok, "magnitude", f"{m} is not a valid {self.kind} magnitude (see the key's description)")
+        _require(len(self.stages) > 0, "stages", "must name sft and/or opd")
+        _require(self.kind != "label_noise" or self.stages == ("sft",), "stages", "label_noise corrupts SFT "
+                 "labels: set stages: [sft]")
+
+
 @dataclass(frozen=True)
 class DDPConfig:
     """Data-parallel workers (torch DDP) shared by the training stages."""
@@ -436,17 +480,32 @@ class DDPConfig:
     """DDP gradient bucket size."""
     gradient_as_bucket_view: bool = True
     """Let .grad alias DDP's buckets (saves a copy)."""
+    seed: int = 0
+    """Training seed of the sft and opd stages (data order, sampling); apart from base.seed, so a seed sweep
+    rebuilds neither the models nor the data."""
     scenario: Literal["S1-1", "S1-2", "S1-3"] = "S1-1"
     """Seed scenario: S1-1 one seed everywhere; S1-2 rank 0's seed differs; S1-3 every rank's seed differs."""
     consistency: bool = True
     """Record per-worker loss and gradient statistics before the all-reduce (a DDP comm hook)."""
     gram_every: int = 50
     """With more than 2 workers: exact pairwise cosines (Gram matrix of local gradients) every this many steps."""
+    noise_scale_ema: float = 0.95
+    """EMA factor for the gradient noise scale's numerator and denominator (each step's estimate is noisy)."""
+    drift_check_every: int = 10
+    """Every this many steps, compare a bit-exact fingerprint of every rank's parameters and optimizer state
+    (DDP syncs gradients, never weights; 0: never)."""
+    inject: InjectConfig = field(default_factory=InjectConfig)
+    """Fault injection for testing the detector (off unless inject.kind is set)."""
     timeout_s: float = 600.0
     """Process-group timeout."""
 
     def __post_init__(self):
         _require(1 <= self.workers <= 1024, "workers", f"must be in 1..1024, got {self.workers}")
+        _require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+        _require(0 <= self.noise_scale_ema < 1, "noise_scale_ema", f"must be in [0, 1), got {self.noise_scale_ema}")
+        _require(self.drift_check_every >= 0, "drift_check_every", f"must be >= 0, got {self.drift_check_every}")
+        _require(self.inject.kind is None or self.inject.rank < self.workers, "inject.rank",
+                 f"must name one of the {self.workers} workers, got {self.inject.rank}")
         _require(self.threads_per_worker >= 0, "threads_per_worker", f"must be >= 0, got {self.threads_per_worker}")
         _require(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
         _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
@@ -575,19 +634,31 @@ class EvaluateConfig:
 
 @dataclass(frozen=True)
 class ReportConfig:
-    """The report: the silent-inconsistency rule's parameters."""
+    """The report's consistency detector (``ars_opd.evaluation.detector``): per-rank CUSUM tests."""
 
-    window: int = 50
-    """Trailing steps that form a statistic's baseline (median and MAD)."""
-    k: float = 4.0
-    """A step is far above its baseline beyond median + k * max(MAD, 5% of median) ..."""
-    ratio: float = 2.0
-    """... and beyond ratio * median."""
+    warmup: int = 100
+    """Steps not judged at the start of a stage (the null is learned from the run's own earlier steps)."""
+    window: int = 100
+    """Trailing steps whose pooled per-rank residuals give each statistic's median and MAD."""
+    lag: int = 5
+    """The window ends this many steps back, so a change does not dilute its own yardstick at once."""
+    k: float = 0.5
+    """CUSUM reference value in robust standard deviations (half the smallest shift it is tuned for)."""
+    clip_z: float = 4.0
+    """Standardised values are clipped at +-clip_z, so one heavy-tailed step cannot raise an alarm alone."""
+    false_alarms_per_1000: float = 0.25
+    """Design false-alarm rate per 1,000 steps (every statistic, rank and side) for independent Gaussian
+    scores, from which the threshold is computed; real runs alarm more often (the report quotes the rate
+    measured on healthy runs), so it sits below the 1-per-1,000 target."""
 
     def __post_init__(self):
+        _require(self.warmup >= 0, "warmup", f"must be >= 0, got {self.warmup}")
         _require(self.window >= 4, "window", f"must be >= 4, got {self.window}")
+        _require(self.lag >= 0, "lag", f"must be >= 0, got {self.lag}")
         _require(self.k > 0, "k", f"must be > 0, got {self.k}")
-        _require(self.ratio >= 1, "ratio", f"must be >= 1, got {self.ratio}")
+        _require(self.clip_z > self.k, "clip_z", f"must be > k ({self.k}), got {self.clip_z}")
+        _require(self.false_alarms_per_1000 > 0, "false_alarms_per_1000",
+                 f"must be > 0, got {self.false_alarms_per_1000}")
 
 
 SECTIONS: dict[str, type] = {

@@ -5,8 +5,8 @@ from ars_opd.training.opd import run_opd
 
 
 def main() -> None:
-    p = load_params(sections=("base", "paths", "models", "ddp", "opd"))
-    summary = run_opd(p.opd, p.ddp, p.paths, p.base.seed, p.models.trust_remote_code)
+    p = load_params(sections=("paths", "models", "ddp", "opd"))
+    summary = run_opd(p.opd, p.ddp, p.paths, p.models.trust_remote_code)
     print(f"opd: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
 
 

@@ -5,8 +5,8 @@ from ars_opd.training.sft import run_sft
 
 
 def main() -> None:
-    p = load_params(sections=("base", "paths", "ddp", "sft"))
-    summary = run_sft(p.sft, p.ddp, p.paths, p.base.seed)
+    p = load_params(sections=("paths", "ddp", "sft"))
+    summary = run_sft(p.sft, p.ddp, p.paths)
     print(f"sft: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
 
 

@@ -202,3 +202,134 @@ def gkd_probe(job: dict) -> list:
         return [p.tolist() for p in parts]
     finally:
         shutdown_worker()
+
+
+def _local_grads_per_micro(ddp, task, ctx, scale):
+    """Each micro-batch's local gradient (flattened, fp64, in the engine's K/N scale), nothing reduced."""
+    out = []
+    for b in task.micro:
+        with ddp.no_sync():
+            ls, _ = task.loss_sum(ddp, b)
+            (ls * scale).backward()
+        out.append(torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()]).double())
+        ddp.module.zero_grad(set_to_none=True)
+    return out
+
+
+def fault_probe(job: dict) -> dict:
+    """One step with and without an engine-level fault on rank job['rank']: the hook's per-rank squared norms,
+    the per-rank losses and tokens, the reduced gradient, and each rank's per-micro-batch local gradients."""
+    ctx = init_worker("cpu", "gloo", threads=1, timeout_s=120)
+    try:
+        from ars_opd.config import InjectConfig
+        from ars_opd.data import synthetic
+        from ars_opd.models.tokenizer import build_char_word_tokenizer
+        from ars_opd.training.consistency import ConsistencyHook
+        from ars_opd.training.distributed import gather_floats
+        from ars_opd.training.faults import Fault
+
+        tok = build_char_word_tokenizer(synthetic.instruction_words())
+        cfg = SFTConfig(steps=1, global_batch_size=8, micro_batch_size=1)
+        out = {}
+        for mode in ("healthy", "fault"):
+            model = tiny_model(tok)
+            task = FixedTask(job["batches"], ctx, tok.pad_token_id, False)
+            ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size, bucket_cap_mb=0.002))
+            if mode == "healthy":
+                n = torch.tensor([float(sum(b.n_tokens for b in task.micro))], dtype=torch.float64)
+                dist.all_reduce(n)
+                local = _local_grads_per_micro(ddp, task, ctx, ctx.world_size / n.item())
+                parts = [torch.empty_like(torch.stack(local)) for _ in range(ctx.world_size)]
+                dist.all_gather(parts, torch.stack(local))
+                out["micro_grads"] = [p.tolist() for p in parts]  # (K, micro, P)
+            hook = ConsistencyHook(ctx.world_size)
+            hook.attach(ddp)
+            hook.begin_step(0)
+            inject = InjectConfig(kind=job["kind"], rank=job["rank"], start_step=0, magnitude=job["magnitude"])
+            fault = Fault(inject, "sft", ctx.rank, 0) if mode == "fault" else None
+            local_sum, local_tokens, _, _ = accumulate_gradients(ddp, task, task.micro, ctx, cfg, fault, 0)
+            g = gather_floats(torch.cat([torch.tensor([local_sum, float(local_tokens)], dtype=torch.float64),
+                                         hook.local_stats(ctx.device)]), ctx.device)
+            reduced = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+            out[mode] = {"loss_sum": g[:, 0].tolist(), "tokens": g[:, 1].tolist(), "sq": g[:, 2].tolist(),
+                         "reduced": reduced.tolist()}
+            del ddp
+        return out
+    finally:
+        shutdown_worker()
+
+
+def drift_probe(job: dict) -> list:
+    """check_drift before and after rank job['rank'] moves one parameter element by one ulp."""
+    ctx = init_worker("cpu", "gloo", threads=1, timeout_s=120)
+    try:
+        from ars_opd.data import synthetic
+        from ars_opd.models.tokenizer import build_char_word_tokenizer
+        from ars_opd.training.loop import check_drift
+
+        tok = build_char_word_tokenizer(synthetic.instruction_words())
+        model = tiny_model(tok)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()
+        opt.step()  # the optimizer state exists and is identical everywhere
+        found = [check_drift(model, opt, ctx)]
+        if ctx.rank == job["rank"]:
+            with torch.no_grad():
+                p = dict(model.named_parameters())[job["param"]]
+                flat = p.view(-1)
+                flat[job["index"]] = torch.nextafter(flat[job["index"]], torch.tensor(float("inf")))
+        found.append(check_drift(model, opt, ctx))
+        return found
+    finally:
+        shutdown_worker()
+
+
+def noise_scale_probe(job: dict) -> dict:
+    """The hook's per-worker scalars for one step, and every sequence's own gradient (fp64), gathered."""
+    ctx = init_worker("cpu", "gloo", threads=1, timeout_s=120)
+    try:
+        from ars_opd.data import synthetic
+        from ars_opd.lm.losses import causal_lm_token_loss_sum
+        from ars_opd.models.tokenizer import build_char_word_tokenizer
+        from ars_opd.training.consistency import ConsistencyHook
+        from ars_opd.training.distributed import gather_floats
+
+        tok = build_char_word_tokenizer(synthetic.instruction_words())
+        model = tiny_model(tok)
+        cfg = SFTConfig(steps=1, global_batch_size=8, micro_batch_size=1)
+        task = FixedTask(job["batches"], ctx, tok.pad_token_id, False)
+        per_seq, counts = [], []
+        for b in task.micro:  # one sequence at a time: its summed token-loss gradient
+            t = b.tensors
+            for i in range(t["input_ids"].shape[0]):
+                logits = model(input_ids=t["input_ids"][i:i + 1], attention_mask=t["attention_mask"][i:i + 1]).logits
+                ls, n = causal_lm_token_loss_sum(logits, t["labels"][i:i + 1])
+                ls.backward()
+                per_seq.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double())
+                counts.append(int(n))
+                model.zero_grad(set_to_none=True)
+        ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size, bucket_cap_mb=0.002))
+        hook = ConsistencyHook(ctx.world_size)
+        hook.attach(ddp)
+        hook.begin_step(0)
+        _, local_tokens, _, _ = accumulate_gradients(ddp, task, task.micro, ctx, cfg)
+        g = gather_floats(torch.cat([torch.tensor([float(local_tokens)], dtype=torch.float64),
+                                     hook.local_stats(ctx.device)]), ctx.device)
+        reduced = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+        mine = torch.stack(per_seq)
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(ctx.world_size)]
+        dist.all_gather(sizes, torch.tensor([mine.shape[0]]))
+        width = max(int(s) for s in sizes)
+        padded = torch.zeros(width, mine.shape[1], dtype=torch.float64)
+        padded[:mine.shape[0]] = mine
+        parts = [torch.empty_like(padded) for _ in range(ctx.world_size)]
+        dist.all_gather(parts, padded)
+        cnt = torch.zeros(width, dtype=torch.long)
+        cnt[:len(counts)] = torch.tensor(counts)
+        cparts = [torch.empty_like(cnt) for _ in range(ctx.world_size)]
+        dist.all_gather(cparts, cnt)
+        return {"tokens": g[:, 0].tolist(), "sq": g[:, 1].tolist(), "mean_sq": float(reduced.pow(2).sum()),
+                "per_seq": [p[:int(s)].tolist() for p, s in zip(parts, sizes)],
+                "counts": [c[:int(s)].tolist() for c, s in zip(cparts, sizes)]}
+    finally:
+        shutdown_worker()

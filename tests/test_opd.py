@@ -86,7 +86,7 @@ def test_opd_stage_end_to_end_on_micro_config(tmp_path, loss, lam):
     try:
         p = load_params("params.yaml")
         before = {k: v.clone() for k, v in load_model(p.paths.models_dir, "student").state_dict().items()}
-        summary = run_opd(p.opd, p.ddp, p.paths, p.base.seed, progress=False)
+        summary = run_opd(p.opd, p.ddp, p.paths, progress=False)
         steps = read_jsonl(p.paths.training("opd").steps)
         after = load_model_dir_state(Path(p.paths.opd_model))
     finally:

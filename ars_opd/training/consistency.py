@@ -183,3 +183,28 @@ def consistency_metrics(worker_loss: Sequence[float], sq: Sequence[float], dot: 
         out.update(grad_direction_consistency=inner_sum / total if total > 0 else float("nan"), gdc_exact=False,
                    gdc_error_bound=sum(abs(w - 1 / len(pairs)) for w in weights))
     return out
+
+
+def noise_scale_terms(sq: Sequence[float], tokens: Sequence[int], mean_sq: float) -> tuple[float, float]:
+    """One step's unbiased estimates of (|G|², tr Σ) from the workers' local gradients (McCandlish et al.
+    2018, "An Empirical Model of Large-Batch Training", App. A.1), batch sizes in loss tokens.
+
+    sq: ‖g_k‖² per worker in the engine's scale (g_k = K/N · the sum of worker k's token gradients, N the
+    step's global tokens); tokens: n_k per worker; mean_sq: ‖ḡ‖² of the reduced (pre-clip) gradient. Worker
+    k's own token-mean gradient is g_k·N/(K·n_k), so |G_small|² = mean_k ‖g_k‖²·(N/(K·n_k))² at
+    B_small = N/K, and |G_big|² = ‖ḡ‖² at B_big = N. Then
+    |G|² ≈ (B_big|G_big|² − B_small|G_small|²)/(B_big − B_small) and
+    tr Σ ≈ (|G_small|² − |G_big|²)/(1/B_small − 1/B_big). Each is noisy on one step: average numerator
+    and denominator over steps before taking the ratio B_simple = tr Σ / |G|². NaN for one worker.
+    """
+    K = len(sq)
+    if K < 2 or len(tokens) != K:
+        return float("nan"), float("nan")
+    N = float(sum(tokens))
+    if N <= 0 or any(n <= 0 for n in tokens):
+        return float("nan"), float("nan")
+    small = sum(s * (N / (K * n)) ** 2 for s, n in zip(sq, tokens)) / K
+    b_small, b_big = N / K, N
+    g2 = (b_big * mean_sq - b_small * small) / (b_big - b_small)
+    trace = (small - mean_sq) / (1 / b_small - 1 / b_big)
+    return g2, trace

@@ -42,8 +42,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ars_opd.config import DDPConfig, TrainLoopConfig
 from ars_opd.training.checkpoint import TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
-from ars_opd.training.consistency import ConsistencyHook, consistency_metrics
+from ars_opd.training.consistency import ConsistencyHook, consistency_metrics, noise_scale_terms
 from ars_opd.training.distributed import WorkerContext, gather_floats
+from ars_opd.training.drift import fingerprint, mismatched_ranks
+from ars_opd.training.faults import Fault
 from ars_opd.training.optim import autocast_context, clip_gradients, make_optimizer, make_scheduler
 
 
@@ -92,6 +94,8 @@ class StepResult:
     worker_tokens: list[int]
     metrics: dict[str, float] = field(default_factory=dict)
     consistency: dict = field(default_factory=dict)
+    noise_scale: tuple[float, float] = (float("nan"), float("nan"))  # (|G|², tr Σ) estimates of the step
+    drift: list[int] | None = None  # ranks whose replica differs (None: not checked this step)
 
 
 def wrap_ddp(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig) -> DDP:
@@ -100,11 +104,14 @@ def wrap_ddp(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig) -> 
 
 
 def accumulate_gradients(ddp_model: DDP, task: TrainingTask, micro: list[MicroBatch], ctx: WorkerContext,
-                         cfg: TrainLoopConfig) -> tuple[float, int, int, dict[str, tuple[float, float]]]:
+                         cfg: TrainLoopConfig, fault: Fault | None = None,
+                         step: int = 0) -> tuple[float, int, int, dict[str, tuple[float, float]]]:
     """Forward/backward every micro-batch of the step with the global token normalisation.
 
     Returns (local loss sum, local tokens, global tokens, local metric sums). After it returns, every
-    parameter's ``.grad`` holds the reduced gradient of the global token-mean loss.
+    parameter's ``.grad`` holds the reduced gradient of the global token-mean loss. An injected fault
+    (``ars_opd.training.faults``) may skip micro-batches (their tokens still counted) or scale this rank's
+    loss in the backward.
     """
     local_tokens = sum(b.n_tokens for b in micro)
     counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=ctx.device)
@@ -114,9 +121,13 @@ def accumulate_gradients(ddp_model: DDP, task: TrainingTask, micro: list[MicroBa
         raise ValueError("a step's global batch holds no loss tokens (every completion masked); check the "
                          "data and the prompt/completion budgets")
     scale = ctx.world_size / global_tokens  # DDP averages over workers: x K undoes that mean, / N normalises
+    if fault is not None:
+        scale *= fault.loss_factor(step)
     local_sum = 0.0
     metric_sums: dict[str, list[float]] = {}
     for i, batch in enumerate(micro):
+        if fault is not None and fault.drops(step, i, len(micro)):
+            continue
         last = i == len(micro) - 1
         with (contextlib.nullcontext() if last else ddp_model.no_sync()), autocast_context(cfg.precision, ctx.device):
             loss_sum, metrics = task.loss_sum(ddp_model, batch)
@@ -162,13 +173,26 @@ def optimizer_step(model: torch.nn.Module, opt, sched, cfg: TrainLoopConfig, los
     return norm, clip_coef, clipped, skipped
 
 
+def check_drift(model: torch.nn.Module, opt, ctx: WorkerContext) -> list[int]:
+    """All ranks call: all-gather every rank's fingerprint; the ranks that differ from the majority."""
+    local = fingerprint(model, opt).to(ctx.device)
+    parts = [torch.empty_like(local) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, local)
+    return mismatched_ranks(torch.stack(parts).cpu())
+
+
 def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContext, cfg: TrainLoopConfig,
-               state: TrainerState, monitor: ConsistencyHook | None = None) -> StepResult:
+               state: TrainerState, monitor: ConsistencyHook | None = None, fault: Fault | None = None,
+               drift_every: int = 0) -> StepResult:
     model = ddp_model.module
+    if fault is not None:
+        fault.perturb(model, state.step)
+    drift = check_drift(model, opt, ctx) if drift_every and state.step % drift_every == 0 else None
     micro = task.micro_batches(state.step, model)
     if monitor is not None:
         monitor.begin_step(state.step)
-    local_sum, local_tokens, global_tokens, metric_sums = accumulate_gradients(ddp_model, task, micro, ctx, cfg)
+    local_sum, local_tokens, global_tokens, metric_sums = accumulate_gradients(ddp_model, task, micro, ctx, cfg,
+                                                                               fault, state.step)
     names = task.metric_names()
     stats = monitor.local_stats(ctx.device) if monitor is not None else torch.full((2,), float("nan"))
     vec = torch.cat([torch.tensor([local_sum, float(local_tokens)], dtype=torch.float64, device=ctx.device),
@@ -185,14 +209,15 @@ def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContex
     for i, n in enumerate(names):
         s, c = gathered[:, 4 + 2 * i].sum().item(), gathered[:, 5 + 2 * i].sum().item()
         metrics[n] = s / c if c else float("nan")
-    consistency = {}
+    consistency, noise = {}, (float("nan"), float("nan"))
     if monitor is not None:
         # ‖ḡ‖ is the pre-clip norm of the reduced gradient (identical on every worker)
         consistency = consistency_metrics(worker_loss, gathered[:, 2].tolist(), gathered[:, 3].tolist(),
                                           norm * norm, gram)
+        noise = noise_scale_terms(gathered[:, 2].tolist(), worker_tokens, norm * norm)
     state.tokens_seen += global_tokens
     return StepResult(loss, global_tokens, norm, coef, clipped, skipped, worker_loss, worker_tokens, metrics,
-                      consistency)
+                      consistency, noise, drift)
 
 
 class StepLogger:
@@ -224,7 +249,7 @@ class StepLogger:
         self._file.write(json.dumps({k: v for k, v in row.items() if not is_timing(k)}) + "\n")
         self._file.flush()
         for k, v in row.items():
-            if (k in self.SCALARS or k.startswith(("task/", "consistency/"))) and isinstance(v, (int, float)) \
+            if (k in self.SCALARS or k.startswith(("task/", "consistency/", "gns/"))) and isinstance(v, (int, float)) \
                     and not isinstance(v, bool) and math.isfinite(v):
                 self._live.log_metric(f"train/{k}", v, plot=True)
         self._live.step = row["step"]
@@ -247,9 +272,24 @@ class StepLogger:
             self._live.end()
 
 
+class NoiseScale:
+    """B_simple = tr Σ / |G|² with numerator and denominator smoothed separately (EMA) before dividing;
+    a pure function of the logged per-step terms, so a resumed run rebuilds it from its log."""
+
+    def __init__(self, ema: float):
+        self.ema, self.g2, self.trace = ema, None, None
+
+    def update(self, g2: float, trace: float) -> float:
+        if math.isfinite(g2) and math.isfinite(trace):
+            a = self.ema
+            self.g2 = g2 if self.g2 is None else a * self.g2 + (1 - a) * g2
+            self.trace = trace if self.trace is None else a * self.trace + (1 - a) * trace
+        return self.trace / self.g2 if self.g2 else float("nan")
+
+
 def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: TrainLoopConfig,
-        ddp_cfg: DDPConfig, fingerprint: str, ckpt_dir: Path, steps_path: Path, live_dir: Path,
-        progress: bool = True, on_step=None) -> tuple[TrainerState, list[dict]]:
+        ddp_cfg: DDPConfig, run_fingerprint: str, ckpt_dir: Path, steps_path: Path, live_dir: Path,
+        progress: bool = True, on_step=None, fault: Fault | None = None) -> tuple[TrainerState, list[dict]]:
     """Train ``model`` (unwrapped, on ``ctx.device``) for ``cfg.steps`` optimiser steps, resuming if possible.
 
     Returns the final state and the per-step log (rank 0's view; identical values on every rank).
@@ -267,20 +307,24 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
     if ctx.is_main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    path, why = find_checkpoint(ckpt_dir, fingerprint, ctx.world_size)
+    path, why = find_checkpoint(ckpt_dir, run_fingerprint, ctx.world_size)
     if path is not None:
         state, history = load_checkpoint(path, ctx, model, opt, sched)
     if ctx.is_main and (path is not None or why != "no checkpoint"):
         print(f"checkpoints: {why}", flush=True)
     logger = StepLogger(steps_path, live_dir, enabled=ctx.is_main)
     logger.replay(history)
+    noise_scale = NoiseScale(ddp_cfg.noise_scale_ema)
+    for row in history:
+        noise_scale.update(row.get("gns/g2", float("nan")), row.get("gns/trace", float("nan")))
     bar = tqdm(total=cfg.steps, initial=state.step, desc="train", unit="step", disable=not (progress and ctx.is_main),
                mininterval=1.0, dynamic_ncols=True)
     try:
         while state.step < cfg.steps:
             t0 = time.perf_counter()
             lr = opt.param_groups[0]["lr"]  # the rate this step uses (train_step advances the schedule)
-            result = train_step(ddp_model, task, opt, sched, ctx, cfg, state, monitor)
+            result = train_step(ddp_model, task, opt, sched, ctx, cfg, state, monitor, fault,
+                                ddp_cfg.drift_check_every)
             step_s = time.perf_counter() - t0
             state.train_seconds += step_s
             row = {
@@ -290,8 +334,12 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
                 "skipped_total": state.skipped_steps, "step_s": round(step_s, 5),
                 "worker_loss": result.worker_loss, "worker_tokens": result.worker_tokens,
                 "scenario": ddp_cfg.scenario,
+                "fault": fault.cfg.kind if fault is not None and fault.active(state.step) else None,
+                "drift_mismatch": result.drift,  # null: not checked this step; []: every replica identical
                 **{f"task/{k}": v for k, v in result.metrics.items()},
                 **{f"consistency/{k}": v for k, v in result.consistency.items()},
+                "gns/g2": result.noise_scale[0], "gns/trace": result.noise_scale[1],
+                "gns/b_simple": noise_scale.update(*result.noise_scale),
             }
             if on_step is not None:
                 row.update(on_step(state.step) or {})
@@ -300,9 +348,9 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.4f}", gnorm=f"{result.grad_norm:.2f}", refresh=False)
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
-                save_checkpoint(ckpt_dir, ctx, model, opt, sched, state, fingerprint, logger.rows, cfg.keep_checkpoints)
+                save_checkpoint(ckpt_dir, ctx, model, opt, sched, state, run_fingerprint, logger.rows, cfg.keep_checkpoints)
         if path is None or state.resumed_from != cfg.steps:
-            save_checkpoint(ckpt_dir, ctx, model, opt, sched, state, fingerprint, logger.rows, cfg.keep_checkpoints)
+            save_checkpoint(ckpt_dir, ctx, model, opt, sched, state, run_fingerprint, logger.rows, cfg.keep_checkpoints)
         tail = [r["loss"] for r in logger.rows[-10:] if math.isfinite(r["loss"])]
         summary = {
             "final_loss": logger.rows[-1]["loss"] if logger.rows else float("nan"),

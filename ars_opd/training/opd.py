@@ -34,6 +34,7 @@ from ars_opd.lm.objectives import Objective, TeacherScores, check_config, get_ob
 from ars_opd.models.pinning import load_model, load_model_dir, model_path, read_manifest, sha256_of_files
 from ars_opd.models.tokenizer import check_shared_tokenizer
 from ars_opd.seeding import derive_seed
+from ars_opd.training.faults import Fault
 from ars_opd.training.geometry import BatchGeometry, step_indices
 from ars_opd.training.loop import MicroBatch
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker
@@ -70,10 +71,11 @@ class OPDTask:
 
     def __init__(self, prompts: list[list[int]], teacher_completions: list[list[int]], teacher: LocalTeacher,
                  tokenizer, cfg: OPDConfig, geometry: BatchGeometry, sampler_seed: int, seed: int, rank: int,
-                 device: torch.device):
+                 device: torch.device, fault: Fault | None = None, item_tasks: list[str | None] | None = None):
         self.prompts, self.teacher_completions, self.teacher = prompts, teacher_completions, teacher
         self.tokenizer, self.cfg, self.geometry = tokenizer, cfg, geometry
         self.sampler_seed, self.seed, self.rank, self.device = sampler_seed, seed, rank, device
+        self.fault, self.item_tasks = fault, item_tasks or [None] * len(prompts)
         self.objective = get_objective(cfg.loss)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -85,6 +87,8 @@ class OPDTask:
 
     def micro_batches(self, step: int, model: torch.nn.Module) -> list[MicroBatch]:
         idx = step_indices(step, len(self.prompts), self.geometry, self.sampler_seed, self.rank)
+        if self.fault is not None:
+            idx = self.fault.select(step, idx, self.item_tasks)
         prompts = [self.prompts[i] for i in idx]
         on_policy = self.source(step) == "student"
         t0 = time.perf_counter()
@@ -124,12 +128,14 @@ class OPDTask:
                           "teacher_s": (teacher_s, 1.0 if batch.meta.get("gen_s") else 0.0)}
 
 
-def _encode(tokenizer, rows: list[dict], cfg: OPDConfig) -> tuple[list[list[int]], list[list[int]], dict]:
+def _encode(tokenizer, rows: list[dict], cfg: OPDConfig):
+    """(prompts, teacher completions, task labels, counts) of the rows whose prompt fits the budget."""
     prompts = encode_prompts(tokenizer, [r["messages"] for r in rows])
     completions = encode_completions(tokenizer, [r["completion"] for r in rows])
     keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
     counts = {"rows": len(rows), "kept": len(keep), "dropped_prompt_over_budget": len(rows) - len(keep)}
-    return [prompts[i] for i in keep], [completions[i] for i in keep], counts
+    return ([prompts[i] for i in keep], [completions[i] for i in keep], [rows[i].get("task") for i in keep],
+            counts)
 
 
 def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
@@ -139,7 +145,7 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     check_shared_tokenizer(AutoTokenizer.from_pretrained(model_path(job.paths.models_dir, "teacher"),
                                                          trust_remote_code=job.trust_remote_code), tokenizer)
     vocab = len(tokenizer)
-    student_dir = Path(job.paths.sft_model)
+    student_dir = Path(job.paths.distill_init)
     model = load_model_dir(student_dir, ctx.device, stage="sft")
     teacher = load_model(job.paths.models_dir, "teacher", trust_remote_code=job.trust_remote_code).to(ctx.device)
     for name, m in (("student", model), ("teacher", teacher)):
@@ -148,11 +154,11 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
             raise ValueError(f"the {name} has {rows_out} output rows but the tokenizer {vocab} ids")
     train_path = job.paths.completions("train")
     rows = read_jsonl(train_path)
-    prompts, completions, counts = _encode(tokenizer, rows, job.cfg)
+    prompts, completions, tasks, counts = _encode(tokenizer, rows, job.cfg)
     if not prompts:
         raise ValueError(f"no OPD prompts left after the budget: {counts}")
     task = OPDTask(prompts, completions, LocalTeacher(teacher, vocab), tokenizer, job.cfg, setup.geometry,
-                   setup.sampler_seed, setup.stage_seed, ctx.rank, ctx.device)
+                   setup.sampler_seed, setup.stage_seed, ctx.rank, ctx.device, setup.fault, tasks)
     fingerprint = {"student": sha256_of_files(student_dir),
                    "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
                    "rows": len(rows), "data": file_sha256(train_path)}
@@ -164,8 +170,8 @@ def opd_worker(job: TrainingJob) -> dict:
     return run_worker(job, prepare_opd)
 
 
-def run_opd(cfg: OPDConfig, ddp: DDPConfig, paths: PathsConfig, seed: int, trust_remote_code: bool = False,
+def run_opd(cfg: OPDConfig, ddp: DDPConfig, paths: PathsConfig, trust_remote_code: bool = False,
             progress: bool = True) -> dict:
     """The opd stage: start the workers, distil, write outputs. Returns rank 0's summary."""
     check_config(cfg)  # before any worker starts: a loss the rollouts cannot serve is a config error
-    return launch_stage(opd_worker, TrainingJob("opd", cfg, ddp, paths, seed, trust_remote_code, progress))
+    return launch_stage(opd_worker, TrainingJob("opd", cfg, ddp, paths, trust_remote_code, progress))

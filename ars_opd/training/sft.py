@@ -12,7 +12,7 @@ tested to give the same logits as unpacked rows).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,7 @@ from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_wit
 from ars_opd.lm.losses import causal_lm_token_loss_sum
 from ars_opd.models.pinning import load_model, read_manifest
 from ars_opd.training.geometry import BatchGeometry, step_indices
+from ars_opd.training.faults import Fault
 from ars_opd.training.loop import MicroBatch
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker
 
@@ -32,6 +33,7 @@ class EncodedData:
     prompts: list[list[int]]
     completions: list[list[int]]
     counts: dict[str, int]
+    tasks: list[str | None] = field(default_factory=list)  # each kept row's task label (synthetic data)
 
 
 def encode_sft_rows(tokenizer, rows: list[dict], cfg: SFTConfig) -> EncodedData:
@@ -40,8 +42,8 @@ def encode_sft_rows(tokenizer, rows: list[dict], cfg: SFTConfig) -> EncodedData:
     completions = encode_completions(tokenizer, [r["completion"] for r in rows]) if rows else []
     counts = {"rows": len(rows), "kept": 0, "dropped_prompt_over_budget": 0, "dropped_no_room_for_completion": 0,
               "completion_truncated": 0}
-    keep_p, keep_c = [], []
-    for p, c in zip(prompts, completions):
+    keep_p, keep_c, tasks = [], [], []
+    for row, p, c in zip(rows, prompts, completions):
         if len(p) > cfg.max_prompt_tokens:
             counts["dropped_prompt_over_budget"] += 1
             continue
@@ -54,23 +56,27 @@ def encode_sft_rows(tokenizer, rows: list[dict], cfg: SFTConfig) -> EncodedData:
             c = c[:room]
         keep_p.append(p)
         keep_c.append(c)
+        tasks.append(row.get("task"))
     counts["kept"] = len(keep_p)
-    return EncodedData(keep_p, keep_c, counts)
+    return EncodedData(keep_p, keep_c, counts, tasks)
 
 
 class SFTTask:
     """Micro-batches of teacher completions for one worker; loss = summed token cross-entropy."""
 
     def __init__(self, data: EncodedData, cfg: SFTConfig, geometry: BatchGeometry, sampler_seed: int,
-                 rank: int, device: torch.device, pad_id: int):
+                 rank: int, device: torch.device, pad_id: int, fault: Fault | None = None, vocab: int = 0):
         self.data, self.cfg, self.geometry = data, cfg, geometry
         self.sampler_seed, self.rank, self.device, self.pad_id = sampler_seed, rank, device, pad_id
+        self.fault, self.vocab = fault, vocab
 
     def metric_names(self) -> list[str]:
         return ["padding_fraction"]
 
     def micro_batches(self, step: int, model: torch.nn.Module) -> list[MicroBatch]:
         idx = step_indices(step, len(self.data.prompts), self.geometry, self.sampler_seed, self.rank)
+        if self.fault is not None:
+            idx = self.fault.select(step, idx, self.data.tasks)
         out = []
         for i in range(0, len(idx), self.geometry.micro_batch):
             chunk = idx[i:i + self.geometry.micro_batch]
@@ -80,6 +86,8 @@ class SFTTask:
                 t = pack_sequences(p, c, self.cfg.pack_length, self.pad_id)
             else:
                 t = pad_right_with_labels(p, c, self.pad_id)
+            if self.fault is not None:
+                t["labels"] = self.fault.corrupt_labels(t["labels"], step, self.vocab)
             t = {k: v.to(self.device) for k, v in t.items()}
             real = sum(len(x) + len(y) for x, y in zip(p, c))
             out.append(MicroBatch(t, count_loss_tokens(t["labels"]), len(chunk), real))
@@ -104,7 +112,7 @@ def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         raise ValueError(f"no SFT rows left after the budgets: {data.counts}")
     model = load_model(job.paths.models_dir, "student").to(setup.ctx.device)
     task = SFTTask(data, job.cfg, setup.geometry, setup.sampler_seed, setup.ctx.rank, setup.ctx.device,
-                   setup.tokenizer.pad_token_id)
+                   setup.tokenizer.pad_token_id, setup.fault, len(setup.tokenizer))
     fingerprint = {"init": read_manifest(job.paths.models_dir)["student"]["revision"], "rows": len(rows),
                    "data": file_sha256(train_path)}
     return PreparedRun(model, task, fingerprint, data.counts)
@@ -114,6 +122,6 @@ def sft_worker(job: TrainingJob) -> dict:
     return run_worker(job, prepare_sft)
 
 
-def run_sft(cfg: SFTConfig, ddp: DDPConfig, paths: PathsConfig, seed: int, progress: bool = True) -> dict:
+def run_sft(cfg: SFTConfig, ddp: DDPConfig, paths: PathsConfig, progress: bool = True) -> dict:
     """The sft stage: start the workers, train, write outputs. Returns rank 0's summary."""
-    return launch_stage(sft_worker, TrainingJob("sft", cfg, ddp, paths, seed, progress=progress))
+    return launch_stage(sft_worker, TrainingJob("sft", cfg, ddp, paths, progress=progress))

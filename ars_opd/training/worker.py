@@ -24,6 +24,7 @@ from ars_opd.models.pinning import load_tokenizer
 from ars_opd.seeding import derive_seed, scenario_seeds, set_seeds
 from ars_opd.training.checkpoint import config_fingerprint
 from ars_opd.training.distributed import WorkerContext, init_worker, launch, shutdown_worker
+from ars_opd.training.faults import Fault
 from ars_opd.training.geometry import BatchGeometry
 from ars_opd.training.loop import TrainingTask, fit
 
@@ -33,9 +34,8 @@ class TrainingJob:
 
     stage: str  # "sft" | "opd": names the params section and the paths
     cfg: TrainLoopConfig
-    ddp: DDPConfig
+    ddp: DDPConfig  # ddp.seed is the training seed
     paths: PathsConfig
-    seed: int
     trust_remote_code: bool = False
     progress: bool = True
 
@@ -49,6 +49,7 @@ class WorkerSetup:
     geometry: BatchGeometry
     sampler_seed: int  # this rank's data-order seed under the scenario
     stage_seed: int  # the stage's seed, the same on every rank (e.g. for GKD draws)
+    fault: Fault  # the injected fault as this rank sees it (a no-op unless ddp.inject names this stage)
 
 
 @dataclass
@@ -66,25 +67,25 @@ class PreparedRun:
 def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], PreparedRun]) -> dict:
     ctx = init_worker(job.ddp.device, job.ddp.backend, job.ddp.threads_per_worker, job.ddp.timeout_s)
     try:
-        stage_seed = derive_seed(job.seed, job.stage)
+        stage_seed = derive_seed(job.ddp.seed, job.stage)
         sampler_seed, rng_seed = scenario_seeds(job.ddp.scenario, stage_seed, ctx.rank)
         set_seeds(rng_seed)
         geometry = BatchGeometry.check(job.cfg.global_batch_size, ctx.world_size, job.cfg.micro_batch_size, job.stage)
         tokenizer = load_tokenizer(job.paths.models_dir)
-        run = prepare(job, WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed))
+        fault = Fault(job.ddp.inject, job.stage, ctx.rank, stage_seed)
+        run = prepare(job, WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault))
         run.model.train()
         out = job.paths.training(job.stage)
-        fingerprint = config_fingerprint({job.stage: to_dict(job.cfg), "workers": job.ddp.workers,
-                                          "scenario": job.ddp.scenario, "seed": job.seed, **run.fingerprint})
+        fingerprint = config_fingerprint({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp), **run.fingerprint})
         state, log = fit(ctx, run.model, run.task, job.cfg, job.ddp, fingerprint, Path(out.checkpoints),
-                         Path(out.steps), Path(out.live), job.progress, on_step=run.on_step)
+                         Path(out.steps), Path(out.live), job.progress, on_step=run.on_step, fault=fault)
         if ctx.is_main:
             run.model.save_pretrained(Path(out.model), safe_serialization=True)
             tokenizer.save_pretrained(Path(out.model))
             write_json(out.manifest, {
                 "data": run.data_counts, "workers": ctx.world_size, "geometry": dataclasses.asdict(geometry),
                 "resumed_from": state.resumed_from, "steps": state.step, **run.manifest,
-                **provenance({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp), "seed": job.seed}),
+                **provenance({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp)}),
             })
         return {"steps": state.step, "data": run.data_counts, "resumed_from": state.resumed_from,
                 "final_loss": log[-1]["loss"] if log else None}
