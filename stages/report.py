@@ -7,7 +7,8 @@ from ars_opd.evaluation.report import write_report
 def main() -> None:
     p = load_params(sections=("paths", "report"))
     flat = write_report(p.report, p.paths)
-    print(f"report: {p.paths.report_md} ({sum(v for k, v in flat.items() if k.endswith('silent_steps'))} silent steps)")
+    alarms = {k.split("/")[0]: v for k, v in flat.items() if k.endswith("/alarms")}
+    print(f"report: {p.paths.report_md} (detector alarms: {alarms or 'none'})")
 
 
 if __name__ == "__main__":
