@@ -59,12 +59,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 SCENARIO_COMMANDS = """\
-dvc exp run --queue -S ddp.scenario=S1-1 -n s1-1
-dvc exp run --queue -S ddp.scenario=S1-2 -n s1-2
-dvc exp run --queue -S ddp.scenario=S1-3 -n s1-3
-dvc queue start --jobs 1 && dvc queue status   # wait until all three are done
-dvc exp show --only-changed
-ars-opd scenarios --notes reports/scenarios_notes.md --out reports/scenarios.md
+git switch -c scenario-study && bash bench/scenario_sweep.sh   # after dvc repro; see the script's comments
+# it queues, per seed in 1..5 (ddp.seed), with ddp.workers=4 and opd from one fixed SFT student:
+#   dvc exp run --queue -S ddp.scenario=S1-1|S1-2|S1-3 -S ddp.seed=N ...
+#   dvc exp run --queue -S ddp.inject.kind=shard_skew ... (the positive control)
+# runs the queue, then: dvc exp show --json --all-commits > exps.json
+ars-opd scenarios --from exps.json --notes reports/scenarios_notes.md --out reports/scenarios.md
 """
 
 
@@ -76,7 +76,8 @@ def _cmd_scenarios(args: argparse.Namespace) -> int:
     data = json.loads(Path(args.source).read_text()) if args.source else scenarios.exp_show_json()
     found = scenarios.collect(data)
     if not found:
-        print("ars-opd scenarios: no experiment with ddp.scenario and report metrics found; run:\n"
+        print("ars-opd scenarios: no experiment with ddp.scenario (or ddp.inject.kind) and report metrics found; "
+              "run:\n"
               + SCENARIO_COMMANDS, file=sys.stderr)
         return 1
     notes = Path(args.notes).read_text() if args.notes else ""
