@@ -1,10 +1,12 @@
-"""Step-time overhead of the worker-consistency hook.
+"""Step-time overhead of everything the consistency monitor adds to a training step.
 
 Starts ``--workers`` DDP workers (gloo on CPU, NCCL on GPU) through the engine's launcher. Each worker holds
-two identical copies of a model: one wrapped in DDP with the consistency hook (and its per-step gather and
-metrics), one in plain DDP. Steps alternate A B A B on the same batches (interleaved in one process tree,
-so machine noise hits both alike); a step is forward + backward + all-reduce + AdamW. Prints one JSON
-line: workers, params, step_s_without, step_s_with (medians), overhead_ratio (with / without).
+two identical copies of a model and runs the engine's own ``train_step`` on both: "with" has the
+consistency hook (per-worker norms and cross terms, per-rank statistics, the gradient noise scale) and the
+replica-drift fingerprint check every ``--drift-every`` steps; "without" has neither. Steps alternate A B
+A B on the same batches (interleaved in one process tree, so machine noise hits both alike); a step is
+forward + backward + all-reduce + clipping + AdamW + the log's gather. Prints one JSON line: workers,
+params, step_s_without, step_s_with (medians), overhead_ratio (with / without).
 
     python bench/consistency_overhead.py                          # CPU: 2 workers, ~6M parameters
     python bench/consistency_overhead.py --workers 1 --preset qwen3-0.6b   # GPU, world size 1
@@ -25,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from ars_opd.config import DDPConfig, SFTConfig  # noqa: E402
-from ars_opd.training.consistency import ConsistencyHook, consistency_metrics  # noqa: E402
-from ars_opd.training.distributed import gather_floats, init_worker, launch, shutdown_worker  # noqa: E402
+from ars_opd.training.checkpoint import TrainerState  # noqa: E402
+from ars_opd.training.consistency import ConsistencyHook  # noqa: E402
+from ars_opd.training.distributed import init_worker, launch, shutdown_worker  # noqa: E402
 from ars_opd.training.geometry import BatchGeometry  # noqa: E402
-from ars_opd.training.loop import accumulate_gradients, wrap_ddp  # noqa: E402
-from ars_opd.training.optim import make_optimizer  # noqa: E402
+from ars_opd.training.loop import train_step, wrap_ddp  # noqa: E402
+from ars_opd.training.optim import make_optimizer, make_scheduler  # noqa: E402
 from ars_opd.training.sft import EncodedData, SFTTask  # noqa: E402
 
 PRESETS = {
@@ -69,32 +72,23 @@ def worker(job: dict) -> dict:
             ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size))
             hook = None
             if name == "with":
-                hook = ConsistencyHook(ctx.world_size)
+                hook = ConsistencyHook(ctx.world_size, gram_every=50)
                 hook.attach(ddp)
-            runs[name] = (model, ddp, hook, make_optimizer(model, cfg))
+            opt = make_optimizer(model, cfg)
+            runs[name] = (model, ddp, hook, opt, make_scheduler(opt, cfg, cfg.steps), TrainerState())
         task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0)
         times = {"with": [], "without": []}
         params = sum(p.numel() for p in {id(p): p for p in runs["with"][0].parameters()}.values())
         for step in range(job["steps"] + 2):
             order = ("with", "without") if step % 2 == 0 else ("without", "with")
             for name in order:
-                model, ddp, hook, opt = runs[name]
-                micro = task.micro_batches(step, model)
+                model, ddp, hook, opt, sched, state = runs[name]
                 if gpu:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                if hook is not None:
-                    hook.begin_step(step)
-                local_sum, local_tokens, _, _ = accumulate_gradients(ddp, task, micro, ctx, cfg)
-                vec = torch.tensor([local_sum, float(local_tokens)], dtype=torch.float64, device=ctx.device)
-                if hook is not None:  # the engine's one gather carries the hook's scalars as well
-                    vec = torch.cat([vec, hook.local_stats(ctx.device)])
-                g = gather_floats(vec, ctx.device)
-                norm = torch.nn.utils.get_total_norm([q.grad for q in model.parameters()]).item()  # both runs
-                if hook is not None:
-                    consistency_metrics(g[:, 0].tolist(), g[:, 2].tolist(), g[:, 3].tolist(), norm * norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                train_step(ddp, task, opt, sched, ctx, cfg, state, hook, None,
+                           job["drift_every"] if hook is not None else 0)
+                state.step += 1
                 if gpu:
                     torch.cuda.synchronize()
                 if step >= 2:
@@ -117,8 +111,10 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--drift-every", type=int, default=10, help="replica fingerprint check interval (as ddp)")
     a = p.parse_args()
-    job = {"preset": a.preset, "steps": a.steps, "micro": a.micro, "seq": a.seq, "threads": a.threads}
+    job = {"preset": a.preset, "steps": a.steps, "micro": a.micro, "seq": a.seq, "threads": a.threads,
+           "drift_every": a.drift_every}
     print(json.dumps(launch(worker, job, a.workers, a.threads)))
 
 

@@ -1,0 +1,140 @@
+"""Gradient noise scale: the engine's estimate from per-worker norms against a brute-force one.
+
+K = 4 gloo workers train the built-in student (``params.yaml``'s ``models.student_arch``) by SFT on the
+synthetic tasks for ``--train-steps`` steps, then freeze it (no optimiser steps, i.e. lr 0) and run
+``--steps`` more steps of the engine's gradient accumulation with the consistency hook over the same
+data. The estimate is what the engine logs (``ars_opd.training.consistency.noise_scale_terms``): per step
+|G|² and tr Σ from the workers' ‖g_k‖², ‖ḡ‖² and token counts, averaged over the frozen steps
+(numerator and denominator separately), B_simple = mean tr Σ / mean |G|² in tokens.
+
+The brute force takes every training row's own gradient (the summed token-loss gradient ĝ_i of row i,
+with n_i loss tokens) at the frozen weights: G = Σ ĝ_i / Σ n_i is the full-data gradient, and a batch of
+b random rows (B = b·n̄ tokens) has a token-mean gradient with covariance trace E‖ĝ_i − n_i G‖² / (n̄·B),
+so tr Σ (per token) = mean_i ‖ĝ_i − n_i G‖² / n̄ and B_simple = tr Σ / ‖G‖². (The engine draws rows
+without replacement within an epoch; that shrinks its batch variance by 1 − b/M, about 1-3% here.)
+
+Prints one JSON line: {"estimate", "brute_force", "ratio", "frozen_steps", "rows", "tokens_per_step", ...}.
+
+    python bench/gns_check.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import yaml  # noqa: E402
+
+from ars_opd.config import ArchConfig, SFTConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worker(job: dict) -> dict:
+    from ars_opd.config import DDPConfig
+    from ars_opd.data import synthetic
+    from ars_opd.data.prompts import alpaca_messages
+    from ars_opd.lm.batching import pad_right_with_labels
+    from ars_opd.lm.losses import causal_lm_token_loss_sum
+    from ars_opd.models.builtin import build_causal_lm
+    from ars_opd.models.tokenizer import build_char_word_tokenizer
+    from ars_opd.seeding import set_seeds
+    from ars_opd.training.checkpoint import TrainerState
+    from ars_opd.training.consistency import ConsistencyHook, noise_scale_terms
+    from ars_opd.training.distributed import gather_floats, init_worker, shutdown_worker
+    from ars_opd.training.geometry import BatchGeometry
+    from ars_opd.training.loop import accumulate_gradients, train_step, wrap_ddp
+    from ars_opd.training.optim import make_optimizer, make_scheduler
+    from ars_opd.training.sft import SFTTask, encode_sft_rows
+
+    ctx = init_worker("cpu", "gloo", threads=1)
+    try:
+        tok = build_char_word_tokenizer(synthetic.instruction_words())
+        rows = [{"messages": alpaca_messages(r["instruction"], r["input"]), "completion": r["output"],
+                 "task": r["task"]} for r in synthetic.generate(job["rows"], seed=11)]
+        cfg = SFTConfig(**job["sft"])
+        data = encode_sft_rows(tok, rows, cfg)
+        geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "bench")
+        set_seeds(3)
+        model = build_causal_lm(ArchConfig(**job["arch"]), tok, seed=5)
+        task = SFTTask(data, cfg, geometry, 17, ctx.rank, ctx.device, tok.pad_token_id)
+        ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size))
+        hook = ConsistencyHook(ctx.world_size)
+        hook.attach(ddp)
+        opt = make_optimizer(model, cfg)
+        sched = make_scheduler(opt, cfg, cfg.steps)
+        state = TrainerState()
+        while state.step < job["train_steps"]:  # bring the student to a mid-training checkpoint
+            train_step(ddp, task, opt, sched, ctx, cfg, state, hook)
+            state.step += 1
+        model.zero_grad(set_to_none=True)
+        g2_sum = trace_sum = tokens = 0.0
+        for step in range(job["train_steps"], job["train_steps"] + job["steps"]):  # frozen: no optimiser step
+            micro = task.micro_batches(step, model)
+            hook.begin_step(step)
+            _, local_tokens, global_tokens, _ = accumulate_gradients(ddp, task, micro, ctx, cfg)
+            g = gather_floats(torch.cat([torch.tensor([float(local_tokens)], dtype=torch.float64),
+                                         hook.local_stats(ctx.device)]), ctx.device)
+            mean_sq = float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+            g2, trace = noise_scale_terms(g[:, 1].tolist(), [int(t) for t in g[:, 0].tolist()], mean_sq)
+            g2_sum, trace_sum, tokens = g2_sum + g2, trace_sum + trace, tokens + global_tokens
+            model.zero_grad(set_to_none=True)
+        # brute force: every row's own gradient, rows split over the ranks, sums all-reduced
+        grads, counts = [], []
+        for i in range(ctx.rank, len(data.prompts), ctx.world_size):
+            b = pad_right_with_labels([data.prompts[i]], [data.completions[i]], tok.pad_token_id)
+            with ddp.no_sync():  # a local gradient: nothing is all-reduced
+                logits = ddp(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+                ls, n = causal_lm_token_loss_sum(logits, b["labels"])
+                ls.backward()
+            grads.append(torch.cat([p.grad.reshape(-1).double() for p in model.parameters()]))
+            counts.append(float(n))
+            model.zero_grad(set_to_none=True)
+        local = torch.stack(grads)  # (m, P)
+        cnt = torch.tensor(counts, dtype=torch.float64)
+        total = torch.cat([local.sum(0), cnt.sum().reshape(1), torch.tensor([float(len(counts))], dtype=torch.float64)])
+        dist.all_reduce(total)
+        G = total[:-2] / total[-2]
+        n_bar = float(total[-2] / total[-1])
+        dev = torch.tensor([float(((local - cnt[:, None] * G) ** 2).sum())], dtype=torch.float64)
+        dist.all_reduce(dev)
+        trace_bf = float(dev) / float(total[-1]) / n_bar
+        brute = trace_bf / float(G.pow(2).sum())
+        estimate = trace_sum / g2_sum
+        del ddp
+        return {"estimate": round(estimate, 1), "brute_force": round(brute, 1), "ratio": round(estimate / brute, 4),
+                "frozen_steps": job["steps"], "rows": len(data.prompts), "tokens_per_step": round(tokens / job["steps"], 1),
+                "g2_estimate": g2_sum / job["steps"], "g2_brute_force": float(G.pow(2).sum()),
+                "trace_estimate": trace_sum / job["steps"], "trace_brute_force": trace_bf,
+                "workers": ctx.world_size, "train_steps": job["train_steps"]}
+    finally:
+        shutdown_worker()
+
+
+def main() -> None:
+    from ars_opd.training.distributed import launch
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--rows", type=int, default=1024)
+    p.add_argument("--train-steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=160, help="frozen steps the estimate averages over")
+    a = p.parse_args()
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    sft = {**params["sft"], "global_batch_size": 32, "micro_batch_size": 8, "checkpoint_every": 0,
+           "steps": a.train_steps}
+    SFTConfig(**sft)  # validate early
+    job = {"rows": a.rows, "sft": sft, "arch": params["models"]["student_arch"], "train_steps": a.train_steps,
+           "steps": a.steps}
+    ArchConfig(**job["arch"])
+    print(json.dumps(launch(worker, job, a.workers, 1)))
+
+
+if __name__ == "__main__":
+    main()
