@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from ars_opd.config import PathsConfig
 
-STAGES = ("models", "subset", "teacher_gen", "sft", "opd", "evaluate", "report")
+STAGES = ("models", "subset", "teacher_gen", "sft", "opd", "sft_continued", "evaluate", "report")
+TRAINING_STAGES = ("sft", "opd", "sft_continued")
 
 
 class Problems(list):
@@ -188,9 +189,15 @@ def check_training(stage: str, paths: PathsConfig, problems: Problems) -> None:
 def check_evaluate(p: PathsConfig, problems: Problems) -> None:
     m = _metrics(Path(p.eval_metrics), problems)
     if m:
-        for model in ("base", "sft", "opd", "teacher"):
+        for model in ("base", *TRAINING_STAGES, "teacher"):
             if model not in m:
                 problems.add(p.eval_metrics, f"no '{model}' entry")
+        for stage in TRAINING_STAGES:
+            curve = (m.get("curves") or {}).get(stage)
+            if not curve:
+                problems.add(p.eval_metrics, f"no learning curve for {stage}")
+            elif [c.get("steps") for c in curve] != sorted(c.get("steps") for c in curve):
+                problems.add(p.eval_metrics, f"the {stage} learning curve is not in step order")
     for f in ("table.md", "answers.jsonl"):
         if not (Path(p.eval_dir) / f).is_file():
             problems.add(Path(p.eval_dir) / f, "missing")
@@ -200,9 +207,9 @@ def check_report(p: PathsConfig, problems: Problems) -> None:
     if not Path(p.report_md).is_file():
         problems.add(p.report_md, "missing")
     _metrics(Path(p.report_metrics), problems)
-    for stage in ("sft", "opd"):
-        if not (Path(p.report_figures) / f"{stage}.png").is_file():
-            problems.add(Path(p.report_figures) / f"{stage}.png", "missing")
+    for name in (*TRAINING_STAGES, "learning_curves_steps", "learning_curves_flops"):
+        if not (Path(p.report_figures) / f"{name}.png").is_file():
+            problems.add(Path(p.report_figures) / f"{name}.png", "missing")
 
 
 def check_outputs(paths: PathsConfig, stages: tuple[str, ...] = STAGES) -> list[str]:
@@ -218,7 +225,7 @@ def check_outputs(paths: PathsConfig, stages: tuple[str, ...] = STAGES) -> list[
         subset = check_subset(paths, problems) if "subset" in stages else check_subset(paths, Problems())
     if "teacher_gen" in stages:
         check_teacher(paths, problems, subset)
-    for stage in ("sft", "opd"):
+    for stage in TRAINING_STAGES:
         if stage in stages:
             check_training(stage, paths, problems)
     if "evaluate" in stages:

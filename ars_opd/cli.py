@@ -9,6 +9,8 @@ Subcommands:
   row counts across stages, finite in-range metrics); exits 1 listing every problem.
 - ``ars-opd scenarios [--from exp.json] [--out reports/scenarios.md]``: compare the seed scenarios of the DVC
   experiments (``dvc exp show --json``) against the paper's expected ordering.
+- ``ars-opd distillation [--from exp.json] [--out reports/distillation.md]``: OPD against its control arm
+  at equal steps and equal FLOPs across the training seeds of a DVC sweep, with intervals.
 - ``ars-opd serve MODEL_DIR [...]``: the bundled OpenAI-compatible server (``ars_opd.teacher.server``)
   for any local Hugging Face causal-LM directory, on 127.0.0.1 by default.
 """
@@ -90,6 +92,40 @@ def _cmd_scenarios(args: argparse.Namespace) -> int:
     return 0
 
 
+DISTILLATION_COMMANDS = """\
+dvc repro                                    # the default pipeline: training seed 0
+for seed in 1 2 3; do dvc exp run --queue -S ddp.seed=$seed -n distill-seed$seed; done
+dvc queue start --jobs 1                     # then wait until `dvc queue status` shows all done
+dvc exp show --json --all-commits > exps.json
+ars-opd distillation --from exps.json --out reports/distillation.md
+"""
+
+
+def _cmd_distillation(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ars_opd.evaluation import distillation, scenarios
+
+    data = json.loads(Path(args.source).read_text()) if args.source else scenarios.exp_show_json()
+    runs = distillation.collect(data)
+    if len(runs) < 2:
+        print(f"ars-opd distillation: {len(runs)} training seed(s) with both arms evaluated; at least 2 are needed "
+              "for intervals. Run:\n" + DISTILLATION_COMMANDS, file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    fig_dir = out.parent / out.stem  # e.g. reports/distillation/ beside reports/distillation.md
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    figures = {}
+    for x_key in ("steps", "flops"):
+        distillation.curve_figure(runs, x_key, fig_dir / f"curves_{x_key}.png")
+        figures[x_key] = f"{fig_dir.name}/curves_{x_key}.png"
+    text, _ = distillation.render_study(runs, DISTILLATION_COMMANDS, figures)
+    notes = Path(args.notes).read_text() if args.notes else ""
+    out.write_text(text + ("\n" + notes.strip() + "\n" if notes.strip() else ""))
+    print(f"wrote {out} and {fig_dir}/")
+    return 0
+
+
 def _serve(argv: list[str]) -> int:
     from ars_opd.teacher import server  # heavy imports only for this subcommand
 
@@ -111,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--out", default=None, help="write the markdown here (default: stdout)")
     sc.add_argument("--notes", default=None, help="markdown appended after the tables (the interpretation)")
     sc.set_defaults(func=_cmd_scenarios)
+    d = sub.add_parser("distillation", help="OPD against its control at equal budget, across training seeds")
+    d.add_argument("--from", dest="source", default=None, help="saved `dvc exp show --json` output")
+    d.add_argument("--out", default="reports/distillation.md", help="markdown to write (figures beside it)")
+    d.add_argument("--notes", default=None, help="markdown appended after the tables (the interpretation)")
+    d.set_defaults(func=_cmd_distillation)
     # parsed by the server itself (main() hands it the rest of the command line)
     sub.add_parser("serve", help="serve a local HF causal LM with an OpenAI-compatible API (serve --help)")
     return parser

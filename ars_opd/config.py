@@ -88,6 +88,14 @@ class PathsConfig:
     distill_init: str = "data/sft/model"
     """The student opd starts from: the sft stage's model by default; a fixed copy for a study that varies the
     sft stage but must not let that vary opd's starting point."""
+    sft_continued_model: str = "data/sft_continued/model"
+    """sft_continued (OPD's control arm: more SFT from the same start, OPD's loop): the student."""
+    sft_continued_log: str = "data/sft_continued/log"
+    """sft_continued: steps.jsonl and manifest.json."""
+    sft_continued_live: str = "data/live/sft_continued"
+    """sft_continued: DVCLive directory."""
+    sft_continued_checkpoints: str = "data/checkpoints/sft_continued"
+    """sft_continued: resumable checkpoints (a persistent DVC out)."""
     opd_model: str = "data/opd/model"
     """opd: the distilled student (HF directory)."""
     opd_log: str = "data/opd/log"
@@ -533,6 +541,9 @@ class TrainLoopConfig(OptimConfig):
     """Steps between checkpoints (0: only at the end)."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk."""
+    snapshot_every: int = 0
+    """Keep the weights every this many steps with the model (snapshots/step_N: learning-curve points that the
+    evaluate stage scores; 0: none). Each is a full copy of the student's weights."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -543,6 +554,7 @@ class TrainLoopConfig(OptimConfig):
         _require(self.max_skipped_steps >= 0, "max_skipped_steps", f"must be >= 0, got {self.max_skipped_steps}")
         _require(self.checkpoint_every >= 0, "checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
+        _require(self.snapshot_every >= 0, "snapshot_every", f"must be >= 0, got {self.snapshot_every}")
 
 
 @dataclass(frozen=True)
@@ -612,10 +624,12 @@ class OPDConfig(TrainLoopConfig):
 
 @dataclass(frozen=True)
 class EvaluateConfig:
-    """Held-out evaluation of base, SFT and OPD students and the teacher."""
+    """Held-out evaluation of every student (base, SFT, OPD, continued SFT) and the teacher."""
 
     max_examples: int = 0
     """Evaluate on the first N held-out prompts (0: all)."""
+    curve_examples: int = 100
+    """Score learning-curve snapshots on the first N of those prompts (0: all of them)."""
     max_new_tokens: int = 16
     """Longest greedy answer and student sample."""
     batch_size: int = 64
@@ -627,6 +641,7 @@ class EvaluateConfig:
 
     def __post_init__(self):
         _require(self.max_examples >= 0, "max_examples", f"must be >= 0, got {self.max_examples}")
+        _require(self.curve_examples >= 0, "curve_examples", f"must be >= 0, got {self.curve_examples}")
         _require(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
         _require(self.batch_size > 0, "batch_size", f"must be > 0, got {self.batch_size}")
         _require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")

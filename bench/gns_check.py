@@ -78,7 +78,7 @@ def worker(job: dict) -> dict:
         for step in range(job["train_steps"], job["train_steps"] + job["steps"]):  # frozen: no optimiser step
             micro = task.micro_batches(step, model)
             hook.begin_step(step)
-            _, local_tokens, global_tokens, _ = accumulate_gradients(ddp, task, micro, ctx, cfg)
+            _, local_tokens, global_tokens, *_ = accumulate_gradients(ddp, task, micro, ctx, cfg)
             g = gather_floats(torch.cat([torch.tensor([float(local_tokens)], dtype=torch.float64),
                                          hook.local_stats(ctx.device)]), ctx.device)
             mean_sq = float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))

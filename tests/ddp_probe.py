@@ -46,7 +46,7 @@ def _grad_probe(job: dict, ctx) -> dict:
     ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size,
                                          gradient_as_bucket_view=job.get("bucket_view", True)))
     micro = task.micro_batches(0, model)
-    local_sum, _, global_tokens, _ = accumulate_gradients(ddp, task, micro, ctx, cfg)
+    local_sum, _, global_tokens, *_ = accumulate_gradients(ddp, task, micro, ctx, cfg)
     total = torch.tensor([local_sum], dtype=torch.float64)
     dist.all_reduce(total)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -147,7 +147,7 @@ def _consistency_probe(job: dict, ctx) -> list:
     for step in range(job["steps"]):
         brute = _brute_force(ddp, task, ctx, cfg)
         hook.begin_step(step)
-        local_sum, local_tokens, _, _ = accumulate_gradients(ddp, task, task.micro, ctx, cfg)
+        local_sum, local_tokens, *_ = accumulate_gradients(ddp, task, task.micro, ctx, cfg)
         g = gather_floats(torch.cat([torch.tensor([local_sum / local_tokens], dtype=torch.float64),
                                      hook.local_stats(ctx.device)]), ctx.device)
         gram = hook.gram()
@@ -247,7 +247,7 @@ def fault_probe(job: dict) -> dict:
             hook.begin_step(0)
             inject = InjectConfig(kind=job["kind"], rank=job["rank"], start_step=0, magnitude=job["magnitude"])
             fault = Fault(inject, "sft", ctx.rank, 0) if mode == "fault" else None
-            local_sum, local_tokens, _, _ = accumulate_gradients(ddp, task, task.micro, ctx, cfg, fault, 0)
+            local_sum, local_tokens, *_ = accumulate_gradients(ddp, task, task.micro, ctx, cfg, fault, 0)
             g = gather_floats(torch.cat([torch.tensor([local_sum, float(local_tokens)], dtype=torch.float64),
                                          hook.local_stats(ctx.device)]), ctx.device)
             reduced = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
@@ -312,7 +312,7 @@ def noise_scale_probe(job: dict) -> dict:
         hook = ConsistencyHook(ctx.world_size)
         hook.attach(ddp)
         hook.begin_step(0)
-        _, local_tokens, _, _ = accumulate_gradients(ddp, task, task.micro, ctx, cfg)
+        _, local_tokens, *_ = accumulate_gradients(ddp, task, task.micro, ctx, cfg)
         g = gather_floats(torch.cat([torch.tensor([float(local_tokens)], dtype=torch.float64),
                                      hook.local_stats(ctx.device)]), ctx.device)
         reduced = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()

@@ -20,10 +20,12 @@ MICRO_OVERRIDES = {
     "data": {"subset_size": 60, "eval_size": 10},
     "teacher_gen": {"max_tokens": 8, "concurrency": 8, "server": {"threads": 1}},
     "ddp": {"workers": 2, "threads_per_worker": 1},
-    "sft": {"steps": 6, "global_batch_size": 8, "micro_batch_size": 2, "warmup_steps": 1, "checkpoint_every": 3},
+    "sft": {"steps": 6, "global_batch_size": 8, "micro_batch_size": 2, "warmup_steps": 1, "checkpoint_every": 3,
+            "snapshot_every": 3},
     "opd": {"steps": 4, "global_batch_size": 8, "micro_batch_size": 4, "warmup_steps": 1, "checkpoint_every": 2,
+            "snapshot_every": 2,
             "max_new_tokens": 6},
-    "evaluate": {"max_examples": 10, "max_new_tokens": 8, "threads": 1},
+    "evaluate": {"max_examples": 10, "curve_examples": 4, "max_new_tokens": 8, "threads": 1},
     "report": {"window": 4},
 }
 

@@ -12,6 +12,7 @@ from ars_opd.config import BaseConfig, load_params
 from ars_opd.evaluation.evaluate import evaluate_models
 from ars_opd.models.stage import prepare_models
 from ars_opd.models.pinning import load_model
+from ars_opd.training.budget import write_budget
 from micro import teacher_rows, write_micro_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,9 +28,15 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     Path(p.paths.teacher_dir).mkdir(parents=True)
     rows = teacher_rows(12, seed=9)
     write_jsonl(Path(p.paths.teacher_dir) / "eval.jsonl", rows)
-    for stage in ("sft", "opd"):  # stand-ins: the trained-student directories hold the teacher and the base
-        load_model(p.paths.models_dir, "teacher" if stage == "opd" else "student").save_pretrained(
-            Path(p.paths.training(stage).model))
+    # stand-ins: the trained-student directories hold the teacher or the base student
+    for stage in ("sft", "opd", "sft_continued"):
+        model_dir = Path(p.paths.training(stage).model)
+        load_model(p.paths.models_dir, "teacher" if stage == "opd" else "student").save_pretrained(model_dir)
+        write_budget(model_dir, {"steps": 10, "flops": 3e9 if stage == "opd" else 1e9, "tokens_trained": 1,
+                                 "tokens_processed": 1, "tokens_generated": 0})
+    snap = Path(p.paths.training("opd").model) / "snapshots" / "step_0000007"  # a learning-curve point: the base
+    load_model(p.paths.models_dir, "student").save_pretrained(snap)
+    write_budget(snap, {"steps": 7, "flops": 2e9, "tokens_trained": 1, "tokens_processed": 1, "tokens_generated": 0})
     m = evaluate_models(p.evaluate, p.paths)
     assert m["examples"] == 10 and m["checkable_examples"] == 10  # micro config: max_examples 10
     on_disk = json.loads(Path(p.paths.eval_metrics).read_text())
@@ -47,3 +54,9 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     assert [a["teacher"] for a in answers] == [a["opd"] for a in answers]
     table = (Path(p.paths.eval_dir) / "table.md").read_text()
     assert table.splitlines()[0].startswith("| model | exact match")
+    # learning curves: every snapshot then the final model, in step order, scored on the curve prompts
+    curves = m["curves"]
+    assert curves["examples"] == 4 and [c["steps"] for c in curves["opd"]] == [7, 10]
+    assert curves["opd"][0]["flops"] == 2e9 and curves["opd"][1]["reverse_kl"] < 1e-4  # final: the teacher
+    assert curves["opd"][0]["reverse_kl"] > 0.01 and len(curves["sft"]) == 1
+    assert m["opd"]["budget"]["flops"] == 3e9

@@ -1,7 +1,8 @@
-"""The ``evaluate`` stage: did distillation work? Base, SFT and OPD students and the teacher on held-out prompts.
+"""The ``evaluate`` stage: did distillation work? Every student and the teacher on held-out prompts.
 
-For each model, on the held-out prompts of the subset (the teacher_gen eval split, which carries the
-teacher's completions):
+Models: the base student, the SFT student, the two arms that start from it with equal steps and the same
+optimisation loop (OPD, and continued SFT as its control), and the teacher. For each, on the held-out
+prompts of the subset (the teacher_gen eval split, which carries the teacher's completions):
 
 - ``exact_match``: greedy answers compared with the ground truth where the data has a checkable one (rows of
   the synthetic tasks, whose reference answers are verified against an independent recomputation in the
@@ -12,6 +13,10 @@ teacher's completions):
 - ``teacher_nll``: mean per-token negative log-likelihood of the teacher's completions (EOS included) under
   the model — how well it imitates the teacher on the teacher's own text (the SFT objective).
 
+Learning curves: every snapshot a training stage kept (``snapshot_every``) and its final model, scored on
+the first ``evaluate.curve_examples`` held-out prompts, with the steps and FLOPs spent from scratch to
+reach it (``ars_opd.training.budget``), under ``curves`` in the metrics.
+
 Outputs: one metrics JSON (DVC metrics, nested by model), a markdown table, and every greedy answer as
 JSON Lines for inspection. Runs in one process (evaluation needs no data parallelism at this size).
 """
@@ -19,6 +24,8 @@ JSON Lines for inspection. Runs in one process (evaluation needs no data paralle
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -26,12 +33,13 @@ from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json
 from ars_opd.config import EvaluateConfig, PathsConfig, to_dict
 from ars_opd.data import synthetic
 from ars_opd.data.prompts import encode_completions, encode_prompts
-from ars_opd.evaluation.tables import MODELS, render_table
+from ars_opd.evaluation.tables import MODELS, TRAINED, render_table
 from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
 from ars_opd.lm.divergences import token_divergence
 from ars_opd.lm.generation import decode_completion, generate_token_ids
 from ars_opd.lm.losses import causal_lm_token_loss_sum
 from ars_opd.models.pinning import load_model, load_model_dir, load_tokenizer
+from ars_opd.training.budget import SNAPSHOTS, read_budget
 
 
 def _load(paths: PathsConfig, name: str, trust_remote_code: bool) -> torch.nn.Module:
@@ -76,8 +84,56 @@ def _teacher_nll(model, tokenizer, prompts, completions, batch_size: int) -> flo
     return total / n if n else float("nan")
 
 
+@dataclass
+class HeldOut:
+    """The held-out prompts, encoded once, with what scoring them needs."""
+
+    rows: list[dict]
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    checkable: list[bool]
+
+    def head(self, n: int) -> "HeldOut":
+        return HeldOut(self.rows[:n], self.prompts[:n], self.completions[:n], self.checkable[:n])
+
+
+def score_model(model, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig, vocab: int,
+                is_teacher: bool = False) -> tuple[dict, list[str]]:
+    """(exact match overall and per task, reverse KL on own samples, teacher NLL; the greedy answers)."""
+    greedy = generate_token_ids(model, tokenizer, data.prompts, cfg.max_new_tokens, batch_size=cfg.batch_size)
+    texts = [decode_completion(tokenizer, g) for g in greedy]
+    m: dict = {}
+    if any(data.checkable):
+        per_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for r, t, ok in zip(data.rows, texts, data.checkable):
+            if ok:
+                per_task[r["task"]][0] += int(synthetic.is_correct(t, r["reference"]))
+                per_task[r["task"]][1] += 1
+        m["exact_match"] = sum(c for c, _ in per_task.values()) / sum(n for _, n in per_task.values())
+        m["exact_match_per_task"] = {k: c / n for k, (c, n) in sorted(per_task.items())}
+    else:
+        m["exact_match"] = None
+    m["reverse_kl"] = 0.0 if is_teacher else _reverse_kl_on_own_samples(model, teacher, tokenizer, data.prompts,
+                                                                        cfg, vocab)
+    m["teacher_nll"] = _teacher_nll(model, tokenizer, data.prompts, data.completions, cfg.batch_size)
+    return m, texts
+
+
+def learning_curve(stage: str, paths: PathsConfig, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig,
+                   vocab: int) -> list[dict]:
+    """A training stage's snapshots (``snapshots/step_N`` in its model directory) and its final model, each
+    scored on ``data``, with the budget spent to reach it (``budget.json``: steps and FLOPs from scratch)."""
+    model_dir = Path(paths.training(stage).model)
+    points = []
+    for d in sorted((model_dir / SNAPSHOTS).glob("step_*")) + [model_dir]:
+        model = load_model_dir(d, stage=stage).eval().requires_grad_(False)
+        m, _ = score_model(model, teacher, tokenizer, data, cfg, vocab)
+        points.append({**read_budget(d), **{k: m[k] for k in ("exact_match", "reverse_kl", "teacher_nll")}})
+    return points
+
+
 def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: bool = False) -> dict:
-    """Run the stage; write metrics, table and answers; return the metrics."""
+    """Run the stage; write metrics, table, answers and learning curves; return the metrics."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rows = read_jsonl(paths.completions("eval"))
@@ -88,35 +144,23 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
                          "(teacher_gen.splits must include eval and data.eval_size > 0)")
     tokenizer = load_tokenizer(paths.models_dir)
     vocab = len(tokenizer)
-    prompts = encode_prompts(tokenizer, [r["messages"] for r in rows])
-    completions = encode_completions(tokenizer, [r["completion"] for r in rows])
-    checkable = [r.get("task") in synthetic.TASK_NAMES and r.get("reference") is not None for r in rows]
+    data = HeldOut(rows, encode_prompts(tokenizer, [r["messages"] for r in rows]),
+                   encode_completions(tokenizer, [r["completion"] for r in rows]),
+                   [r.get("task") in synthetic.TASK_NAMES and r.get("reference") is not None for r in rows])
     teacher = _load(paths, "teacher", trust_remote_code)
-    metrics: dict = {"examples": len(rows), "checkable_examples": sum(checkable)}
+    metrics: dict = {"examples": len(rows), "checkable_examples": sum(data.checkable)}
     answers: list[dict] = [{"id": r["id"], "task": r.get("task")} for r in rows]
     for name in MODELS:
         model = teacher if name == "teacher" else _load(paths, name, trust_remote_code)
-        greedy = generate_token_ids(model, tokenizer, prompts, cfg.max_new_tokens, batch_size=cfg.batch_size)
-        texts = [decode_completion(tokenizer, g) for g in greedy]
-        m: dict = {}
-        if any(checkable):
-            per_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-            for r, t, ok in zip(rows, texts, checkable):
-                if not ok:
-                    continue
-                correct = synthetic.is_correct(t, r["reference"])
-                per_task[r["task"]][0] += int(correct)
-                per_task[r["task"]][1] += 1
-            m["exact_match"] = sum(c for c, _ in per_task.values()) / sum(n for _, n in per_task.values())
-            m["exact_match_per_task"] = {k: c / n for k, (c, n) in sorted(per_task.items())}
-        else:
-            m["exact_match"] = None
-        m["reverse_kl"] = 0.0 if name == "teacher" else _reverse_kl_on_own_samples(
-            model, teacher, tokenizer, prompts, cfg, vocab)
-        m["teacher_nll"] = _teacher_nll(model, tokenizer, prompts, completions, cfg.batch_size)
+        m, texts = score_model(model, teacher, tokenizer, data, cfg, vocab, is_teacher=name == "teacher")
+        if name in TRAINED:
+            m["budget"] = read_budget(paths.training(name).model)
         metrics[name] = m
         for a, t in zip(answers, texts):
             a[name] = t
+    curve_data = data.head(cfg.curve_examples) if cfg.curve_examples else data
+    metrics["curves"] = {"examples": len(curve_data.rows), **{
+        stage: learning_curve(stage, paths, teacher, tokenizer, curve_data, cfg, vocab) for stage in TRAINED}}
     table = render_table(metrics)
     with atomic_outputs(paths.eval_metrics, paths.eval_dir) as (metrics_tmp, out):
         out.mkdir(parents=True)

@@ -25,9 +25,10 @@ from ars_opd.config import PathsConfig, ReportConfig
 from ars_opd.evaluation.detector import (
     Alarm, detect, monitored_ranks, standardised_residuals, threshold_for,
 )
-from ars_opd.evaluation.tables import render_table
+from ars_opd.evaluation.distillation import compare, curve_figure, headline
+from ars_opd.evaluation.tables import ARMS, MODELS, render_table
 
-STAGES = ("sft", "opd")
+STAGES = ("sft", "opd", "sft_continued")
 SUMMARY_COLUMNS = {
     "loss": "global loss",
     "consistency/loss_dispersion": "loss dispersion (std)",
@@ -190,17 +191,23 @@ def build_report(stage_logs: dict[str, pd.DataFrame], eval_metrics: dict | None,
     flat: dict = {}
     alarms_by_stage: dict[str, list[Alarm]] = {}
     if eval_metrics:
-        md += ["## Did distillation work?", "", render_table(eval_metrics)]
-        for model in ("base", "sft", "opd", "teacher"):
+        md += ["## Did distillation work?", ""]
+        cmp = compare(eval_metrics)
+        if cmp is not None:
+            md += headline(cmp)
+            md += ["![learning curves against steps](figures/learning_curves_steps.png)", "",
+                   "![learning curves against FLOPs](figures/learning_curves_flops.png)", ""]
+            for where in ("equal_steps", "equal_flops"):
+                for arm in ARMS:
+                    for key, v in (cmp[where].get(arm) or {}).items():
+                        if isinstance(v, (int, float)) and math.isfinite(v):
+                            flat[f"distill/{where}/{arm}/{key}"] = v
+        md += ["Every model on every held-out prompt:", "", render_table(eval_metrics)]
+        for model in MODELS:
             m = eval_metrics.get(model) or {}
             for key in ("exact_match", "reverse_kl", "teacher_nll"):
                 if m.get(key) is not None:
                     flat[f"eval/{model}/{key}"] = m[key]
-        sft, opd = eval_metrics.get("sft") or {}, eval_metrics.get("opd") or {}
-        if sft and opd:
-            verdict = ("lower" if opd["reverse_kl"] < sft["reverse_kl"] else "not lower")
-            md += [f"OPD's reverse KL to the teacher on its own samples is **{verdict}** than SFT's "
-                   f"({opd['reverse_kl']:.4f} vs {sft['reverse_kl']:.4f} per token).", ""]
     md += ["## Worker consistency", "", DEFINITIONS, "", "### The detector", "", detector_text(cfg), ""]
     if benchmark is not None:
         md += benchmark[0]
@@ -303,6 +310,9 @@ def write_report(cfg: ReportConfig, paths: PathsConfig) -> dict:
         tmp[0].write_text(md)
         tmp[1].mkdir(parents=True)
         tmp[2].mkdir(parents=True)
+        if eval_metrics and eval_metrics.get("curves"):
+            for x_key in ("steps", "flops"):
+                curve_figure([{"evaluate": eval_metrics}], x_key, tmp[1] / f"learning_curves_{x_key}.png")
         for stage, df in logs.items():
             if df.empty:
                 continue

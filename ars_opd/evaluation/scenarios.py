@@ -116,7 +116,7 @@ def jonckheere(groups: Sequence[Sequence[float]], permutations: int = 20000, see
 
 # -- experiments ------------------------------------------------------------------------------------------
 
-def _walk_experiments(data: Any):
+def walk_experiments(data: Any):
     """Yield (name, params, metrics, is_experiment) for every revision in `dvc exp show --json` output."""
     queue = list(data if isinstance(data, list) else [data])
     while queue:
@@ -137,7 +137,7 @@ def collect(data: Any) -> dict[str, list[dict]]:
 
     Only experiments (not the baseline revision) with report metrics count, one per (group, seed)."""
     groups: dict[str, dict[int, dict]] = {}
-    for name, params, metrics, is_experiment in _walk_experiments(data):
+    for name, params, metrics, is_experiment in walk_experiments(data):
         ddp = params.get("ddp") or {}
         if not is_experiment or not any(k.endswith("_mean") for k in metrics):
             continue

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-MODELS = ("base", "sft", "opd", "teacher")
+MODELS = ("base", "sft", "opd", "sft_continued", "teacher")
+TRAINED = ("sft", "opd", "sft_continued")  # models the training stages write (with budgets and snapshots)
+ARMS = ("opd", "sft_continued")  # the arms that start from the SFT student with equal steps
 
 
 def render_table(metrics: dict) -> str:

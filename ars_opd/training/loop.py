@@ -29,18 +29,21 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ars_opd.config import DDPConfig, TrainLoopConfig
+from ars_opd.training.budget import FIELDS, write_budget
 from ars_opd.training.checkpoint import TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
 from ars_opd.training.consistency import ConsistencyHook, consistency_metrics, noise_scale_terms
 from ars_opd.training.distributed import WorkerContext, gather_floats
@@ -62,6 +65,8 @@ class MicroBatch:
     n_sequences: int
     n_real_tokens: int = 0  # non-padding positions (for the padding fraction)
     meta: dict[str, tuple[float, float]] = field(default_factory=dict)  # task metric (sum, count) pairs
+    flops: float = 0.0  # estimated FLOPs of everything done for this micro-batch (ars_opd.training.budget)
+    generated_tokens: int = 0  # tokens sampled from the student for it
 
 
 class TrainingTask(Protocol):
@@ -96,6 +101,7 @@ class StepResult:
     consistency: dict = field(default_factory=dict)
     noise_scale: tuple[float, float] = (float("nan"), float("nan"))  # (|G|², tr Σ) estimates of the step
     drift: list[int] | None = None  # ranks whose replica differs (None: not checked this step)
+    budget: dict = field(default_factory=dict)  # this step's flops, tokens_trained/processed/generated
 
 
 def wrap_ddp(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig) -> DDP:
@@ -103,15 +109,24 @@ def wrap_ddp(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig) -> 
                bucket_cap_mb=ddp_cfg.bucket_cap_mb, gradient_as_bucket_view=ddp_cfg.gradient_as_bucket_view)
 
 
+class Accumulated(NamedTuple):
+    """One rank's view of a step's forward/backward passes."""
+
+    local_sum: float  # summed token loss of this rank's micro-batches
+    local_tokens: int  # their loss tokens
+    global_tokens: int  # loss tokens of the whole global batch (the normaliser)
+    metrics: dict[str, tuple[float, float]]  # task metric (sum, count) pairs
+    flops: float  # estimated FLOPs of the micro-batches processed
+    generated: int  # tokens sampled for them
+
+
 def accumulate_gradients(ddp_model: DDP, task: TrainingTask, micro: list[MicroBatch], ctx: WorkerContext,
-                         cfg: TrainLoopConfig, fault: Fault | None = None,
-                         step: int = 0) -> tuple[float, int, int, dict[str, tuple[float, float]]]:
+                         cfg: TrainLoopConfig, fault: Fault | None = None, step: int = 0) -> Accumulated:
     """Forward/backward every micro-batch of the step with the global token normalisation.
 
-    Returns (local loss sum, local tokens, global tokens, local metric sums). After it returns, every
-    parameter's ``.grad`` holds the reduced gradient of the global token-mean loss. An injected fault
-    (``ars_opd.training.faults``) may skip micro-batches (their tokens still counted) or scale this rank's
-    loss in the backward.
+    After it returns, every parameter's ``.grad`` holds the reduced gradient of the global token-mean loss.
+    An injected fault (``ars_opd.training.faults``) may skip micro-batches (their tokens still counted) or
+    scale this rank's loss in the backward.
     """
     local_tokens = sum(b.n_tokens for b in micro)
     counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=ctx.device)
@@ -123,11 +138,13 @@ def accumulate_gradients(ddp_model: DDP, task: TrainingTask, micro: list[MicroBa
     scale = ctx.world_size / global_tokens  # DDP averages over workers: x K undoes that mean, / N normalises
     if fault is not None:
         scale *= fault.loss_factor(step)
-    local_sum = 0.0
+    local_sum, flops, generated = 0.0, 0.0, 0
     metric_sums: dict[str, list[float]] = {}
     for i, batch in enumerate(micro):
         if fault is not None and fault.drops(step, i, len(micro)):
             continue
+        flops += batch.flops
+        generated += batch.generated_tokens
         last = i == len(micro) - 1
         with (contextlib.nullcontext() if last else ddp_model.no_sync()), autocast_context(cfg.precision, ctx.device):
             loss_sum, metrics = task.loss_sum(ddp_model, batch)
@@ -139,7 +156,8 @@ def accumulate_gradients(ddp_model: DDP, task: TrainingTask, micro: list[MicroBa
             acc[1] += v[1]
     if not micro:
         raise ValueError("a worker got no micro-batches for the step")
-    return local_sum, local_tokens, global_tokens, {k: (v[0], v[1]) for k, v in metric_sums.items()}
+    return Accumulated(local_sum, local_tokens, global_tokens, {k: (v[0], v[1]) for k, v in metric_sums.items()},
+                       flops, generated)
 
 
 def optimizer_step(model: torch.nn.Module, opt, sched, cfg: TrainLoopConfig, loss: float,
@@ -191,15 +209,18 @@ def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContex
     micro = task.micro_batches(state.step, model)
     if monitor is not None:
         monitor.begin_step(state.step)
-    local_sum, local_tokens, global_tokens, metric_sums = accumulate_gradients(ddp_model, task, micro, ctx, cfg,
-                                                                               fault, state.step)
+    acc = accumulate_gradients(ddp_model, task, micro, ctx, cfg, fault, state.step)
+    global_tokens = acc.global_tokens
     names = task.metric_names()
     stats = monitor.local_stats(ctx.device) if monitor is not None else torch.full((2,), float("nan"))
-    vec = torch.cat([torch.tensor([local_sum, float(local_tokens)], dtype=torch.float64, device=ctx.device),
+    processed = sum(b.n_real_tokens for b in micro)
+    vec = torch.cat([torch.tensor([acc.local_sum, float(acc.local_tokens)], dtype=torch.float64, device=ctx.device),
                      stats.to(device=ctx.device, dtype=torch.float64),
-                     torch.tensor([x for n in names for x in metric_sums.get(n, (0.0, 0.0))],
+                     torch.tensor([acc.flops, float(acc.generated), float(processed)], dtype=torch.float64,
+                                  device=ctx.device),
+                     torch.tensor([x for n in names for x in acc.metrics.get(n, (0.0, 0.0))],
                                   dtype=torch.float64, device=ctx.device)])
-    gathered = gather_floats(vec, ctx.device)  # (K, 4 + 2M): the one per-step gather
+    gathered = gather_floats(vec, ctx.device)  # (K, 7 + 2M): the one per-step gather
     gram = monitor.gram() if monitor is not None else None
     loss = gathered[:, 0].sum().item() / global_tokens
     norm, coef, clipped, skipped = optimizer_step(model, opt, sched, cfg, loss, state)
@@ -207,8 +228,10 @@ def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContex
     worker_loss = [s / t if t else float("nan") for s, t in zip(gathered[:, 0].tolist(), worker_tokens)]
     metrics = {}
     for i, n in enumerate(names):
-        s, c = gathered[:, 4 + 2 * i].sum().item(), gathered[:, 5 + 2 * i].sum().item()
+        s, c = gathered[:, 7 + 2 * i].sum().item(), gathered[:, 8 + 2 * i].sum().item()
         metrics[n] = s / c if c else float("nan")
+    budget = {"flops": gathered[:, 4].sum().item(), "tokens_generated": int(gathered[:, 5].sum().item()),
+              "tokens_processed": int(gathered[:, 6].sum().item()), "tokens_trained": global_tokens}
     consistency, noise = {}, (float("nan"), float("nan"))
     if monitor is not None:
         # ‖ḡ‖ is the pre-clip norm of the reduced gradient (identical on every worker)
@@ -217,7 +240,7 @@ def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContex
         noise = noise_scale_terms(gathered[:, 2].tolist(), worker_tokens, norm * norm)
     state.tokens_seen += global_tokens
     return StepResult(loss, global_tokens, norm, coef, clipped, skipped, worker_loss, worker_tokens, metrics,
-                      consistency, noise, drift)
+                      consistency, noise, drift, budget)
 
 
 class StepLogger:
@@ -287,12 +310,41 @@ class NoiseScale:
         return self.trace / self.g2 if self.g2 else float("nan")
 
 
+class BudgetTotals:
+    """The run's cumulative budget from scratch (``ars_opd.training.budget``): the starting model's budget plus
+    every logged step's costs, so a resumed run rebuilds it from its log."""
+
+    def __init__(self, start: dict):
+        self.totals = {k: start.get(k, 0) for k in FIELDS}
+
+    def update(self, step_budget: dict) -> dict:
+        self.totals["steps"] += 1
+        for k in FIELDS[1:]:
+            self.totals[k] += step_budget.get(k, 0)
+        return {f"budget/{k}_total": v for k, v in self.totals.items()}
+
+
+def save_snapshot(snapshot_dir: Path, model: torch.nn.Module, step: int, totals: dict) -> None:
+    """Rank 0: the weights after ``step`` steps and the budget spent to reach them (a learning-curve point)."""
+    final = snapshot_dir / f"step_{step:07d}"
+    tmp = snapshot_dir / f".step_{step:07d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    write_budget(tmp, totals)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+
+
 def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: TrainLoopConfig,
         ddp_cfg: DDPConfig, run_fingerprint: str, ckpt_dir: Path, steps_path: Path, live_dir: Path,
-        progress: bool = True, on_step=None, fault: Fault | None = None) -> tuple[TrainerState, list[dict]]:
+        progress: bool = True, on_step=None, fault: Fault | None = None,
+        budget_start: dict | None = None) -> tuple[TrainerState, list[dict], dict]:
     """Train ``model`` (unwrapped, on ``ctx.device``) for ``cfg.steps`` optimiser steps, resuming if possible.
 
-    Returns the final state and the per-step log (rank 0's view; identical values on every rank).
+    Every ``cfg.snapshot_every`` steps rank 0 keeps the weights in ``snapshot_dir(ckpt_dir, fingerprint)``
+    (learning-curve points, kept with the checkpoints so that a resumed run still has its earlier ones).
+    Returns the final state, the per-step log (rank 0's view; identical values on every rank) and the
+    cumulative budget from scratch (``budget_start``: the starting model's).
     """
     from tqdm.auto import tqdm
 
@@ -315,8 +367,15 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
     logger = StepLogger(steps_path, live_dir, enabled=ctx.is_main)
     logger.replay(history)
     noise_scale = NoiseScale(ddp_cfg.noise_scale_ema)
+    totals = BudgetTotals(budget_start or {})
     for row in history:
         noise_scale.update(row.get("gns/g2", float("nan")), row.get("gns/trace", float("nan")))
+        totals.update({k: row.get(f"budget/{k}", 0) for k in FIELDS[1:]})
+    snapshots = snapshot_dir(ckpt_dir, run_fingerprint)
+    if ctx.is_main and cfg.snapshot_every:
+        for old in ckpt_dir.glob("snapshots/*"):  # another run's learning curve
+            if old.name != snapshots.name:
+                shutil.rmtree(old, ignore_errors=True)
     bar = tqdm(total=cfg.steps, initial=state.step, desc="train", unit="step", disable=not (progress and ctx.is_main),
                mininterval=1.0, dynamic_ncols=True)
     try:
@@ -340,6 +399,8 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
                 **{f"consistency/{k}": v for k, v in result.consistency.items()},
                 "gns/g2": result.noise_scale[0], "gns/trace": result.noise_scale[1],
                 "gns/b_simple": noise_scale.update(*result.noise_scale),
+                **{f"budget/{k}": v for k, v in result.budget.items()},
+                **totals.update(result.budget),
             }
             if on_step is not None:
                 row.update(on_step(state.step) or {})
@@ -347,6 +408,8 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
             state.step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.4f}", gnorm=f"{result.grad_norm:.2f}", refresh=False)
+            if ctx.is_main and cfg.snapshot_every and state.step % cfg.snapshot_every == 0:
+                save_snapshot(snapshots, model, state.step, totals.totals)
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
                 save_checkpoint(ckpt_dir, ctx, model, opt, sched, state, run_fingerprint, logger.rows, cfg.keep_checkpoints)
         if path is None or state.resumed_from != cfg.steps:
@@ -356,11 +419,17 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
             "final_loss": logger.rows[-1]["loss"] if logger.rows else float("nan"),
             "final_loss_mean10": sum(tail) / len(tail) if tail else float("nan"),
             "steps": state.step, "clipped_steps": state.clipped_steps, "skipped_steps": state.skipped_steps,
-            "tokens": state.tokens_seen,
+            "tokens": state.tokens_seen, "train_seconds": state.train_seconds,
             "tokens_per_s": state.tokens_seen / state.train_seconds if state.train_seconds else float("nan"),
+            **{f"budget_{k}_total": v for k, v in totals.totals.items()},
         }
         logger.summary(summary)
     finally:
         bar.close()
         logger.close()
-    return state, logger.rows
+    return state, logger.rows, dict(totals.totals)
+
+
+def snapshot_dir(ckpt_dir: Path, run_fingerprint: str) -> Path:
+    """Where a run's learning-curve snapshots wait until the run publishes them with its model."""
+    return ckpt_dir / "snapshots" / run_fingerprint

@@ -34,6 +34,7 @@ from ars_opd.lm.objectives import Objective, TeacherScores, check_config, get_ob
 from ars_opd.models.pinning import load_model, load_model_dir, model_path, read_manifest, sha256_of_files
 from ars_opd.models.tokenizer import check_shared_tokenizer
 from ars_opd.seeding import derive_seed
+from ars_opd.training.budget import matmul_parameters, read_budget
 from ars_opd.training.faults import Fault
 from ars_opd.training.geometry import BatchGeometry, step_indices
 from ars_opd.training.loop import MicroBatch
@@ -71,11 +72,13 @@ class OPDTask:
 
     def __init__(self, prompts: list[list[int]], teacher_completions: list[list[int]], teacher: LocalTeacher,
                  tokenizer, cfg: OPDConfig, geometry: BatchGeometry, sampler_seed: int, seed: int, rank: int,
-                 device: torch.device, fault: Fault | None = None, item_tasks: list[str | None] | None = None):
+                 device: torch.device, fault: Fault | None = None, item_tasks: list[str | None] | None = None,
+                 student_params: int = 0, teacher_params: int = 0):
         self.prompts, self.teacher_completions, self.teacher = prompts, teacher_completions, teacher
         self.tokenizer, self.cfg, self.geometry = tokenizer, cfg, geometry
         self.sampler_seed, self.seed, self.rank, self.device = sampler_seed, seed, rank, device
         self.fault, self.item_tasks = fault, item_tasks or [None] * len(prompts)
+        self.student_params, self.teacher_params = student_params, teacher_params  # ars_opd.training.budget
         self.objective = get_objective(cfg.loss)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -112,7 +115,13 @@ class OPDTask:
             if j == 0:
                 meta["gen_s"] = (gen_s, 1.0)
             t = {k: v.to(self.device) for k, v in b.items() if k not in ("lengths", "has_eos")}
-            out.append(MicroBatch(t, int(b["loss_mask"].sum()), n_seq, int(b["attention_mask"].sum()), meta))
+            real = int(b["attention_mask"].sum())
+            generated = int(b["lengths"].sum()) if on_policy else 0
+            prefill = sum(len(p) for p in prompts[j:j + self.geometry.micro_batch]) if on_policy else 0
+            flops = (6 * self.student_params + 2 * self.teacher_params) * real + 2 * self.student_params * (
+                prefill + generated)
+            out.append(MicroBatch(t, int(b["loss_mask"].sum()), n_seq, real, meta, flops=float(flops),
+                                  generated_tokens=generated))
         return out
 
     def loss_sum(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, dict]:
@@ -158,12 +167,13 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     if not prompts:
         raise ValueError(f"no OPD prompts left after the budget: {counts}")
     task = OPDTask(prompts, completions, LocalTeacher(teacher, vocab), tokenizer, job.cfg, setup.geometry,
-                   setup.sampler_seed, setup.stage_seed, ctx.rank, ctx.device, setup.fault, tasks)
-    fingerprint = {"student": sha256_of_files(student_dir),
+                   setup.sampler_seed, setup.stage_seed, ctx.rank, ctx.device, setup.fault, tasks,
+                   matmul_parameters(model), matmul_parameters(teacher))
+    fingerprint = {"init": sha256_of_files(student_dir),
                    "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
                    "rows": len(rows), "data": file_sha256(train_path)}
     return PreparedRun(model, task, fingerprint, counts, manifest={"vocab": vocab},
-                       on_step=lambda s: {"gkd_source": task.source(s)})
+                       on_step=lambda s: {"gkd_source": task.source(s)}, budget_start=read_budget(student_dir))
 
 
 def opd_worker(job: TrainingJob) -> dict:

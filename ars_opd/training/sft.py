@@ -12,16 +12,19 @@ tested to give the same logits as unpacked rows).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from ars_opd.artifacts import file_sha256, read_jsonl
-from ars_opd.config import DDPConfig, PathsConfig, SFTConfig
+from ars_opd.config import DDPConfig, OPDConfig, PathsConfig, SFTConfig, TrainLoopConfig
 from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels
 from ars_opd.lm.losses import causal_lm_token_loss_sum
-from ars_opd.models.pinning import load_model, read_manifest
+from ars_opd.models.pinning import load_model, load_model_dir, read_manifest, sha256_of_files
+from ars_opd.training.budget import matmul_parameters, read_budget
 from ars_opd.training.geometry import BatchGeometry, step_indices
 from ars_opd.training.faults import Fault
 from ars_opd.training.loop import MicroBatch
@@ -65,10 +68,12 @@ class SFTTask:
     """Micro-batches of teacher completions for one worker; loss = summed token cross-entropy."""
 
     def __init__(self, data: EncodedData, cfg: SFTConfig, geometry: BatchGeometry, sampler_seed: int,
-                 rank: int, device: torch.device, pad_id: int, fault: Fault | None = None, vocab: int = 0):
+                 rank: int, device: torch.device, pad_id: int, fault: Fault | None = None, vocab: int = 0,
+                 flops_per_token: float = 0.0):
         self.data, self.cfg, self.geometry = data, cfg, geometry
         self.sampler_seed, self.rank, self.device, self.pad_id = sampler_seed, rank, device, pad_id
         self.fault, self.vocab = fault, vocab
+        self.flops_per_token = flops_per_token  # 6 · P_s: forward and backward (ars_opd.training.budget)
 
     def metric_names(self) -> list[str]:
         return ["padding_fraction"]
@@ -90,7 +95,8 @@ class SFTTask:
                 t["labels"] = self.fault.corrupt_labels(t["labels"], step, self.vocab)
             t = {k: v.to(self.device) for k, v in t.items()}
             real = sum(len(x) + len(y) for x, y in zip(p, c))
-            out.append(MicroBatch(t, count_loss_tokens(t["labels"]), len(chunk), real))
+            out.append(MicroBatch(t, count_loss_tokens(t["labels"]), len(chunk), real,
+                                  flops=self.flops_per_token * real))
         return out
 
     def loss_sum(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, dict]:
@@ -105,17 +111,24 @@ class SFTTask:
 
 
 def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
+    """The sft stage starts from the base student; sft_continued from ``paths.distill_init`` (the student the
+    distillation arms start from), so that it is OPD's control at equal steps."""
     train_path = job.paths.completions("train")
     rows = read_jsonl(train_path)
     data = encode_sft_rows(setup.tokenizer, rows, job.cfg)
     if not data.prompts:
         raise ValueError(f"no SFT rows left after the budgets: {data.counts}")
-    model = load_model(job.paths.models_dir, "student").to(setup.ctx.device)
+    if job.stage == "sft":
+        model = load_model(job.paths.models_dir, "student").to(setup.ctx.device)
+        init = read_manifest(job.paths.models_dir)["student"]["revision"]
+        start = {}
+    else:
+        model = load_model_dir(job.paths.distill_init, setup.ctx.device, stage="sft")
+        init, start = sha256_of_files(Path(job.paths.distill_init)), read_budget(job.paths.distill_init)
     task = SFTTask(data, job.cfg, setup.geometry, setup.sampler_seed, setup.ctx.rank, setup.ctx.device,
-                   setup.tokenizer.pad_token_id, setup.fault, len(setup.tokenizer))
-    fingerprint = {"init": read_manifest(job.paths.models_dir)["student"]["revision"], "rows": len(rows),
-                   "data": file_sha256(train_path)}
-    return PreparedRun(model, task, fingerprint, data.counts)
+                   setup.tokenizer.pad_token_id, setup.fault, len(setup.tokenizer), 6.0 * matmul_parameters(model))
+    fingerprint = {"init": init, "rows": len(rows), "data": file_sha256(train_path)}
+    return PreparedRun(model, task, fingerprint, data.counts, budget_start=start)
 
 
 def sft_worker(job: TrainingJob) -> dict:
@@ -125,3 +138,18 @@ def sft_worker(job: TrainingJob) -> dict:
 def run_sft(cfg: SFTConfig, ddp: DDPConfig, paths: PathsConfig, progress: bool = True) -> dict:
     """The sft stage: start the workers, train, write outputs. Returns rank 0's summary."""
     return launch_stage(sft_worker, TrainingJob("sft", cfg, ddp, paths, progress=progress))
+
+
+def continued_sft_config(sft: SFTConfig, opd: OPDConfig) -> SFTConfig:
+    """OPD's optimisation loop (steps, batch, learning-rate schedule, clipping, checkpoints) with SFT's data
+    budgets: the control arm differs from OPD in its objective and data alone."""
+    loop = {f.name: getattr(opd, f.name) for f in dataclasses.fields(TrainLoopConfig)}
+    own = {f.name: getattr(sft, f.name) for f in dataclasses.fields(SFTConfig) if f.name not in loop}
+    return SFTConfig(**loop, **own)
+
+
+def run_sft_continued(sft: SFTConfig, opd: OPDConfig, ddp: DDPConfig, paths: PathsConfig,
+                      progress: bool = True) -> dict:
+    """The sft_continued stage: OPD's control arm, more SFT from the same start, with OPD's loop."""
+    return launch_stage(sft_worker, TrainingJob("sft_continued", continued_sft_config(sft, opd), ddp, paths,
+                                                progress=progress))

@@ -12,6 +12,7 @@ workers (``ars_opd.training.distributed.launch``).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -26,7 +27,8 @@ from ars_opd.training.checkpoint import config_fingerprint
 from ars_opd.training.distributed import WorkerContext, init_worker, launch, shutdown_worker
 from ars_opd.training.faults import Fault
 from ars_opd.training.geometry import BatchGeometry
-from ars_opd.training.loop import TrainingTask, fit
+from ars_opd.training.budget import SNAPSHOTS, write_budget
+from ars_opd.training.loop import TrainingTask, fit, snapshot_dir
 
 @dataclass(frozen=True)
 class TrainingJob:
@@ -58,10 +60,11 @@ class PreparedRun:
 
     model: torch.nn.Module
     task: TrainingTask
-    fingerprint: dict  # what, beside the config and the code, must match for a checkpoint to resume
+    fingerprint: dict  # the run's inputs (starting weights, data hashes): a checkpoint resumes only if they match
     data_counts: dict  # rows kept and dropped, for the manifest
     manifest: dict = field(default_factory=dict)  # more manifest entries
     on_step: Callable[[int], dict] | None = None  # extra per-step log columns
+    budget_start: dict = field(default_factory=dict)  # the starting model's budget (ars_opd.training.budget)
 
 
 def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], PreparedRun]) -> dict:
@@ -77,14 +80,19 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         run.model.train()
         out = job.paths.training(job.stage)
         fingerprint = config_fingerprint({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp), **run.fingerprint})
-        state, log = fit(ctx, run.model, run.task, job.cfg, job.ddp, fingerprint, Path(out.checkpoints),
-                         Path(out.steps), Path(out.live), job.progress, on_step=run.on_step, fault=fault)
+        state, log, totals = fit(ctx, run.model, run.task, job.cfg, job.ddp, fingerprint, Path(out.checkpoints),
+                                 Path(out.steps), Path(out.live), job.progress, on_step=run.on_step, fault=fault,
+                                 budget_start=run.budget_start)
         if ctx.is_main:
             run.model.save_pretrained(Path(out.model), safe_serialization=True)
             tokenizer.save_pretrained(Path(out.model))
+            write_budget(out.model, totals)
+            snapshots = snapshot_dir(Path(out.checkpoints), fingerprint)
+            if job.cfg.snapshot_every and snapshots.is_dir():
+                shutil.copytree(snapshots, Path(out.model) / SNAPSHOTS)
             write_json(out.manifest, {
                 "data": run.data_counts, "workers": ctx.world_size, "geometry": dataclasses.asdict(geometry),
-                "resumed_from": state.resumed_from, "steps": state.step, **run.manifest,
+                "resumed_from": state.resumed_from, "steps": state.step, "inputs": run.fingerprint, **run.manifest,
                 **provenance({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp)}),
             })
         return {"steps": state.step, "data": run.data_counts, "resumed_from": state.resumed_from,

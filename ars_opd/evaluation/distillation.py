@@ -1,0 +1,205 @@
+"""Did distillation work? OPD against its control at equal budget, for one run and across seeds.
+
+Both arms start from the same SFT student (``paths.distill_init``) and run the same optimisation loop (the
+``opd`` section's steps, batch and learning-rate schedule): OPD on the student's own samples scored by the
+teacher, the control (``sft_continued``) on more SFT of the teacher's completions. The evaluate stage scores
+each arm's final model on every held-out prompt, and its learning-curve snapshots on the first
+``evaluate.curve_examples`` of them, each with the steps and FLOPs spent from scratch to reach it.
+
+- **Equal steps**: the arms' final models (same number of optimiser steps and sequences per step).
+- **Equal FLOPs**: an OPD step also samples and runs the teacher, so at the cheaper arm's total FLOPs the
+  other arm's learning curve is read off by linear interpolation between its snapshots (both on the curve
+  prompts).
+
+``compare`` does this for one run (the report's headline); ``collect``/``render_study`` aggregate a
+``dvc exp run`` sweep of training seeds (``ddp.seed``) into means, 95% t-intervals of each arm and of the
+paired per-seed difference OPD − control, the learning-curve figures, and the verdict.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ars_opd.evaluation.scenarios import mean_ci, walk_experiments
+from ars_opd.evaluation.tables import ARMS
+
+METRICS = (("reverse_kl", "reverse KL to the teacher (per token)", "lower"),
+           ("exact_match", "exact match", "higher"),
+           ("teacher_nll", "NLL of the teacher's completions (per token)", "lower"))
+LABELS = {"opd": "OPD", "sft_continued": "continued SFT (control)", "sft": "SFT"}
+
+
+def interpolate(curve: list[dict], x_key: str, x: float, y_key: str) -> float:
+    """``y_key`` of a learning curve at ``x`` (linear between points; NaN outside the curve)."""
+    pts = sorted((p[x_key], p[y_key]) for p in curve if p.get(y_key) is not None)
+    if not pts or x < pts[0][0] or x > pts[-1][0]:
+        return float("nan")
+    xs, ys = zip(*pts)
+    return float(np.interp(x, xs, ys))
+
+
+def compare(eval_metrics: dict) -> dict | None:
+    """One run's comparison: {"equal_steps": {arm: {metric: v, ...budget}}, "equal_flops": {"flops": F,
+    arm: {metric: v}}}; None when an arm is missing."""
+    if not all(eval_metrics.get(a) for a in ARMS):
+        return None
+    out: dict[str, Any] = {"equal_steps": {}, "equal_flops": {}}
+    for arm in ARMS:
+        m = eval_metrics[arm]
+        out["equal_steps"][arm] = {**{k: m.get(k) for k, _, _ in METRICS}, **(m.get("budget") or {})}
+    curves = eval_metrics.get("curves") or {}
+    if all(curves.get(a) for a in ARMS):
+        flops = min(max(p["flops"] for p in curves[a]) for a in ARMS)
+        out["equal_flops"]["flops"] = flops
+        for arm in ARMS:
+            out["equal_flops"][arm] = {k: interpolate(curves[arm], "flops", flops, k) for k, _, _ in METRICS}
+    return out
+
+
+def _fmt(v, pct: bool = False) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    return f"{v:.1%}" if pct else f"{v:.4g}"
+
+
+def _better(metric: str, a: float, b: float) -> bool:
+    direction = next(d for k, _, d in METRICS if k == metric)
+    return a < b if direction == "lower" else a > b
+
+
+def headline(cmp: dict) -> list[str]:
+    """Markdown: the two arms at equal steps and at equal FLOPs, and a one-run verdict."""
+    steps = cmp["equal_steps"]
+    lines = ["Both arms start from the same SFT student and run the same loop (same steps, batch, learning-rate "
+             "schedule); only the objective and its data differ. One training seed here: the sweep with "
+             "intervals is `reports/distillation.md`.", "",
+             "| at equal steps | steps from scratch | FLOPs from scratch | tokens generated | "
+             + " | ".join(label for _, label, _ in METRICS) + " |", "|---|---|---|---|" + "---|" * len(METRICS)]
+    for arm in ARMS:
+        s = steps[arm]
+        lines.append(f"| {LABELS[arm]} | {s.get('steps', 'n/a')} | {_fmt(s.get('flops'))} | "
+                     f"{s.get('tokens_generated', 'n/a')} | " + " | ".join(
+                         _fmt(s.get(k), pct=k == "exact_match") for k, _, _ in METRICS) + " |")
+    flops = cmp["equal_flops"]
+    if flops:
+        lines += ["", f"At equal FLOPs ({_fmt(flops['flops'])} from scratch, the cheaper arm's total; learning "
+                      "curves interpolated on the curve prompts):", "",
+                  "| at equal FLOPs | " + " | ".join(label for _, label, _ in METRICS) + " |",
+                  "|---|" + "---|" * len(METRICS)]
+        for arm in ARMS:
+            lines.append(f"| {LABELS[arm]} | " + " | ".join(
+                _fmt(flops[arm].get(k), pct=k == "exact_match") for k, _, _ in METRICS) + " |")
+    verdict = []
+    for label, table in (("equal steps", steps), ("equal FLOPs", flops)):
+        if not table:
+            continue
+        o, c = table["opd"].get("reverse_kl"), table["sft_continued"].get("reverse_kl")
+        e_o, e_c = table["opd"].get("exact_match"), table["sft_continued"].get("exact_match")
+        if o is None or c is None or not (math.isfinite(o) and math.isfinite(c)):
+            continue
+        words = f"at {label}, OPD's reverse KL to the teacher is **{'lower' if o < c else 'not lower'}** than the " \
+                f"control's ({o:.4f} vs {c:.4f})"
+        if e_o is not None and e_c is not None and math.isfinite(e_o) and math.isfinite(e_c):
+            words += f" and its exact match **{'higher' if e_o > e_c else 'not higher'}** ({e_o:.1%} vs {e_c:.1%})"
+        verdict.append(words)
+    if verdict:
+        lines += ["", "In this run, " + "; ".join(verdict) + "."]
+    return lines + [""]
+
+
+# -- the seed sweep ---------------------------------------------------------------------------------------
+
+def collect(data: Any) -> list[dict]:
+    """One entry per training seed: {"name", "seed", "evaluate"} from ``dvc exp show --json`` experiments
+    (and the baseline revision when no experiment has its seed) whose evaluation has both arms."""
+    by_seed: dict[int, dict] = {}
+    for name, params, metrics, is_experiment in walk_experiments(data):
+        seed = int((params.get("ddp") or {}).get("seed", 0))
+        if (params.get("ddp") or {}).get("inject", {}).get("kind"):
+            continue
+        ev = metrics if all(a in metrics for a in ARMS) else None
+        if ev is None:
+            continue
+        if is_experiment or seed not in by_seed:
+            by_seed[seed] = {"name": name, "seed": seed, "evaluate": ev}
+    return [by_seed[s] for s in sorted(by_seed)]
+
+
+def _paired(runs: list[dict], where: str, metric: str) -> tuple[list[float], list[float]]:
+    a, b = [], []
+    for r in runs:
+        c = compare(r["evaluate"])
+        if c and c[where]:
+            x, y = c[where]["opd"].get(metric), c[where]["sft_continued"].get(metric)
+            if x is not None and y is not None and math.isfinite(x) and math.isfinite(y):
+                a.append(x)
+                b.append(y)
+    return a, b
+
+
+def render_study(runs: list[dict], commands: str, figures: dict[str, str]) -> tuple[str, dict]:
+    """Markdown of the sweep and its flat summary: per arm mean [95% CI], paired difference, verdict."""
+    lines = ["# Did on-policy distillation beat more SFT at equal budget?", "",
+             "Made from a real sweep of DVC experiments (training seeds `ddp.seed`; the models, data and teacher "
+             "completions are shared) with these commands:", "", "```", commands.strip(), "```", "",
+             f"Seeds: {[r['seed'] for r in runs]}. Both arms start from the same SFT student of their seed and run "
+             "the same loop (the `opd` section's steps, batch and schedule). Each cell: mean over seeds [95% "
+             "t-interval]; differences are paired by seed.", ""]
+    summary: dict = {}
+    verdict_bits = []
+    for where, title in (("equal_steps", "At equal steps"), ("equal_flops", "At equal FLOPs")):
+        lines += [f"## {title}", "", "| metric | OPD | continued SFT (control) | OPD − control |", "|---|---|---|---|"]
+        for metric, label, direction in METRICS:
+            a, b = _paired(runs, where, metric)
+            if len(a) < 2:
+                continue
+            pct = metric == "exact_match"
+            ma, la, ha = mean_ci(a)
+            mb, lb, hb = mean_ci(b)
+            md, ld, hd = mean_ci([x - y for x, y in zip(a, b)])
+            lines.append(f"| {label} | {_fmt(ma, pct)} [{_fmt(la, pct)}, {_fmt(ha, pct)}] | {_fmt(mb, pct)} "
+                         f"[{_fmt(lb, pct)}, {_fmt(hb, pct)}] | {_fmt(md, pct)} [{_fmt(ld, pct)}, {_fmt(hd, pct)}] |")
+            summary[f"{where}/{metric}/diff"] = (md, ld, hd)
+            if metric in ("reverse_kl", "exact_match"):
+                good = (hd < 0) if direction == "lower" else (ld > 0)
+                bad = (ld > 0) if direction == "lower" else (hd < 0)
+                word = "OPD better" if good else "control better" if bad else "no difference resolved"
+                verdict_bits.append(f"{title.lower()}, {label}: {word} (OPD − control {_fmt(md, pct)} "
+                                    f"[{_fmt(ld, pct)}, {_fmt(hd, pct)}])")
+        lines.append("")
+    for key, path in figures.items():
+        lines += [f"![learning curves against {key}]({path})", ""]
+    lines += ["## Verdict", "", "- " + "\n- ".join(verdict_bits), ""] if verdict_bits else []
+    return "\n".join(lines) + "\n", summary
+
+
+def curve_figure(runs: list[dict], x_key: str, path: Path) -> None:
+    """One panel per metric, one line per arm (and SFT before them): mean over seeds, min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(15, 4))
+    for ax, (metric, label, _) in zip(axes, METRICS):
+        for stage, color in (("sft", "grey"), ("opd", "tab:blue"), ("sft_continued", "tab:orange")):
+            curves = [r["evaluate"].get("curves", {}).get(stage) or [] for r in runs]
+            curves = [c for c in curves if c]
+            if not curves:
+                continue
+            xs = sorted({p[x_key] for p in curves[0]})
+            ys = np.array([[interpolate(c, x_key, x, metric) for x in xs] for c in curves], dtype=float)
+            ax.plot(xs, np.nanmean(ys, 0), color=color, label=LABELS.get(stage, stage))
+            ax.fill_between(xs, np.nanmin(ys, 0), np.nanmax(ys, 0), color=color, alpha=0.2)
+        ax.set_xlabel("FLOPs from scratch" if x_key == "flops" else "optimiser steps from scratch")
+        ax.set_title(label, fontsize=9)
+        if metric != "exact_match":
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

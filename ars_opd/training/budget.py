@@ -1,0 +1,55 @@
+"""What a training run cost: steps, tokens, generated tokens and an estimate of FLOPs, from scratch.
+
+Methods are compared at equal budget, not at equal stage names: an OPD step samples rollouts and runs the
+teacher, an SFT step does neither. Every micro-batch carries its FLOPs estimate (the task fills it in):
+
+- training the student: 6·P_s FLOPs per token it processes (forward 2, backward 4), prompt included;
+- scoring with the teacher: 2·P_t per token of the scored sequences (a forward pass);
+- sampling rollouts: 2·P_s per token that passes through the student while generating (the prompt's
+  prefill and every generated token; the KV cache makes each new token one token's forward).
+
+P is the number of parameters used in matrix products per token (``matmul_parameters``: every parameter,
+less an untied input embedding, which is a lookup). Attention's own O(T²) term is left out: at the short
+sequences of the pipeline it is a few percent; the estimate is for comparing methods, not for MFU.
+
+``budget.json`` in a model directory (and in each learning-curve snapshot) holds the cumulative budget
+*from scratch*: a run started from another model's weights adds its own costs to that model's budget, so
+the steps and FLOPs axes of a continued run line up with those of the run it continued.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+BUDGET_FILE = "budget.json"
+SNAPSHOTS = "snapshots"  # learning-curve snapshots (step_N/, each with its budget.json) inside a model directory
+FIELDS = ("steps", "flops", "tokens_trained", "tokens_processed", "tokens_generated")
+
+
+def matmul_parameters(model: torch.nn.Module) -> int:
+    """Parameters used in a matrix product per token: all distinct ones, less an untied input embedding."""
+    unique = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() for p in unique.values())
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if get_in is not None and get_out is not None and get_in() is not None and get_out() is not None:
+        emb, head = get_in().weight, get_out().weight
+        if emb is not head:
+            total -= emb.numel()
+    return total
+
+
+def read_budget(model_dir: str | Path) -> dict:
+    """The cumulative budget stored with a model (zeros for a model with none, e.g. a fresh base model)."""
+    path = Path(model_dir) / BUDGET_FILE
+    if not path.exists():
+        return {k: 0 for k in FIELDS}
+    data = json.loads(path.read_text())
+    return {k: data.get(k, 0) for k in FIELDS}
+
+
+def write_budget(model_dir: str | Path, budget: dict) -> None:
+    Path(model_dir).mkdir(parents=True, exist_ok=True)
+    (Path(model_dir) / BUDGET_FILE).write_text(json.dumps({k: budget[k] for k in FIELDS}, sort_keys=True) + "\n")

@@ -1,0 +1,15 @@
+"""sft_continued stage: OPD's control arm, more SFT from OPD's starting student with OPD's loop (see
+ars_opd.training.sft)."""
+
+from ars_opd.config import load_params
+from ars_opd.training.sft import run_sft_continued
+
+
+def main() -> None:
+    p = load_params(sections=("paths", "ddp", "sft", "opd"))
+    summary = run_sft_continued(p.sft, p.opd, p.ddp, p.paths)
+    print(f"sft_continued: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
+
+
+if __name__ == "__main__":
+    main()
