@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
+from ars_opd.artifacts import JsonlLineError, iter_jsonl
 from ars_opd.config import PathsConfig
 
 STAGES = ("models", "subset", "teacher_gen", "sft", "opd", "evaluate", "report")
@@ -45,13 +46,12 @@ def _read_jsonl(path: Path, problems: Problems, required: tuple[str, ...] = ()) 
     if data and not data.endswith(b"\n"):
         problems.add(path, "last line has no newline: truncated write?")
     rows = []
-    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
+    for i, row in iter_jsonl(data):
+        if isinstance(row, JsonlLineError):
+            problems.add(f"{path}:{i}", row.message)
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.add(f"{path}:{i}", f"not valid JSON ({e.msg})")
+        if not isinstance(row, dict):
+            problems.add(f"{path}:{i}", f"not a JSON object ({type(row).__name__})")
             continue
         missing = [k for k in required if k not in row]
         if missing:
