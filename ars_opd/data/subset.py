@@ -40,11 +40,11 @@ from ars_opd.artifacts import (
     JsonlLineError, atomic_outputs, dumps_canonical, file_sha256, files_sha256, iter_jsonl, provenance, write_json,
     write_jsonl,
 )
-from ars_opd.config import BaseConfig, DataConfig, PathsConfig, SyntheticConfig, to_dict
+from ars_opd.config import LOCAL_DATA_SUFFIXES, BaseConfig, DataConfig, PathsConfig, SyntheticConfig, to_dict
 from ars_opd.seeding import derive_seed
 from ars_opd.data.prompts import alpaca_messages
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+LOCAL_SUFFIXES = LOCAL_DATA_SUFFIXES
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 RESPONSE_KEYS = ("response", "completion", "output")
