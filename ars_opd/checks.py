@@ -156,6 +156,8 @@ def check_teacher(p: PathsConfig, problems: Problems, subset: dict[str, list[dic
                                                    f"minus {len(failed)} failures (ids or order differ)")
     if Path(p.teacher_cache).exists():
         _read_jsonl(Path(p.teacher_cache), problems, ("key", "request", "response"))
+    if Path(p.teacher_refusals).exists():
+        _read_jsonl(Path(p.teacher_refusals), problems, ("key", "request", "failure"))
     _metrics(Path(p.teacher_metrics), problems)
 
 
