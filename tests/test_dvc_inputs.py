@@ -41,7 +41,10 @@ def _status(work: Path, *stages: str) -> str:
 
 
 @pytest.mark.slow
-def test_dvc_sees_local_data_and_model_changes_and_loading_a_changed_model_is_refused(tmp_path, char_tokenizer):
+def test_dvc_sees_local_data_and_model_changes_and_loading_a_changed_model_is_refused(tmp_path, char_tokenizer,
+                                                                                        monkeypatch):
+    from ars_opd.checks import check_outputs
+    from ars_opd.config import PathsConfig
     from ars_opd.models.pinning import ModelPinError, load_model
 
     ext = tmp_path / "outside"  # outside the repository, as a user's files usually are
@@ -75,10 +78,15 @@ def test_dvc_sees_local_data_and_model_changes_and_loading_a_changed_model_is_re
     assert "models:" in status and f"modified:           {model}" in status, status
     with pytest.raises(ModelPinError, match="Run `dvc repro`"):
         load_model(work / paths["models_dir"], "teacher")
+    monkeypatch.chdir(work)  # ars-opd check names both changes too
+    problems = "\n".join(check_outputs(PathsConfig(**paths), ("models", "subset")))
+    assert f"teacher: the teacher model directory {model} changed after the models stage pinned it" in problems
+    assert f"the data source {data} changed after the subset stage read it" in problems
     again = _run([DVC, "repro", "models", "subset"], work)
     assert again.returncode == 0 and "Running stage 'models'" in again.stdout and "Running stage 'subset'" in again.stdout
     load_model(work / paths["models_dir"], "teacher")
-    assert "up to date" in _status(work, "subset", "models")
+    assert "up to date" in _status(work, "subset", "models") and check_outputs(PathsConfig(**paths), ("models",
+                                                                                                   "subset")) == []
 
 
 @pytest.mark.slow
