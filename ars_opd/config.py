@@ -74,7 +74,7 @@ class PathsConfig:
     teacher_cache: str = "data/teacher_cache/answers.jsonl"
     """teacher_gen: the sha256-keyed answer cache (a persistent DVC out: it survives reruns)."""
     teacher_refusals: str = "data/teacher_cache/refusals.jsonl"
-    """teacher_gen: keys whose failure a rerun cannot change (400/422, empty greedy answers); persistent like the cache."""
+    """teacher_gen: requests whose failure a rerun cannot change (400/413/422, empty greedy answers); persistent."""
     teacher_failure_report: str = "data/teacher_cache/last_run_failures.json"
     """teacher_gen: the last run's failures grouped by reason, written even when the stage fails (not a DVC out)."""
     teacher_dir: str = "data/teacher"

@@ -1,5 +1,6 @@
-"""Through real `dvc status` / `dvc repro` in a temporary git copy: local inputs are deps, and a stage run by
-an interpreter without the packages fails clearly without deleting committed outputs."""
+"""Through real `dvc status` / `dvc repro` in a temporary git copy (one copy, to keep it fast): local inputs
+are deps, and a stage run by an interpreter without the packages fails clearly without deleting committed
+outputs."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def _status(work: Path, *stages: str) -> str:
 
 
 @pytest.mark.slow
-def test_dvc_sees_local_data_and_model_changes_and_loading_a_changed_model_is_refused(tmp_path, char_tokenizer,
-                                                                                        monkeypatch):
+def test_dvc_tracks_local_inputs_and_refuses_changed_models_and_a_bare_python_stops_clearly(tmp_path, char_tokenizer,
+                                                                                             monkeypatch):
     from ars_opd.checks import check_outputs
     from ars_opd.config import PathsConfig
     from ars_opd.models.pinning import ModelPinError, load_model
@@ -87,18 +88,14 @@ def test_dvc_sees_local_data_and_model_changes_and_loading_a_changed_model_is_re
     load_model(work / paths["models_dir"], "teacher")
     assert "up to date" in _status(work, "subset", "models") and check_outputs(PathsConfig(**paths), ("models",
                                                                                                    "subset")) == []
+    _bare_python_stops_clearly_and_keeps_committed_outputs(tmp_path, work, paths)
 
 
-@pytest.mark.slow
-def test_a_stage_run_by_a_bare_python_says_how_to_fix_it_and_keeps_committed_outputs(tmp_path):
-    work = _git_repo(tmp_path)
-    ok = _run([DVC, "repro", "subset"], work)
-    assert ok.returncode == 0, ok.stderr[-3000:]
-    paths = yaml.safe_load((work / "params.yaml").read_text())["paths"]
-    committed = {p: (work / p).read_bytes() for p in (paths["subset_metrics"], paths["subset_stats"])}
-
-    # a `python` first on PATH that lacks the project's packages (-S: no site-packages), as the system one
-    fake_bin = tmp_path / "bin"
+def _bare_python_stops_clearly_and_keeps_committed_outputs(tmp_path: Path, work: Path, paths: dict) -> None:
+    """`.venv/bin/dvc repro` without the venv on PATH: the stage's `python` lacks the packages."""
+    committed = {p: (work / p).read_bytes() for p in (paths["subset_metrics"], paths["subset_stats"],
+                                                      paths["models_metrics"])}
+    fake_bin = tmp_path / "bin"  # a `python` first on PATH without site-packages (-S), as a system one
     fake_bin.mkdir()
     (fake_bin / "python").write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
     (fake_bin / "python").chmod(0o755)

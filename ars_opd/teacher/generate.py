@@ -160,7 +160,7 @@ def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, prog
                                  log_requests: str | None = None) -> dict:
     """Run the stage; returns its metrics. Raises ``TeacherGenerationError`` above the failure threshold.
 
-    Every run that gets to ask writes ``paths.teacher_failure_report`` (also when it then fails)."""
+    Every run past its setup writes ``paths.teacher_failure_report`` (also when it then fails)."""
     split_paths = {"train": paths.subset_train, "eval": paths.subset_eval}  # teacher_gen reads the subset
     rows = {split: read_jsonl(split_paths[split]) if split in cfg.splits else [] for split in SPLITS}
     api_key = _api_key(cfg)  # before any work: a missing key is an immediate, clear error
