@@ -4,6 +4,11 @@ A stage that fails halfway must not leave files that look finished (DVC would no
 user or a later stage could read them). Outputs are therefore written to temporary siblings and renamed
 into place only when every one of them is complete; a failure removes the temporaries.
 
+JSON Lines are read by one routine, ``iter_jsonl``, which splits on ``b"\\n"`` only. ``str.splitlines()``
+and Python's universal-newline text mode also break lines at characters that JSON writes raw inside
+strings with ``ensure_ascii=False`` (U+2028, U+2029, U+0085, and ``\\r`` in text mode), which would turn
+one valid row into several invalid ones.
+
 Provenance deliberately holds no timestamps and no git commit: outputs of the same inputs stay
 byte-identical, so DVC sees an unchanged output and downstream stages stay cached.
 """
@@ -54,14 +59,20 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def files_sha256(directory: str | Path, suffixes: tuple[str, ...]) -> tuple[str, int]:
-    """One sha256 over the files under ``directory`` with these suffixes (relative name, then bytes, in
-    sorted order), and how many files went in."""
+def listed_files(directory: str | Path, suffixes: tuple[str, ...] | None) -> list[Path]:
+    """The files under ``directory`` (recursively, sorted) whose suffix is in ``suffixes`` (None: every file)."""
+    return sorted(p for p in Path(directory).rglob("*")
+                  if p.is_file() and (suffixes is None or p.suffix in suffixes))
+
+
+def files_sha256(directory: str | Path, suffixes: tuple[str, ...] | None) -> tuple[str, int]:
+    """One sha256 over the files under ``directory`` with these suffixes (None: all files; relative name,
+    then bytes, in sorted order), and how many files went in."""
     import hashlib
 
     directory = Path(directory)
     h = hashlib.sha256()
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix in suffixes)
+    files = listed_files(directory, suffixes)
     for p in files:
         h.update(str(p.relative_to(directory)).encode())
         _hash_file(h, p)
@@ -81,17 +92,42 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:
     return n
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+class JsonlLineError(ValueError):
+    """One line of a JSON Lines file that is not valid UTF-8 JSON (``lineno`` counts from 1)."""
+
+    def __init__(self, lineno: int, message: str, text: str):
+        super().__init__(f"line {lineno}: {message}")
+        self.lineno, self.message, self.text = lineno, message, text
+
+
+def iter_jsonl(data: bytes) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) for each non-blank line of JSON Lines ``data``, split on ``b"\\n"`` only.
+
+    A line that is not valid JSON or not valid UTF-8 yields a ``JsonlLineError`` as its value, so each
+    caller decides whether that is fatal, a counted malformed row or a reported problem. A UTF-8 byte
+    order mark and a ``\\r`` before the ``\\n`` (Windows line endings) are accepted.
+    """
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            yield lineno, JsonlLineError(lineno, f"not valid UTF-8 (byte {e.start})", raw[:80].decode("utf-8", "replace"))
+            continue
+        try:
+            yield lineno, json.loads(text)
+        except json.JSONDecodeError as e:
+            yield lineno, JsonlLineError(lineno, f"not valid JSON ({e.msg})", text[:80])
+
+
+def read_jsonl(path: str | Path) -> list[Any]:
     """Read a JSON Lines file written by a stage; a malformed line is an error naming file and line."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+    for _, value in iter_jsonl(Path(path).read_bytes()):
+        if isinstance(value, JsonlLineError):
+            raise ValueError(f"{path}:{value.lineno}: {value.message}") from None
+        rows.append(value)
     return rows
 
 

@@ -3,7 +3,8 @@
 For each stage: the files it promises exist; JSON and JSON Lines parse (a truncated or torn line is named
 with its file and line); rows have their schema; counts agree across stages (subset → teacher completions
 + failures → training data); training logs have one row per step with finite values; every metric is a
-finite number within its range (accuracies and fractions in [0, 1], losses and divergences >= 0).
+finite number within its range (accuracies and fractions in [0, 1], losses and divergences >= 0); the
+pinned models and a local data source still match the hashes their stages recorded.
 Returns the problems as "path: what is wrong" lines; none means the outputs are sound.
 
 What it leaves out: judging quality (a weak teacher passes; the models stage has its own accuracy gate).
@@ -16,6 +17,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
+from ars_opd.artifacts import JsonlLineError, file_sha256, files_sha256, iter_jsonl
 from ars_opd.config import PathsConfig
 
 STAGES = ("models", "subset", "teacher_gen", "sft", "opd", "sft_continued", "evaluate", "report")
@@ -46,13 +48,12 @@ def _read_jsonl(path: Path, problems: Problems, required: tuple[str, ...] = ()) 
     if data and not data.endswith(b"\n"):
         problems.add(path, "last line has no newline: truncated write?")
     rows = []
-    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
+    for i, row in iter_jsonl(data):
+        if isinstance(row, JsonlLineError):
+            problems.add(f"{path}:{i}", row.message)
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.add(f"{path}:{i}", f"not valid JSON ({e.msg})")
+        if not isinstance(row, dict):
+            problems.add(f"{path}:{i}", f"not a JSON object ({type(row).__name__})")
             continue
         missing = [k for k in required if k not in row]
         if missing:
@@ -108,9 +109,35 @@ def check_models(p: PathsConfig, problems: Problems) -> None:
             ref = manifest.get(role) or {}
             if ref.get("source") == "builtin" and not (d / role / "model.safetensors").is_file():
                 problems.add(d / role, "built-in model weights missing")
+            elif ref:
+                _check_pin(d, role, ref, problems)
     if not (d / "tokenizer" / "tokenizer_config.json").is_file():
         problems.add(d / "tokenizer", "tokenizer missing")
     _metrics(Path(p.models_metrics), problems)
+
+
+def _check_pin(models_dir: Path, role: str, ref: dict, problems: Problems) -> None:
+    """The files of a pinned model still match the manifest (what every stage checks before loading it)."""
+    from ars_opd.models.pinning import ModelSourceError, verify_pin  # torch: only for this check
+
+    try:
+        verify_pin(models_dir, role, ref)
+    except ModelSourceError as e:
+        problems.add(models_dir / "manifest.json", f"{role}: {e}")
+
+
+def _check_source(stats: dict, where: str, problems: Problems) -> None:
+    """A local data source still has the sha256 the subset stage recorded."""
+    pinned, source = stats.get("source_sha256"), Path(str(stats.get("source", ""))).expanduser()
+    if not pinned:
+        return
+    if not source.exists():
+        problems.add(where, f"the data source {source} the subset was made from is gone")
+        return
+    now = file_sha256(source) if source.is_file() else files_sha256(source, None)[0]
+    if now != pinned:
+        problems.add(where, f"the data source {source} changed after the subset stage read it (sha256 "
+                            f"{pinned[:12]}… then, {now[:12]}… now): run `dvc repro`")
 
 
 SUBSET_KEYS = ("id", "messages", "reference", "task")
@@ -119,6 +146,8 @@ SUBSET_KEYS = ("id", "messages", "reference", "task")
 def check_subset(p: PathsConfig, problems: Problems) -> dict[str, list[dict]]:
     out = {}
     stats = _read_json(Path(p.subset_stats), problems)
+    if stats:
+        _check_source(stats, p.subset_stats, problems)
     for split, path in (("train", p.subset_train), ("eval", p.subset_eval)):
         rows = _read_jsonl(Path(path), problems, SUBSET_KEYS)
         if rows is None:
@@ -157,6 +186,8 @@ def check_teacher(p: PathsConfig, problems: Problems, subset: dict[str, list[dic
                                                    f"minus {len(failed)} failures (ids or order differ)")
     if Path(p.teacher_cache).exists():
         _read_jsonl(Path(p.teacher_cache), problems, ("key", "request", "response"))
+    if Path(p.teacher_refusals).exists():
+        _read_jsonl(Path(p.teacher_refusals), problems, ("key", "request", "failure"))
     _metrics(Path(p.teacher_metrics), problems)
 
 

@@ -73,6 +73,10 @@ class PathsConfig:
     """subset stage metrics (row counts), for dvc exp show."""
     teacher_cache: str = "data/teacher_cache/answers.jsonl"
     """teacher_gen: the sha256-keyed answer cache (a persistent DVC out: it survives reruns)."""
+    teacher_refusals: str = "data/teacher_cache/refusals.jsonl"
+    """teacher_gen: requests whose failure a rerun cannot change (400/413/422, empty greedy answers); persistent."""
+    teacher_failure_report: str = "data/teacher_cache/last_run_failures.json"
+    """teacher_gen: the last run's failures grouped by reason, written even when the stage fails (not a DVC out)."""
     teacher_dir: str = "data/teacher"
     """teacher_gen: train.jsonl / eval.jsonl (prompts joined to completions), failures.jsonl, manifest.json."""
     teacher_metrics: str = "data/metrics/teacher_gen.json"
@@ -259,6 +263,9 @@ class TeacherTrainingConfig(OptimConfig):
     def __post_init__(self):
         super().__post_init__()
         _require(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
+        _require(self.steps == 0 or self.warmup_steps <= self.steps, "warmup_steps",
+                 f"must be <= steps ({self.steps}), got {self.warmup_steps}: the learning rate would never reach "
+                 "its peak; lower warmup_steps or raise steps")
         _require(self.batch_size > 0, "batch_size", f"must be > 0, got {self.batch_size}")
         _require(self.eval_examples > 0, "eval_examples", f"must be > 0, got {self.eval_examples}")
         _require(0 <= self.min_accuracy <= 1, "min_accuracy", f"must be in [0, 1], got {self.min_accuracy}")
@@ -334,6 +341,74 @@ class DataConfig:
                  f"must be in [0, 1], got {self.max_malformed_fraction}")
         if self.source == "synthetic":
             _require(self.subset_size > 0, "subset_size", "must be > 0 for the synthetic source")
+
+
+INPUT_PLACEHOLDER = "inputs/none"
+LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+@dataclass(frozen=True)
+class InputsConfig:
+    """User-provided local files that DVC must hash: each value is a dep of the stage that reads it.
+
+    DVC tracks only what dvc.yaml lists, and cannot make a dep conditional (a dep that does not exist
+    fails the run), so ``data.source`` and ``models.teacher``/``student`` cannot be deps themselves: they
+    may be 'synthetic', 'builtin' or a hub id. Here each is mirrored as a path that always exists: the
+    local file or directory, or the committed placeholder ``inputs/none``. Validated against the source
+    keys (``check_inputs``), so a local source can never go untracked.
+    """
+
+    data: str = INPUT_PLACEHOLDER
+    """data.source when it is a local file or directory (a dep of subset), else inputs/none."""
+    teacher: str = INPUT_PLACEHOLDER
+    """models.teacher when it is a local model directory (a dep of models), else inputs/none."""
+    student: str = INPUT_PLACEHOLDER
+    """models.student when it is a local model directory (a dep of models), else inputs/none."""
+
+    def __post_init__(self):
+        for role in ("data", "teacher", "student"):
+            value = getattr(self, role)
+            _require(bool(value.strip()), role, f"must be a local path or {INPUT_PLACEHOLDER!r}")
+            _require(not value.startswith("~"), role,
+                     f"DVC does not expand '~': write the full path {str(Path(value).expanduser())!r}")
+
+
+def _looks_local(value: str, path_like: bool, base: Path) -> Path | None:
+    """``value`` as a local path (relative to ``base``) if it exists or is written like a path, else None."""
+    p = Path(value).expanduser()
+    p = p if p.is_absolute() else base / p
+    return p if p.exists() or path_like else None
+
+
+def check_inputs(inputs: InputsConfig, data: DataConfig | None, models: ModelsConfig | None,
+                 base: str | Path = ".") -> None:
+    """Each local source is mirrored by its ``inputs`` key, and nothing else is; ``ConfigError`` names both
+    keys and the line to write. ``base``: the directory relative paths start from (the repository root)."""
+    base = Path(base).resolve()
+    pairs = []
+    if data is not None:
+        path_like = data.source.startswith((".", "/", "~")) or Path(data.source).suffix.lower() in LOCAL_DATA_SUFFIXES
+        local = None if data.source == "synthetic" else _looks_local(data.source, path_like, base)
+        pairs.append(("data", "data.source", data.source, local, "subset"))
+    if models is not None:
+        for role in ("teacher", "student"):
+            name = getattr(models, role)
+            path_like = name.startswith((".", "/", "~")) or name.count("/") > 1
+            local = None if name == BUILTIN else _looks_local(name, path_like, base)
+            pairs.append((role, f"models.{role}", name, local, "models"))
+    for key, source_key, source, local, stage in pairs:
+        value = getattr(inputs, key)
+        if local is None:
+            _require(value == INPUT_PLACEHOLDER, f"inputs.{key}",
+                     f"{source_key} is {source!r}, not a local file or directory, so there is nothing for DVC to "
+                     f"hash: set inputs.{key}: {INPUT_PLACEHOLDER} (got {value!r})")
+            continue
+        _require(local.exists(), source_key, f"no such file or directory: {source!r}")
+        mirrored = Path(value) if Path(value).is_absolute() else base / value
+        _require(value != INPUT_PLACEHOLDER and mirrored.resolve() == local.resolve(), f"inputs.{key}",
+                 f"{source_key} is the local path {source!r}, which DVC must hash so that `dvc status` reports the "
+                 f"{stage} stage as changed when it changes: set inputs.{key}: {str(Path(source).expanduser())!r} "
+                 f"(got {value!r})")
 
 
 LOCAL_ENDPOINT = "local"
@@ -419,6 +494,8 @@ class TeacherGenConfig(EndpointConfig):
     """Remove a leading <think>...</think> block from training text (the cache keeps the raw answer)."""
     max_failure_fraction: float = 0.0
     """Fail the stage when more than this fraction of prompts ends without an answer."""
+    retry_failed: bool = False
+    """Ask again the prompts whose failure a rerun cannot change (refused with 400/413/422, empty greedy answer)."""
     server: TeacherServerConfig = field(default_factory=TeacherServerConfig)
     """The bundled server (endpoint 'local' only)."""
 
@@ -548,6 +625,9 @@ class TrainLoopConfig(OptimConfig):
     def __post_init__(self):
         super().__post_init__()
         _require(self.steps > 0, "steps", f"must be > 0, got {self.steps}")
+        _require(self.warmup_steps <= self.steps, "warmup_steps",
+                 f"must be <= steps ({self.steps}), got {self.warmup_steps}: the learning rate would never reach "
+                 "its peak; lower warmup_steps or raise steps")
         _require(self.global_batch_size > 0, "global_batch_size", f"must be > 0, got {self.global_batch_size}")
         _require(0 < self.micro_batch_size <= self.global_batch_size, "micro_batch_size",
                  f"must be in 1..global_batch_size ({self.global_batch_size}), got {self.micro_batch_size}")
@@ -682,6 +762,7 @@ SECTIONS: dict[str, type] = {
     "synthetic": SyntheticConfig,
     "models": ModelsConfig,
     "data": DataConfig,
+    "inputs": InputsConfig,
     "teacher_gen": TeacherGenConfig,
     "ddp": DDPConfig,
     "sft": SFTConfig,
@@ -768,6 +849,7 @@ class Params:
     synthetic: SyntheticConfig | None = None
     models: ModelsConfig | None = None
     data: DataConfig | None = None
+    inputs: InputsConfig | None = None
     teacher_gen: TeacherGenConfig | None = None
     ddp: DDPConfig | None = None
     sft: SFTConfig | None = None
@@ -789,13 +871,17 @@ def read_params_file(path: str | Path = PARAMS_FILE) -> dict:
 
 
 def load_params(path: str | Path = PARAMS_FILE, sections: tuple[str, ...] | None = None) -> Params:
-    """Parse the named sections (all if None) of a params file."""
+    """Parse the named sections (all if None) of a params file. With ``inputs`` among them, the local
+    sources of the ``data``/``models`` sections loaded too are checked against it (``check_inputs``)."""
     raw = read_params_file(path)
     names = tuple(SECTIONS) if sections is None else sections
     for name in names:
         if name not in SECTIONS:
             raise KeyError(f"no params section {name!r}; known: {list(SECTIONS)}")
-    return Params(**{name: parse_section(SECTIONS[name], raw.get(name), name) for name in names})
+    params = Params(**{name: parse_section(SECTIONS[name], raw.get(name), name) for name in names})
+    if params.inputs is not None:
+        check_inputs(params.inputs, params.data, params.models, Path(path).resolve().parent)
+    return params
 
 
 def to_dict(cfg: Any) -> Any:

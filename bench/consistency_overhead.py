@@ -63,7 +63,7 @@ def worker(job: dict) -> dict:
         n = job["micro"] * (job["steps"] + 2)
         data = EncodedData([[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)],
                            [[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)], {})
-        cfg = SFTConfig(steps=job["steps"], global_batch_size=job["micro"] * ctx.world_size,
+        cfg = SFTConfig(steps=job["steps"], warmup_steps=0, global_batch_size=job["micro"] * ctx.world_size,
                         micro_batch_size=job["micro"], precision="auto", max_seq_len=job["seq"])
         geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "bench")
         runs = {}

@@ -87,7 +87,7 @@ def main() -> None:
     completions = [[rng.randrange(10, vocab) for _ in range(b)] for _, b in lengths]
     data = EncodedData(prompts, completions, {})
     for packing in (False, True):
-        cfg = SFTConfig(steps=steps + 2, global_batch_size=micro, micro_batch_size=micro, packing=packing,
+        cfg = SFTConfig(steps=steps + 2, warmup_steps=0, global_batch_size=micro, micro_batch_size=micro, packing=packing,
                         pack_length=max(hi, 2048 if gpu else 512), max_seq_len=hi, max_grad_norm=1.0,
                         precision="auto")
         geometry = BatchGeometry.check(micro, ctx.world_size, micro, "sft")

@@ -2,10 +2,11 @@
 
 from ars_opd.config import load_params
 from ars_opd.models.stage import prepare_models
+from stages import run_stage
 
 
 def main() -> None:
-    p = load_params(sections=("base", "paths", "synthetic", "models"))
+    p = load_params(sections=("base", "paths", "synthetic", "models", "inputs"))
     metrics = prepare_models(p.base, p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics)
     if "teacher_exact_match" in metrics:
         print(f"teacher held-out exact match {metrics['teacher_exact_match']:.1%} "
@@ -13,4 +14,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

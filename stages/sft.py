@@ -2,6 +2,7 @@
 
 from ars_opd.config import load_params
 from ars_opd.training.sft import run_sft
+from stages import run_stage
 
 
 def main() -> None:
@@ -11,4 +12,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

@@ -2,6 +2,7 @@
 
 from ars_opd.config import load_params
 from ars_opd.teacher.generate import generate_teacher_completions
+from stages import run_stage
 
 
 def main() -> None:
@@ -12,4 +13,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

@@ -38,7 +38,7 @@ def _grad_probe(job: dict, ctx) -> dict:
     tok = build_char_word_tokenizer(synthetic.instruction_words())
     model = tiny_model(tok)
     data = EncodedData(job["prompts"], job["completions"], {})
-    cfg = SFTConfig(steps=1, global_batch_size=len(job["prompts"]), micro_batch_size=job["micro"],
+    cfg = SFTConfig(steps=1, warmup_steps=0, global_batch_size=len(job["prompts"]), micro_batch_size=job["micro"],
                     packing=job.get("packing", False), pack_length=job.get("pack_length", 512),
                     max_seq_len=job.get("pack_length", 512))
     geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "sft")
@@ -136,7 +136,7 @@ def _consistency_probe(job: dict, ctx) -> list:
 
     tok = build_char_word_tokenizer(synthetic.instruction_words())
     model = tiny_model(tok)
-    cfg = SFTConfig(steps=job["steps"], global_batch_size=8, micro_batch_size=1)
+    cfg = SFTConfig(steps=job["steps"], warmup_steps=0, global_batch_size=8, micro_batch_size=1)
     task = FixedTask(job["batches"], ctx, tok.pad_token_id, job.get("identical", False))
     ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size, bucket_cap_mb=job.get("bucket_cap_mb", 0.002),
                                          gradient_as_bucket_view=job.get("bucket_view", True)))
@@ -171,7 +171,7 @@ def bitwise_probe(job: dict) -> bool:
         from ars_opd.models.tokenizer import build_char_word_tokenizer
 
         tok = build_char_word_tokenizer(synthetic.instruction_words())
-        cfg = SFTConfig(steps=1, global_batch_size=8, micro_batch_size=1)
+        cfg = SFTConfig(steps=1, warmup_steps=0, global_batch_size=8, micro_batch_size=1)
         grads = []
         for with_hook in (True, False):
             model = tiny_model(tok)

@@ -5,8 +5,9 @@ can check every answer) after ``latency_s``, and ``GET /v1/models``. With ``faul
 deterministic share of prompts (chosen by a hash of the prompt) misbehaves on its first attempt, each
 with one of: 429 with ``Retry-After``, 500, a hang past any sane timeout, a malformed JSON body, an
 empty ``choices`` list, or a dropped connection. ``always_fail_400`` / ``always_fail_500`` make shares of
-prompts fail on every attempt. Every request is logged (prompt, attempt, outcome, time) in memory and,
-optionally, to a JSON Lines file, so tests can count re-requests.
+prompts fail on every attempt, and ``always_empty`` answers a share with no text. Every request is
+logged (prompt, attempt, outcome, time) in memory and, optionally, to a JSON Lines file, so tests can
+count re-requests.
 
 It runs in a background thread of the caller (``FakeEndpoint(...).start()``) or as its own process
 (``python tests/fake_endpoint.py --port 0 --ready-file F --latency 1.0``) for benchmarks, where the
@@ -47,6 +48,7 @@ class FakeEndpoint:
     fault_rate: float = 0.0
     always_fail_400: float = 0.0
     always_fail_500: float = 0.0
+    always_empty: float = 0.0
     retry_after_s: float = 0.2
     hang_s: float = 30.0
     log_path: str | None = None
@@ -115,9 +117,10 @@ class FakeEndpoint:
         if fault == "drop_connection":
             request.transport.close()
             return web.Response()
+        content = "" if _bucket(prompt, "empty") < self.always_empty else expected_answer(prompt)
         choices = [] if fault == "empty_choices" else [{
             "index": 0, "finish_reason": "stop",
-            "message": {"role": "assistant", "content": expected_answer(prompt)},
+            "message": {"role": "assistant", "content": content},
         }]
         return web.json_response({
             "id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()), "model": self.model,

@@ -56,6 +56,11 @@ def test_unknown_section_rejected(tmp_path):
         ("synthetic", {"min_len": 5, "max_len": 4}, "synthetic.max_len", "min_len"),
         ("paths", {"models_dir": "/abs/models"}, "paths.models_dir", "relative"),
         ("base", {"seed": True}, "base.seed", "integer"),
+        ("sft", {"steps": 10, "warmup_steps": 30}, "sft.warmup_steps", "must be <= steps (10)"),
+        ("opd", {"steps": 5, "warmup_steps": 6}, "opd.warmup_steps", "must be <= steps (5)"),
+        ("models", {"teacher_training": {"steps": 50, "warmup_steps": 100}}, "models.teacher_training.warmup_steps",
+         "lower warmup_steps or raise steps"),
+        ("inputs", {"data": "~/alpaca.jsonl"}, "inputs.data", "DVC does not expand"),
     ],
 )
 def test_bad_values_name_key_and_allowed(section, raw, key, fragment):
@@ -111,3 +116,28 @@ def test_cli_params_reports_bad_key(tmp_path, capsys):
     p = _write(tmp_path, "data:\n  subset_sise: 10\n")
     assert main(["params", "--file", str(p)]) == 2
     assert "data.subset_sise" in capsys.readouterr().err
+
+
+def test_warmup_up_to_steps_is_accepted():
+    assert parse_section(SECTIONS["sft"], {"steps": 10, "warmup_steps": 10}, "sft").warmup_steps == 10
+    # steps: 0 skips teacher training altogether, whatever the warmup
+    assert parse_section(ModelsConfig, {"teacher_training": {"steps": 0}}, "models").teacher_training.steps == 0
+
+
+@pytest.mark.parametrize("section, raw, stage, needle", [
+    ("sft", {"steps": 10, "warmup_steps": 30}, "sft", "sft.warmup_steps: must be <= steps (10)"),
+    ("opd", {"loss": "sampled_token", "on_policy_fraction": 0.5}, "opd", "opd.on_policy_fraction: the sampled_token"),
+])
+def test_a_stage_prints_a_params_error_alone_and_exits_2(tmp_path, section, raw, stage, needle):
+    """The message, not a traceback, as argparse does (also for the OPD objective's check, raised later)."""
+    import subprocess
+    import sys
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params[section].update(raw)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith(f"ars-opd {stage}: invalid params: {needle}") and out.stderr.count("\n") == 1

@@ -64,7 +64,8 @@ def test_each_stage_lists_exactly_the_library_modules_it_imports():
 
 
 def test_stage_files_run_nothing_on_import():
-    for entry in sorted((REPO / "stages").glob("*.py")):
+    # stages/__init__.py is the exception by design: it checks the interpreter before any stage imports
+    for entry in sorted(p for p in (REPO / "stages").glob("*.py") if p.name != "__init__.py"):
         tree = ast.parse(entry.read_text())
         for node in tree.body:
             assert isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.If, ast.Expr)), \

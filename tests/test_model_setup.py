@@ -155,3 +155,16 @@ def test_hub_unreachable_is_a_clear_error(tmp_path):
 def test_missing_local_directory():
     with pytest.raises(ModelSourceError, match="does not exist"):
         resolve_pretrained("./no/such/model")
+
+
+def test_weak_teacher_error_names_the_params_that_fix_it(tmp_path):
+    # steps 0: no training at all, so the gate must fail, and the message must say which params to change
+    cfg = _micro_models(teacher_training={"steps": 0, "min_accuracy": 0.5})
+    with pytest.raises(TeacherTooWeakError) as e:
+        prepare_models(BaseConfig(threads=1), cfg, SyntheticConfig(), str(tmp_path / "models"),
+                       str(tmp_path / "m.json"), progress=False)
+    message = str(e.value)
+    assert "after models.teacher_training.steps = 0 steps" in message
+    assert "below models.teacher_training.min_accuracy = 50.0%" in message
+    assert "raise models.teacher_training.steps" in message and "lower models.teacher_training.min_accuracy" in message
+    assert not (tmp_path / "models").exists()

@@ -129,7 +129,7 @@ def test_changed_config_starts_afresh_and_bad_geometry_is_clear(tmp_path):
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_empty_training_data_is_a_clear_error(tmp_path):
-    root = _workspace(tmp_path / "w", {"steps": 2})
+    root = _workspace(tmp_path / "w", {"steps": 2, "warmup_steps": 1})
     (root / "data/teacher/train.jsonl").write_text("")
     proc = _stage(root)
     out, _ = proc.communicate(timeout=600)

@@ -12,7 +12,9 @@ chat ``messages`` (role / content, the last assistant turn is the reference), ``
 ``response``/``completion``/``output``, and ShareGPT ``conversations`` (from / value). Every row becomes
 ``{"id", "messages", "reference", "task", "source_index"}``: ``messages`` is the prompt (everything
 before the reference answer), ``reference`` the dataset's answer or null, ``task`` the synthetic task
-name or null. A prompt-only row is valid (the teacher writes the completion).
+name or null. A prompt-only row is valid, since the teacher writes the completion: an Alpaca row without
+``output`` (or with ``output: null``), a conversation that ends with a user turn, a ``prompt`` without a
+response. An answer that is present but empty is malformed (``empty_response``).
 
 Malformed rows are not fixed up: they are counted by reason, a few examples kept, and the stage fails
 when their fraction of the rows examined exceeds ``data.max_malformed_fraction``. Selection walks a
@@ -34,12 +36,15 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ars_opd.data import synthetic
-from ars_opd.artifacts import atomic_outputs, dumps_canonical, provenance, write_json, write_jsonl
-from ars_opd.config import BaseConfig, DataConfig, PathsConfig, SyntheticConfig, to_dict
+from ars_opd.artifacts import (
+    JsonlLineError, atomic_outputs, dumps_canonical, file_sha256, files_sha256, iter_jsonl, provenance, write_json,
+    write_jsonl,
+)
+from ars_opd.config import LOCAL_DATA_SUFFIXES, BaseConfig, DataConfig, PathsConfig, SyntheticConfig, to_dict
 from ars_opd.seeding import derive_seed
 from ars_opd.data.prompts import alpaca_messages
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+LOCAL_SUFFIXES = LOCAL_DATA_SUFFIXES
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 RESPONSE_KEYS = ("response", "completion", "output")
@@ -62,27 +67,25 @@ class Malformed:
 
 
 def _read_json_file(path: Path) -> list[Any]:
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        data = None  # JSON Lines (possibly with a torn or invalid line), read below
-    if data is not None:
-        if isinstance(data, list):
-            return data
-        if isinstance(data, dict):
+        whole = json.loads(data.decode("utf-8-sig"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        whole = None  # JSON Lines (possibly with a torn or invalid line), read line by line below
+    if whole is not None:
+        if isinstance(whole, list):
+            return whole
+        if isinstance(whole, dict):
             for key in ("data", "rows", "train"):
-                if isinstance(data.get(key), list):
-                    return data[key]
-        raise DataSourceError(f"{path}: expected a JSON list of rows (or JSON Lines), got {type(data).__name__}")
+                if isinstance(whole.get(key), list):
+                    return whole[key]
+        raise DataSourceError(f"{path}: expected a JSON list of rows (or JSON Lines), got {type(whole).__name__}")
     rows: list[Any] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            rows.append(Malformed("invalid_json", f"line {lineno}: {e.msg}: {line[:80]!r}"))
+    for _, value in iter_jsonl(data):  # splits on "\n" only: U+2028 and friends stay inside their row
+        if isinstance(value, JsonlLineError):
+            reason = "invalid_utf8" if value.message.startswith("not valid UTF-8") else "invalid_json"
+            value = Malformed(reason, f"line {value.lineno}: {value.message}: {value.text!r}")
+        rows.append(value)
     return rows
 
 
@@ -226,7 +229,7 @@ def normalise_row(row: Any, fmt: str, system_prompt: str | None = None) -> tuple
     if fmt == "alpaca":
         instruction = _text(row, "instruction")
         inp = _text(row, "input", required=False)
-        reference = _text(row, "output")
+        reference = _text(row, "output", required=False)  # absent or null: a prompt-only row
         if not instruction.strip():
             raise RowError("empty_prompt")
         messages = alpaca_messages(instruction, inp, None)
@@ -304,7 +307,7 @@ def make_subset(cfg: DataConfig, synth: SyntheticConfig, seed: int) -> SubsetRes
         raise DataSourceError(f"data.source {cfg.source!r} has no rows")
     order = list(range(n_total))
     random.Random(seed).shuffle(order)
-    want = cfg.subset_size or n_total
+    want = cfg.subset_size or n_total  # 0: every valid row, so nothing can fall short of the request
 
     selected: list[dict] = []
     seen: set[str] = set()
@@ -353,9 +356,10 @@ def make_subset(cfg: DataConfig, synth: SyntheticConfig, seed: int) -> SubsetRes
         "source": cfg.source,
         "rows_in_source": n_total,
         "rows_examined": examined,
-        "requested": want,
+        "source_sha256": source_sha256(cfg),
+        "requested": cfg.subset_size or None,  # null: data.subset_size 0, every valid row
         "selected": len(selected),
-        "short_of_request": max(0, want - len(selected)),
+        "short_of_request": max(0, cfg.subset_size - len(selected)) if cfg.subset_size else 0,
         "train": len(train_rows),
         "eval": len(eval_rows),
         "malformed": n_malformed,
@@ -370,6 +374,19 @@ def make_subset(cfg: DataConfig, synth: SyntheticConfig, seed: int) -> SubsetRes
         "reference_chars": _length_stats([len(r["reference"]) for r in selected if r["reference"] is not None]),
     }
     return SubsetResult(train=train_rows, eval=eval_rows, stats=stats)
+
+
+def source_sha256(cfg: DataConfig) -> str | None:
+    """sha256 of a local source (a file's bytes; a directory's files, names and bytes); None for synthetic
+    data and hub datasets (those are identified by their id and ``data.hub_revision``)."""
+    if cfg.source == "synthetic":
+        return None
+    path = Path(cfg.source).expanduser()
+    if path.is_file():
+        return file_sha256(path)
+    if path.is_dir():
+        return files_sha256(path, None)[0]
+    return None
 
 
 def write_subset(base: BaseConfig, cfg: DataConfig, synth: SyntheticConfig, paths: PathsConfig) -> dict:

@@ -6,6 +6,14 @@ pins them instead, as a hub id plus the resolved commit hash, or a local directo
 files. ``load_model``/``load_tokenizer`` read the manifest, so later stages load exactly what was pinned.
 Hub access goes through ``huggingface_hub.snapshot_download``: the local cache first, the network only
 when allowed (``HF_HUB_OFFLINE`` unset) and needed; offline and absent is a clear error, not a hang.
+
+Every load checks the pin (``model_path``) and refuses a model whose files changed since the models
+stage ran (``ModelPinError``, which says to run ``dvc repro``): built-in models by their sha256 (a few
+MB), hub models by the snapshot of the pinned commit, local directories by their sha256 with a fast
+path: the manifest also records each file's size and mtime_ns, and the directory is rehashed only when
+one differs. Limits of the fast path: an edit that keeps a file's size and restores its mtime (e.g.
+``touch -r``, or a copy with ``cp -p`` / ``rsync -t`` of same-sized content) passes unseen, as it does for
+make; a directory copied elsewhere with new mtimes is rehashed on every load (correct, slower).
 """
 
 from __future__ import annotations
@@ -18,23 +26,41 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ars_opd.artifacts import files_sha256
+from ars_opd.artifacts import files_sha256, listed_files
 from ars_opd.config import BUILTIN
 
 MANIFEST = "manifest.json"
 ROLES = ("teacher", "student")
 
 
+# the files that make a model: weights, configs, tokenizer files, chat templates and remote code
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".py", ".tiktoken")
+
+
 class ModelSourceError(RuntimeError):
     """A model or tokenizer named in params cannot be found or loaded."""
 
 
-def sha256_of_files(directory: Path, suffixes=(".json", ".safetensors", ".bin", ".model", ".txt", ".jinja")) -> str:
+class ModelPinError(ModelSourceError):
+    """A pinned model's files no longer match the manifest of the models stage."""
+
+
+def sha256_of_files(directory: Path, suffixes=MODEL_FILE_SUFFIXES) -> str:
     """One sha256 over a model directory's relevant files (names and bytes, in sorted order)."""
     digest, n = files_sha256(directory, suffixes)
     if not n:
         raise ModelSourceError(f"{directory} holds no model files ({', '.join(suffixes)})")
     return digest
+
+
+def stat_signature(directory: str | Path) -> dict[str, list[int]]:
+    """{relative name: [size, mtime_ns]} of the files ``sha256_of_files`` hashes: the pin's fast path."""
+    directory = Path(directory)
+    out = {}
+    for p in listed_files(directory, MODEL_FILE_SUFFIXES):
+        st = p.stat()
+        out[str(p.relative_to(directory))] = [st.st_size, st.st_mtime_ns]
+    return out
 
 
 @dataclass(frozen=True)
@@ -45,9 +71,13 @@ class ModelRef:
     name: str  # hub id, local path, or "builtin"
     revision: str | None  # hub commit hash; sha256 of files for builtin and local
     path: str  # directory to load from on this machine
+    files: dict[str, list[int]] | None = None  # local only: stat_signature at pin time (the fast path)
 
     def to_json(self) -> dict:
-        return {"source": self.source, "name": self.name, "revision": self.revision, "path": self.path}
+        out = {"source": self.source, "name": self.name, "revision": self.revision, "path": self.path}
+        if self.files is not None:
+            out["files"] = self.files
+        return out
 
 
 def _hub_offline() -> bool:
@@ -63,7 +93,8 @@ def resolve_pretrained(name: str, revision: str | None = None) -> ModelRef:
     if local.exists():
         if not local.is_dir() or not (local / "config.json").exists():
             raise ModelSourceError(f"{name} exists but is not a model directory (no config.json)")
-        return ModelRef("local", str(local.resolve()), sha256_of_files(local), str(local.resolve()))
+        signature = stat_signature(local)  # before hashing: a change while hashing then fails the fast path
+        return ModelRef("local", str(local.resolve()), sha256_of_files(local), str(local.resolve()), signature)
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise ModelSourceError(f"model directory {name} does not exist")
     from huggingface_hub import snapshot_download
@@ -98,16 +129,59 @@ def read_manifest(models_dir: str | Path) -> dict:
     return json.loads(p.read_text())
 
 
+def _rerun_hint(models_dir: str | Path) -> str:
+    return (f"Run `dvc repro` to pin the model as it is now (the models stage reruns and so does every stage "
+            f"that uses it), or restore the files pinned in {Path(models_dir) / MANIFEST}.")
+
+
+def _changed_files(pinned: dict[str, list[int]], now: dict[str, list[int]]) -> str:
+    added, removed = sorted(set(now) - set(pinned)), sorted(set(pinned) - set(now))
+    changed = sorted(f for f in set(now) & set(pinned) if now[f] != pinned[f])
+    parts = [f"{what} {', '.join(names[:5])}{' …' if len(names) > 5 else ''}"
+             for what, names in (("size or time changed:", changed), ("added:", added), ("removed:", removed))
+             if names]
+    return "; ".join(parts) or "same names, sizes and times"
+
+
+def verify_pin(models_dir: str | Path, role: str, ref: dict) -> str:
+    """The directory of ``role``'s pinned model, after checking its files still match the pin; else
+    ``ModelPinError`` naming what changed and saying to run ``dvc repro``."""
+    if ref["source"] == BUILTIN:
+        path = Path(models_dir) / role
+        if not path.is_dir():
+            raise ModelSourceError(f"{path} is missing: run the models stage (dvc repro models)")
+        digest = sha256_of_files(path)
+        if digest != ref["revision"]:
+            raise ModelPinError(f"the built-in {role} in {path} was changed after the models stage pinned it "
+                                f"(sha256 {ref['revision'][:12]}… pinned, {digest[:12]}… now). {_rerun_hint(models_dir)}")
+        return str(path)
+    if ref["source"] == "hub":
+        path = resolve_pretrained(ref["name"], ref["revision"]).path
+        if Path(path).name != ref["revision"]:
+            raise ModelPinError(f"the {role} {ref['name']} was pinned at commit {ref['revision']}, but the local "
+                                f"Hugging Face cache resolves it to {path}. {_rerun_hint(models_dir)}")
+        return path
+    path = Path(ref["path"])
+    if not (path / "config.json").is_file():
+        raise ModelPinError(f"the {role} model directory {path} pinned by the models stage is gone (no "
+                            f"config.json). {_rerun_hint(models_dir)}")
+    now = stat_signature(path)
+    if ref.get("files") is not None and now == ref["files"]:
+        return str(path)  # fast path: same files, sizes and modification times as when pinned
+    digest = sha256_of_files(path)
+    if digest != ref["revision"]:
+        what = _changed_files(ref["files"], now) if ref.get("files") is not None else "contents differ"
+        raise ModelPinError(f"the {role} model directory {path} changed after the models stage pinned it "
+                            f"(sha256 {ref['revision'][:12]}… pinned, {digest[:12]}… now; {what}). "
+                            f"{_rerun_hint(models_dir)}")
+    return str(path)  # touched but identical (e.g. copied): correct, rehashed on every load until re-pinned
+
+
 def model_path(models_dir: str | Path, role: str) -> str:
-    """Directory to load ``role``'s model from, as pinned by the models stage."""
+    """Directory to load ``role``'s model from, as pinned by the models stage, verified (``verify_pin``)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    ref = read_manifest(models_dir)[role]
-    if ref["source"] == "builtin":
-        return str(Path(models_dir) / role)
-    if ref["source"] == "hub":
-        return resolve_pretrained(ref["name"], ref["revision"]).path
-    return ref["path"]
+    return verify_pin(models_dir, role, read_manifest(models_dir)[role])
 
 
 def load_tokenizer(models_dir: str | Path) -> PreTrainedTokenizerBase:

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ars_opd.artifacts import atomic_outputs, provenance, write_json
-from ars_opd.config import BUILTIN, BaseConfig, ModelsConfig, SyntheticConfig, to_dict
+from ars_opd.config import BUILTIN, BaseConfig, ModelsConfig, SyntheticConfig, TeacherTrainingConfig, to_dict
 from ars_opd.data import synthetic
 from ars_opd.models.builtin import build_causal_lm, count_parameters, exact_match, task_spec, train_builtin_teacher
 from ars_opd.models.pinning import MANIFEST, ModelRef, builtin_ref, embedding_rows, resolve_pretrained, sha256_of_files
@@ -32,6 +32,18 @@ from ars_opd.seeding import derive_seed
 
 class TeacherTooWeakError(RuntimeError):
     """The built-in teacher missed ``models.teacher_training.min_accuracy``."""
+
+
+def weak_teacher_message(accuracy: float, n: int, training: TeacherTrainingConfig) -> str:
+    """Why the gate failed and the two params that fix it, with their current values."""
+    default_steps = TeacherTrainingConfig().steps
+    return (
+        f"the built-in teacher reached {accuracy:.1%} exact match on {n} held-out prompts after "
+        f"models.teacher_training.steps = {training.steps} steps, below models.teacher_training.min_accuracy = "
+        f"{training.min_accuracy:.1%}. Either train it longer: raise models.teacher_training.steps (default "
+        f"{default_steps}); or, if you shortened its training on purpose "
+        "(a quick trial run), lower models.teacher_training.min_accuracy (0 turns the gate off). Nothing was written."
+    )
 
 
 def _build_builtin(out: Path, cfg: ModelsConfig, synth: SyntheticConfig, seed: int, progress: bool) -> dict:
@@ -51,11 +63,8 @@ def _build_builtin(out: Path, cfg: ModelsConfig, synth: SyntheticConfig, seed: i
     student_eval = exact_match(student, tokenizer, eval_rows)
     eval_s = time.perf_counter() - t1
     if teacher_eval["exact_match"] < cfg.teacher_training.min_accuracy:
-        raise TeacherTooWeakError(
-            f"built-in teacher reached {teacher_eval['exact_match']:.1%} held-out exact match, below "
-            f"models.teacher_training.min_accuracy = {cfg.teacher_training.min_accuracy:.1%}; raise "
-            "models.teacher_training.steps or lower the gate"
-        )
+        raise TeacherTooWeakError(weak_teacher_message(teacher_eval["exact_match"], teacher_eval["n"],
+                                                       cfg.teacher_training))
     for role, model in (("teacher", teacher), ("student", student)):
         model.save_pretrained(out / role, safe_serialization=True)
         tokenizer.save_pretrained(out / role)

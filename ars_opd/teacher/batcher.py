@@ -18,11 +18,20 @@ temperature, top_p, max_tokens, seed and stop strings:
 The model's ``generation_config.json`` sampling defaults are ignored: the request's parameters (OpenAI
 defaults: temperature 1, top_p 1) decide the decoding alone. On stop, the running batch ends at its next
 decoding step and requests still in flight are answered with 503.
+
+Preparing a request (JSON decoding, validation, chat template, tokenization) is CPU work proportional
+to its size, so ``prepare`` runs in a small pool of threads, never on the event loop: one huge prompt
+must not stall every other client. Before tokenizing it refuses a prompt longer than
+``max_prompt_chars`` = context length × the longest token in characters × 2: every token covers at most
+that many characters of the text, so a longer prompt cannot fit (the factor 2 leaves room for
+normalizers that merge characters; a tokenizer that deletes most of its input, or whose unknown token
+covers whole words, could still be refused wrongly, with a message naming the bound).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import secrets
@@ -44,12 +53,14 @@ from transformers import (
 
 from ars_opd.data.prompts import encode_prompt
 from ars_opd.lm.batching import pad_left
-from ars_opd.teacher.requests import ChatRequest, RequestError
+from ars_opd.teacher.requests import ChatRequest, RequestError, parse_chat_request
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy: dividing logits by them overflows (as in vLLM)
+CHARS_MARGIN = 2  # see the module docstring: max_prompt_chars
+PREPARE_THREADS = 4  # requests prepared at once: a few huge ones cannot hold up the small ones behind them
 
 
 @dataclass
@@ -192,10 +203,14 @@ class TeacherEngine:
         # the request's parameters, applied by _RowSampler, are the only decoding policy
         self.model.generation_config = GenerationConfig(eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
         self.context_length = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        longest_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = (self.context_length * longest_token * CHARS_MARGIN
+                                 if self.context_length is not None else None)
         self.stats = ServerStats()
         self.stopping = False
         self._pending: asyncio.Queue[_Job] | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._prepare_pool: ThreadPoolExecutor | None = None
         self._batcher: asyncio.Task | None = None
 
     # -- event loop side --------------------------------------------------------------------------------
@@ -203,6 +218,7 @@ class TeacherEngine:
     async def start(self) -> None:
         self._pending = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        self._prepare_pool = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="prepare")
         self._batcher = asyncio.create_task(self._batch_loop(), name="teacher-batcher")
 
     async def stop(self) -> None:
@@ -213,8 +229,30 @@ class TeacherEngine:
         if self._batcher is not None:
             self._batcher.cancel()
             await asyncio.gather(self._batcher, return_exceptions=True)
-        if self._executor is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+        for pool in (self._executor, self._prepare_pool):
+            if pool is not None:
+                await asyncio.get_running_loop().run_in_executor(None, pool.shutdown)
+
+    async def prepare_async(self, body: bytes) -> tuple[ChatRequest, list[int], int]:
+        """``prepare`` in the preparation threads (the event loop stays free)."""
+        if self._prepare_pool is None:
+            raise RequestError(503, "the server is not serving", "unavailable")
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.prepare, body)
+
+    def prepare(self, body: bytes) -> tuple[ChatRequest, list[int], int]:
+        """Raw request body -> (validated request, prompt token ids, max_tokens); ``RequestError`` on a 4xx."""
+        try:
+            decoded = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:  # bad JSON or bad UTF-8
+            raise RequestError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+        chat = parse_chat_request(decoded, self.model_name)
+        chars = sum(len(m["content"]) for m in chat.messages)
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise RequestError(400, f"this model's context is {self.context_length} tokens; the request's messages "
+                                    f"have {chars} characters, more than the {self.max_prompt_chars} that many "
+                                    "tokens can hold with this tokenizer", "context_length_exceeded", "messages")
+        prompt_ids = self.encode(chat.messages)
+        return chat, prompt_ids, self.resolve_max_tokens(chat.max_tokens, len(prompt_ids))
 
     def encode(self, messages: list[dict]) -> list[int]:
         try:

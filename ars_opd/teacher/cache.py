@@ -1,6 +1,8 @@
 """The teacher-answer cache: append-only JSON Lines keyed by sha256, safe across crashes and reruns.
 
-One JSON object per line, ``\\n``-terminated: ``{"key", "request", "response", ...}``. Each answer is
+One JSON object per line, ``\\n``-terminated: ``{"key", "request", "response", ...}``. The same class keeps
+the teacher_gen stage's refusals (``{"key", "request", "failure"}``: requests whose failure a rerun cannot
+change), in a file of their own, so the answer cache holds answers only. Each answer is
 appended and flushed as it arrives, and fsynced at intervals (``fsync_every`` records or
 ``fsync_interval_s`` seconds, and on close), so a crash loses at most the answers since the last fsync
 of an OS crash, and nothing but a torn final line of a process crash. On open, a torn last line (no
@@ -134,11 +136,15 @@ class TeacherCache:
     # -- writing ---------------------------------------------------------------------------------
     def put(self, key: str, request: dict, response: dict, **extra: Any) -> bool:
         """Append one answer; returns False (and writes nothing) if the key is already cached."""
+        return self.append({"key": key, "request": request, "response": response, **extra})
+
+    def append(self, entry: dict) -> bool:
+        """Append one entry (a JSON object with a ``key``); False (nothing written) if the key is present."""
         if self._file is None:
             raise RuntimeError("cache is not open")
+        key = entry["key"]
         if key in self._entries:
             return False
-        entry = {"key": key, "request": request, "response": response, **extra}
         line = (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
         self._file.write(line)
         self._file.flush()

@@ -6,8 +6,10 @@ does not grow with the number of prompts). Each answer goes to the cache the mom
 
 Retries: timeouts, dropped connections, 408/409/425/429 and 5xx, malformed bodies and empty ``choices``
 are retried with exponential backoff and jitter, honouring ``retry-after`` / ``retry-after-ms`` (capped),
-up to ``max_attempts``. 400/401/403/404/422 cannot succeed by retrying and fail at once. Every final
-failure is returned with its reason. 401/403 abort the whole run (the key is wrong for every request),
+up to ``max_attempts``. 400/401/403/404/413/422 cannot succeed by retrying and fail at once. An answer
+with no text (empty or whitespace content) is a failure (``empty_completion``), not an answer: it is never
+cached, so it cannot be served again as if it were one. Every final failure is returned with its reason
+and HTTP status. 401/403 abort the whole run (the key is wrong for every request),
 and so does a run whose first ``abort_after`` results are all failures: a misconfigured endpoint is
 reported in seconds, not after hours.
 
@@ -34,12 +36,15 @@ from tqdm.auto import tqdm
 from ars_opd.config import EndpointConfig
 from ars_opd.teacher.cache import TeacherCache
 
-NON_RETRYABLE_STATUS = {400, 401, 403, 404, 422}
+NON_RETRYABLE_STATUS = {400, 401, 403, 404, 413, 422}
 AUTH_STATUS = {401, 403}
 
 
 class EndpointError(RuntimeError):
-    """The endpoint is unreachable, rejects the key, or fails every request."""
+    """The endpoint is unreachable, rejects the key, or fails every request. ``summary``: what the run got
+    before it stopped (set when requests were sent)."""
+
+    summary: "AskSummary | None" = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class Failure:
     key: str
     reason: str
     attempts: int
+    status: int | None = None  # HTTP status of a final refusal, else None
 
 
 @dataclass
@@ -243,7 +249,7 @@ async def ask_all(
             try:
                 answer = await _ask_once(client, req.body)
             except _Final as e:
-                summary.failures.append(Failure(key, e.reason, attempt))
+                summary.failures.append(Failure(key, e.reason, attempt, e.status))
                 if e.status in AUTH_STATUS:
                     abort.append(EndpointError(f"the teacher endpoint rejected the request ({e.reason}); "
                                                "check the API key variable named by teacher_gen.api_key_env"))
@@ -259,6 +265,10 @@ async def ask_all(
                     wait = max(wait, min(e.wait_s, settings.max_retry_after_s))
                 await asyncio.sleep(wait)
                 continue
+            if not answer["content"].strip():  # not an answer: left out of the cache
+                summary.failures.append(Failure(key, f"empty_completion: finish_reason "
+                                                     f"{answer['finish_reason']!r}", attempt))
+                break
             cache.put(key, req.identity, answer)
             summary.completed += 1
             break
@@ -287,6 +297,7 @@ async def ask_all(
         if own_client:
             await client.close()
     if abort:
+        abort[0].summary = summary
         raise abort[0]
     return summary
 

@@ -15,8 +15,14 @@ Outputs (written only when the failure fraction is within ``teacher_gen.max_fail
 finish_reason, key}`` in subset order, where ``completion`` has a leading ``<think>…</think>`` block
 removed (the raw answer stays in the cache; a split not in ``teacher_gen.splits`` gives an empty file);
 ``failures.jsonl`` rows ``{id, split, key, reason, attempts}``; ``manifest.json`` (config, model,
-revision, versions). Metrics (counts, failures by reason, throughput) go to ``paths.teacher_metrics``. The API key is read from the environment variable named in params, passed to
-the client, and written nowhere.
+revision, versions). Metrics (counts, failures by reason, throughput) go to ``paths.teacher_metrics``.
+
+Failures (``ars_opd.teacher.failures``): every run past its setup writes ``paths.teacher_failure_report``,
+also when it then fails, grouped by reason with what a rerun will and will not change. Requests whose
+failure a rerun cannot change (refused with 400/413/422, an empty answer at temperature 0) are kept in
+``paths.teacher_refusals`` and not asked again unless ``teacher_gen.retry_failed``; empty answers are
+never cached. The API key is read from the environment variable named in params, passed to the client,
+and written nowhere.
 """
 
 from __future__ import annotations
@@ -38,11 +44,13 @@ from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json
 from ars_opd.config import LOCAL_ENDPOINT, PathsConfig, TeacherGenConfig, TeacherServerConfig, to_dict
 from ars_opd.models.pinning import model_path, read_manifest
 from ars_opd.teacher.cache import TeacherCache, cache_key
-from ars_opd.teacher.client import AskSummary, ClientSettings, TeacherRequest, ask_all, count_by_reason
+from ars_opd.teacher.client import AskSummary, ClientSettings, EndpointError, TeacherRequest, ask_all, count_by_reason
+from ars_opd.teacher.failures import deterministic_sampling, describe, group_failures, is_remembered, write_failure_report
 
 LOCAL_MODEL_NAME = "ars-opd-teacher"
 SPLITS = ("train", "eval")
 FAILURES_FILE, MANIFEST_FILE = "failures.jsonl", "manifest.json"
+FAILURE_KEYS = ("id", "split", "key", "reason", "attempts")  # the rows of failures.jsonl
 _THINK = re.compile(r"^\s*<think>.*?</think>\s*", re.DOTALL)
 
 
@@ -123,66 +131,90 @@ def _api_key(cfg: TeacherGenConfig) -> str:
     return key
 
 
-def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, progress: bool = True,
-                                 log_requests: str | None = None) -> dict:
-    """Run the stage; returns its metrics. Raises ``TeacherGenerationError`` above the failure threshold."""
-    split_paths = {"train": paths.subset_train, "eval": paths.subset_eval}  # teacher_gen reads the subset
-    rows = {split: read_jsonl(split_paths[split]) if split in cfg.splits else [] for split in SPLITS}
-    api_key = _api_key(cfg)  # before any work: a missing key is an immediate, clear error
-
-    if cfg.endpoint == LOCAL_ENDPOINT:
-        model, revision = LOCAL_MODEL_NAME, read_manifest(paths.models_dir)["teacher"]["revision"]
-        server = local_teacher_server(model_path(paths.models_dir, "teacher"), cfg.server, log_requests=log_requests)
-    else:
-        model, revision = cfg.model, cfg.model_revision
-        server = contextlib.nullcontext(cfg.endpoint)
-    requests = {split: build_requests(rows[split], cfg, model, revision) for split in SPLITS}
-
-    summary = AskSummary()
-    with TeacherCache(paths.teacher_cache) as cache:
-        if cache.dropped_torn_line:
-            print(f"teacher cache: dropped a torn last line in {paths.teacher_cache} (from an interrupted run)",
-                  file=sys.stderr)
-        all_requests = [r for split in SPLITS for r in requests[split]]
-        if any(r.key not in cache for r in all_requests):
-            with server as base_url:
-                summary = asyncio.run(ask_all(all_requests, cache, ClientSettings(base_url, api_key, cfg),
-                                              progress=progress))
-        else:
-            summary.requested = len({r.key for r in all_requests})
-            summary.already_cached = summary.requested
-        answers = {r.key: cache.get(r.key) for r in all_requests if r.key in cache}
-    failed_keys = {f.key: f for f in summary.failures}
-
+def _join(rows: dict[str, list[dict]], requests: dict[str, list[TeacherRequest]], answers: dict[str, dict],
+          failed: dict[str, dict], strip: bool) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Answers joined to their prompts in subset order, and one failure row per prompt left without one."""
     outputs: dict[str, list[dict]] = {}
     failures: list[dict] = []
     for split in SPLITS:
         outputs[split] = []
         for row, req in zip(rows[split], requests[split]):
             entry = answers.get(req.key)
+            base = {"id": row["id"], "split": split, "key": req.key}
             if entry is None:
-                f = failed_keys.get(req.key)
-                failures.append({"id": row["id"], "split": split, "key": req.key,
-                                 "reason": f.reason if f else "not_asked", "attempts": f.attempts if f else 0})
+                failures.append({**base, **failed.get(req.key, {"reason": "not_asked", "attempts": 0})})
                 continue
             raw = entry["response"]["content"]
-            text = strip_thinking(raw) if cfg.strip_thinking else raw
-            if not text.strip():
-                failures.append({"id": row["id"], "split": split, "key": req.key,
-                                 "reason": "empty_after_think_strip" if raw.strip() else "empty_completion",
-                                 "attempts": 0})
+            text = strip_thinking(raw) if strip else raw
+            if not text.strip():  # an empty answer cached by an older version, or cut inside <think>
+                failures.append({**base, "reason": "empty_after_think_strip" if raw.strip() else "empty_completion",
+                                 "attempts": 0, "from_cache": True})
                 continue
             outputs[split].append({**{k: row[k] for k in ("id", "messages", "reference", "task")},
                                    "completion": text, "finish_reason": entry["response"].get("finish_reason"),
                                    "key": req.key})
+    return outputs, failures
 
+
+def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, progress: bool = True,
+                                 log_requests: str | None = None) -> dict:
+    """Run the stage; returns its metrics. Raises ``TeacherGenerationError`` above the failure threshold.
+
+    Every run past its setup writes ``paths.teacher_failure_report`` (also when it then fails)."""
+    split_paths = {"train": paths.subset_train, "eval": paths.subset_eval}  # teacher_gen reads the subset
+    rows = {split: read_jsonl(split_paths[split]) if split in cfg.splits else [] for split in SPLITS}
+    api_key = _api_key(cfg)  # before any work: a missing key is an immediate, clear error
+
+    if cfg.endpoint == LOCAL_ENDPOINT:
+        # model_path verifies the teacher's files against the pin, so the revision in the keys is the truth
+        model, revision = LOCAL_MODEL_NAME, read_manifest(paths.models_dir)["teacher"]["revision"]
+        server = local_teacher_server(model_path(paths.models_dir, "teacher"), cfg.server, log_requests=log_requests)
+    else:
+        model, revision = cfg.model, cfg.model_revision
+        server = contextlib.nullcontext(cfg.endpoint)
+    requests = {split: build_requests(rows[split], cfg, model, revision) for split in SPLITS}
+    unique = list({r.key: r for split in SPLITS for r in requests[split]}.values())
+    deterministic = deterministic_sampling(cfg.temperature, cfg.seed)
     total = sum(len(rows[s]) for s in SPLITS)
+
+    summary = AskSummary()
+    failed: dict[str, dict] = {}  # key -> {reason, attempts, status?, remembered?}
+    with TeacherCache(paths.teacher_cache) as cache, TeacherCache(paths.teacher_refusals) as refusals:
+        if cache.dropped_torn_line:
+            print(f"teacher cache: dropped a torn last line in {paths.teacher_cache} (from an interrupted run)",
+                  file=sys.stderr)
+        cached_before = sum(r.key in cache for r in unique)
+        missing = [r for r in unique if r.key not in cache]
+        remembered = [] if cfg.retry_failed else [r for r in missing if r.key in refusals]
+        for r in remembered:
+            f = refusals.get(r.key)["failure"]
+            failed[r.key] = {**f, "remembered": True}
+        to_ask = [r for r in missing if r.key not in failed]
+        if to_ask:
+            try:
+                with server as base_url:
+                    summary = asyncio.run(ask_all(to_ask, cache, ClientSettings(base_url, api_key, cfg),
+                                                  progress=progress))
+            except EndpointError as e:  # stopped early: report what it saw, then fail with the cause
+                if e.summary is not None:
+                    _record(e.summary, refusals, {r.key: r for r in to_ask}, failed, deterministic)
+                    _, failures = _join(rows, requests, {r.key: cache.get(r.key) for r in unique if r.key in cache},
+                                        failed, cfg.strip_thinking)
+                    _report(paths, failures, deterministic, total, cfg, stage_failed=True)
+                raise
+        _record(summary, refusals, {r.key: r for r in to_ask}, failed, deterministic)
+        answers = {r.key: cache.get(r.key) for r in unique if r.key in cache}
+    outputs, failures = _join(rows, requests, answers, failed, cfg.strip_thinking)
+
     by_reason = count_by_reason(f["reason"] for f in failures)
+    over = bool(total) and len(failures) / total > cfg.max_failure_fraction
+    description = _report(paths, failures, deterministic, total, cfg, stage_failed=over)
     metrics = {
         "prompts": total,
-        "unique_requests": summary.requested,
-        "cached_before_run": summary.already_cached,
-        "asked": summary.requested - summary.already_cached,
+        "unique_requests": len(unique),
+        "cached_before_run": cached_before,
+        "remembered_failures": len(remembered),
+        "asked": len(to_ask),
         "answered": summary.completed,
         "failed": len(failures),
         "failed_fraction": round(len(failures) / total, 6) if total else 0.0,
@@ -194,19 +226,39 @@ def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, prog
             sum(r["finish_reason"] == "length" for s in outputs.values() for r in s) / max(1, total - len(failures)), 4),
         **{f"{split}_rows": len(outputs[split]) for split in SPLITS},
     }
-    if total and len(failures) / total > cfg.max_failure_fraction:
-        examples = "; ".join(f"{f['id']}: {f['reason']}" for f in failures[:5])
+    if over:
         raise TeacherGenerationError(
-            f"{len(failures)} of {total} prompts have no teacher answer ({len(failures) / total:.1%} > "
-            f"teacher_gen.max_failure_fraction = {cfg.max_failure_fraction:.1%}); by reason {by_reason}; e.g. "
-            f"{examples}. Answers received are cached: rerun to ask only for the missing ones."
+            f"{description}\n{len(failures) / total:.1%} failed > teacher_gen.max_failure_fraction = "
+            f"{cfg.max_failure_fraction:.1%}, so the stage wrote no outputs. Every failure, grouped by reason: "
+            f"{paths.teacher_failure_report}."
         )
+    if failures:
+        print(description, file=sys.stderr)
     with atomic_outputs(paths.teacher_dir, paths.teacher_metrics) as (out_dir, metrics_tmp):
         out_dir.mkdir(parents=True)
         for split in SPLITS:
             write_jsonl(out_dir / Path(paths.completions(split)).name, outputs[split])
-        write_jsonl(out_dir / FAILURES_FILE, failures)
+        write_jsonl(out_dir / FAILURES_FILE, [{k: f[k] for k in FAILURE_KEYS} for f in failures])
         write_json(out_dir / MANIFEST_FILE, {"model": model, "model_revision": revision, "endpoint": cfg.endpoint,
                                              **provenance({"teacher_gen": to_dict(cfg)})})
         write_json(metrics_tmp, metrics)
     return metrics
+
+
+def _record(summary: AskSummary, refusals: TeacherCache, asked: dict[str, TeacherRequest], failed: dict[str, dict],
+            deterministic: bool) -> None:
+    """This run's failures into ``failed``; those a rerun cannot change also into the refusals file."""
+    for f in summary.failures:
+        failed[f.key] = {"reason": f.reason, "attempts": f.attempts, "status": f.status}
+        if is_remembered(f.reason, f.status, deterministic):
+            refusals.append({"key": f.key, "request": asked[f.key].identity,
+                             "failure": {"reason": f.reason, "attempts": f.attempts, "status": f.status}})
+
+
+def _report(paths: PathsConfig, failures: list[dict], deterministic: bool, total: int, cfg: TeacherGenConfig,
+            stage_failed: bool) -> str:
+    groups = group_failures(failures, deterministic)
+    write_failure_report(paths.teacher_failure_report, failures, groups, {
+        "prompts": total, "failed": len(failures), "stage_failed": stage_failed,
+        "max_failure_fraction": cfg.max_failure_fraction, "retry_failed": cfg.retry_failed})
+    return describe(groups, total)

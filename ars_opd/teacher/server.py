@@ -7,6 +7,11 @@ answers. Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /stats`` (batchin
 request's messages go through the directory's chat template (generation prompt appended); requests are
 validated by ``ars_opd.teacher.requests`` and batched by ``ars_opd.teacher.batcher``.
 
+One client cannot stall the others: a body larger than ``body_limit`` (what the longest prompt that fits
+the context can take, JSON-escaped) is answered 413 without being decoded; decoding, validation, chat
+template and tokenization run in threads, off the event loop; a prompt with more characters than the
+context can hold is refused with 400 before it is tokenized (``ars_opd.teacher.batcher``).
+
 What it deliberately leaves out: authentication, TLS, tool/function calls, logprobs, ``n`` > 1,
 penalties and logit bias, response formats, the legacy ``/v1/completions`` endpoint, continuous batching
 (a batch runs until its longest row ends; requests that arrive meanwhile form the next batch) and
@@ -34,10 +39,23 @@ import torch
 from aiohttp import web
 
 from ars_opd.teacher.batcher import DTYPES, TeacherEngine, _Failure, _Job
-from ars_opd.teacher.requests import ChatRequest, RequestError, parse_chat_request
+from ars_opd.teacher.requests import ChatRequest, RequestError
 
 log = logging.getLogger(__name__)
-MAX_REQUEST_BYTES = 64 << 20  # aiohttp's default of 1 MiB is too small for long prompts
+MAX_REQUEST_BYTES = 64 << 20  # the largest body any model gets (aiohttp's default of 1 MiB is too small)
+BYTES_PER_CHAR = 12  # a JSON-escaped character outside the BMP ("\\ud83d\\ude00") takes 12 bytes
+BODY_OVERHEAD = 1 << 20  # room for the other fields and the JSON syntax
+
+
+def body_limit(max_prompt_chars: int | None) -> int:
+    """Largest request body worth reading: bodies beyond it get 413 before they are decoded.
+
+    A prompt of ``max_prompt_chars`` characters, each JSON-escaped in the longest form, plus overhead;
+    capped at ``MAX_REQUEST_BYTES`` (the cap alone when the context length is unknown).
+    """
+    if max_prompt_chars is None:
+        return MAX_REQUEST_BYTES
+    return min(MAX_REQUEST_BYTES, BYTES_PER_CHAR * max_prompt_chars + BODY_OVERHEAD)
 
 
 def _streamable(text: str, stops: Sequence[str]) -> str:
@@ -62,6 +80,7 @@ def _streamable(text: str, stops: Sequence[str]) -> str:
 
 ENGINE_KEY = web.AppKey("engine", TeacherEngine)
 REQUEST_LOG_KEY = web.AppKey("request_log", str)
+BODY_LIMIT_KEY = web.AppKey("body_limit", int)
 
 
 async def _list_models(request: web.Request) -> web.Response:
@@ -84,12 +103,13 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     try:
         try:
-            body = await request.json()
-        except (ValueError, LookupError) as e:  # bad JSON, bad UTF-8, unknown charset
-            raise RequestError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
-        chat = parse_chat_request(body, engine.model_name)
-        prompt_ids = engine.encode(chat.messages)
-        max_tokens = engine.resolve_max_tokens(chat.max_tokens, len(prompt_ids))
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(413, f"the request body is larger than this server's limit of "
+                                    f"{request.app[BODY_LIMIT_KEY]} bytes (derived from the model's context "
+                                    "length)", "request_too_large") from None
+        # decoding, validation, chat template and tokenization run in threads, off the event loop
+        chat, prompt_ids, max_tokens = await engine.prepare_async(body)
         job = engine.submit(chat, prompt_ids, max_tokens)
     except RequestError as e:
         return e.response()
@@ -181,8 +201,10 @@ def create_app(model_dir: str, model_name: str, max_batch_size: int = 64, max_wa
     if threads is not None:
         torch.set_num_threads(threads)
     engine = TeacherEngine(model_dir, model_name, max_batch_size, max_wait_ms, device, dtype)
-    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+    limit = body_limit(engine.max_prompt_chars)
+    app = web.Application(client_max_size=limit)
     app[ENGINE_KEY] = engine
+    app[BODY_LIMIT_KEY] = limit
     if log_requests:
         app[REQUEST_LOG_KEY] = log_requests
 

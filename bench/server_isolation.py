@@ -1,0 +1,107 @@
+"""Does one oversized prompt stall the bundled teacher server for everyone else?
+
+Builds a tiny model directory (the built-in tokenizer, a given context length), starts ``ars-opd serve`` on
+it as its own process, sends one huge prompt, and meanwhile small requests (max_tokens 2): ``--small``
+of them one after another, or all at once with ``--burst``. Prints one JSON line per scenario: the huge
+request's status and seconds, and the small requests' count, median and max latency and failures.
+
+    python bench/server_isolation.py                 # the default scenarios below
+    python bench/server_isolation.py --burst 256     # 256 small requests sent together with each huge one
+
+Scenarios (context tokens, prompt characters): (256, 8M) refused 413 by the body limit; (256, 50k) refused
+400 by the character bound, before tokenizing; (200k, 1.5M) tokenized in a worker thread, then refused 400
+by its token count. Run it on the commit before the server change to see the small requests wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ars_opd.config import ArchConfig  # noqa: E402
+from ars_opd.data import synthetic  # noqa: E402
+from ars_opd.models.builtin import build_causal_lm  # noqa: E402
+from ars_opd.models.tokenizer import build_char_word_tokenizer  # noqa: E402
+
+SCENARIOS = ((256, 8_000_000), (256, 50_000), (200_000, 1_500_000))
+
+
+def start_server(context: int, tmp: Path) -> tuple[subprocess.Popen, str]:
+    tok = build_char_word_tokenizer(synthetic.instruction_words())
+    model_dir = tmp / f"ctx{context}"
+    build_causal_lm(ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32,
+                               max_position_embeddings=context), tok, seed=0).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    ready = tmp / f"ready{context}.json"
+    proc = subprocess.Popen([sys.executable, "-m", "ars_opd.teacher.server", str(model_dir), "--model-name", "m",
+                             "--ready-file", str(ready), "--threads", "1", "--max-wait-ms", "1"],
+                            cwd=Path(__file__).resolve().parents[1], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    return proc, f"http://{info['host']}:{info['port']}/v1/chat/completions"
+
+
+async def post(session: aiohttp.ClientSession, url: str, content: str) -> tuple[int | str, float]:
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 2, "temperature": 0}
+    t0 = time.perf_counter()
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=300)) as r:
+            await r.read()
+            return r.status, time.perf_counter() - t0
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return type(e).__name__, time.perf_counter() - t0
+
+
+async def scenario(url: str, chars: int, small: int, burst: int) -> dict:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        baseline = [(await post(s, url, "hi"))[1] for _ in range(5)]
+        huge = asyncio.create_task(post(s, url, "abc def ghi " * (chars // 12)))
+        if burst:
+            results = await asyncio.gather(*(post(s, url, "hi") for _ in range(burst)))
+        else:
+            results = []
+            await asyncio.sleep(0.05)
+            while not huge.done() and len(results) < small:
+                results.append(await post(s, url, "hi"))
+                await asyncio.sleep(0.02)
+        status, huge_s = await huge
+    lat = [t for code, t in results if code == 200]
+    return {"huge_status": status, "huge_s": round(huge_s, 3), "small_n": len(results),
+            "small_failed": sum(code != 200 for code, _ in results),
+            "small_p50_s": round(statistics.median(lat), 4) if lat else None,
+            "small_max_s": round(max(lat), 4) if lat else None, "baseline_p50_s": round(statistics.median(baseline), 4)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", type=int, default=1000, help="most sequential small requests per scenario")
+    p.add_argument("--burst", type=int, default=0, help="send this many small requests at once instead")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for context, chars in SCENARIOS:
+            proc, url = start_server(context, Path(tmp))
+            try:
+                result = asyncio.run(scenario(url, chars, args.small, args.burst))
+            finally:
+                proc.terminate()
+                proc.wait(30)
+            print(json.dumps({"context": context, "prompt_chars": chars, "burst": args.burst, **result}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

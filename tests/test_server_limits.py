@@ -1,0 +1,121 @@
+"""One oversized request must not stall the bundled server: 413 above the body limit, 400 before tokenizing a
+prompt the context cannot hold, and the CPU work of a huge prompt off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from ars_opd.config import ArchConfig
+from ars_opd.models.builtin import build_causal_lm
+from ars_opd.teacher import server as teacher_server
+from ars_opd.teacher.batcher import CHARS_MARGIN
+from test_teacher_server import _ServerThread
+
+MODEL = "tiny"
+
+
+def _model_dir(tmp_path_factory, tokenizer, context: int):
+    d = tmp_path_factory.mktemp(f"ctx{context}")
+    build_causal_lm(ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32,
+                               max_position_embeddings=context), tokenizer, seed=0).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def small_context(tmp_path_factory, char_tokenizer):
+    srv = _ServerThread(teacher_server.create_app(str(_model_dir(tmp_path_factory, char_tokenizer, 256)), MODEL,
+                                                  max_wait_ms=1))
+    yield srv
+    srv.close()
+
+
+def _body(content: str, **kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2, "temperature": 0,
+            **kw}
+
+
+async def _post(session, url: str, body) -> tuple[int, dict, float]:
+    t0 = time.perf_counter()
+    data = body if isinstance(body, bytes) else json.dumps(body)
+    async with session.post(f"{url}/v1/chat/completions", data=data,
+                            headers={"Content-Type": "application/json"}) as r:
+        return r.status, await r.json(), time.perf_counter() - t0
+
+
+def _post_one(url: str, body) -> tuple[int, dict, float]:
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await _post(s, url, body)
+    return asyncio.run(go())
+
+
+def test_the_bounds_follow_the_context_and_the_tokenizer(small_context, char_tokenizer):
+    engine = small_context.app[teacher_server.ENGINE_KEY]
+    longest = max(len(t) for t in char_tokenizer.get_vocab())
+    assert engine.max_prompt_chars == 256 * longest * CHARS_MARGIN
+    assert small_context.app[teacher_server.BODY_LIMIT_KEY] == teacher_server.body_limit(engine.max_prompt_chars) \
+        == teacher_server.BYTES_PER_CHAR * engine.max_prompt_chars + teacher_server.BODY_OVERHEAD
+    # the premise of the bound: no token covers more than `longest` characters of the text (vocabulary words,
+    # letters, spaces and characters the tokenizer does not know, in random order)
+    import random
+
+    rng = random.Random(0)
+    pieces = list(char_tokenizer.get_vocab()) + [" ", "\u2028", "é", "漢", "🙂", "  "]
+    for _ in range(20):
+        text = "".join(rng.choice(pieces) for _ in range(400))
+        assert len(char_tokenizer(text, add_special_tokens=False)["input_ids"]) * longest >= len(text)
+
+
+def test_a_body_over_the_limit_gets_413_without_being_decoded(small_context):
+    limit = small_context.app[teacher_server.BODY_LIMIT_KEY]
+    status, out, _ = _post_one(small_context.url, json.dumps(_body("a" * limit)).encode())
+    assert status == 413 and out["error"]["code"] == "request_too_large" and str(limit) in out["error"]["message"]
+
+
+def test_a_prompt_the_context_cannot_hold_is_refused_before_tokenizing(small_context, monkeypatch):
+    engine = small_context.app[teacher_server.ENGINE_KEY]
+    encoded = []
+    real = engine.encode
+    monkeypatch.setattr(engine, "encode", lambda messages: encoded.append(1) or real(messages))
+    status, out, _ = _post_one(small_context.url, _body("b" * (engine.max_prompt_chars + 1)))
+    assert status == 400 and out["error"]["code"] == "context_length_exceeded" and encoded == []
+    assert f"have {engine.max_prompt_chars + 1} characters" in out["error"]["message"]
+    # at the bound it is tokenized, and refused by its real token count
+    status, out, _ = _post_one(small_context.url, _body("b" * engine.max_prompt_chars))
+    assert status == 400 and encoded == [1] and "prompt tokens" in out["error"]["message"]
+    status, out, _ = _post_one(small_context.url, _body("hi"))
+    assert status == 200 and encoded == [1, 1]
+
+
+@pytest.mark.slow
+def test_small_requests_stay_fast_while_a_huge_prompt_is_tokenized(tmp_path_factory, char_tokenizer):
+    """A context of 200k tokens admits a 1.5M-character prompt to tokenization (seconds of CPU); meanwhile
+    small requests are served as usual. Before tokenization left the event loop, each waited for all of it."""
+    srv = _ServerThread(teacher_server.create_app(str(_model_dir(tmp_path_factory, char_tokenizer, 200_000)), MODEL,
+                                                  max_wait_ms=1))
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                baseline = [(await _post(s, srv.url, _body("hi")))[2] for _ in range(5)]
+                huge = asyncio.create_task(_post(s, srv.url, _body("abc def ghi " * 125_000)))
+                await asyncio.sleep(0.2)  # let the huge one reach its tokenizer
+                small = []
+                while not huge.done():
+                    status, _, seconds = await _post(s, srv.url, _body("hi"))
+                    assert status == 200
+                    small.append(seconds)
+                    await asyncio.sleep(0.02)
+                return baseline, await huge, small
+        baseline, (status, out, huge_s), small = asyncio.run(go())
+    finally:
+        srv.close()
+    assert status == 400 and "prompt tokens" in out["error"]["message"]  # tokenized, then refused
+    assert huge_s > 1.0 and len(small) >= 5, (huge_s, small)  # the small requests really overlapped it
+    # a slow shared machine gets generous margin; blocked, each would have waited the whole huge_s
+    assert max(small) < min(1.5, huge_s / 2), (max(small), huge_s, sorted(baseline))
