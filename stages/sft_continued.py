@@ -3,6 +3,7 @@ ars_opd.training.sft)."""
 
 from ars_opd.config import load_params
 from ars_opd.training.sft import run_sft_continued
+from stages import run_stage
 
 
 def main() -> None:
@@ -12,4 +13,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)
