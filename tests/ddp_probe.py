@@ -229,7 +229,7 @@ def fault_probe(job: dict) -> dict:
         from ars_opd.training.faults import Fault
 
         tok = build_char_word_tokenizer(synthetic.instruction_words())
-        cfg = SFTConfig(steps=1, global_batch_size=8, micro_batch_size=1)
+        cfg = SFTConfig(steps=1, warmup_steps=0, global_batch_size=8, micro_batch_size=1)
         out = {}
         for mode in ("healthy", "fault"):
             model = tiny_model(tok)
@@ -296,7 +296,7 @@ def noise_scale_probe(job: dict) -> dict:
 
         tok = build_char_word_tokenizer(synthetic.instruction_words())
         model = tiny_model(tok)
-        cfg = SFTConfig(steps=1, global_batch_size=8, micro_batch_size=1)
+        cfg = SFTConfig(steps=1, warmup_steps=0, global_batch_size=8, micro_batch_size=1)
         task = FixedTask(job["batches"], ctx, tok.pad_token_id, False)
         per_seq, counts = [], []
         for b in task.micro:  # one sequence at a time: its summed token-loss gradient

@@ -88,8 +88,10 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
             tokenizer.save_pretrained(Path(out.model))
             write_budget(out.model, totals)
             snapshots = snapshot_dir(Path(out.checkpoints), fingerprint)
+            kept = Path(out.model) / SNAPSHOTS
+            shutil.rmtree(kept, ignore_errors=True)  # a previous run's snapshots (outside dvc) are not this run's
             if job.cfg.snapshot_every and snapshots.is_dir():
-                shutil.copytree(snapshots, Path(out.model) / SNAPSHOTS)
+                shutil.copytree(snapshots, kept)
             write_json(out.manifest, {
                 "data": run.data_counts, "workers": ctx.world_size, "geometry": dataclasses.asdict(geometry),
                 "resumed_from": state.resumed_from, "steps": state.step, "inputs": run.fingerprint, **run.manifest,
