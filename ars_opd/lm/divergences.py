@@ -20,13 +20,19 @@ temporaries. One backward pass only (no ``retain_graph``). The teacher gets no g
 the student sampled: per-token advantage A_t = log p_T(y_t) − log p_S(y_t) (detached) and the
 policy-gradient loss −Σ A_t·log p_S(y_t), whose gradient is that of the reverse KL in expectation.
 
-All functions are pure: inputs and outputs are tensors, no I/O, no globals. What this leaves out: fusing
-with the LM head (logits are taken as given), top-k/sparse teacher distributions.
+The pipeline computes both from the last hidden states instead of from logits: ``divergence_terms`` and
+``sampled_token_terms`` are the same per-row values and logit gradients as ``RowTerms`` for
+``ars_opd.lm.head.chunked_head_loss``, which forms one chunk of logits at a time; the logits forms above stay
+as the tested reference.
+
+All functions are pure: inputs and outputs are tensors, no I/O, no globals. What this leaves out: top-k/sparse
+teacher distributions.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -175,3 +181,46 @@ def sampled_token_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Ten
     advantage = (teacher_logprobs[rows].float() - logq).detach()
     loss_sum = -(advantage * logq).sum()
     return loss_sum, (-advantage).sum(), int(rows[0].numel())
+
+
+def divergence_terms(teacher_rows: Callable[[int, int], torch.Tensor], beta: float = 1.0,
+                     temperature: float = 1.0) -> Callable:
+    """``RowTerms`` of the divergence of ``token_divergence``: per-row D and ∂D/∂z_S for student logits z (c, V).
+
+    teacher_rows(start, end) gives the teacher's logits (c, V) for the same rows (fp32, no grad).
+    """
+    if not 0.0 <= beta <= 1.0 or math.isnan(beta):
+        raise DivergenceInputError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
+    if not temperature > 0:
+        raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
+
+    def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        zt = teacher_rows(start, end)
+        if zt.shape != z.shape:
+            raise DivergenceInputError(f"student logits {tuple(z.shape)} and teacher logits {tuple(zt.shape)} "
+                                       "differ; restrict both heads to the shared vocabulary")
+        return _chunk_terms(z, zt, float(beta), float(temperature), need_grad)
+
+    return terms
+
+
+def sampled_token_terms(teacher_logprobs: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> Callable:
+    """``RowTerms`` of the sampled-token estimator for rows with targets ``tokens`` (M,) and log p_T (M,) at τ.
+
+    Each row's value is the reverse-KL estimate log q(y) − log p_T(y); its gradient is that of the surrogate
+    −A·log q(y) with A = log p_T(y) − log q(y) detached, i.e. A·(q − onehot(y))/τ (as ``sampled_token_loss``).
+    """
+    if not temperature > 0:
+        raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
+
+    def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        y = tokens[start:end, None]  # (c, 1)
+        log_q = torch.log_softmax(z / temperature, -1)  # (c, V)
+        logq_y = log_q.gather(-1, y).squeeze(-1)
+        advantage = teacher_logprobs[start:end].float() - logq_y  # (c,); no autograd runs here, so it is detached
+        if not need_grad:
+            return -advantage, None
+        grad = log_q.exp_().scatter_add_(-1, y, torch.full_like(y, -1.0, dtype=log_q.dtype))  # q − onehot(y)
+        return -advantage, grad.mul_((advantage / temperature)[:, None])
+
+    return terms
