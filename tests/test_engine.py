@@ -98,7 +98,10 @@ def _packed_vs_alone(tokenizer, implementation: str, seed: int = 2):
     assert packed["input_ids"].shape[0] < 5 and "attention_mask" not in packed  # several sequences share a row
     with torch.no_grad():
         alone = [model(input_ids=torch.tensor([p + c])).logits[0] for p, c in zip(prompts, completions)]
-        assert use_packed_attention(model, implementation)
+        if implementation == "flex":  # FlexAttention runs forward-only on CPU: set directly, as on CUDA
+            model.set_attn_implementation("flex_attention")
+        else:
+            assert use_packed_attention(model, implementation)
         out = model(**packed_model_inputs(packed), use_cache=False).logits
     err, r, t = 0.0, 0, 0
     for (p, c), ref in zip(zip(prompts, completions), alone):
@@ -151,6 +154,16 @@ def test_packed_attention_builds_no_mask(char_tokenizer, monkeypatch):
 def test_packed_logits_equal_per_sequence_logits_with_flex_attention(char_tokenizer):
     err, *_ = _packed_vs_alone(char_tokenizer, "flex")  # FlexAttention compiles on CPU: tens of seconds
     assert err < 1e-5
+
+
+def test_packed_attention_choice():
+    from ars_opd.lm.attention import VARLEN_SDPA, packed_attention_implementation
+
+    assert packed_attention_implementation("auto", "cpu") == VARLEN_SDPA
+    with pytest.raises(ValueError, match="flex trains on CUDA only"):
+        packed_attention_implementation("flex", "cpu")
+    with pytest.raises(ValueError, match="flash needs CUDA"):
+        packed_attention_implementation("flash", "cpu")
 
 
 def test_pack_sequences_boundaries(char_tokenizer):

@@ -7,8 +7,8 @@ may attend to the earlier tokens of its own sequence only. Three ways to compute
 - ``flash``: flash-attention's varlen kernel (``flash_attention_2``) where the ``flash_attn`` package is
   installed (CUDA): transformers passes ``cu_seq_lens_q/k`` and ``max_length_q/k`` straight to it;
 - ``flex``: torch FlexAttention with a document mask (``flex_attention``): transformers derives the
-  sequences from the position ids and builds a block-sparse ``BlockMask`` (compiled; on CPU it needs a C++
-  toolchain and takes seconds to compile, so ``auto`` picks it on CUDA only);
+  sequences from the position ids and builds a block-sparse ``BlockMask`` (compiled; CUDA only for training:
+  FlexAttention has no backward on CPU);
 - ``sdpa``: ``scaled_dot_product_attention`` once per sequence, causal, registered with transformers'
   attention interface as ``ars_varlen_sdpa`` so transformers builds no mask at all for it.
 
@@ -80,6 +80,9 @@ def packed_attention_implementation(preference: str, device: torch.device | str)
         raise ValueError(f"packed attention must be auto, flash, flex or sdpa, got {preference!r}")
     if preference == "flash" and not (cuda and has_flash):
         raise ValueError("sft.packed_attention: flash needs CUDA and the flash_attn package; use flex or sdpa")
+    if preference == "flex" and not cuda:
+        raise ValueError("sft.packed_attention: flex trains on CUDA only (FlexAttention has no backward on CPU); "
+                         "use sdpa or auto")
     if preference == "sdpa":
         _register()
     return _IMPLEMENTATIONS[preference]

@@ -6,8 +6,11 @@ Budgets (``sft.max_prompt_tokens``, ``max_completion_tokens``, ``max_seq_len``):
 drops the row (a cut prompt is a different task), a long completion is truncated, and a row left with no
 room for any completion token is dropped; all are counted in the stage manifest, never silent.
 
-Batches are right-padded, or with ``packing: true`` padding-free (``ars_opd.lm.batching.pack_sequences``:
-tested to give the same logits as unpacked rows).
+Batches are right-padded, or with ``packing: true`` padding-free (``ars_opd.lm.batching.pack_sequences``,
+attended by ``ars_opd.lm.attention``'s varlen implementations without an (L × L) mask: tested to give the
+same logits as unpacked rows). The loss is taken from the student's last hidden states through its output
+head one chunk of positions at a time (``ars_opd.lm.losses.causal_lm_loss_from_hidden``), over the
+tokenizer's ids only (embedding rows beyond it are padding).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import torch
 from ars_opd.artifacts import file_sha256, read_jsonl
 from ars_opd.config import DDPConfig, PathsConfig, SFTConfig
 from ars_opd.data.prompts import encode_completions, encode_prompts
+from ars_opd.lm.attention import packed_model_inputs, use_packed_attention
 from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels
-from ars_opd.lm.losses import causal_lm_token_loss_sum
+from ars_opd.lm.head import OutputHead, last_hidden_states
+from ars_opd.lm.losses import causal_lm_loss_from_hidden
 from ars_opd.models.pinning import load_model, read_manifest
 from ars_opd.training.geometry import BatchGeometry, step_indices
 from ars_opd.training.loop import MicroBatch
@@ -62,9 +67,10 @@ class SFTTask:
     """Micro-batches of teacher completions for one worker; loss = summed token cross-entropy."""
 
     def __init__(self, data: EncodedData, cfg: SFTConfig, geometry: BatchGeometry, sampler_seed: int,
-                 rank: int, device: torch.device, pad_id: int):
+                 rank: int, device: torch.device, pad_id: int, vocab: int | None = None):
         self.data, self.cfg, self.geometry = data, cfg, geometry
         self.sampler_seed, self.rank, self.device, self.pad_id = sampler_seed, rank, device, pad_id
+        self.vocab = vocab  # scored ids 0..vocab-1 (None: every output row)
 
     def metric_names(self) -> list[str]:
         return ["padding_fraction"]
@@ -87,11 +93,13 @@ class SFTTask:
 
     def loss_sum(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, dict]:
         t = batch.tensors
-        kwargs = {"input_ids": t["input_ids"], "attention_mask": t["attention_mask"]}
-        if "position_ids" in t:
-            kwargs["position_ids"] = t["position_ids"]
-        logits = model(**kwargs).logits  # (B, T, V)
-        loss_sum, _ = causal_lm_token_loss_sum(logits, t["labels"])
+        if "cu_seq_lens" in t:  # packed: the model's attention is one of ars_opd.lm.attention's (prepare_sft)
+            kwargs = packed_model_inputs(t)
+        else:
+            kwargs = {"input_ids": t["input_ids"], "attention_mask": t["attention_mask"]}
+        hidden = last_hidden_states(model, **kwargs)  # (B, T, H)
+        loss_sum, _ = causal_lm_loss_from_hidden(hidden, OutputHead.of(model, self.vocab), t["labels"],
+                                                 self.cfg.chunk_size)
         total = t["input_ids"].numel()
         return loss_sum, {"padding_fraction": (float(total - batch.n_real_tokens), float(total))}
 
@@ -103,11 +111,14 @@ def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     if not data.prompts:
         raise ValueError(f"no SFT rows left after the budgets: {data.counts}")
     model = load_model(job.paths.models_dir, "student").to(setup.ctx.device)
+    manifest = {}
+    if job.cfg.packing:
+        manifest["packed_attention"] = use_packed_attention(model, job.cfg.packed_attention)
     task = SFTTask(data, job.cfg, setup.geometry, setup.sampler_seed, setup.ctx.rank, setup.ctx.device,
-                   setup.tokenizer.pad_token_id)
+                   setup.tokenizer.pad_token_id, vocab=len(setup.tokenizer))
     fingerprint = {"init": read_manifest(job.paths.models_dir)["student"]["revision"], "rows": len(rows),
                    "data": file_sha256(train_path)}
-    return PreparedRun(model, task, fingerprint, data.counts)
+    return PreparedRun(model, task, fingerprint, data.counts, manifest=manifest)
 
 
 def sft_worker(job: TrainingJob) -> dict:
