@@ -501,8 +501,7 @@ class SFTConfig(TrainLoopConfig):
     pack_length: int = 512
     """Tokens per packed row."""
     packed_attention: Literal["auto", "flash", "flex", "sdpa"] = "auto"
-    """Attention of packed rows, never a dense (L x L) mask: flash-attention varlen, FlexAttention with a document
-    mask, or SDPA per sequence; auto: flash where installed (CUDA), else flex on CUDA, else per-sequence SDPA."""
+    """Packed rows' attention (no L x L mask): flash varlen, flex (CUDA), sdpa per sequence; auto: best available."""
     chunk_size: int = 256
     """Positions per chunk of the cross-entropy from hidden states (bounds its (chunk x vocabulary) fp32 memory)."""
 
@@ -529,7 +528,7 @@ class OPDConfig(TrainLoopConfig):
     temperature: float = 1.0
     """Temperature of both distributions in the divergence."""
     chunk_size: int = 256
-    """Positions per chunk of the loss from hidden states, student and teacher (bounds its (chunk x vocabulary) memory)."""
+    """Positions per chunk of the losses from hidden states, student and teacher (bounds their fp32 memory)."""
     sample_temperature: float = 1.0
     """Rollout sampling temperature (0 = greedy)."""
     top_p: float = 1.0
@@ -541,7 +540,7 @@ class OPDConfig(TrainLoopConfig):
     max_prompt_tokens: int = 256
     """Prompts longer than this are dropped (counted)."""
     rollout_cache: Literal["dynamic", "static"] = "dynamic"
-    """Rollout KV cache: dynamic (transformers' generate) or static (preallocated; our decode loop, compiled on CUDA)."""
+    """Rollout KV cache: dynamic (transformers' generate) or static (preallocated, our loop, compiled on CUDA)."""
     teacher_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Weights of the frozen teacher; auto: bf16 on CUDA, fp32 on CPU."""
 

@@ -202,3 +202,26 @@ def test_heads_that_transform_logits_are_refused():
         OutputHead.of(model)
     with pytest.raises(ValueError, match="fewer than"):
         OutputHead.of(_model(rows=V), V + 1)
+
+
+def test_bf16_teacher_scores_a_fp32_student():
+    """The frozen teacher in bf16 (the CUDA default): its chunked logits feed the fp32 student's loss as the
+    logits path's bf16 teacher logits do."""
+    from ars_opd.lm.precision import frozen_model_dtype
+    from ars_opd.training.opd import LocalTeacher
+
+    assert frozen_model_dtype("auto", "cpu") == torch.float32 and frozen_model_dtype("auto", "cuda") == torch.bfloat16
+    assert frozen_model_dtype("bf16", "cpu") == torch.bfloat16 and frozen_model_dtype("fp32", "cuda") == torch.float32
+    ids, attn, _, mask, targets = _batch(seed=6)
+    teacher = _model("qwen3", True, seed=8, hidden=48, dtype=torch.bfloat16)
+    student = _model("llama", True, seed=9)
+    t = {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "targets": targets}
+    objective = get_objective("full_vocab")
+    scores = LocalTeacher(teacher, V, chunk_size=4).score(t, objective, 1.0)
+    hidden = select_rows(last_hidden_states(student, ids, attn), mask)
+    value, _ = objective.loss(hidden, OutputHead.of(student, V), scores, targets[mask], 0.5, 1.0, 4)
+    with torch.no_grad():
+        t_logits = teacher(input_ids=ids, attention_mask=attn).logits[..., :V]  # bf16
+        ref, _ = token_divergence(student(input_ids=ids, attention_mask=attn).logits[..., :V], t_logits, mask, 0.5)
+    assert abs(value.item() - ref.item()) < 1e-4 * abs(ref.item())
+    assert scores.logits.hidden.dtype == torch.bfloat16 and torch.isfinite(scores.target_logprobs()).all()

@@ -71,7 +71,8 @@ def causal_lm_loss_from_hidden(hidden: torch.Tensor, head: OutputHead, labels: t
     n_tokens). A batch without any label gives a zero loss that still reaches the graph.
     """
     if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
-        raise ValueError(f"expected hidden (B, T, H) and labels (B, T), got {tuple(hidden.shape)}, {tuple(labels.shape)}")
+        raise ValueError(f"expected hidden (B, T, H) and labels (B, T), got {tuple(hidden.shape)}, "
+                         f"{tuple(labels.shape)}")
     mask, targets = shifted_targets(labels)
     if targets.numel() == 0:  # zero, yet every parameter stays in the graph (DDP expects each one's gradient)
         return hidden.sum() * 0.0 + head.weight.sum() * 0.0, 0
