@@ -166,6 +166,14 @@ def test_packed_attention_choice():
         packed_attention_implementation("flash", "cpu")
 
 
+def test_sft_refuses_packed_attention_it_cannot_train_with_before_starting_workers():
+    from ars_opd.config import DDPConfig, PathsConfig
+    from ars_opd.training.sft import run_sft
+
+    with pytest.raises(ValueError, match="sft.packed_attention: flex trains on CUDA only"):
+        run_sft(SFTConfig(packing=True, packed_attention="flex"), DDPConfig(device="cpu"), PathsConfig(), seed=0)
+
+
 def test_pack_sequences_boundaries(char_tokenizer):
     packed = pack_sequences([[5, 6], [7], [8, 9, 10]], [[11], [12, 13], [14]], pack_length=6, pad_id=0)
     assert packed["input_ids"].tolist() == [[5, 6, 11, 7, 12, 13], [8, 9, 10, 14, 0, 0]]

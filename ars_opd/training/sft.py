@@ -22,11 +22,12 @@ import torch
 from ars_opd.artifacts import file_sha256, read_jsonl
 from ars_opd.config import DDPConfig, PathsConfig, SFTConfig
 from ars_opd.data.prompts import encode_completions, encode_prompts
-from ars_opd.lm.attention import packed_model_inputs, use_packed_attention
+from ars_opd.lm.attention import packed_attention_implementation, packed_model_inputs, use_packed_attention
 from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels
 from ars_opd.lm.head import OutputHead, last_hidden_states
 from ars_opd.lm.losses import causal_lm_loss_from_hidden
 from ars_opd.models.pinning import load_model, read_manifest
+from ars_opd.training.distributed import resolve_device
 from ars_opd.training.geometry import BatchGeometry, step_indices
 from ars_opd.training.loop import MicroBatch
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker
@@ -127,4 +128,6 @@ def sft_worker(job: TrainingJob) -> dict:
 
 def run_sft(cfg: SFTConfig, ddp: DDPConfig, paths: PathsConfig, seed: int, progress: bool = True) -> dict:
     """The sft stage: start the workers, train, write outputs. Returns rank 0's summary."""
+    if cfg.packing:  # before any worker starts: a packed attention this machine cannot train with is a config error
+        packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
     return launch_stage(sft_worker, TrainingJob("sft", cfg, ddp, paths, seed, progress=progress))
