@@ -651,6 +651,10 @@ class SFTConfig(TrainLoopConfig):
     """Padding-free packing: concatenate sequences into rows of pack_length, positions reset, no cross-attention."""
     pack_length: int = 512
     """Tokens per packed row."""
+    packed_attention: Literal["auto", "flash", "flex", "sdpa"] = "auto"
+    """Packed rows' attention (no L x L mask): flash varlen, flex (CUDA), sdpa per sequence; auto: best available."""
+    chunk_size: int = 256
+    """Positions per chunk of the cross-entropy from hidden states (bounds its (chunk x vocabulary) fp32 memory)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -660,6 +664,7 @@ class SFTConfig(TrainLoopConfig):
         _require(self.max_seq_len > 1, "max_seq_len", f"must be > 1, got {self.max_seq_len}")
         _require(self.pack_length >= self.max_seq_len or not self.packing, "pack_length",
                  f"must be >= max_seq_len ({self.max_seq_len}) so every sequence fits a packed row")
+        _require(self.chunk_size > 0, "chunk_size", f"must be > 0, got {self.chunk_size}")
 
 
 @dataclass(frozen=True)
@@ -674,7 +679,7 @@ class OPDConfig(TrainLoopConfig):
     temperature: float = 1.0
     """Temperature of both distributions in the divergence."""
     chunk_size: int = 256
-    """Positions per chunk of the full-vocabulary divergence (bounds its fp32 memory)."""
+    """Positions per chunk of the losses from hidden states, student and teacher (bounds their fp32 memory)."""
     sample_temperature: float = 1.0
     """Rollout sampling temperature (0 = greedy)."""
     top_p: float = 1.0
@@ -685,6 +690,10 @@ class OPDConfig(TrainLoopConfig):
     """GKD λ: probability that a step uses student rollouts (else the teacher's cached completions)."""
     max_prompt_tokens: int = 256
     """Prompts longer than this are dropped (counted)."""
+    rollout_cache: Literal["dynamic", "static"] = "dynamic"
+    """Rollout KV cache: dynamic (transformers' generate) or static (preallocated, our loop, compiled on CUDA)."""
+    teacher_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Weights of the frozen teacher; auto: bf16 on CUDA, fp32 on CPU."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -718,8 +727,15 @@ class EvaluateConfig:
     """Seed of the student samples behind reverse KL."""
     threads: int = 2
     """torch CPU threads."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when visible, else CPU."""
+    teacher_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Weights of the teacher; auto: bf16 on CUDA, fp32 on CPU (the students stay fp32)."""
+    chunk_size: int = 256
+    """Positions per chunk of the NLL and reverse KL from hidden states."""
 
     def __post_init__(self):
+        _require(self.chunk_size > 0, "chunk_size", f"must be > 0, got {self.chunk_size}")
         _require(self.max_examples >= 0, "max_examples", f"must be >= 0, got {self.max_examples}")
         _require(self.curve_examples >= 0, "curve_examples", f"must be >= 0, got {self.curve_examples}")
         _require(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")

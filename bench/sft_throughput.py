@@ -2,8 +2,9 @@
 
 Runs the engine's real SFT path (``SFTTask`` micro-batches, ``accumulate_gradients`` with the global
 token normalisation, clipping, AdamW) in one worker and prints one JSON line per configuration:
-device, params, tokens_per_s (real, non-padding tokens), mfu (6 * params * tokens/s over the device's
-bf16 dense peak; null on CPU), padding_fraction.
+device, params, attention (packed rows: ``ars_opd.lm.attention``'s choice), tokens_per_s (real, non-padding
+tokens), mfu (6 * params * tokens/s over the device's bf16 dense peak; null on CPU), padding_fraction.
+``bench/gpu.py`` is the fuller GPU measurement (compiled, exact FLOP count, rollouts, OPD).
 
     python bench/sft_throughput.py                        # CPU: a ~5M-parameter Llama-shaped model
     python bench/sft_throughput.py --preset qwen3-0.6b    # GPU: Qwen3-0.6B shape built from config, bf16
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from ars_opd.config import DDPConfig, SFTConfig  # noqa: E402
+from ars_opd.lm.attention import use_packed_attention  # noqa: E402
 from ars_opd.training.distributed import init_worker, shutdown_worker  # noqa: E402
 from ars_opd.training.checkpoint import TrainerState  # noqa: E402
 from ars_opd.training.geometry import BatchGeometry  # noqa: E402
@@ -86,12 +88,17 @@ def main() -> None:
     prompts = [[rng.randrange(10, vocab) for _ in range(a)] for a, _ in lengths]
     completions = [[rng.randrange(10, vocab) for _ in range(b)] for _, b in lengths]
     data = EncodedData(prompts, completions, {})
+    plain = model.config._attn_implementation
     for packing in (False, True):
-        cfg = SFTConfig(steps=steps + 2, warmup_steps=0, global_batch_size=micro, micro_batch_size=micro, packing=packing,
+        attention = use_packed_attention(model, "auto") if packing else plain
+        if not packing:
+            model.set_attn_implementation(plain)
+        cfg = SFTConfig(steps=steps + 2, warmup_steps=0, global_batch_size=micro, micro_batch_size=micro,
+                        packing=packing,
                         pack_length=max(hi, 2048 if gpu else 512), max_seq_len=hi, max_grad_norm=1.0,
                         precision="auto")
         geometry = BatchGeometry.check(micro, ctx.world_size, micro, "sft")
-        task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0)
+        task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0, vocab=vocab)
         ddp = wrap_ddp(model, ctx, DDPConfig(workers=1))
         opt = make_optimizer(model, cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -112,7 +119,8 @@ def main() -> None:
         tps = real / elapsed
         print(json.dumps({
             "device": torch.cuda.get_device_name() if gpu else "cpu", "preset": preset, "params": n_params,
-            "batching": "packed" if packing else "padded", "lengths": [lo, hi], "micro_batch": micro,
+            "batching": "packed" if packing else "padded", "attention": attention, "lengths": [lo, hi],
+            "micro_batch": micro,
             "tokens_per_s": round(tps, 1), "mfu": round(6 * n_params * tps / peak, 4) if peak else None,
             "padding_fraction": round(1 - real / total, 4),
         }), flush=True)

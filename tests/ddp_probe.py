@@ -37,12 +37,17 @@ def _grad_probe(job: dict, ctx) -> dict:
 
     tok = build_char_word_tokenizer(synthetic.instruction_words())
     model = tiny_model(tok)
+    if job.get("packing"):
+        from ars_opd.lm.attention import use_packed_attention
+
+        use_packed_attention(model, job.get("packed_attention", "auto"))
     data = EncodedData(job["prompts"], job["completions"], {})
     cfg = SFTConfig(steps=1, warmup_steps=0, global_batch_size=len(job["prompts"]), micro_batch_size=job["micro"],
                     packing=job.get("packing", False), pack_length=job.get("pack_length", 512),
                     max_seq_len=job.get("pack_length", 512))
     geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "sft")
-    task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=tok.pad_token_id)
+    task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=tok.pad_token_id,
+                   vocab=len(tok))
     ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size,
                                          gradient_as_bucket_view=job.get("bucket_view", True)))
     micro = task.micro_batches(0, model)
@@ -75,11 +80,13 @@ class FixedTask:
         return self.micro
 
     def loss_sum(self, model, batch):
-        from ars_opd.lm.losses import causal_lm_token_loss_sum
+        # the pipeline's loss path: last hidden states through DDP's forward, the head in chunks
+        from ars_opd.lm.head import OutputHead, last_hidden_states
+        from ars_opd.lm.losses import causal_lm_loss_from_hidden
 
         t = batch.tensors
-        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits
-        return causal_lm_token_loss_sum(logits, t["labels"])[0], {}
+        hidden = last_hidden_states(model, t["input_ids"], t["attention_mask"])
+        return causal_lm_loss_from_hidden(hidden, OutputHead.of(model), t["labels"], chunk_size=5)[0], {}
 
 
 def _brute_force(ddp, task, ctx, cfg):

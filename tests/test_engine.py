@@ -88,29 +88,100 @@ def test_prompt_positions_never_change_the_loss_completion_positions_do(char_tok
     assert causal_lm_token_loss_sum(logits, changed)[0] != base
 
 
-def test_packed_logits_equal_unpacked_and_attention_stays_inside_sequences(char_tokenizer):
-    prompts, completions = _ragged_batch(char_tokenizer, n=5, seed=2)
-    model = tiny_model(char_tokenizer).eval()
-    packed = pack_sequences(prompts, completions, pack_length=40, pad_id=char_tokenizer.pad_token_id)
-    assert packed["input_ids"].shape[0] < 5  # several sequences share a row
+def _packed_vs_alone(tokenizer, implementation: str, seed: int = 2):
+    """Max |packed − per-sequence| logits over every token, and the packed batch."""
+    from ars_opd.lm.attention import packed_model_inputs, use_packed_attention
+
+    prompts, completions = _ragged_batch(tokenizer, n=5, seed=seed)
+    model = tiny_model(tokenizer).eval()
+    packed = pack_sequences(prompts, completions, pack_length=40, pad_id=tokenizer.pad_token_id)
+    assert packed["input_ids"].shape[0] < 5 and "attention_mask" not in packed  # several sequences share a row
     with torch.no_grad():
-        out = model(input_ids=packed["input_ids"], attention_mask=packed["attention_mask"],
-                    position_ids=packed["position_ids"]).logits
-        r, t = 0, 0
-        for p, c in zip(prompts, completions):
-            n = len(p) + len(c)
-            if t + n > 40:
-                r, t = r + 1, 0
-            alone = model(input_ids=torch.tensor([p + c])).logits[0]
-            assert torch.allclose(out[r, t:t + n], alone, atol=1e-5), (r, t)
-            t += n
-    # the loss over packed rows equals the loss over padded rows
+        alone = [model(input_ids=torch.tensor([p + c])).logits[0] for p, c in zip(prompts, completions)]
+        if implementation == "flex":  # FlexAttention runs forward-only on CPU: set directly, as on CUDA
+            model.set_attn_implementation("flex_attention")
+        else:
+            assert use_packed_attention(model, implementation)
+        out = model(**packed_model_inputs(packed), use_cache=False).logits
+    err, r, t = 0.0, 0, 0
+    for (p, c), ref in zip(zip(prompts, completions), alone):
+        n = len(p) + len(c)
+        if t + n > 40:
+            r, t = r + 1, 0
+        err = max(err, (out[r, t:t + n] - ref).abs().max().item())
+        t += n
+    return err, packed, out, model
+
+
+def test_packed_logits_equal_per_sequence_logits_with_per_sequence_sdpa(char_tokenizer):
+    err, packed, out, model = _packed_vs_alone(char_tokenizer, "sdpa")
+    assert err < 1e-5
+    # the loss over packed rows, from hidden states, equals the loss over padded rows from logits
+    from ars_opd.lm.attention import packed_model_inputs
+    from ars_opd.lm.head import OutputHead, last_hidden_states
+    from ars_opd.lm.losses import causal_lm_loss_from_hidden
+
+    prompts, completions = _ragged_batch(char_tokenizer, n=5, seed=2)
     padded = pad_right_with_labels(prompts, completions, char_tokenizer.pad_token_id)
     with torch.no_grad():
-        lp = causal_lm_token_loss_sum(out, packed["labels"])
+        hidden = last_hidden_states(model, **packed_model_inputs(packed))
+        lp = causal_lm_loss_from_hidden(hidden, OutputHead.of(model), packed["labels"], chunk_size=8)
+        model.set_attn_implementation("eager")
         lq = causal_lm_token_loss_sum(model(**{k: padded[k] for k in ("input_ids", "attention_mask")}).logits,
                                       padded["labels"])
     assert lp[1] == lq[1] and abs(lp[0].item() - lq[0].item()) < 1e-4
+
+
+def test_packed_attention_builds_no_mask(char_tokenizer, monkeypatch):
+    """transformers hands the per-sequence SDPA no mask at all (it builds an (R, 1, L, L) one for plain sdpa)."""
+    import transformers
+
+    from ars_opd.lm import attention
+
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kw):
+        seen.append((attention_mask, len(attention._segments(kw.get("cu_seq_lens_q"), None, 0, 0))))
+        return attention.varlen_sdpa_attention(module, query, key, value, attention_mask, **kw)
+
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, attention.VARLEN_SDPA, spy)
+    monkeypatch.setattr(attention, "_register", lambda: None)
+    _packed_vs_alone(char_tokenizer, "sdpa")
+    assert seen and all(mask is None and n >= 5 for mask, n in seen)
+
+
+@pytest.mark.slow
+def test_packed_logits_equal_per_sequence_logits_with_flex_attention(char_tokenizer):
+    err, *_ = _packed_vs_alone(char_tokenizer, "flex")  # FlexAttention compiles on CPU: tens of seconds
+    assert err < 1e-5
+
+
+def test_packed_attention_choice():
+    from ars_opd.lm.attention import VARLEN_SDPA, packed_attention_implementation
+
+    assert packed_attention_implementation("auto", "cpu") == VARLEN_SDPA
+    with pytest.raises(ValueError, match="flex trains on CUDA only"):
+        packed_attention_implementation("flex", "cpu")
+    with pytest.raises(ValueError, match="flash needs CUDA"):
+        packed_attention_implementation("flash", "cpu")
+
+
+def test_sft_refuses_packed_attention_it_cannot_train_with_before_starting_workers():
+    from ars_opd.config import DDPConfig, PathsConfig
+    from ars_opd.training.sft import run_sft
+
+    with pytest.raises(ValueError, match="sft.packed_attention: flex trains on CUDA only"):
+        run_sft(SFTConfig(packing=True, packed_attention="flex"), DDPConfig(device="cpu"), PathsConfig())
+
+
+def test_pack_sequences_boundaries(char_tokenizer):
+    packed = pack_sequences([[5, 6], [7], [8, 9, 10]], [[11], [12, 13], [14]], pack_length=6, pad_id=0)
+    assert packed["input_ids"].tolist() == [[5, 6, 11, 7, 12, 13], [8, 9, 10, 14, 0, 0]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 0, 1]]
+    assert packed["cu_seq_lens"].tolist() == [0, 3, 6, 10, 12]  # the padding of row 2 is a segment of its own
+    assert packed["labels"].tolist() == [[-100, -100, 11, -100, 12, 13], [-100, -100, -100, 14, -100, -100]]
+    full = pack_sequences([[5, 6], [7]], [[11], [12, 13]], pack_length=8, pad_id=0, full_rows=True)
+    assert full["input_ids"].tolist() == [[5, 6, 11, 7, 12, 13, 0, 0]] and full["cu_seq_lens"].tolist() == [0, 3, 6, 8]
 
 
 def test_budgets_drop_and_truncate_with_counts(char_tokenizer):

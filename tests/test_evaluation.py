@@ -60,3 +60,42 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     assert curves["opd"][0]["flops"] == 2e9 and curves["opd"][1]["reverse_kl"] < 1e-4  # final: the teacher
     assert curves["opd"][0]["reverse_kl"] > 0.01 and len(curves["sft"]) == 1
     assert m["opd"]["budget"]["flops"] == 3e9
+
+
+def test_evaluation_losses_from_hidden_equal_the_logits_formulas(char_tokenizer):
+    """Teacher NLL and reverse KL on own samples, from hidden states in chunks, against the logits formulas."""
+    import random
+
+    import torch
+
+    from ars_opd.config import EvaluateConfig
+    from ars_opd.evaluation.evaluate import _reverse_kl_on_own_samples, _teacher_nll
+    from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
+    from ars_opd.lm.divergences import token_divergence
+    from ars_opd.lm.generation import generate_token_ids
+    from ars_opd.lm.losses import causal_lm_token_loss_sum
+    from ddp_probe import tiny_model
+
+    model, teacher = tiny_model(char_tokenizer, seed=0).eval(), tiny_model(char_tokenizer, seed=1).eval()
+    rng = random.Random(0)
+    vocab, pad, eos = len(char_tokenizer), char_tokenizer.pad_token_id, char_tokenizer.eos_token_id
+    prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(2, 9))] for _ in range(7)]
+    completions = [[rng.randrange(4, vocab) for _ in range(rng.randint(1, 6))] for _ in range(7)]
+    cfg = EvaluateConfig(batch_size=3, max_new_tokens=6, seed=4, chunk_size=5)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        b = pad_right_with_labels(prompts, completions, pad)
+        s, n = causal_lm_token_loss_sum(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
+                                        b["labels"])
+        assert _teacher_nll(model, char_tokenizer, prompts, completions, cfg, vocab, cpu) == \
+            pytest.approx(s.item() / n.item(), rel=1e-6)
+        torch.manual_seed(cfg.seed)  # the samples the function draws
+        samples = generate_token_ids(model, char_tokenizer, prompts, 6, batch_size=3, do_sample=True)
+        total, count = 0.0, 0
+        for i in range(0, 7, 3):
+            r = build_rollout_batch(prompts[i:i + 3], samples[i:i + 3], pad, eos)
+            kw = {"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]}
+            v, k = token_divergence(model(**kw).logits, teacher(**kw).logits, r["loss_mask"])
+            total, count = total + v.item(), count + k
+        rkl = _reverse_kl_on_own_samples(model, teacher, char_tokenizer, prompts, cfg, vocab, cpu)
+    assert rkl == pytest.approx(total / count, rel=1e-5) and rkl > 0  # fp32 sums of a small KL

@@ -17,6 +17,10 @@ Learning curves: every snapshot a training stage kept (``snapshot_every``) and i
 the first ``evaluate.curve_examples`` held-out prompts, with the steps and FLOPs spent from scratch to
 reach it (``ars_opd.training.budget``), under ``curves`` in the metrics.
 
+Both losses are taken from the models' last hidden states through their output heads one chunk of positions
+at a time (``ars_opd.lm.head``), so a real vocabulary never makes (tokens × vocabulary) logits here either;
+the teacher is loaded in bf16 on CUDA and fp32 on CPU (``evaluate.teacher_dtype``).
+
 Outputs: one metrics JSON (DVC metrics, nested by model), a markdown table, and every greedy answer as
 JSON Lines for inspection. Runs in one process (evaluation needs no data parallelism at this size).
 """
@@ -35,24 +39,35 @@ from ars_opd.data import synthetic
 from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.evaluation.tables import MODELS, TRAINED, render_table
 from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
-from ars_opd.lm.divergences import token_divergence
+from ars_opd.lm.divergences import divergence_terms
 from ars_opd.lm.generation import decode_completion, generate_token_ids
-from ars_opd.lm.losses import causal_lm_token_loss_sum
+from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows, target_logprobs
+from ars_opd.lm.losses import shifted_targets
+from ars_opd.lm.objectives import TeacherLogits
+from ars_opd.lm.precision import frozen_model_dtype
 from ars_opd.models.pinning import load_model, load_model_dir, load_tokenizer
 from ars_opd.training.budget import SNAPSHOTS, read_budget
 
 
-def _load(paths: PathsConfig, name: str, trust_remote_code: bool) -> torch.nn.Module:
+def _load(paths: PathsConfig, name: str, trust_remote_code: bool, device: torch.device,
+          dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     if name in ("base", "teacher"):
-        model = load_model(paths.models_dir, "student" if name == "base" else "teacher",
+        model = load_model(paths.models_dir, "student" if name == "base" else "teacher", dtype=dtype,
                            trust_remote_code=trust_remote_code)
     else:
         model = load_model_dir(paths.training(name).model, stage=name)
-    return model.eval().requires_grad_(False)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _hidden_rows(model, batch: dict, mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The model's last hidden states at the True positions of ``mask``: (M, H)."""
+    hidden = last_hidden_states(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+    return select_rows(hidden, mask.to(device))
 
 
 @torch.no_grad()
-def _reverse_kl_on_own_samples(model, teacher, tokenizer, prompts, cfg: EvaluateConfig, vocab: int) -> float:
+def _reverse_kl_on_own_samples(model, teacher, tokenizer, prompts, cfg: EvaluateConfig, vocab: int,
+                               device: torch.device) -> float:
     torch.manual_seed(cfg.seed)
     samples = generate_token_ids(model, tokenizer, prompts, cfg.max_new_tokens, batch_size=cfg.batch_size,
                                  do_sample=True, temperature=1.0, top_p=1.0)
@@ -63,24 +78,26 @@ def _reverse_kl_on_own_samples(model, teacher, tokenizer, prompts, cfg: Evaluate
                                 tokenizer.eos_token_id)
         if not bool(b["loss_mask"].any()):
             continue
-        kw = {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
-        s, k = token_divergence(model(**kw).logits[..., :vocab], teacher(**kw).logits[..., :vocab], b["loss_mask"],
-                                beta=1.0)
+        teacher_rows = TeacherLogits(_hidden_rows(teacher, b, b["loss_mask"], device), OutputHead.of(teacher, vocab))
+        s = chunked_head_loss(_hidden_rows(model, b, b["loss_mask"], device), OutputHead.of(model, vocab),
+                              divergence_terms(teacher_rows.rows, beta=1.0), cfg.chunk_size)
         total += float(s)
-        n += k
+        n += int(b["loss_mask"].sum())
     return total / n if n else float("nan")
 
 
 @torch.no_grad()
-def _teacher_nll(model, tokenizer, prompts, completions, batch_size: int) -> float:
+def _teacher_nll(model, tokenizer, prompts, completions, cfg: EvaluateConfig, vocab: int,
+                 device: torch.device) -> float:
     total, n = 0.0, 0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    for i in range(0, len(prompts), batch_size):
-        b = pad_right_with_labels(prompts[i:i + batch_size], completions[i:i + batch_size], pad)
-        s, k = causal_lm_token_loss_sum(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
-                                        b["labels"])
-        total += float(s)
-        n += int(k)
+    for i in range(0, len(prompts), cfg.batch_size):
+        b = pad_right_with_labels(prompts[i:i + cfg.batch_size], completions[i:i + cfg.batch_size], pad)
+        mask, targets = shifted_targets(b["labels"])
+        (logprobs,) = target_logprobs(_hidden_rows(model, b, mask, device), OutputHead.of(model, vocab),
+                                      targets.to(device), chunk_size=cfg.chunk_size)
+        total -= float(logprobs.sum())
+        n += int(targets.numel())
     return total / n if n else float("nan")
 
 
@@ -98,7 +115,7 @@ class HeldOut:
 
 
 def score_model(model, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig, vocab: int,
-                is_teacher: bool = False) -> tuple[dict, list[str]]:
+                device: torch.device, is_teacher: bool = False) -> tuple[dict, list[str]]:
     """(exact match overall and per task, reverse KL on own samples, teacher NLL; the greedy answers)."""
     greedy = generate_token_ids(model, tokenizer, data.prompts, cfg.max_new_tokens, batch_size=cfg.batch_size)
     texts = [decode_completion(tokenizer, g) for g in greedy]
@@ -114,20 +131,20 @@ def score_model(model, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig, v
     else:
         m["exact_match"] = None
     m["reverse_kl"] = 0.0 if is_teacher else _reverse_kl_on_own_samples(model, teacher, tokenizer, data.prompts,
-                                                                        cfg, vocab)
-    m["teacher_nll"] = _teacher_nll(model, tokenizer, data.prompts, data.completions, cfg.batch_size)
+                                                                        cfg, vocab, device)
+    m["teacher_nll"] = _teacher_nll(model, tokenizer, data.prompts, data.completions, cfg, vocab, device)
     return m, texts
 
 
 def learning_curve(stage: str, paths: PathsConfig, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig,
-                   vocab: int) -> list[dict]:
+                   vocab: int, device: torch.device) -> list[dict]:
     """A training stage's snapshots (``snapshots/step_N`` in its model directory) and its final model, each
     scored on ``data``, with the budget spent to reach it (``budget.json``: steps and FLOPs from scratch)."""
     model_dir = Path(paths.training(stage).model)
     points = []
     for d in sorted((model_dir / SNAPSHOTS).glob("step_*")) + [model_dir]:
-        model = load_model_dir(d, stage=stage).eval().requires_grad_(False)
-        m, _ = score_model(model, teacher, tokenizer, data, cfg, vocab)
+        model = load_model_dir(d, stage=stage).to(device).eval().requires_grad_(False)
+        m, _ = score_model(model, teacher, tokenizer, data, cfg, vocab, device)
         points.append({**read_budget(d), **{k: m[k] for k in ("exact_match", "reverse_kl", "teacher_nll")}})
     return points
 
@@ -136,6 +153,10 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
     """Run the stage; write metrics, table, answers and learning curves; return the metrics."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("evaluate.device is cuda but no CUDA device is visible; set evaluate.device: auto or cpu")
+    device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
     rows = read_jsonl(paths.completions("eval"))
     if cfg.max_examples:
         rows = rows[: cfg.max_examples]
@@ -147,12 +168,12 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
     data = HeldOut(rows, encode_prompts(tokenizer, [r["messages"] for r in rows]),
                    encode_completions(tokenizer, [r["completion"] for r in rows]),
                    [r.get("task") in synthetic.TASK_NAMES and r.get("reference") is not None for r in rows])
-    teacher = _load(paths, "teacher", trust_remote_code)
+    teacher = _load(paths, "teacher", trust_remote_code, device, frozen_model_dtype(cfg.teacher_dtype, device))
     metrics: dict = {"examples": len(rows), "checkable_examples": sum(data.checkable)}
     answers: list[dict] = [{"id": r["id"], "task": r.get("task")} for r in rows]
     for name in MODELS:
-        model = teacher if name == "teacher" else _load(paths, name, trust_remote_code)
-        m, texts = score_model(model, teacher, tokenizer, data, cfg, vocab, is_teacher=name == "teacher")
+        model = teacher if name == "teacher" else _load(paths, name, trust_remote_code, device)
+        m, texts = score_model(model, teacher, tokenizer, data, cfg, vocab, device, is_teacher=name == "teacher")
         if name in TRAINED:
             m["budget"] = read_budget(paths.training(name).model)
         metrics[name] = m
@@ -160,7 +181,7 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
             a[name] = t
     curve_data = data.head(cfg.curve_examples) if cfg.curve_examples else data
     metrics["curves"] = {"examples": len(curve_data.rows), **{
-        stage: learning_curve(stage, paths, teacher, tokenizer, curve_data, cfg, vocab) for stage in TRAINED}}
+        stage: learning_curve(stage, paths, teacher, tokenizer, curve_data, cfg, vocab, device) for stage in TRAINED}}
     table = render_table(metrics)
     with atomic_outputs(paths.eval_metrics, paths.eval_dir) as (metrics_tmp, out):
         out.mkdir(parents=True)

@@ -3,7 +3,7 @@
 - ``pad_left``: prompts for generation (every row's next token in the same column);
 - ``pad_right_with_labels``: prompt + completion rows for cross-entropy, labels -100 on prompt and padding;
 - ``pack_sequences``: the padding-free form of the same rows (several sequences per row, positions restart,
-  a block-diagonal causal mask stops attention at sequence boundaries);
+  sequence boundaries for a varlen attention that stops at them; no (L × L) mask);
 - ``build_rollout_batch``: prompt + sampled completion rows for scoring, each completion kept up to and
   including its first EOS, with the mask of the positions whose next token is a completion token.
 
@@ -69,11 +69,15 @@ def count_loss_tokens(labels: torch.Tensor) -> int:
 
 
 def pack_sequences(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pack_length: int,
-                   pad_id: int) -> dict[str, torch.Tensor]:
+                   pad_id: int, full_rows: bool = False) -> dict[str, torch.Tensor]:
     """Pack sequences in order into rows of ``pack_length``; each sequence stays whole within one row.
 
-    Returns input_ids, labels, position_ids (restart at 0 per sequence) of shape (R, L) and a float
-    attention mask (R, 1, L, L): 0 where a token may attend (same sequence, not later), -inf elsewhere.
+    Rows are as long as the longest one, or with ``full_rows`` all ``pack_length`` long (fixed shapes for
+    torch.compile). Returns input_ids, labels and position_ids (R, L), positions restarting at 0 for each
+    sequence, and
+    cu_seq_lens (S + 1,) int32: the boundaries of the S segments in the flattened (R·L) token stream, where a
+    row's trailing padding is a segment of its own (its positions also start at 0). No attention mask: the
+    attention of ``ars_opd.lm.attention`` keeps each token inside its segment without an (L × L) mask.
     """
     rows: list[list[tuple[Sequence[int], Sequence[int]]]] = [[]]
     used = 0
@@ -86,27 +90,25 @@ def pack_sequences(prompts: Sequence[Sequence[int]], completions: Sequence[Seque
             used = 0
         rows[-1].append((p, c))
         used += n
-    R, L = len(rows), max(sum(len(p) + len(c) for p, c in row) for row in rows)
+    R, L = len(rows), pack_length if full_rows else max(sum(len(p) + len(c) for p, c in row) for row in rows)
     ids = torch.full((R, L), pad_id, dtype=torch.long)
     labels = torch.full((R, L), IGNORE_INDEX, dtype=torch.long)
     pos = torch.zeros((R, L), dtype=torch.long)
-    seq_id = torch.full((R, L), -1, dtype=torch.long)
+    bounds = [0]
     for r, row in enumerate(rows):
         t = 0
-        for s, (p, c) in enumerate(row):
+        for p, c in row:
             n = len(p) + len(c)
             ids[r, t:t + n] = torch.as_tensor(list(p) + list(c))
             labels[r, t + len(p):t + n] = torch.as_tensor(list(c))
             pos[r, t:t + n] = torch.arange(n)
-            seq_id[r, t:t + n] = s
             t += n
-        seq_id[r, t:] = torch.arange(L - t) + 10**6  # each padding token alone: no NaN rows, no leakage
-    same = seq_id[:, :, None] == seq_id[:, None, :]  # (R, L, L)
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
-    allowed = same & causal
-    mask = torch.zeros((R, 1, L, L), dtype=torch.float32)
-    mask.masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
-    return {"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": mask}
+            bounds.append(r * L + t)
+        if t < L:  # the row's padding: one segment that attends only to itself and carries no label
+            pos[r, t:] = torch.arange(L - t)
+            bounds.append((r + 1) * L)
+    return {"input_ids": ids, "labels": labels, "position_ids": pos,
+            "cu_seq_lens": torch.tensor(bounds, dtype=torch.int32)}
 
 
 def build_rollout_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int,

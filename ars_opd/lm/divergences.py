@@ -20,13 +20,19 @@ temporaries. One backward pass only (no ``retain_graph``). The teacher gets no g
 the student sampled: per-token advantage A_t = log p_T(y_t) − log p_S(y_t) (detached) and the
 policy-gradient loss −Σ A_t·log p_S(y_t), whose gradient is that of the reverse KL in expectation.
 
-All functions are pure: inputs and outputs are tensors, no I/O, no globals. What this leaves out: fusing
-with the LM head (logits are taken as given), top-k/sparse teacher distributions.
+The pipeline computes both from the last hidden states instead of from logits: ``divergence_terms`` and
+``sampled_token_terms`` are the same per-row values and logit gradients as ``RowTerms`` for
+``ars_opd.lm.head.chunked_head_loss``, which forms one chunk of logits at a time; the logits forms above stay
+as the tested reference.
+
+All functions are pure: inputs and outputs are tensors, no I/O, no globals. What this leaves out: top-k/sparse
+teacher distributions.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -175,3 +181,80 @@ def sampled_token_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Ten
     advantage = (teacher_logprobs[rows].float() - logq).detach()
     loss_sum = -(advantage * logq).sum()
     return loss_sum, (-advantage).sum(), int(rows[0].numel())
+
+
+def _log_softmax_(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(z / τ) over the last dimension, in z's own storage."""
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z.sub_(torch.logsumexp(z, -1, keepdim=True))
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ_v a[r, v]·b[r, v] per row (c,), without a (c, V) product tensor."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def divergence_terms(teacher_rows: Callable[[int, int], torch.Tensor], beta: float = 1.0,
+                     temperature: float = 1.0) -> Callable:
+    """``RowTerms`` of the divergence of ``token_divergence``: per-row D and ∂D/∂z_S for student logits z (c, V).
+
+    teacher_rows(start, end) gives the teacher's logits (c, V) for the same rows (fp32, no grad, the caller's to
+    overwrite). The same formulas as ``token_divergence``'s, written in place: a chunk holds at most three
+    (c × V) fp32 tensors at once for reverse KL, four for forward KL and briefly six for 0 < β < 1, where the
+    out-of-place form holds about eight.
+    """
+    if not 0.0 <= beta <= 1.0 or math.isnan(beta):
+        raise DivergenceInputError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
+    if not temperature > 0:
+        raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
+    beta, tau = float(beta), float(temperature)
+
+    def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        zt = teacher_rows(start, end)
+        if zt.shape != z.shape:
+            raise DivergenceInputError(f"student logits {tuple(z.shape)} and teacher logits {tuple(zt.shape)} "
+                                       "differ; restrict both heads to the shared vocabulary")
+        log_q, log_p = _log_softmax_(z, tau), _log_softmax_(zt, tau)  # (c, V) each, in place
+        q = log_q.exp()
+        if beta == 1.0:  # reverse KL(q || p); ∂/∂z_S = q ⊙ (s − D)/τ with s = log q − log p
+            s = log_p.neg_().add_(log_q)
+            div = _rowdot(q, s)
+            return div, (s.sub_(div[:, None]).mul_(q).div_(tau) if need_grad else None)
+        p = log_p.exp()
+        if beta == 0.0:  # forward KL(p || q); ∂/∂z_S = (q − p)/τ
+            div = _rowdot(p, log_p.sub_(log_q))
+            return div, (q.sub_(p).div_(tau) if need_grad else None)
+        log_m = log_p + math.log(beta)  # log(β p + (1 − β) q)
+        torch.logaddexp(log_m, log_q + math.log1p(-beta), out=log_m)
+        div = beta * _rowdot(p, log_p.sub_(log_m))
+        del p, log_p
+        h = log_q.sub_(log_m)  # log q − log m; ∂JSD/∂q = (1 − β)·h
+        div += (1 - beta) * _rowdot(q, h)
+        if not need_grad:
+            return div, None
+        return div, h.sub_(_rowdot(q, h)[:, None]).mul_(q).mul_((1 - beta) / tau)
+
+    return terms
+
+
+def sampled_token_terms(teacher_logprobs: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> Callable:
+    """``RowTerms`` of the sampled-token estimator for rows with targets ``tokens`` (M,) and log p_T (M,) at τ.
+
+    Each row's value is the reverse-KL estimate log q(y) − log p_T(y); its gradient is that of the surrogate
+    −A·log q(y) with A = log p_T(y) − log q(y) detached, i.e. A·(q − onehot(y))/τ (as ``sampled_token_loss``).
+    """
+    if not temperature > 0:
+        raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
+
+    def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        y = tokens[start:end, None]  # (c, 1)
+        log_q = _log_softmax_(z, temperature)  # (c, V), in place
+        logq_y = log_q.gather(-1, y).squeeze(-1)
+        advantage = teacher_logprobs[start:end].float() - logq_y  # (c,); no autograd runs here, so it is detached
+        if not need_grad:
+            return -advantage, None
+        grad = log_q.exp_().scatter_add_(-1, y, torch.full_like(y, -1.0, dtype=log_q.dtype))  # q − onehot(y)
+        return -advantage, grad.mul_((advantage / temperature)[:, None])
+
+    return terms

@@ -2,10 +2,10 @@
 
 Prompts are padded on the left so every row's next token sits at the same column; ``generate`` derives
 the position ids from the attention mask, so a left-padded row sees the same positions as the row alone
-and batched greedy output equals one-by-one greedy output (tested).
+and batched greedy output equals one-by-one greedy output (tested). ``cache="static"`` decodes with a
+preallocated KV cache and the loop of ``ars_opd.lm.decoding`` instead (compiled on CUDA; same greedy output).
 
-What this module leaves out: sampling loops of its own (``model.generate`` decodes with its KV cache)
-and any server concerns (see ``ars_opd.teacher``).
+What this module leaves out: any server concerns (see ``ars_opd.teacher``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ars_opd.data.prompts import encode_prompts
 from ars_opd.lm.batching import cut_at_first_eos, pad_left
+from ars_opd.lm.decoding import generate_static
 
 
 @torch.no_grad()
@@ -31,10 +32,16 @@ def generate_token_ids(
     top_p: float = 1.0,
     generator_seed: int | None = None,
     stop_at_eos: bool = True,
+    cache: str = "dynamic",
 ) -> list[list[int]]:
-    """New tokens for each prompt, cut after the first EOS (EOS kept) when ``stop_at_eos``."""
+    """New tokens for each prompt, cut after the first EOS (EOS kept) when ``stop_at_eos``.
+
+    cache: "dynamic" (``model.generate``) or "static" (``ars_opd.lm.decoding.generate_static``).
+    """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    if cache not in ("dynamic", "static"):
+        raise ValueError(f"cache must be dynamic or static, got {cache!r}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
     device = next(model.parameters()).device
@@ -46,6 +53,10 @@ def generate_token_ids(
     try:
         for start in range(0, len(prompt_ids), batch_size):
             chunk = prompt_ids[start:start + batch_size]
+            if cache == "static":
+                new = generate_static(model, chunk, pad_id, eos_id, max_new_tokens, do_sample, temperature, top_p)
+                out.extend(cut_at_first_eos(row, eos_id)[0] if stop_at_eos else row for row in new)
+                continue
             ids, mask = pad_left(chunk, pad_id)
             ids, mask = ids.to(device), mask.to(device)
             kwargs = dict(do_sample=do_sample, max_new_tokens=max_new_tokens, pad_token_id=pad_id,

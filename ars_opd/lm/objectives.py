@@ -1,12 +1,20 @@
 """The on-policy distillation losses, chosen by name (``opd.loss``) from one registry.
 
-An ``Objective`` says what it needs from the teacher and what it demands of the rollouts, and computes
-the step's summed loss from the student's logits and the teacher's scores. ``check_config`` (run by the
-opd stage before it starts workers, and by ``ars-opd params``) and the OPD trainer read only this
-registry, so a new loss is one new entry here.
+An ``Objective`` says what it needs from the teacher and what it demands of the rollouts, and gives the
+per-row loss and logit gradient (``RowTerms``) from which ``Objective.loss`` computes the step's summed loss
+out of the student's last hidden states and output head, one chunk of positions at a time
+(``ars_opd.lm.head.chunked_head_loss``: no (tokens × vocabulary) tensor on either side). ``check_config``
+(run by the opd stage before it starts workers, and by ``ars-opd params``) and the OPD trainer read only
+this registry, so a new loss is one new entry here.
 
-- ``full_vocab``: ``token_divergence`` (β: 0 forward KL, 1 reverse KL, in between generalised JSD) at
-  temperature τ, exact over the vocabulary; needs the teacher's logits.
+The teacher's side is a ``TeacherScores``: what a teacher said about the M scored positions of a batch (the
+True entries of its loss mask, in row-major order). A teacher object fills the fields its objective's
+``teacher_signal`` names, so a teacher that is not a local model (an endpoint returning log-probabilities)
+plugs in at that one boundary.
+
+- ``full_vocab``: the divergence of ``ars_opd.lm.divergences`` (β: 0 forward KL, 1 reverse KL, in between
+  generalised JSD) at temperature τ, exact over the vocabulary; needs the teacher's full distribution
+  (``TeacherLogits``: the teacher's hidden states and head, projected one chunk at a time).
 - ``sampled_token``: the policy-gradient estimator of reverse KL from the teacher's log-probability of
   the sampled tokens alone. Its value is the reverse-KL estimate Σ(log q − log p) of those tokens and its
   gradient the surrogate's (−Σ A·log q is often negative and is no divergence, so it is never logged). The
@@ -22,20 +30,54 @@ from typing import Callable, Literal
 import torch
 
 from ars_opd.config import ConfigError, OPDConfig
-from ars_opd.lm.divergences import sampled_token_loss, token_divergence
+from ars_opd.lm.divergences import divergence_terms, sampled_token_terms
+from ars_opd.lm.head import OutputHead, RowTerms, chunked_head_loss
+
+
+class TeacherLogits:
+    """The teacher's logits at the M scored positions, formed one chunk of rows at a time and never kept.
+
+    hidden: (M, H_T) the teacher's last hidden states at those positions; head: its output head over the
+    shared vocabulary; targets: (M,) the tokens the student is trained on, or None. Forming a chunk also
+    records log p_T(target) at τ = 1 for those rows (``target_logprobs``, for the log), so the teacher's head
+    runs once per chunk: the record is complete once a loss has walked every row.
+    """
+
+    def __init__(self, hidden: torch.Tensor, head: OutputHead, targets: torch.Tensor | None = None):
+        self.hidden, self.head, self.targets = hidden, head, targets
+        self.target_logprobs = torch.full((hidden.shape[0],), float("nan"), device=hidden.device)  # (M,)
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """fp32 logits (end − start, V) of rows start..end-1."""
+        with torch.no_grad():
+            z = self.head.logits(self.hidden[start:end])
+            if self.targets is not None:
+                y = self.targets[start:end, None]
+                self.target_logprobs[start:end] = z.gather(-1, y).squeeze(-1) - torch.logsumexp(z, -1)
+        return z
 
 
 @dataclass
 class TeacherScores:
-    """What the teacher said about a batch: (B, T, V) logits over the shared vocabulary, and/or (B, T)
-    log-probabilities of the target tokens at the objective's temperature."""
+    """What the teacher said about the M scored positions: what the objective's ``teacher_signal`` names."""
 
-    logits: torch.Tensor | None = None
+    logits: TeacherLogits | None = None
+    """The full distribution, chunk by chunk (``teacher_signal == "logits"``)."""
     token_logprobs: torch.Tensor | None = None
+    """(M,) log p_T of the targets at the objective's temperature (``teacher_signal == "token_logprobs"``)."""
+    logged_logprobs: torch.Tensor | None = None
+    """(M,) log p_T of the targets at τ = 1, for the step log (from ``logits`` once the loss has run, if None)."""
+
+    def target_logprobs(self) -> torch.Tensor:
+        """(M,) log p_T(target) at τ = 1 (the ``teacher_logprob`` column)."""
+        if self.logged_logprobs is not None:
+            return self.logged_logprobs
+        if self.logits is None:
+            raise ValueError("the teacher scores hold neither token log-probabilities nor logits")
+        return self.logits.target_logprobs
 
 
-LossFn = Callable[[torch.Tensor, TeacherScores, torch.Tensor, torch.Tensor, float, float, int],
-                  tuple[torch.Tensor, int]]
+TermsFactory = Callable[[TeacherScores, torch.Tensor, float, float], RowTerms]
 
 
 @dataclass(frozen=True)
@@ -47,23 +89,32 @@ class Objective:
     """Whether ``opd.beta`` means anything (else it must stay 1.0)."""
     exact_on_policy: bool
     """The gradient is right only for pure student samples at the loss temperature (λ = 1, top_p = 1)."""
-    loss: LossFn
-    """(student logits (B, T, V), teacher scores, mask (B, T) bool, targets (B, T), beta, temperature,
-    chunk_size) -> (summed loss with grad, token count)."""
+    terms: TermsFactory
+    """(teacher scores, targets (M,), beta, temperature) -> RowTerms: per-row loss and its gradient with
+    respect to the student's logits (fp32, (c,) and (c, V)) for a chunk of the M rows."""
+
+    def loss(self, hidden: torch.Tensor, head: OutputHead, teacher: TeacherScores, targets: torch.Tensor,
+             beta: float, temperature: float, chunk_size: int) -> tuple[torch.Tensor, int]:
+        """(summed loss over the M rows with grad to ``hidden`` (M, H) and the head, M)."""
+        terms = self.terms(teacher, targets, beta, temperature)
+        return chunked_head_loss(hidden, head, terms, chunk_size), int(hidden.shape[0])
 
 
-def _full_vocab(logits, teacher, mask, targets, beta, temperature, chunk_size):
-    return token_divergence(logits, teacher.logits, mask, beta, temperature, chunk_size)
+def _full_vocab(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
+    if teacher.logits is None:
+        raise ValueError("the full_vocab loss needs the teacher's logits (TeacherScores.logits)")
+    return divergence_terms(teacher.logits.rows, beta, temperature)
 
 
-def _sampled_token(logits, teacher, mask, targets, beta, temperature, chunk_size):
-    surrogate, estimate, n = sampled_token_loss(logits, teacher.token_logprobs, targets, mask, temperature)
-    return surrogate + (estimate - surrogate).detach(), n  # value: the estimate; gradient: the surrogate's
+def _sampled_token(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
+    if teacher.token_logprobs is None:
+        raise ValueError("the sampled_token loss needs the teacher's token log-probabilities")
+    return sampled_token_terms(teacher.token_logprobs, targets, temperature)
 
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
-    Objective("full_vocab", "logits", uses_beta=True, exact_on_policy=False, loss=_full_vocab),
-    Objective("sampled_token", "token_logprobs", uses_beta=False, exact_on_policy=True, loss=_sampled_token),
+    Objective("full_vocab", "logits", uses_beta=True, exact_on_policy=False, terms=_full_vocab),
+    Objective("sampled_token", "token_logprobs", uses_beta=False, exact_on_policy=True, terms=_sampled_token),
 )}
 
 

@@ -4,17 +4,21 @@ Each step, on each worker: take this worker's share of the training prompts; wit
 (``opd.on_policy_fraction``, GKD mixing) sample completions from the current student (no grad, KV cache,
 left-padded prompts), else take the teacher's cached completions; rebuild right-padded sequences that keep
 each completion up to and including its first EOS (``ars_opd.lm.batching.build_rollout_batch``); let the
-frozen teacher score them (eval mode, no grad) and train the student on the objective ``opd.loss`` chosen
-from ``ars_opd.lm.objectives``. The λ draw depends only on (seed, step), so every worker makes the same
-choice, and the log records it (``gkd_source``). It runs on the shared engine (exact token normalisation,
-clipping, resume) with the consistency hook.
+frozen teacher score them (eval mode, no grad; bf16 on CUDA by default, ``opd.teacher_dtype``) and train the
+student on the objective ``opd.loss`` chosen from ``ars_opd.lm.objectives``, from both models' last hidden
+states one chunk of positions at a time (no (tokens × vocabulary) logits on either side). Rollouts use
+transformers' generate, or with ``opd.rollout_cache: static`` a preallocated KV cache and a decode loop of
+our own (compiled on CUDA). The λ draw depends only on (seed, step), so every worker makes the same choice,
+and the log records it (``gkd_source``). It runs on the shared engine (exact token normalisation, clipping,
+resume) with the consistency hook.
 
 White-box rule: teacher and student must share the tokenizer (checked at start, clear error otherwise).
 Vocabulary rule: logits are compared over the tokenizer's ids 0..len(tokenizer)-1 only; embedding rows
 beyond it (e.g. 151,936 vs 152,064) are padding and are sliced off both sides.
 
 Per-step task columns: teacher_logprob (mean log p_T of the trained tokens at τ = 1), response_length,
-eos_rate, on_policy, and the seconds spent sampling (gen_s) and in the teacher forward (teacher_s).
+eos_rate, on_policy, and the seconds spent sampling (gen_s) and in the teacher's forward to its hidden states
+(teacher_s; with ``full_vocab`` its head runs inside the chunked loss).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from ars_opd.config import DDPConfig, OPDConfig, PathsConfig
 from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.lm.generation import generate_token_ids
-from ars_opd.lm.objectives import Objective, TeacherScores, check_config, get_objective
+from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows, target_logprobs
+from ars_opd.lm.objectives import Objective, TeacherLogits, TeacherScores, check_config, get_objective
+from ars_opd.lm.precision import frozen_model_dtype
 from ars_opd.models.pinning import load_model, load_model_dir, model_path, read_manifest, sha256_of_files
 from ars_opd.models.tokenizer import check_shared_tokenizer
 from ars_opd.seeding import derive_seed
@@ -38,6 +44,7 @@ from ars_opd.training.budget import matmul_parameters, read_budget
 from ars_opd.training.faults import Fault
 from ars_opd.training.geometry import BatchGeometry, step_indices
 from ars_opd.training.loop import MicroBatch
+from ars_opd.training.optim import autocast_context
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker
 
 
@@ -47,24 +54,26 @@ def uses_student_rollouts(seed: int, step: int, on_policy_fraction: float) -> bo
 
 
 class LocalTeacher:
-    """The frozen teacher in this process: one no-grad forward per micro-batch."""
+    """The frozen teacher in this process: one no-grad forward per micro-batch, to its last hidden states.
 
-    def __init__(self, model: torch.nn.Module, vocab: int):
-        self.model, self.vocab = model.eval().requires_grad_(False), vocab
+    ``score`` returns what the objective's ``teacher_signal`` names for the batch's scored positions: the
+    teacher's logits as ``TeacherLogits`` (hidden states and head, projected chunk by chunk inside the loss),
+    or the targets' log-probabilities (computed here, chunk by chunk). Neither forms (B, T, V) logits.
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab: int, chunk_size: int = 256):
+        self.model, self.vocab, self.chunk_size = model.eval().requires_grad_(False), vocab, chunk_size
+        self.head = OutputHead.of(self.model, vocab)
 
     @torch.no_grad()
-    def score(self, tensors: dict[str, torch.Tensor], objective: Objective, temperature: float
-              ) -> tuple[TeacherScores, torch.Tensor]:
-        """(what ``objective`` needs, log p_T of the targets at τ = 1 for the log), both over (B, T)."""
-        logits = self.model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
-        logits = logits[..., :self.vocab]  # (B, T, V)
-        targets = tensors["targets"].clamp(min=0).unsqueeze(-1)
-        logged = logits.gather(-1, targets).squeeze(-1).float() - torch.logsumexp(logits.float(), -1)  # (B, T)
+    def score(self, tensors: dict[str, torch.Tensor], objective: Objective, temperature: float) -> TeacherScores:
+        mask = tensors["loss_mask"]  # (B, T)
+        targets = tensors["targets"][mask]  # (M,)
+        hidden = select_rows(last_hidden_states(self.model, tensors["input_ids"], tensors["attention_mask"]), mask)
         if objective.teacher_signal == "logits":
-            return TeacherScores(logits=logits), logged
-        at_t = logged if temperature == 1.0 else (
-            torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets).squeeze(-1))
-        return TeacherScores(token_logprobs=at_t), logged
+            return TeacherScores(logits=TeacherLogits(hidden, self.head, targets))
+        at_1, at_t = target_logprobs(hidden, self.head, targets, (1.0, temperature), self.chunk_size)
+        return TeacherScores(token_logprobs=at_t, logged_logprobs=at_1)
 
 
 class OPDTask:
@@ -97,9 +106,11 @@ class OPDTask:
         t0 = time.perf_counter()
         if on_policy:
             sample = self.cfg.sample_temperature > 0
-            completions = generate_token_ids(
-                model, self.tokenizer, prompts, self.cfg.max_new_tokens, batch_size=len(prompts),
-                do_sample=sample, temperature=self.cfg.sample_temperature if sample else 1.0, top_p=self.cfg.top_p)
+            with autocast_context(self.cfg.precision, self.device):  # rollouts in the training precision
+                completions = generate_token_ids(
+                    model, self.tokenizer, prompts, self.cfg.max_new_tokens, batch_size=len(prompts),
+                    do_sample=sample, temperature=self.cfg.sample_temperature if sample else 1.0,
+                    top_p=self.cfg.top_p, cache=self.cfg.rollout_cache)
         else:
             completions = [self.teacher_completions[i][: self.cfg.max_new_tokens] for i in idx]
         gen_s = time.perf_counter() - t0
@@ -126,14 +137,15 @@ class OPDTask:
 
     def loss_sum(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, dict]:
         t = batch.tensors
-        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[..., :self.teacher.vocab]
+        mask = t["loss_mask"]  # (B, T)
+        hidden = select_rows(last_hidden_states(model, t["input_ids"], t["attention_mask"]), mask)  # (M, H)
         t0 = time.perf_counter()
-        scores, teacher_lp = self.teacher.score(t, self.objective, self.cfg.temperature)
+        scores = self.teacher.score(t, self.objective, self.cfg.temperature)
         teacher_s = time.perf_counter() - t0
-        mask = t["loss_mask"]
-        loss_sum, n = self.objective.loss(logits, scores, mask, t["targets"].clamp(min=0), self.cfg.beta,
-                                          self.cfg.temperature, self.cfg.chunk_size)
-        return loss_sum, {"teacher_logprob": (float(teacher_lp[mask].sum()), float(n)),
+        loss_sum, n = self.objective.loss(hidden, OutputHead.of(model, self.teacher.vocab), scores,
+                                          t["targets"][mask], self.cfg.beta, self.cfg.temperature,
+                                          self.cfg.chunk_size)
+        return loss_sum, {"teacher_logprob": (float(scores.target_logprobs().sum()), float(n)),
                           "teacher_s": (teacher_s, 1.0 if batch.meta.get("gen_s") else 0.0)}
 
 
@@ -156,7 +168,9 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     vocab = len(tokenizer)
     student_dir = Path(job.paths.distill_init)
     model = load_model_dir(student_dir, ctx.device, stage="sft")
-    teacher = load_model(job.paths.models_dir, "teacher", trust_remote_code=job.trust_remote_code).to(ctx.device)
+    teacher_dtype = frozen_model_dtype(job.cfg.teacher_dtype, ctx.device)
+    teacher = load_model(job.paths.models_dir, "teacher", dtype=teacher_dtype,
+                         trust_remote_code=job.trust_remote_code).to(ctx.device)
     for name, m in (("student", model), ("teacher", teacher)):
         rows_out = m.get_output_embeddings().weight.shape[0]
         if rows_out < vocab:
@@ -166,13 +180,14 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     prompts, completions, tasks, counts = _encode(tokenizer, rows, job.cfg)
     if not prompts:
         raise ValueError(f"no OPD prompts left after the budget: {counts}")
-    task = OPDTask(prompts, completions, LocalTeacher(teacher, vocab), tokenizer, job.cfg, setup.geometry,
-                   setup.sampler_seed, setup.stage_seed, ctx.rank, ctx.device, setup.fault, tasks,
+    task = OPDTask(prompts, completions, LocalTeacher(teacher, vocab, job.cfg.chunk_size), tokenizer, job.cfg,
+                   setup.geometry, setup.sampler_seed, setup.stage_seed, ctx.rank, ctx.device, setup.fault, tasks,
                    matmul_parameters(model), matmul_parameters(teacher))
     fingerprint = {"init": sha256_of_files(student_dir),
                    "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
                    "rows": len(rows), "data": file_sha256(train_path)}
-    return PreparedRun(model, task, fingerprint, counts, manifest={"vocab": vocab},
+    return PreparedRun(model, task, fingerprint, counts,
+                       manifest={"vocab": vocab, "teacher_dtype": str(teacher_dtype).removeprefix("torch.")},
                        on_step=lambda s: {"gkd_source": task.source(s)}, budget_start=read_budget(student_dir))
 
 

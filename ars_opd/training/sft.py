@@ -6,8 +6,11 @@ Budgets (``sft.max_prompt_tokens``, ``max_completion_tokens``, ``max_seq_len``):
 drops the row (a cut prompt is a different task), a long completion is truncated, and a row left with no
 room for any completion token is dropped; all are counted in the stage manifest, never silent.
 
-Batches are right-padded, or with ``packing: true`` padding-free (``ars_opd.lm.batching.pack_sequences``:
-tested to give the same logits as unpacked rows).
+Batches are right-padded, or with ``packing: true`` padding-free (``ars_opd.lm.batching.pack_sequences``,
+attended by ``ars_opd.lm.attention``'s varlen implementations without an (L × L) mask: tested to give the
+same logits as unpacked rows). The loss is taken from the student's last hidden states through its output
+head one chunk of positions at a time (``ars_opd.lm.losses.causal_lm_loss_from_hidden``), over the
+tokenizer's ids only (embedding rows beyond it are padding).
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ import torch
 from ars_opd.artifacts import file_sha256, read_jsonl
 from ars_opd.config import DDPConfig, OPDConfig, PathsConfig, SFTConfig, TrainLoopConfig
 from ars_opd.data.prompts import encode_completions, encode_prompts
+from ars_opd.lm.attention import packed_attention_implementation, packed_model_inputs, use_packed_attention
 from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels
-from ars_opd.lm.losses import causal_lm_token_loss_sum
+from ars_opd.lm.head import OutputHead, last_hidden_states
+from ars_opd.lm.losses import causal_lm_loss_from_hidden
 from ars_opd.models.pinning import load_model, load_model_dir, read_manifest, sha256_of_files
 from ars_opd.training.budget import matmul_parameters, read_budget
+from ars_opd.training.distributed import resolve_device
 from ars_opd.training.geometry import BatchGeometry, step_indices
 from ars_opd.training.faults import Fault
 from ars_opd.training.loop import MicroBatch
@@ -68,11 +74,12 @@ class SFTTask:
     """Micro-batches of teacher completions for one worker; loss = summed token cross-entropy."""
 
     def __init__(self, data: EncodedData, cfg: SFTConfig, geometry: BatchGeometry, sampler_seed: int,
-                 rank: int, device: torch.device, pad_id: int, fault: Fault | None = None, vocab: int = 0,
-                 flops_per_token: float = 0.0):
+                 rank: int, device: torch.device, pad_id: int, fault: Fault | None = None,
+                 vocab: int | None = None, flops_per_token: float = 0.0):
         self.data, self.cfg, self.geometry = data, cfg, geometry
         self.sampler_seed, self.rank, self.device, self.pad_id = sampler_seed, rank, device, pad_id
-        self.fault, self.vocab = fault, vocab
+        self.fault = fault
+        self.vocab = vocab  # scored ids 0..vocab-1 (None: every output row)
         self.flops_per_token = flops_per_token  # 6 · P_s: forward and backward (ars_opd.training.budget)
 
     def metric_names(self) -> list[str]:
@@ -101,11 +108,13 @@ class SFTTask:
 
     def loss_sum(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, dict]:
         t = batch.tensors
-        kwargs = {"input_ids": t["input_ids"], "attention_mask": t["attention_mask"]}
-        if "position_ids" in t:
-            kwargs["position_ids"] = t["position_ids"]
-        logits = model(**kwargs).logits  # (B, T, V)
-        loss_sum, _ = causal_lm_token_loss_sum(logits, t["labels"])
+        if "cu_seq_lens" in t:  # packed: the model's attention is one of ars_opd.lm.attention's (prepare_sft)
+            kwargs = packed_model_inputs(t)
+        else:
+            kwargs = {"input_ids": t["input_ids"], "attention_mask": t["attention_mask"]}
+        hidden = last_hidden_states(model, **kwargs)  # (B, T, H)
+        loss_sum, _ = causal_lm_loss_from_hidden(hidden, OutputHead.of(model, self.vocab), t["labels"],
+                                                 self.cfg.chunk_size)
         total = t["input_ids"].numel()
         return loss_sum, {"padding_fraction": (float(total - batch.n_real_tokens), float(total))}
 
@@ -125,10 +134,13 @@ def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     else:
         model = load_model_dir(job.paths.distill_init, setup.ctx.device, stage="sft")
         init, start = sha256_of_files(Path(job.paths.distill_init)), read_budget(job.paths.distill_init)
+    manifest = {}
+    if job.cfg.packing:
+        manifest["packed_attention"] = use_packed_attention(model, job.cfg.packed_attention)
     task = SFTTask(data, job.cfg, setup.geometry, setup.sampler_seed, setup.ctx.rank, setup.ctx.device,
                    setup.tokenizer.pad_token_id, setup.fault, len(setup.tokenizer), 6.0 * matmul_parameters(model))
     fingerprint = {"init": init, "rows": len(rows), "data": file_sha256(train_path)}
-    return PreparedRun(model, task, fingerprint, data.counts, budget_start=start)
+    return PreparedRun(model, task, fingerprint, data.counts, manifest=manifest, budget_start=start)
 
 
 def sft_worker(job: TrainingJob) -> dict:
@@ -137,6 +149,8 @@ def sft_worker(job: TrainingJob) -> dict:
 
 def run_sft(cfg: SFTConfig, ddp: DDPConfig, paths: PathsConfig, progress: bool = True) -> dict:
     """The sft stage: start the workers, train, write outputs. Returns rank 0's summary."""
+    if cfg.packing:  # before any worker starts: a packed attention this machine cannot train with is a config error
+        packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
     return launch_stage(sft_worker, TrainingJob("sft", cfg, ddp, paths, progress=progress))
 
 
@@ -151,5 +165,7 @@ def continued_sft_config(sft: SFTConfig, opd: OPDConfig) -> SFTConfig:
 def run_sft_continued(sft: SFTConfig, opd: OPDConfig, ddp: DDPConfig, paths: PathsConfig,
                       progress: bool = True) -> dict:
     """The sft_continued stage: OPD's control arm, more SFT from the same start, with OPD's loop."""
-    return launch_stage(sft_worker, TrainingJob("sft_continued", continued_sft_config(sft, opd), ddp, paths,
-                                                progress=progress))
+    cfg = continued_sft_config(sft, opd)
+    if cfg.packing:
+        packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
+    return launch_stage(sft_worker, TrainingJob("sft_continued", cfg, ddp, paths, progress=progress))
