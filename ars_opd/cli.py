@@ -119,7 +119,8 @@ def _cmd_distillation(args: argparse.Namespace) -> int:
     for x_key in ("steps", "flops"):
         distillation.curve_figure(runs, x_key, fig_dir / f"curves_{x_key}.png")
         figures[x_key] = f"{fig_dir.name}/curves_{x_key}.png"
-    text, _ = distillation.render_study(runs, DISTILLATION_COMMANDS, figures)
+    commands = Path(args.commands).read_text() if args.commands else DISTILLATION_COMMANDS
+    text, _ = distillation.render_study(runs, commands, figures)
     notes = Path(args.notes).read_text() if args.notes else ""
     out.write_text(text + ("\n" + notes.strip() + "\n" if notes.strip() else ""))
     print(f"wrote {out} and {fig_dir}/")
@@ -151,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--from", dest="source", default=None, help="saved `dvc exp show --json` output")
     d.add_argument("--out", default="reports/distillation.md", help="markdown to write (figures beside it)")
     d.add_argument("--notes", default=None, help="markdown appended after the tables (the interpretation)")
+    d.add_argument("--commands", default=None,
+                   help="file with the commands that made the sweep (default: the seed sweep of the README)")
     d.set_defaults(func=_cmd_distillation)
     # parsed by the server itself (main() hands it the rest of the command line)
     sub.add_parser("serve", help="serve a local HF causal LM with an OpenAI-compatible API (serve --help)")

@@ -5,8 +5,9 @@
 # K = 4 workers (with 2, "rank 0's seed differs" and "every rank's seed differs" are the same experiment);
 # S1-1, S1-2, S1-3 with SEEDS training seeds each (ddp.seed: the models and data stages are not rerun),
 # plus a positive control: shard_skew on rank 1 from step 0 (rank 1 sees a single task) in both training
-# stages. Every experiment's opd starts from one fixed SFT student (paths.distill_init), so OPD's
-# differences are not SFT's. Shortened steps keep the grid near an hour on two CPU cores.
+# stages. Every experiment's opd (and its control arm, sft_continued) starts from one fixed SFT student
+# (paths.distill_init), so OPD's differences are not SFT's. Shortened steps keep the grid under an hour on
+# two CPU cores. The S1-1 runs double as the distillation seed sweep (reports/distillation.md).
 #
 # Run from a clean checkout after `dvc repro` (its SFT student becomes the fixed OPD init). The init is
 # committed as a DVC-tracked copy on a throwaway branch, since queued experiments see only committed files:
@@ -20,8 +21,9 @@ if [ ! -f "$INIT.dvc" ]; then
   dvc add -q "$INIT"
   git add "$INIT.dvc" data/study/.gitignore && git commit -qm "scenario study: the fixed SFT init of every OPD run"
 fi
-COMMON=(-S ddp.workers=4 -S sft.micro_batch_size=8 -S opd.micro_batch_size=8 -S sft.steps=300 -S sft.warmup_steps=20
-        -S opd.steps=100 -S evaluate.max_examples=50 -S "paths.distill_init=$INIT")
+COMMON=(-S ddp.workers=4 -S sft.micro_batch_size=8 -S opd.micro_batch_size=8 -S sft.steps=200 -S sft.warmup_steps=20
+        -S sft.snapshot_every=0 -S opd.steps=60 -S opd.warmup_steps=5 -S opd.snapshot_every=20
+        -S evaluate.max_examples=40 -S evaluate.curve_examples=40 -S "paths.distill_init=$INIT")
 for seed in $SEEDS; do
   for sc in S1-1 S1-2 S1-3; do
     dvc exp run --queue "${COMMON[@]}" -S "ddp.scenario=$sc" -S "ddp.seed=$seed" -n "$(echo "$sc" | tr 'A-Z' 'a-z')-seed$seed"
@@ -34,3 +36,10 @@ while dvc queue status | grep -Eq "Queued|Running"; do sleep 30; done
 dvc queue status
 dvc exp show --json --all-commits > /tmp/scenario_exps.json
 ars-opd scenarios --from /tmp/scenario_exps.json --notes reports/scenarios_notes.md --out reports/scenarios.md
+# the S1-1 runs (nothing injected) are also a seed sweep of OPD against its control at equal budget
+{ echo "git switch -c scenario-study && bash bench/scenario_sweep.sh   # SEEDS=\"$SEEDS\""
+  echo "# per experiment: ${COMMON[*]} -S ddp.scenario=S1-1 -S ddp.seed=<seed>"
+  echo "dvc exp show --json --all-commits > exps.json"
+  echo "ars-opd distillation --from exps.json --out reports/distillation.md"; } > /tmp/distillation_commands.txt
+ars-opd distillation --from /tmp/scenario_exps.json --commands /tmp/distillation_commands.txt \
+  --out reports/distillation.md

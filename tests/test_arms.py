@@ -139,20 +139,25 @@ def test_interpolation_and_the_equal_budget_comparison():
     assert compare({"opd": {"reverse_kl": 1.0}}) is None
 
 
-def _show(evals: list[tuple[int, dict]]):
-    def rev(name, seed, ev):
-        return {"rev": name, "name": name, "data": {"params": {"params.yaml": {"data": {"ddp": {"seed": seed}}}},
+def _show(evals: list[tuple[int, dict]], others: list[tuple[int, dict, dict]] = ()):
+    def rev(name, seed, ev, extra=None):
+        ddp = {"seed": seed, **(extra or {})}
+        return {"rev": name, "name": name, "data": {"params": {"params.yaml": {"data": {"ddp": ddp}}},
                                                      "metrics": {"data/metrics/evaluate.json": {"data": ev}}}}
     base = rev("workspace", 0, evals[0][1])
     base["experiments"] = [{"name": f"s{s}", "revs": [rev(f"s{s}", s, ev)]} for s, ev in evals[1:]]
+    base["experiments"] += [{"name": f"o{s}", "revs": [rev(f"o{s}", s, ev, extra)]} for s, ev, extra in others]
     return [base]
 
 
 def test_the_seed_study_pairs_differences_by_seed_and_states_a_verdict():
     rng = np.random.default_rng(0)
     evals = [(s, _evaluate(1.0 + rng.normal(0, 0.02), 1.3 + rng.normal(0, 0.02))) for s in range(4)]
-    runs = collect(_show(evals))
+    # the same seeds under another seed scenario or with a fault injected are other experiments: not counted
+    noise = _evaluate(9.0, 0.1)
+    runs = collect(_show(evals, [(1, noise, {"scenario": "S1-3"}), (2, noise, {"inject": {"kind": "shard_skew"}})]))
     assert [r["seed"] for r in runs] == [0, 1, 2, 3]
+    assert all(r["evaluate"] is not noise for r in runs)
     text, summary = render_study(runs, "cmds", {"steps": "distillation/curves_steps.png"})
     d, lo, hi = summary["equal_steps/reverse_kl/diff"]
     assert d == pytest.approx(np.mean([e["opd"]["reverse_kl"] - e["sft_continued"]["reverse_kl"] for _, e in evals]))

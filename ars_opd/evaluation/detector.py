@@ -45,6 +45,7 @@ from statistics import NormalDist
 import numpy as np
 
 from ars_opd.config import ReportConfig
+from ars_opd.evaluation.solve import solve_increasing
 
 STATISTICS = ("loss", "grad_norm", "direction")
 SIEGMUND_SHIFT = 1.166  # Siegmund's correction of the CUSUM boundary for the overshoot
@@ -110,13 +111,7 @@ def cusum_threshold(target_arl: float, k: float) -> float:
     """The h whose ``siegmund_arl(h, k)`` equals ``target_arl`` (bisection; ARL grows with h)."""
     if target_arl <= 1 or k <= 0:
         raise ValueError(f"need target_arl > 1 and k > 0, got {target_arl}, {k}")
-    lo, hi = 0.0, 1.0
-    while siegmund_arl(hi, k) < target_arl:
-        hi *= 2
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if siegmund_arl(mid, k) < target_arl else (lo, mid)
-    return (lo + hi) / 2
+    return solve_increasing(lambda h: siegmund_arl(h, k), target_arl)
 
 
 def threshold_for(settings: ReportConfig, ranks: int) -> float:

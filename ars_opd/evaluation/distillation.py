@@ -119,8 +119,9 @@ def collect(data: Any) -> list[dict]:
     by_seed: dict[int, dict] = {}
     for name, params, metrics, is_experiment in walk_experiments(data):
         seed = int((params.get("ddp") or {}).get("seed", 0))
-        if (params.get("ddp") or {}).get("inject", {}).get("kind"):
-            continue
+        ddp = params.get("ddp") or {}
+        if (ddp.get("inject") or {}).get("kind") or ddp.get("scenario", "S1-1") != "S1-1":
+            continue  # a fault or another seed scenario is another experiment, not another seed of this one
         ev = metrics if all(a in metrics for a in ARMS) else None
         if ev is None:
             continue
@@ -146,7 +147,8 @@ def render_study(runs: list[dict], commands: str, figures: dict[str, str]) -> tu
     lines = ["# Did on-policy distillation beat more SFT at equal budget?", "",
              "Made from a real sweep of DVC experiments (training seeds `ddp.seed`; the models, data and teacher "
              "completions are shared) with these commands:", "", "```", commands.strip(), "```", "",
-             f"Seeds: {[r['seed'] for r in runs]}. Both arms start from the same SFT student of their seed and run "
+             f"Seeds: {[r['seed'] for r in runs]} (scenario S1-1, nothing injected). Both arms start from the same SFT "
+             "student (`paths.distill_init`) and run "
              "the same loop (the `opd` section's steps, batch and schedule). Each cell: mean over seeds [95% "
              "t-interval]; differences are paired by seed.", ""]
     summary: dict = {}

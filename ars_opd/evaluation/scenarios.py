@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ars_opd.evaluation.solve import solve_increasing
+
 SCENARIOS = ("S1-1", "S1-2", "S1-3")
 STATISTICS = (  # (metric key suffix, label, the paper's direction from S1-1 to S1-3)
     ("loss_dispersion_mean", "loss dispersion", "up"),
@@ -52,13 +54,7 @@ def student_t_quantile(p: float, df: float) -> float:
     """The t with ``student_t_cdf(t, df) == p`` (bisection), for 0.5 <= p < 1."""
     if not 0.5 <= p < 1:
         raise ValueError(f"p must be in [0.5, 1), got {p}")
-    lo, hi = 0.0, 1.0
-    while student_t_cdf(hi, df) < p:
-        hi *= 2
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if student_t_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
+    return solve_increasing(lambda t: student_t_cdf(t, df), p, iterations=60)
 
 
 def mean_ci(x: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
