@@ -21,8 +21,8 @@ if [ ! -f "$INIT.dvc" ]; then
   dvc add -q "$INIT"
   git add "$INIT.dvc" data/study/.gitignore && git commit -qm "scenario study: the fixed SFT init of every OPD run"
 fi
-COMMON=(-S ddp.workers=4 -S sft.micro_batch_size=8 -S opd.micro_batch_size=8 -S sft.steps=200 -S sft.warmup_steps=20
-        -S sft.snapshot_every=0 -S opd.steps=60 -S opd.warmup_steps=5 -S opd.snapshot_every=20
+COMMON=(-S ddp.workers=4 -S sft.micro_batch_size=8 -S opd.micro_batch_size=8 -S sft.steps=100 -S sft.warmup_steps=10
+        -S sft.snapshot_every=0 -S opd.steps=40 -S opd.warmup_steps=4 -S opd.snapshot_every=20
         -S evaluate.max_examples=40 -S evaluate.curve_examples=40 -S "paths.distill_init=$INIT")
 for seed in $SEEDS; do
   for sc in S1-1 S1-2 S1-3; do

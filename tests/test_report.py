@@ -69,6 +69,11 @@ def test_clipping_noise_scale_and_drift_are_reported():
     assert "first at step 250 (ranks [1])" in md
     assert [(a.step, a.rank) for a in alarms["opd"] if a.statistic == "drift"] == [(250, 1)]
     assert np.isnan(noise_scale_summary(pd.DataFrame({"loss": [1.0]}))[0])
+    # a non-positive |G|² estimate is no critical batch size: say so instead of printing a negative one
+    noisy = _log()
+    noisy["gns/b_simple"] = -500.0
+    md, _, _ = build_report({"opd": noisy}, None, ReportConfig())
+    assert "critical batch size in tokens is about" not in md and "not resolved in this stage" in md
 
 
 def test_detection_benchmark_summary(tmp_path):

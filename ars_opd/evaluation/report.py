@@ -153,11 +153,16 @@ def stage_section(stage: str, df: pd.DataFrame, cfg: ReportConfig) -> tuple[list
     b_simple, batch_tokens = noise_scale_summary(df)
     flat[f"{stage}/noise_scale_tokens"] = b_simple
     flat[f"{stage}/global_batch_tokens"] = batch_tokens
-    if math.isfinite(b_simple):
+    if math.isfinite(b_simple) and b_simple > 0:
         md += [f"**Gradient noise scale:** the critical batch size in tokens is about **{b_simple:,.0f}**; your "
                f"global batch is **{batch_tokens:,.0f}** tokens per step (B_simple at the last step; below the "
                "critical batch size a larger batch still buys nearly proportional progress per step, far above "
                "it mostly wasted compute).", ""]
+    elif math.isfinite(b_simple):  # the |G|² estimate is a difference of two noisy terms and came out <= 0
+        md += [f"**Gradient noise scale:** not resolved in this stage: the smoothed |G|² estimate is not positive "
+               f"(B_simple {b_simple:,.0f}), i.e. at a global batch of **{batch_tokens:,.0f}** tokens per step "
+               "the gradient's signal is below what the workers' spread can measure; the critical batch size is "
+               "then well above the global batch.", ""]
 
     checks = [r for r in rows if r.get("drift_mismatch") is not None]
     bad = [r for r in checks if r["drift_mismatch"]]
