@@ -32,7 +32,8 @@ for seed in $SEEDS; do
     -S ddp.inject.magnitude=1.0 -S ddp.inject.start_step=0 -S 'ddp.inject.stages=[sft,opd]' -n "control-seed$seed"
 done
 time dvc queue start --jobs 1
-while dvc queue status | grep -Eq "Queued|Running"; do sleep 30; done
+# (status captured first: with pipefail, grep -q closing the pipe early would end the wait at once)
+while status=$(dvc queue status) && grep -Eq "Queued|Running" <<<"$status"; do sleep 30; done
 dvc queue status
 dvc exp show --json --all-commits > /tmp/scenario_exps.json
 ars-opd scenarios --from /tmp/scenario_exps.json --notes reports/scenarios_notes.md --out reports/scenarios.md
