@@ -139,12 +139,12 @@ def test_interpolation_and_the_equal_budget_comparison():
     assert compare({"opd": {"reverse_kl": 1.0}}) is None
 
 
-def _show(evals: list[tuple[int, dict]], others: list[tuple[int, dict, dict]] = ()):
-    def rev(name, seed, ev, extra=None):
+def _show(evals: list[tuple[int, dict]], others: list[tuple[int, dict, dict]] = (), base_params: dict | None = None):
+    def rev(name, seed, ev, extra=None, params=None):
         ddp = {"seed": seed, **(extra or {})}
-        return {"rev": name, "name": name, "data": {"params": {"params.yaml": {"data": {"ddp": ddp}}},
+        return {"rev": name, "name": name, "data": {"params": {"params.yaml": {"data": {"ddp": ddp, **(params or {})}}},
                                                      "metrics": {"data/metrics/evaluate.json": {"data": ev}}}}
-    base = rev("workspace", 0, evals[0][1])
+    base = rev("workspace", 0, evals[0][1], params=base_params)
     base["experiments"] = [{"name": f"s{s}", "revs": [rev(f"s{s}", s, ev)]} for s, ev in evals[1:]]
     base["experiments"] += [{"name": f"o{s}", "revs": [rev(f"o{s}", s, ev, extra)]} for s, ev, extra in others]
     return [base]
@@ -158,6 +158,8 @@ def test_the_seed_study_pairs_differences_by_seed_and_states_a_verdict():
     runs = collect(_show(evals, [(1, noise, {"scenario": "S1-3"}), (2, noise, {"inject": {"kind": "shard_skew"}})]))
     assert [r["seed"] for r in runs] == [0, 1, 2, 3]
     assert all(r["evaluate"] is not noise for r in runs)
+    # a baseline run with another configuration (more steps) is not a seed of the experiments' study
+    assert [r["seed"] for r in collect(_show(evals, base_params={"opd": {"steps": 300}}))] == [1, 2, 3]
     text, summary = render_study(runs, "cmds", {"steps": "distillation/curves_steps.png"})
     d, lo, hi = summary["equal_steps/reverse_kl/diff"]
     assert d == pytest.approx(np.mean([e["opd"]["reverse_kl"] - e["sft_continued"]["reverse_kl"] for _, e in evals]))

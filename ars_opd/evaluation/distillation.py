@@ -18,7 +18,9 @@ paired per-seed difference OPD − control, the learning-curve figures, and the 
 
 from __future__ import annotations
 
+import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -113,17 +115,29 @@ def headline(cmp: dict) -> list[str]:
 
 # -- the seed sweep ---------------------------------------------------------------------------------------
 
+def _without_seed(params: dict) -> str:
+    """The run's params minus ``ddp.seed``: two runs with equal keys are seeds of one experiment."""
+    ddp = {k: v for k, v in (params.get("ddp") or {}).items() if k != "seed"}
+    return json.dumps({**params, "ddp": ddp}, sort_keys=True, default=str)
+
+
 def collect(data: Any) -> list[dict]:
     """One entry per training seed: {"name", "seed", "evaluate"} from ``dvc exp show --json`` experiments
-    (and the baseline revision when no experiment has its seed) whose evaluation has both arms."""
-    by_seed: dict[int, dict] = {}
+    (and the baseline revision when no experiment has its seed) whose evaluation has both arms. Only runs
+    that differ in ``ddp.seed`` alone are seeds of one study: when experiments exist, the configuration most
+    of them share decides, so a baseline run with other steps or workers is not mixed in."""
+    found = []
     for name, params, metrics, is_experiment in walk_experiments(data):
-        seed = int((params.get("ddp") or {}).get("seed", 0))
         ddp = params.get("ddp") or {}
         if (ddp.get("inject") or {}).get("kind") or ddp.get("scenario", "S1-1") != "S1-1":
             continue  # a fault or another seed scenario is another experiment, not another seed of this one
-        ev = metrics if all(a in metrics for a in ARMS) else None
-        if ev is None:
+        if all(a in metrics for a in ARMS):
+            found.append((int(ddp.get("seed", 0)), name, metrics, is_experiment, _without_seed(params)))
+    configs = Counter(key for *_, is_exp, key in found if is_exp)
+    study = configs.most_common(1)[0][0] if configs else None
+    by_seed: dict[int, dict] = {}
+    for seed, name, ev, is_experiment, key in found:
+        if study is not None and key != study:
             continue
         if is_experiment or seed not in by_seed:
             by_seed[seed] = {"name": name, "seed": seed, "evaluate": ev}
