@@ -21,6 +21,7 @@ for the M scored positions of a micro-batch (the True entries of its loss mask, 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import math
 
 import torch
@@ -73,6 +74,7 @@ class EndpointTeacher:
         # one event loop and one connection pool for the whole run, driven from the training thread
         self._loop = asyncio.new_event_loop()
         self._client = None
+        atexit.register(self.close)  # the worker has no teardown hook: close the connections at exit
 
     def _client_in_loop(self):
         """The run's client, made inside its event loop (its connection pool belongs to that loop)."""
@@ -83,10 +85,13 @@ class EndpointTeacher:
         return self._client
 
     def close(self) -> None:
+        if self._loop.is_closed():
+            return
         if self._client is not None:
             self._loop.run_until_complete(self._client.close())
             self._client = None
         self._loop.close()
+        atexit.unregister(self.close)
 
     def attach(self, batches: list[dict[str, torch.Tensor]], objective: Objective) -> None:
         """Score every sequence of the step's micro-batches (CPU tensors) and store the scores in them."""
