@@ -6,7 +6,6 @@ a fault-injecting proxy (tests/fake_endpoint.py) in front of the same server for
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 from pathlib import Path
@@ -199,3 +198,34 @@ def test_unreachable_endpoint_fails_before_step_zero_naming_the_url(tmp_path):
     with pytest.raises(EndpointError, match=f"cannot reach the teacher endpoint {url}.*opd.teacher_endpoint.endpoint"):
         _run(tmp_path)
     assert not (tmp_path / load_params(tmp_path / "params.yaml").paths.training("opd").steps).exists()
+
+
+def test_endpoint_opd_worker_never_loads_teacher_weights(tmp_path, monkeypatch):
+    """One in-process worker (a world of one) trains 2 steps with endpoint scoring; every weights load is
+    recorded, and none reads the teacher's directory (the bundled server, another process, does)."""
+    from transformers import AutoModelForCausalLM
+
+    from ars_opd.training.opd import opd_worker
+    from ars_opd.training.worker import TrainingJob
+
+    _workspace(tmp_path, {"loss": "sampled_token", "teacher": "endpoint", "steps": 2, "warmup_steps": 0,
+                          "checkpoint_every": 0, "snapshot_every": 0})
+    loaded: list[str] = []
+    original = AutoModelForCausalLM.from_pretrained.__func__
+
+    def recording(cls, path, *args, **kwargs):
+        loaded.append(str(Path(path).resolve()))
+        return original(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(recording))
+    monkeypatch.chdir(tmp_path)
+    p = load_params("params.yaml")
+    teacher_dir = str(Path(model_path(p.paths.models_dir, "teacher")).resolve())
+    with local_teacher_server(teacher_dir, SERVER, max_logprobs=1) as url:
+        job = TrainingJob("opd", p.opd, p.ddp, p.paths, progress=False,
+                          runtime={"scoring_url": url, "scoring_model": LOCAL_MODEL_NAME})
+        summary = opd_worker(job)
+    assert summary["steps"] == 2
+    assert loaded and teacher_dir not in loaded, loaded  # the student was loaded, the teacher never
+    steps = read_jsonl(p.paths.training("opd").steps)
+    assert all(r["task/teacher_logprob"] < 0 for r in steps)

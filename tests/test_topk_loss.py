@@ -5,14 +5,13 @@ reverse KL stays stable when trained on it (verl reported forward-KL top-k stabl
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
 
 from ars_opd.lm.divergences import topk_support, topk_terms
-from ars_opd.lm.head import OutputHead, chunked_head_loss, topk_logprobs
+from ars_opd.lm.head import OutputHead, topk_logprobs
 from ars_opd.lm.objectives import TeacherScores, get_objective
 
 

@@ -241,6 +241,7 @@ class TeacherEngine:
                                  if self.context_length is not None else None)
         self.vocab = len(self.tokenizer)  # scored ids; embedding rows beyond the tokenizer are padding
         self.max_logprobs = max_logprobs
+        self._token_text: dict[int, str] = {}
         self.stats = ServerStats()
         self.stopping = False
         self._pending: asyncio.Queue[_Job] | None = None
@@ -411,6 +412,13 @@ class TeacherEngine:
             row.top_ids, row.top_logprobs = row.top_ids[:, :job.top_k], row.top_logprobs[:, :job.top_k]
             job.done = True
             job.post(row)
+
+    def decode_token(self, token: int) -> str:
+        """One token's text (``decoded_token`` of a scoring answer), memoised: the same ids recur constantly."""
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=True)

@@ -157,17 +157,24 @@ async def _completions(request: web.Request) -> web.Response:
     failed = next((r for r in rows if isinstance(r, _Failure)), None)
     if failed is not None:
         return RequestError(failed.status, failed.message).response()
-    decode = lambda t: engine.tokenizer.decode([t])  # noqa: E731
+    # formatting k entries per position (and their JSON) is CPU work: off the event loop, as preparing is
+    text = await asyncio.get_running_loop().run_in_executor(None, _score_response, engine, score, rows)
+    return web.Response(text=text, content_type="application/json")
+
+
+def _score_response(engine: TeacherEngine, score, rows) -> str:
+    """The JSON body of a scoring answer (vLLM's completions response with ``prompt_logprobs``)."""
+    tok = engine.tokenizer
     choices = []
     for i, (ids, row) in enumerate(zip(score.prompts, rows)):
         completion = [row.next_token] if score.max_tokens == 1 else []
-        text = engine.tokenizer.decode(completion)
-        choices.append({"index": i, "text": (engine.tokenizer.decode(ids) + text) if score.echo else text,
+        text = tok.decode(completion)
+        choices.append({"index": i, "text": (tok.decode(ids) + text) if score.echo else text,
                         "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                        "prompt_logprobs": vllm_prompt_logprobs(ids, row, decode) if score.top_k is not None
-                        else None})
+                        "prompt_logprobs": vllm_prompt_logprobs(ids, row, engine.decode_token)
+                        if score.top_k is not None else None})
     prompt_tokens = sum(len(p) for p in score.prompts)
-    return web.json_response({
+    return json.dumps({
         "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
         "model": engine.model_name, "choices": choices,
         "usage": _usage(prompt_tokens, score.max_tokens * len(score.prompts)),
