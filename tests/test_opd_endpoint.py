@@ -122,10 +122,9 @@ def test_faults_on_the_endpoint_leave_the_scores_identical(micro):
             retrying = _endpoint(proxy.base_url, len(tokenizer), request_timeout_s=1.0, backoff_base_s=0.05, backoff_max_s=0.2)
             retrying.attach(faulty, objective)
             retrying.close()
-    outcomes = [e["outcome"] for e in proxy.log]
-    assert {"429", "500", "503", "hang"} <= set(outcomes), outcomes  # every kind of fault happened
-    assert 0.1 < sum(o != "ok" for o in outcomes if o) / len({e["path"] + str(i) for i, e in enumerate(proxy.log)
-                                                              if e["attempt"] == 1}) < 0.35
+    first = [e["outcome"] for e in proxy.log if e["attempt"] == 1]
+    assert len(first) == 40 and {"429", "500", "503", "hang"} <= set(first), first  # every kind of fault
+    assert 0.1 <= sum(o != "ok" for o in first) / len(first) <= 0.35  # about 20% of requests failed once
     for a, b in zip(direct, faulty):
         for key in ("teacher_logprobs", "teacher_support_ids", "teacher_support_logprobs"):
             assert torch.equal(a[key], b[key]), key
