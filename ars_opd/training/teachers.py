@@ -23,14 +23,17 @@ from __future__ import annotations
 import asyncio
 import atexit
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from ars_opd.lm.divergences import topk_support
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows, target_logprobs, topk_logprobs
 from ars_opd.lm.objectives import Objective, TeacherLogits, TeacherScores
-from ars_opd.teacher.client import ClientSettings, make_client
-from ars_opd.teacher.score_client import SequenceScores, score_sequences
+
+if TYPE_CHECKING:  # the HTTP client is imported where used: LocalTeacher needs only torch (bench/gpu.py)
+    from ars_opd.teacher.client import ClientSettings
+    from ars_opd.teacher.score_client import SequenceScores
 
 ATTACHED = ("teacher_logprobs", "teacher_support_ids", "teacher_support_logprobs")
 
@@ -69,7 +72,7 @@ class LocalTeacher:
 class EndpointTeacher:
     """A served teacher, scored through ``prompt_logprobs`` (see the module docstring)."""
 
-    def __init__(self, settings: ClientSettings, model: str, vocab: int, topk: int = 20):
+    def __init__(self, settings: "ClientSettings", model: str, vocab: int, topk: int = 20):
         self.settings, self.model, self.vocab, self.topk = settings, model, vocab, topk
         # one event loop and one connection pool for the whole run, driven from the training thread
         self._loop = asyncio.new_event_loop()
@@ -79,6 +82,8 @@ class EndpointTeacher:
     def _client_in_loop(self):
         """The run's client, made inside its event loop (its connection pool belongs to that loop)."""
         if self._client is None:
+            from ars_opd.teacher.client import make_client
+
             async def make():
                 return make_client(self.settings)
             self._client = self._loop.run_until_complete(make())
@@ -101,6 +106,8 @@ class EndpointTeacher:
             sequences += [t["input_ids"][b, :n].tolist() for b, n in enumerate(lengths)]
         # sampled_token needs only the actual tokens, but k >= 1 is what every vLLM version answers alike
         k = self.topk if objective.teacher_signal == "topk" else 1
+        from ars_opd.teacher.score_client import score_sequences
+
         client = self._client_in_loop()
         scores = self._loop.run_until_complete(score_sequences(client, self.model, sequences, k, self.settings))
         i = 0
@@ -123,7 +130,7 @@ class EndpointTeacher:
         raise ValueError(f"a scoring endpoint cannot give the teacher signal {objective.teacher_signal!r}")
 
 
-def _gather(rows: list[SequenceScores], loss_mask: torch.Tensor, targets: torch.Tensor,
+def _gather(rows: "list[SequenceScores]", loss_mask: torch.Tensor, targets: torch.Tensor,
             vocab: int) -> dict[str, torch.Tensor]:
     """The scored positions' entries, in the loss mask's row-major order: (M,), (M, K), (M, K)."""
     lp, ids, lps = [], [], []
