@@ -694,9 +694,19 @@ class OPDConfig(TrainLoopConfig):
     """Rollout KV cache: dynamic (transformers' generate) or static (preallocated, our loop, compiled on CUDA)."""
     teacher_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Weights of the frozen teacher; auto: bf16 on CUDA, fp32 on CPU."""
+    teacher: Literal["local", "endpoint"] = "local"
+    """Who scores rollouts: local (the teacher's weights in every worker) or endpoint (a served teacher's
+    prompt_logprobs, e.g. vLLM; the trainer never loads teacher weights)."""
+    topk: int = 20
+    """Teacher tokens per position for the topk loss (the prompt_logprobs k; vLLM needs --max-logprobs >= it)."""
+    teacher_endpoint: EndpointConfig = field(default_factory=lambda: EndpointConfig(concurrency=8))
+    """The scoring endpoint (opd.teacher: endpoint): 'local' starts the bundled server for the models-stage teacher."""
+    teacher_server: TeacherServerConfig = field(default_factory=TeacherServerConfig)
+    """The bundled server (opd.teacher: endpoint with teacher_endpoint.endpoint 'local' only)."""
 
     def __post_init__(self):
         super().__post_init__()
+        _require(self.topk >= 1, "topk", f"must be >= 1, got {self.topk}")
         # which losses exist and what each demands (beta, pure on-policy rollouts) is checked against the
         # objectives registry, ars_opd.lm.objectives.check_config, by the opd stage and `ars-opd params`
         _require(bool(self.loss.strip()), "loss", "must name an objective, e.g. full_vocab or sampled_token")

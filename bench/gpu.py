@@ -7,7 +7,7 @@
 Every workload runs the pipeline's own code: packing (``ars_opd.lm.batching``), the packed attention
 (``ars_opd.lm.attention``: flash varlen where installed, else FlexAttention on CUDA, else per-sequence SDPA),
 losses from hidden states (``ars_opd.lm.head``, ``ars_opd.lm.losses``, the objectives registry), the frozen
-teacher (``ars_opd.training.opd.LocalTeacher``, bf16 on CUDA) and the static-cache decode loop
+teacher (``ars_opd.training.teachers.LocalTeacher``, bf16 on CUDA) and the static-cache decode loop
 (``ars_opd.lm.decoding``); models are built from config with random weights (no download). Precision is the
 pipeline's on CUDA: fp32 master weights under bf16 autocast for the student, bf16 weights for the teacher.
 On CUDA each decoder layer is compiled (``torch.compile``) for SFT and the OPD step, and the decode step with
@@ -55,7 +55,7 @@ from ars_opd.lm.divergences import token_divergence  # noqa: E402
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows  # noqa: E402
 from ars_opd.lm.losses import causal_lm_loss_from_hidden  # noqa: E402
 from ars_opd.lm.objectives import TeacherLogits, TeacherScores, get_objective  # noqa: E402
-from ars_opd.training.opd import LocalTeacher  # noqa: E402
+from ars_opd.training.teachers import LocalTeacher  # noqa: E402
 from ars_opd.training.optim import autocast_context, clip_gradients, make_optimizer  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}

@@ -86,7 +86,7 @@ def _step_fn(step: str, variant: str, student, teacher, t: dict, vocab: int, chu
     from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
     from ars_opd.lm.losses import causal_lm_loss_from_hidden, causal_lm_token_loss_sum
     from ars_opd.lm.objectives import get_objective
-    from ars_opd.training.opd import LocalTeacher
+    from ars_opd.training.teachers import LocalTeacher
 
     local_teacher = LocalTeacher(teacher, vocab, chunk) if teacher is not None else None
     objective = get_objective("full_vocab")

@@ -221,3 +221,49 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+PROXY_FAULTS = ("429", "500", "503", "hang")
+
+
+@dataclass
+class FaultyProxy(FakeEndpoint):
+    """A pass-through to a real server (``upstream``, its root URL) that injects faults on first attempts.
+
+    A deterministic share ``fault_rate`` of distinct POST bodies fails on its first attempt with one of
+    ``PROXY_FAULTS`` (429 with Retry-After, 500, 503, or a hang past the client's timeout); every other
+    request, and every retry, is forwarded unchanged, so a client that retries correctly gets exactly the
+    upstream's answers. GETs always pass. ``log`` records (path, attempt, outcome).
+    """
+
+    upstream: str = ""
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        return app
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        import aiohttp
+
+        body = await request.read()
+        fault = None
+        if request.method == "POST":
+            key = request.path + hashlib.sha256(body).hexdigest()
+            with self._lock:
+                attempt = self._attempts.get(key, 0) + 1
+                self._attempts[key] = attempt
+            if attempt == 1 and _bucket(key, "fault") < self.fault_rate:
+                fault = PROXY_FAULTS[int(_bucket(key, "kind") * len(PROXY_FAULTS)) % len(PROXY_FAULTS)]
+            with self._lock:
+                self.log.append({"path": request.path, "attempt": attempt, "outcome": fault or "ok"})
+        if fault in ("429", "500", "503"):
+            headers = {"Retry-After": str(self.retry_after_s)} if fault == "429" else None
+            return web.json_response({"error": {"message": f"injected {fault}", "type": "server_error"}},
+                                     status=int(fault), headers=headers)
+        if fault == "hang":
+            await asyncio.sleep(self.hang_s)
+        async with aiohttp.ClientSession() as s:
+            async with s.request(request.method, self.upstream + request.path_qs, data=body or None,
+                                 headers={"Content-Type": request.headers.get("Content-Type", "application/json")}) as r:
+                return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)

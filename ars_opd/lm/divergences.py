@@ -25,8 +25,11 @@ The pipeline computes both from the last hidden states instead of from logits: `
 ``ars_opd.lm.head.chunked_head_loss``, which forms one chunk of logits at a time; the logits forms above stay
 as the tested reference.
 
-All functions are pure: inputs and outputs are tensors, no I/O, no globals. What this leaves out: top-k/sparse
-teacher distributions.
+``topk_terms`` is the sparse form for a teacher that returns only its top-k log-probabilities (a served
+teacher's ``prompt_logprobs``): the same divergences over each row's top-k ∪ the target, both sides
+renormalised there; ``topk_support`` builds that support.
+
+All functions are pure: inputs and outputs are tensors, no I/O, no globals.
 """
 
 from __future__ import annotations
@@ -256,5 +259,65 @@ def sampled_token_terms(teacher_logprobs: torch.Tensor, tokens: torch.Tensor, te
             return -advantage, None
         grad = log_q.exp_().scatter_add_(-1, y, torch.full_like(y, -1.0, dtype=log_q.dtype))  # q − onehot(y)
         return -advantage, grad.mul_((advantage / temperature)[:, None])
+
+    return terms
+
+
+def topk_support(top_ids: torch.Tensor, top_logprobs: torch.Tensor, targets: torch.Tensor,
+                 target_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k ∪ the target per row: (ids (M, k+1), log p_T (M, k+1) with −inf at unused slots).
+
+    top_ids, top_logprobs: (M, k) the teacher's k most likely tokens and their log-probabilities (τ = 1);
+    targets, target_logprobs: (M,). The target takes the last slot unless it is already among the top-k,
+    in which case that slot repeats it with log-prob −inf (ignored by ``topk_terms``).
+    """
+    inside = (top_ids == targets[:, None]).any(-1)  # (M,)
+    ids = torch.cat([top_ids, targets[:, None]], -1)  # (M, k+1)
+    last = torch.where(inside, torch.full_like(target_logprobs, -math.inf), target_logprobs.float())
+    return ids, torch.cat([top_logprobs.float(), last[:, None]], -1)
+
+
+def topk_terms(support_ids: torch.Tensor, teacher_logprobs: torch.Tensor, beta: float = 1.0,
+               temperature: float = 1.0) -> Callable:
+    """``RowTerms`` of the divergence restricted to each row's support S (the teacher's top-k ∪ the target).
+
+    support_ids: (M, K) token ids; teacher_logprobs: (M, K) log p_T at τ = 1, −inf at unused slots. Both
+    distributions are renormalised over S at temperature τ: p̃ = softmax(log p_T / τ over S) (which equals the
+    exact softmax(z_T / τ) restricted to S and renormalised) and q̃ = softmax(z_S[S] / τ); the per-row value is
+    the divergence of ``divergence_terms`` (β: 0 forward KL, 1 reverse KL, between generalised JSD) between
+    p̃ and q̃, and the gradient reaches the student's logits on S only. The student's mass outside S is neither
+    penalised nor rewarded: that is the approximation's bias (the README states it).
+    """
+    if not 0.0 <= beta <= 1.0 or math.isnan(beta):
+        raise DivergenceInputError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
+    if not temperature > 0:
+        raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
+    beta, tau = float(beta), float(temperature)
+
+    def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        ids = support_ids[start:end]  # (c, K)
+        lp_t = teacher_logprobs[start:end].float()  # (c, K)
+        valid = torch.isfinite(lp_t)
+        log_p = torch.log_softmax(lp_t / tau, -1)  # (c, K), −inf where not valid
+        log_q = torch.log_softmax(z.gather(-1, ids).masked_fill(~valid, -math.inf) / tau, -1)  # (c, K)
+        p, q = log_p.exp(), log_q.exp()  # exactly 0 where not valid
+        zero = torch.zeros_like(p)
+        if beta == 1.0:
+            s = torch.where(valid, log_q - log_p, zero)
+            div = (q * s).sum(-1)
+            g = q * (s - div[:, None]) / tau if need_grad else None
+        elif beta == 0.0:
+            div = torch.where(valid, p * (log_p - log_q), zero).sum(-1)
+            g = (q - p) / tau if need_grad else None
+        else:
+            log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+            div = (beta * torch.where(valid, p * (log_p - log_m), zero).sum(-1)
+                   + (1 - beta) * torch.where(valid, q * (log_q - log_m), zero).sum(-1))
+            h = torch.where(valid, (1 - beta) * (log_q - log_m), zero)
+            g = q * (h - (q * h).sum(-1, keepdim=True)) / tau if need_grad else None
+        if g is None:
+            return div, None
+        # duplicate ids (an unused slot repeats the target) add a zero: scatter_add keeps the real one
+        return div, torch.zeros_like(z).scatter_add_(-1, ids, g)
 
     return terms

@@ -216,3 +216,25 @@ def target_logprobs(hidden: torch.Tensor, head: OutputHead, targets: torch.Tenso
             zt = z if tau == 1.0 else z / tau
             out[start:end] = zt.gather(-1, y).squeeze(-1) - torch.logsumexp(zt, -1)
     return outs
+
+
+@torch.no_grad()
+def topk_logprobs(hidden: torch.Tensor, head: OutputHead, targets: torch.Tensor, k: int,
+                  chunk_size: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The k most likely tokens at each of the M rows and the targets' log-probabilities, at τ = 1.
+
+    Returns (top ids (M, k) int64, their log-probs (M, k) fp32, log p(target) (M,) fp32); what a served
+    teacher's ``prompt_logprobs: k`` answers, computed locally one chunk of rows at a time.
+    """
+    M = hidden.shape[0]
+    k = min(k, head.vocab)
+    ids = torch.empty((M, k), dtype=torch.long, device=hidden.device)
+    lps = torch.empty((M, k), dtype=torch.float32, device=hidden.device)
+    at = torch.empty(M, dtype=torch.float32, device=hidden.device)
+    for start in range(0, M, chunk_size):
+        end = min(M, start + chunk_size)
+        z = torch.log_softmax(head.logits(hidden[start:end]), -1)  # (c, V)
+        top = z.topk(k, dim=-1)
+        ids[start:end], lps[start:end] = top.indices, top.values
+        at[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1)
+    return ids, lps, at

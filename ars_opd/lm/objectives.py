@@ -15,6 +15,9 @@ plugs in at that one boundary.
 - ``full_vocab``: the divergence of ``ars_opd.lm.divergences`` (β: 0 forward KL, 1 reverse KL, in between
   generalised JSD) at temperature τ, exact over the vocabulary; needs the teacher's full distribution
   (``TeacherLogits``: the teacher's hidden states and head, projected one chunk at a time).
+- ``topk``: the same divergences over each position's teacher top-k (``opd.topk``) ∪ the trained token,
+  both distributions renormalised there (``divergences.topk_terms``); needs only what a served teacher's
+  ``prompt_logprobs`` return. An approximation: the student's mass outside that set is ignored.
 - ``sampled_token``: the policy-gradient estimator of reverse KL from the teacher's log-probability of
   the sampled tokens alone. Its value is the reverse-KL estimate Σ(log q − log p) of those tokens and its
   gradient the surrogate's (−Σ A·log q is often negative and is no divergence, so it is never logged). The
@@ -30,7 +33,7 @@ from typing import Callable, Literal
 import torch
 
 from ars_opd.config import ConfigError, OPDConfig
-from ars_opd.lm.divergences import divergence_terms, sampled_token_terms
+from ars_opd.lm.divergences import divergence_terms, sampled_token_terms, topk_terms
 from ars_opd.lm.head import OutputHead, RowTerms, chunked_head_loss
 
 
@@ -67,6 +70,10 @@ class TeacherScores:
     """(M,) log p_T of the targets at the objective's temperature (``teacher_signal == "token_logprobs"``)."""
     logged_logprobs: torch.Tensor | None = None
     """(M,) log p_T of the targets at τ = 1, for the step log (from ``logits`` once the loss has run, if None)."""
+    support_ids: torch.Tensor | None = None
+    """(M, k+1) the teacher's top-k ∪ the target (``teacher_signal == "topk"``; ``divergences.topk_support``)."""
+    support_logprobs: torch.Tensor | None = None
+    """(M, k+1) log p_T of ``support_ids`` at τ = 1, −inf at unused slots."""
 
     def target_logprobs(self) -> torch.Tensor:
         """(M,) log p_T(target) at τ = 1 (the ``teacher_logprob`` column)."""
@@ -83,7 +90,7 @@ TermsFactory = Callable[[TeacherScores, torch.Tensor, float, float], RowTerms]
 @dataclass(frozen=True)
 class Objective:
     name: str
-    teacher_signal: Literal["logits", "token_logprobs"]
+    teacher_signal: Literal["logits", "token_logprobs", "topk"]
     """What the teacher must provide."""
     uses_beta: bool
     """Whether ``opd.beta`` means anything (else it must stay 1.0)."""
@@ -112,9 +119,16 @@ def _sampled_token(teacher: TeacherScores, targets, beta, temperature) -> RowTer
     return sampled_token_terms(teacher.token_logprobs, targets, temperature)
 
 
+def _topk(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
+    if teacher.support_ids is None or teacher.support_logprobs is None:
+        raise ValueError("the topk loss needs the teacher's top-k log-probabilities (TeacherScores.support_*)")
+    return topk_terms(teacher.support_ids, teacher.support_logprobs, beta, temperature)
+
+
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     Objective("full_vocab", "logits", uses_beta=True, exact_on_policy=False, terms=_full_vocab),
     Objective("sampled_token", "token_logprobs", uses_beta=False, exact_on_policy=True, terms=_sampled_token),
+    Objective("topk", "topk", uses_beta=True, exact_on_policy=False, terms=_topk),
 )}
 
 
@@ -129,6 +143,16 @@ def check_config(cfg: OPDConfig) -> Objective:
     if cfg.loss not in OBJECTIVES:
         raise ConfigError("opd.loss", f"must be one of {list(OBJECTIVES)}, got {cfg.loss!r}")
     objective = OBJECTIVES[cfg.loss]
+    if cfg.teacher == "endpoint":  # a served teacher returns log-probabilities at τ = 1, top-k at most
+        if objective.teacher_signal == "logits":
+            raise ConfigError("opd.loss", f"the {cfg.loss} loss needs the teacher's full distribution, which a "
+                                          "scoring endpoint does not return; with opd.teacher: endpoint use "
+                                          "sampled_token (exact) or topk (top-k approximation)")
+        if objective.teacher_signal == "token_logprobs" and cfg.temperature != 1.0:
+            raise ConfigError("opd.temperature", f"an endpoint's prompt_logprobs are log-softmax at temperature 1 "
+                                                 f"and log p_T(y) at τ = {cfg.temperature} needs the whole "
+                                                 f"distribution; set 1.0 with opd.teacher: endpoint (or use topk, "
+                                                 "which renormalises over the top-k at τ)")
     if not objective.uses_beta and cfg.beta != 1.0:
         raise ConfigError("opd.beta", f"the {cfg.loss} loss estimates reverse KL only; set beta: 1.0")
     if objective.exact_on_policy:  # its gradient is right only for tokens drawn from q at the temperature

@@ -15,6 +15,10 @@ temperature, top_p, max_tokens, seed and stop strings:
   EOS, at a stop string or at its ``max_tokens``, and pushes the row's progress to its request, which is
   how streaming sends tokens while they are generated.
 
+Scoring rows (``/v1/completions`` with ``prompt_logprobs``, ``ars_opd.teacher.scoring``) wait in the same
+queue and are taken into the same batches; a batch's scoring rows run as one right-padded forward before its
+chat rows generate.
+
 The model's ``generation_config.json`` sampling defaults are ignored: the request's parameters (OpenAI
 defaults: temperature 1, top_p 1) decide the decoding alone. On stop, the running batch ends at its next
 decoding step and requests still in flight are answered with 503.
@@ -54,6 +58,7 @@ from transformers import (
 from ars_opd.data.prompts import encode_prompt
 from ars_opd.lm.batching import pad_left
 from ars_opd.teacher.requests import ChatRequest, RequestError, parse_chat_request
+from ars_opd.teacher.scoring import DEFAULT_MAX_LOGPROBS, ScoreRequest, parse_score_request, score_rows
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,28 @@ class _Progress:
 class _Failure:
     status: int
     message: str
+
+
+@dataclass(eq=False)
+class _ScoreJob:
+    """One prompt of a scoring request: its row in a scoring batch, answered with one ``RowScores`` event."""
+
+    prompt_ids: list[int]
+    top_k: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    done: bool = False
+    cancelled: bool = False
+
+    def post(self, event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+    def fail(self, status: int, message: str) -> None:
+        self.done = True
+        self.post(_Failure(status, message))
 
 
 @dataclass(eq=False)
@@ -175,13 +202,19 @@ class ServerStats:
     largest_batch: int = 0
     generating: bool = False
     """A ``generate`` call is running now."""
+    scores: int = 0
+    """Prompts accepted for scoring (``/v1/completions``)."""
+    score_calls: int = 0
+    """Scoring forwards run (one per batch of prompts)."""
+    tokens_scored: int = 0
+    """Prompt tokens scored."""
 
 
 class TeacherEngine:
     """The loaded model and tokenizer, the queue of waiting requests, and the batcher that serves them."""
 
     def __init__(self, model_dir: str, model_name: str, max_batch_size: int = 64, max_wait_ms: float = 5.0,
-                 device: str = "cpu", dtype: str = "float32"):
+                 device: str = "cpu", dtype: str = "float32", max_logprobs: int = DEFAULT_MAX_LOGPROBS):
         if max_batch_size < 1 or max_wait_ms < 0:
             raise ValueError(f"need max_batch_size >= 1 and max_wait_ms >= 0, got {max_batch_size}, {max_wait_ms}")
         self.model_name = model_name
@@ -206,6 +239,9 @@ class TeacherEngine:
         longest_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = (self.context_length * longest_token * CHARS_MARGIN
                                  if self.context_length is not None else None)
+        self.vocab = len(self.tokenizer)  # scored ids; embedding rows beyond the tokenizer are padding
+        self.max_logprobs = max_logprobs
+        self._token_text: dict[int, str] = {}
         self.stats = ServerStats()
         self.stopping = False
         self._pending: asyncio.Queue[_Job] | None = None
@@ -271,6 +307,30 @@ class TeacherEngine:
                                     f"{prompt_tokens} prompt tokens{asked}", "context_length_exceeded", "messages")
         return max_tokens if max_tokens is not None else room
 
+    def prepare_score(self, body: bytes) -> ScoreRequest:
+        """Raw ``/v1/completions`` body -> validated scoring request; ``RequestError`` on a 4xx."""
+        try:
+            decoded = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+        return parse_score_request(decoded, self.model_name, self.vocab, self.context_length, self.max_logprobs)
+
+    async def prepare_score_async(self, body: bytes) -> ScoreRequest:
+        if self._prepare_pool is None:
+            raise RequestError(503, "the server is not serving", "unavailable")
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.prepare_score, body)
+
+    def submit_scores(self, request: ScoreRequest) -> list[_ScoreJob]:
+        """One queued row per prompt; they join the same batches as chat requests' rows."""
+        if self.stopping or self._pending is None:
+            raise RequestError(503, "the server is shutting down", "unavailable")
+        loop = asyncio.get_running_loop()
+        jobs = [_ScoreJob(ids, request.top_k or 0, loop, asyncio.Queue()) for ids in request.prompts]
+        self.stats.scores += len(jobs)
+        for job in jobs:
+            self._pending.put_nowait(job)
+        return jobs
+
     def submit(self, chat: ChatRequest, prompt_ids: list[int], max_tokens: int) -> _Job:
         if self.stopping or self._pending is None:
             raise RequestError(503, "the server is shutting down", "unavailable")
@@ -292,9 +352,13 @@ class TeacherEngine:
                 while len(batch) < self.max_batch_size and not self._pending.empty():
                     batch.append(self._pending.get_nowait())
                 batch = [j for j in batch if not j.cancelled]
-                if batch:
-                    # requests arriving while this runs wait in the queue and form the next batch
-                    await loop.run_in_executor(self._executor, self._generate_batch, batch)
+                # requests arriving while these run wait in the queue and form the next batch
+                scoring = [j for j in batch if isinstance(j, _ScoreJob)]
+                generating = [j for j in batch if not isinstance(j, _ScoreJob)]
+                if scoring:
+                    await loop.run_in_executor(self._executor, self._score_batch, scoring)
+                if generating:
+                    await loop.run_in_executor(self._executor, self._generate_batch, generating)
             except asyncio.CancelledError:  # stopping: answer the rows taken from the queue but not finished
                 for job in batch:
                     if not job.done:
@@ -329,6 +393,32 @@ class TeacherEngine:
         for job in jobs:
             if not job.done:  # cannot happen unless generate stops early on its own
                 job.fail(500, "generation ended before this request's completion was finished")
+
+    def _score_batch(self, jobs: list[_ScoreJob]) -> None:
+        stats = self.stats
+        stats.score_calls += 1
+        stats.tokens_scored += sum(len(j.prompt_ids) for j in jobs)
+        stats.largest_batch = max(stats.largest_batch, len(jobs))
+        try:
+            k = max(j.top_k for j in jobs)  # one top-k for the batch; each row keeps its own first k
+            with torch.inference_mode():
+                rows = score_rows(self.model, [j.prompt_ids for j in jobs], k, self.vocab, self.pad_id, self.device)
+        except Exception as e:  # a server fault: every waiting request learns it, the server keeps running
+            log.exception("scoring failed for a batch of %d", len(jobs))
+            for job in jobs:
+                job.fail(500, f"scoring failed: {type(e).__name__}: {e}")
+            return
+        for job, row in zip(jobs, rows):
+            row.top_ids, row.top_logprobs = row.top_ids[:, :job.top_k], row.top_logprobs[:, :job.top_k]
+            job.done = True
+            job.post(row)
+
+    def decode_token(self, token: int) -> str:
+        """One token's text (``decoded_token`` of a scoring answer), memoised: the same ids recur constantly."""
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=True)

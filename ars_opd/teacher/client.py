@@ -17,6 +17,9 @@ Before the first request, ``preflight`` checks that the endpoint answers (``GET 
 URL if it does not. The API key is read from the environment by the caller and only passed to the client;
 it is never logged or written anywhere.
 
+``post_json`` and ``with_retries`` are the request and retry halves of ``ask_all``, shared with the OPD
+scoring client (``ars_opd.teacher.score_client``), so every endpoint client retries the same way.
+
 What this module leaves out: streaming (answers are short and wanted whole), logprobs, tool calls.
 """
 
@@ -27,7 +30,7 @@ import email.utils
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 import httpx2
 import openai
@@ -36,6 +39,7 @@ from tqdm.auto import tqdm
 from ars_opd.config import EndpointConfig
 from ars_opd.teacher.cache import TeacherCache
 
+T = TypeVar("T")
 NON_RETRYABLE_STATUS = {400, 401, 403, 404, 413, 422}
 AUTH_STATUS = {401, 403}
 
@@ -105,13 +109,13 @@ def count_by_reason(reasons: Iterable[str]) -> dict[str, int]:
 class _Retryable(Exception):
     def __init__(self, reason: str, wait_s: float | None = None):
         super().__init__(reason)
-        self.reason, self.wait_s = reason, wait_s
+        self.reason, self.wait_s, self.attempts = reason, wait_s, 0
 
 
 class _Final(Exception):
     def __init__(self, reason: str, status: int | None = None):
         super().__init__(reason)
-        self.reason, self.status = reason, status
+        self.reason, self.status, self.attempts = reason, status, 0
 
 
 def _retry_after_s(headers: httpx2.Headers | None) -> float | None:
@@ -149,17 +153,21 @@ def make_client(settings: ClientSettings) -> openai.AsyncOpenAI:
                               timeout=timeout, http_client=http_client)
 
 
-async def preflight(client: openai.AsyncOpenAI, model: str, timeout_s: float = 15.0) -> list[str]:
-    """Check the endpoint answers and accepts the key; return the model ids it lists (may be empty)."""
+async def preflight(client: openai.AsyncOpenAI, model: str, timeout_s: float = 15.0,
+                    section: str = "teacher_gen") -> list[str]:
+    """Check the endpoint answers and accepts the key; return the model ids it lists (may be empty).
+
+    ``section``: the params section whose keys the error messages name (``teacher_gen``, ``opd.teacher_endpoint``).
+    """
     try:
         page = await asyncio.wait_for(client.models.list(), timeout_s)
     except (openai.APIConnectionError, asyncio.TimeoutError, OSError) as e:
         raise EndpointError(f"cannot reach the teacher endpoint {client.base_url} ({type(e).__name__}: "
-                            f"{_short(e)}); is the server running and teacher_gen.endpoint right?") from None
+                            f"{_short(e)}); is the server running and {section}.endpoint right?") from None
     except openai.APIStatusError as e:
         if e.status_code in AUTH_STATUS:
             raise EndpointError(f"the teacher endpoint {client.base_url} rejected the API key "
-                                f"(HTTP {e.status_code}); check the variable named by teacher_gen.api_key_env") from None
+                                f"(HTTP {e.status_code}); check the variable named by {section}.api_key_env") from None
         return []  # some compatible servers do not implement /models; the first request will tell
     ids = [m.id for m in page.data]
     if ids and model not in ids:
@@ -167,12 +175,13 @@ async def preflight(client: openai.AsyncOpenAI, model: str, timeout_s: float = 1
     return ids
 
 
-async def _ask_once(client: openai.AsyncOpenAI, body: dict) -> dict:
+async def post_json(client: openai.AsyncOpenAI, path: str, body: dict) -> dict:
+    """POST ``body`` to ``path`` and return the JSON object; errors mapped to ``_Retryable`` / ``_Final``."""
     # ``client.post`` with ``cast_to=object`` is the SDK's public route for a raw JSON body: it keeps the
     # client's transport and error mapping but skips the typed request transform and the response model,
     # which cost ~2 ms of CPU per request and capped throughput at high concurrency (bench/teacher_gen.py).
     try:
-        resp = await client.post("/chat/completions", body=body, cast_to=object)
+        resp = await client.post(path, body=body, cast_to=object)
     except openai.APITimeoutError:
         raise _Retryable("timeout") from None
     except openai.APIConnectionError as e:
@@ -187,6 +196,40 @@ async def _ask_once(client: openai.AsyncOpenAI, body: dict) -> dict:
         raise _Retryable(f"malformed_response: {_short(e)}") from None
     if not isinstance(resp, dict):
         raise _Retryable(f"malformed_response: body is {type(resp).__name__}, not a JSON object")
+    return resp
+
+
+async def with_retries(call: Callable[[], Awaitable[T]], settings: ClientSettings,
+                       on_retry: Callable[[], None] | None = None) -> tuple[T, int]:
+    """``await call()`` until it succeeds: (result, attempts). The one retry loop of every endpoint client.
+
+    ``_Retryable`` errors are retried with exponential backoff and jitter (honouring a capped retry-after)
+    up to ``settings.limits.max_attempts``, then re-raised with ``attempts`` set; ``_Final`` is re-raised at
+    once with ``attempts`` set. ``on_retry`` is called before each wait.
+    """
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await call(), attempt
+        except _Final as e:
+            e.attempts = attempt
+            raise
+        except _Retryable as e:
+            if attempt >= settings.limits.max_attempts:
+                e.attempts = attempt
+                raise
+            if on_retry is not None:
+                on_retry()
+            cap = min(settings.limits.backoff_max_s, settings.limits.backoff_base_s * 2 ** (attempt - 1))
+            wait = cap / 2 + random.uniform(0, cap / 2)
+            if e.wait_s is not None:
+                wait = max(wait, min(e.wait_s, settings.max_retry_after_s))
+            await asyncio.sleep(wait)
+
+
+async def _ask_once(client: openai.AsyncOpenAI, body: dict) -> dict:
+    resp = await post_json(client, "/chat/completions", body)
     choices = resp.get("choices")
     if not isinstance(choices, list) or not choices:
         raise _Retryable("empty_choices")
@@ -243,28 +286,23 @@ async def ask_all(
 
     async def handle(req: TeacherRequest) -> None:
         nonlocal results_seen
-        key, attempt = req.key, 0
+        key = req.key
+
+        def count_retry() -> None:
+            summary.retries += 1
+
         while True:
-            attempt += 1
             try:
-                answer = await _ask_once(client, req.body)
+                answer, attempt = await with_retries(lambda: _ask_once(client, req.body), settings, count_retry)
             except _Final as e:
-                summary.failures.append(Failure(key, e.reason, attempt, e.status))
+                summary.failures.append(Failure(key, e.reason, e.attempts, e.status))
                 if e.status in AUTH_STATUS:
                     abort.append(EndpointError(f"the teacher endpoint rejected the request ({e.reason}); "
                                                "check the API key variable named by teacher_gen.api_key_env"))
                 break
             except _Retryable as e:
-                if attempt >= settings.limits.max_attempts:
-                    summary.failures.append(Failure(key, e.reason, attempt))
-                    break
-                summary.retries += 1
-                cap = min(settings.limits.backoff_max_s, settings.limits.backoff_base_s * 2 ** (attempt - 1))
-                wait = cap / 2 + random.uniform(0, cap / 2)
-                if e.wait_s is not None:
-                    wait = max(wait, min(e.wait_s, settings.max_retry_after_s))
-                await asyncio.sleep(wait)
-                continue
+                summary.failures.append(Failure(key, e.reason, e.attempts))
+                break
             if not answer["content"].strip():  # not an answer: left out of the cache
                 summary.failures.append(Failure(key, f"empty_completion: finish_reason "
                                                      f"{answer['finish_reason']!r}", attempt))

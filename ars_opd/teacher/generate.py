@@ -85,8 +85,11 @@ def build_requests(rows: list[dict], cfg: TeacherGenConfig, model: str, model_re
 
 @contextlib.contextmanager
 def local_teacher_server(model_dir: str, server: TeacherServerConfig, model_name: str = LOCAL_MODEL_NAME,
-                         log_requests: str | None = None) -> Iterator[str]:
-    """Start the bundled server for ``model_dir`` on 127.0.0.1 (ephemeral port); yield its base URL."""
+                         log_requests: str | None = None, max_logprobs: int | None = None) -> Iterator[str]:
+    """Start the bundled server for ``model_dir`` on 127.0.0.1 (ephemeral port); yield its base URL.
+
+    ``max_logprobs``: the largest ``prompt_logprobs`` k it answers (OPD scoring; the server's default if None).
+    """
     with tempfile.TemporaryDirectory(prefix="ars-opd-serve-") as tmp:
         ready = Path(tmp) / "ready.json"
         log = open(Path(tmp) / "server.log", "w+")
@@ -96,7 +99,12 @@ def local_teacher_server(model_dir: str, server: TeacherServerConfig, model_name
                "--threads", str(server.threads)]
         if log_requests:
             cmd += ["--log-requests", log_requests]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if max_logprobs is not None:
+            cmd += ["--max-logprobs", str(max_logprobs)]
+        # the server runs this process's ars_opd (a worktree or checkout), not whichever one is installed
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             deadline = time.monotonic() + server.startup_timeout_s
             while not ready.exists():

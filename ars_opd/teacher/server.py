@@ -2,10 +2,13 @@
 
 ``python -m ars_opd.teacher.server MODEL_DIR --port 0 --ready-file ready.json`` loads the model and its
 tokenizer, listens on 127.0.0.1, and writes ``{"host", "port", "pid", "model"}`` to the ready file once it
-answers. Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /stats`` (batching counters) and
-``POST /v1/chat/completions``, plain or streamed as Server-Sent Events in OpenAI's chunk format. Each
-request's messages go through the directory's chat template (generation prompt appended); requests are
-validated by ``ars_opd.teacher.requests`` and batched by ``ars_opd.teacher.batcher``.
+answers. Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /stats`` (batching counters),
+``POST /v1/chat/completions``, plain or streamed as Server-Sent Events in OpenAI's chunk format,
+``POST /v1/completions`` for scoring only (token-id prompts, ``max_tokens`` 0 or 1, ``echo``,
+``prompt_logprobs: k``, answered in exactly vLLM's shape: ``ars_opd.teacher.scoring``), and vLLM's
+``POST /tokenize``. Each chat request's messages go through the directory's chat template (generation
+prompt appended); requests are validated by ``ars_opd.teacher.requests`` and batched, chat and scoring
+rows alike, by ``ars_opd.teacher.batcher``.
 
 One client cannot stall the others: a body larger than ``body_limit`` (what the longest prompt that fits
 the context can take, JSON-escaped) is answered 413 without being decoded; decoding, validation, chat
@@ -13,7 +16,7 @@ template and tokenization run in threads, off the event loop; a prompt with more
 context can hold is refused with 400 before it is tokenized (``ars_opd.teacher.batcher``).
 
 What it deliberately leaves out: authentication, TLS, tool/function calls, logprobs, ``n`` > 1,
-penalties and logit bias, response formats, the legacy ``/v1/completions`` endpoint, continuous batching
+penalties and logit bias, response formats, text generation through ``/v1/completions``, continuous batching
 (a batch runs until its longest row ends; requests that arrive meanwhile form the next batch) and
 multi-GPU placement, ``trust_remote_code`` models. Such request fields are refused with 400 rather than
 silently ignored. On SIGTERM/SIGINT the server stops at the running batch's next decoding step and answers
@@ -40,6 +43,7 @@ from aiohttp import web
 
 from ars_opd.teacher.batcher import DTYPES, TeacherEngine, _Failure, _Job
 from ars_opd.teacher.requests import ChatRequest, RequestError
+from ars_opd.teacher.scoring import DEFAULT_MAX_LOGPROBS, vllm_prompt_logprobs
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 64 << 20  # the largest body any model gets (aiohttp's default of 1 MiB is too small)
@@ -128,6 +132,74 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         job.cancelled = True  # no-op when finished; otherwise the batch drops the row at its next step
 
 
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestError(413, f"the request body is larger than this server's limit of "
+                                f"{request.app[BODY_LIMIT_KEY]} bytes (derived from the model's context "
+                                "length)", "request_too_large") from None
+
+
+async def _completions(request: web.Request) -> web.Response:
+    """Scoring: vLLM-shaped ``prompt_logprobs`` for token-id prompts (``ars_opd.teacher.scoring``)."""
+    engine = request.app[ENGINE_KEY]
+    try:
+        score = await engine.prepare_score_async(await _read_body(request))
+        jobs = engine.submit_scores(score)
+    except RequestError as e:
+        return e.response()
+    try:
+        rows = [await job.events.get() for job in jobs]
+    finally:
+        for job in jobs:
+            job.cancelled = True  # no-op when finished; otherwise the batch drops the row
+    failed = next((r for r in rows if isinstance(r, _Failure)), None)
+    if failed is not None:
+        return RequestError(failed.status, failed.message).response()
+    # formatting k entries per position (and their JSON) is CPU work: off the event loop, as preparing is
+    text = await asyncio.get_running_loop().run_in_executor(None, _score_response, engine, score, rows)
+    return web.Response(text=text, content_type="application/json")
+
+
+def _score_response(engine: TeacherEngine, score, rows) -> str:
+    """The JSON body of a scoring answer (vLLM's completions response with ``prompt_logprobs``)."""
+    tok = engine.tokenizer
+    choices = []
+    for i, (ids, row) in enumerate(zip(score.prompts, rows)):
+        completion = [row.next_token] if score.max_tokens == 1 else []
+        text = tok.decode(completion)
+        choices.append({"index": i, "text": (tok.decode(ids) + text) if score.echo else text,
+                        "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                        "prompt_logprobs": vllm_prompt_logprobs(ids, row, engine.decode_token)
+                        if score.top_k is not None else None})
+    prompt_tokens = sum(len(p) for p in score.prompts)
+    return json.dumps({
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        "model": engine.model_name, "choices": choices,
+        "usage": _usage(prompt_tokens, score.max_tokens * len(score.prompts)),
+    })
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``POST /tokenize``: {"model", "prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}."""
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = json.loads(await _read_body(request))
+    except RequestError as e:
+        return e.response()
+    except (ValueError, UnicodeDecodeError) as e:
+        return RequestError(400, f"the request body is not valid JSON: {e}", "invalid_json").response()
+    if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+        return RequestError(400, "'prompt' must be a string", "invalid_value", "prompt").response()
+    if body.get("model") not in (None, engine.model_name):
+        return RequestError(404, f"The model `{body['model']}` does not exist; this server serves "
+                                 f"`{engine.model_name}`.", "model_not_found", "model").response()
+    special = body.get("add_special_tokens", True)
+    tokens = engine.tokenizer(body["prompt"], add_special_tokens=bool(special))["input_ids"]
+    return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": engine.context_length})
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -191,7 +263,7 @@ async def _stream_completion(request: web.Request, chat: ChatRequest, job: _Job,
 
 def create_app(model_dir: str, model_name: str, max_batch_size: int = 64, max_wait_ms: float = 5.0,
                threads: int | None = None, device: str = "cpu", dtype: str = "float32",
-               log_requests: str | None = None) -> web.Application:
+               log_requests: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> web.Application:
     """Load the model and tokenizer from ``model_dir`` and build the aiohttp application serving it.
 
     ``threads`` sets torch's intra-op thread count for this process (None: torch's default).
@@ -200,7 +272,7 @@ def create_app(model_dir: str, model_name: str, max_batch_size: int = 64, max_wa
     """
     if threads is not None:
         torch.set_num_threads(threads)
-    engine = TeacherEngine(model_dir, model_name, max_batch_size, max_wait_ms, device, dtype)
+    engine = TeacherEngine(model_dir, model_name, max_batch_size, max_wait_ms, device, dtype, max_logprobs)
     limit = body_limit(engine.max_prompt_chars)
     app = web.Application(client_max_size=limit)
     app[ENGINE_KEY] = engine
@@ -223,6 +295,8 @@ def create_app(model_dir: str, model_name: str, max_batch_size: int = 64, max_wa
     app.router.add_get("/health", _health)
     app.router.add_get("/stats", _stats)
     app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/tokenize", _tokenize)
     return app
 
 
@@ -264,7 +338,7 @@ async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 0, re
 def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 0, ready_file: str | None = None,
                model_name: str | None = None, max_batch_size: int = 64, max_wait_ms: float = 5.0,
                threads: int | None = None, device: str = "cpu", dtype: str = "float32",
-               log_requests: str | None = None) -> None:
+               log_requests: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
     """Load the model, listen on ``host:port`` (0: an ephemeral port), and serve until SIGTERM/SIGINT.
 
     Once the model is loaded and the socket listens, ``ready_file`` (if given) holds
@@ -272,7 +346,7 @@ def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 0, ready_fil
     addresses would get a different ephemeral port on each.
     """
     name = model_name or Path(os.path.normpath(model_dir)).name
-    app = create_app(model_dir, name, max_batch_size, max_wait_ms, threads, device, dtype, log_requests)
+    app = create_app(model_dir, name, max_batch_size, max_wait_ms, threads, device, dtype, log_requests, max_logprobs)
     asyncio.run(serve(app, host, port, ready_file))
 
 
@@ -290,13 +364,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="torch device for the model (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights dtype (default: %(default)s)")
     parser.add_argument("--log-requests", metavar="PATH", help="append one JSON line per chat request to PATH")
+    parser.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
+                        help="largest prompt_logprobs k a scoring request may ask (as vLLM's; default %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # while the model loads, asyncio's handlers are not installed yet: exit quietly on SIGTERM then too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         run_server(args.model_dir, args.host, args.port, args.ready_file, args.model_name, args.max_batch_size,
-                   args.max_wait_ms, args.threads, args.device, args.dtype, args.log_requests)
+                   args.max_wait_ms, args.threads, args.device, args.dtype, args.log_requests, args.max_logprobs)
     except KeyboardInterrupt:  # Ctrl-C before serving started
         return 130
     return 0

@@ -4,13 +4,21 @@ Each step, on each worker: take this worker's share of the training prompts; wit
 (``opd.on_policy_fraction``, GKD mixing) sample completions from the current student (no grad, KV cache,
 left-padded prompts), else take the teacher's cached completions; rebuild right-padded sequences that keep
 each completion up to and including its first EOS (``ars_opd.lm.batching.build_rollout_batch``); let the
-frozen teacher score them (eval mode, no grad; bf16 on CUDA by default, ``opd.teacher_dtype``) and train the
+frozen teacher score them and train the
 student on the objective ``opd.loss`` chosen from ``ars_opd.lm.objectives``, from both models' last hidden
 states one chunk of positions at a time (no (tokens × vocabulary) logits on either side). Rollouts use
 transformers' generate, or with ``opd.rollout_cache: static`` a preallocated KV cache and a decode loop of
 our own (compiled on CUDA). The λ draw depends only on (seed, step), so every worker makes the same choice,
 and the log records it (``gkd_source``). It runs on the shared engine (exact token normalisation, clipping,
 resume) with the consistency hook.
+
+The teacher (``ars_opd.training.teachers``) is ``opd.teacher: local``, the model in every worker (eval mode,
+no grad; bf16 on CUDA by default, ``opd.teacher_dtype``), or ``endpoint``, a served teacher's vLLM-style
+``prompt_logprobs`` (``opd.teacher_endpoint``; ``local`` there starts the bundled server for the pinned
+teacher): the trainer then never loads teacher weights, each step's sequences are scored at once with bounded
+concurrency and retries, and before any worker starts the endpoint must answer, serve the model and
+tokenize a probe text as the student's tokenizer does. Endpoint losses: ``sampled_token`` (exact, at τ = 1)
+and ``topk``.
 
 White-box rule: teacher and student must share the tokenizer (checked at start, clear error otherwise).
 Vocabulary rule: logits are compared over the tokenizer's ids 0..len(tokenizer)-1 only; embedding rows
@@ -23,9 +31,13 @@ eos_rate, on_policy, and the seconds spent sampling (gen_s) and in the teacher's
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
 import random
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -34,18 +46,25 @@ from ars_opd.config import DDPConfig, OPDConfig, PathsConfig
 from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.lm.generation import generate_token_ids
-from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows, target_logprobs
-from ars_opd.lm.objectives import Objective, TeacherLogits, TeacherScores, check_config, get_objective
+from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
+from ars_opd.lm.objectives import check_config, get_objective
 from ars_opd.lm.precision import frozen_model_dtype
-from ars_opd.models.pinning import load_model, load_model_dir, model_path, read_manifest, sha256_of_files
+from ars_opd.models.pinning import load_model, load_model_dir, load_tokenizer, model_path, read_manifest, sha256_of_files
 from ars_opd.models.tokenizer import check_shared_tokenizer
+from ars_opd.teacher.client import ClientSettings, EndpointError, make_client, preflight
+from ars_opd.teacher.generate import LOCAL_MODEL_NAME, local_teacher_server
+from ars_opd.teacher.score_client import check_tokenizer
 from ars_opd.seeding import derive_seed
 from ars_opd.training.budget import matmul_parameters, read_budget
 from ars_opd.training.faults import Fault
 from ars_opd.training.geometry import BatchGeometry, step_indices
 from ars_opd.training.loop import MicroBatch
 from ars_opd.training.optim import autocast_context
+from ars_opd.training.teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker
+
+__all__ = ["EndpointTeacher", "LocalTeacher", "OPDTask", "run_opd", "uses_student_rollouts"]
+ENDPOINT_SECTION = "opd.teacher_endpoint"
 
 
 def uses_student_rollouts(seed: int, step: int, on_policy_fraction: float) -> bool:
@@ -53,33 +72,11 @@ def uses_student_rollouts(seed: int, step: int, on_policy_fraction: float) -> bo
     return random.Random(derive_seed(seed, f"gkd-step-{step}")).random() < on_policy_fraction
 
 
-class LocalTeacher:
-    """The frozen teacher in this process: one no-grad forward per micro-batch, to its last hidden states.
-
-    ``score`` returns what the objective's ``teacher_signal`` names for the batch's scored positions: the
-    teacher's logits as ``TeacherLogits`` (hidden states and head, projected chunk by chunk inside the loss),
-    or the targets' log-probabilities (computed here, chunk by chunk). Neither forms (B, T, V) logits.
-    """
-
-    def __init__(self, model: torch.nn.Module, vocab: int, chunk_size: int = 256):
-        self.model, self.vocab, self.chunk_size = model.eval().requires_grad_(False), vocab, chunk_size
-        self.head = OutputHead.of(self.model, vocab)
-
-    @torch.no_grad()
-    def score(self, tensors: dict[str, torch.Tensor], objective: Objective, temperature: float) -> TeacherScores:
-        mask = tensors["loss_mask"]  # (B, T)
-        targets = tensors["targets"][mask]  # (M,)
-        hidden = select_rows(last_hidden_states(self.model, tensors["input_ids"], tensors["attention_mask"]), mask)
-        if objective.teacher_signal == "logits":
-            return TeacherScores(logits=TeacherLogits(hidden, self.head, targets))
-        at_1, at_t = target_logprobs(hidden, self.head, targets, (1.0, temperature), self.chunk_size)
-        return TeacherScores(token_logprobs=at_t, logged_logprobs=at_1)
-
-
 class OPDTask:
     """Rollouts (or cached teacher completions) for this worker, scored by the teacher."""
 
-    def __init__(self, prompts: list[list[int]], teacher_completions: list[list[int]], teacher: LocalTeacher,
+    def __init__(self, prompts: list[list[int]], teacher_completions: list[list[int]],
+                 teacher: LocalTeacher | EndpointTeacher,
                  tokenizer, cfg: OPDConfig, geometry: BatchGeometry, sampler_seed: int, seed: int, rank: int,
                  device: torch.device, fault: Fault | None = None, item_tasks: list[str | None] | None = None,
                  student_params: int = 0, teacher_params: int = 0):
@@ -114,17 +111,24 @@ class OPDTask:
         else:
             completions = [self.teacher_completions[i][: self.cfg.max_new_tokens] for i in idx]
         gen_s = time.perf_counter() - t0
-        out = []
+        built = []
         for j in range(0, len(prompts), self.geometry.micro_batch):
-            b = build_rollout_batch(prompts[j:j + self.geometry.micro_batch],
-                                    completions[j:j + self.geometry.micro_batch], self.pad_id,
-                                    self.tokenizer.eos_token_id)
+            built.append(build_rollout_batch(prompts[j:j + self.geometry.micro_batch],
+                                             completions[j:j + self.geometry.micro_batch], self.pad_id,
+                                             self.tokenizer.eos_token_id))
+        t0 = time.perf_counter()
+        # an endpoint teacher scores the whole step's sequences here, at once (a local one does nothing)
+        self.teacher.attach(built, self.objective)
+        attach_s = time.perf_counter() - t0
+        out = []
+        for n, (j, b) in enumerate(zip(range(0, len(prompts), self.geometry.micro_batch), built)):
             n_seq = b["lengths"].numel()
             meta = {"response_length": (float(b["lengths"].sum()), float(n_seq)),
                     "eos_rate": (float(b["has_eos"].sum()), float(n_seq)),
                     "on_policy": (float(on_policy), 1.0)}
-            if j == 0:
+            if n == 0:
                 meta["gen_s"] = (gen_s, 1.0)
+                meta["teacher_s"] = (attach_s, 0.0)  # loss_sum adds the per-micro-batch part and the count
             t = {k: v.to(self.device) for k, v in b.items() if k not in ("lengths", "has_eos")}
             real = int(b["attention_mask"].sum())
             generated = int(b["lengths"].sum()) if on_policy else 0
@@ -159,35 +163,70 @@ def _encode(tokenizer, rows: list[dict], cfg: OPDConfig):
             counts)
 
 
-def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
+def _api_key(cfg: OPDConfig) -> str:
+    name = cfg.teacher_endpoint.api_key_env
+    if name is None:
+        return "EMPTY"
+    key = os.environ.get(name)
+    if not key:
+        raise EndpointError(f"{ENDPOINT_SECTION}.api_key_env names {name}, but that environment variable is not "
+                            "set (or empty); export it before running the stage")
+    return key
+
+
+def _teacher_params_from_config(models_dir: str, trust_remote_code: bool) -> int:
+    """The models-stage teacher's parameter count from its config alone (meta tensors, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path(models_dir, "teacher"), trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return matmul_parameters(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
+
+
+def _teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[LocalTeacher | EndpointTeacher, int, dict]:
+    """(the teacher that scores this worker's rollouts, its parameter count for the budget, manifest entries)."""
+    ctx, cfg = setup.ctx, job.cfg
+    if cfg.teacher == "endpoint":  # no teacher weights in the trainer, only the count from the teacher's config
+        url, model = job.runtime["scoring_url"], job.runtime["scoring_model"]
+        teacher = EndpointTeacher(ClientSettings(url, _api_key(cfg), cfg.teacher_endpoint), model, vocab, cfg.topk)
+        return teacher, _teacher_params_from_config(job.paths.models_dir, job.trust_remote_code), {
+            "teacher": "endpoint", "teacher_model": model,
+            "teacher_endpoint": "local" if cfg.teacher_endpoint.endpoint == "local" else url}
     from transformers import AutoTokenizer
 
-    ctx, tokenizer = setup.ctx, setup.tokenizer
     check_shared_tokenizer(AutoTokenizer.from_pretrained(model_path(job.paths.models_dir, "teacher"),
-                                                         trust_remote_code=job.trust_remote_code), tokenizer)
+                                                         trust_remote_code=job.trust_remote_code), setup.tokenizer)
+    teacher_dtype = frozen_model_dtype(cfg.teacher_dtype, ctx.device)
+    model = load_model(job.paths.models_dir, "teacher", dtype=teacher_dtype,
+                       trust_remote_code=job.trust_remote_code).to(ctx.device)
+    rows_out = model.get_output_embeddings().weight.shape[0]
+    if rows_out < vocab:
+        raise ValueError(f"the teacher has {rows_out} output rows but the tokenizer {vocab} ids")
+    return (LocalTeacher(model, vocab, cfg.chunk_size, cfg.topk), matmul_parameters(model),
+            {"teacher": "local", "teacher_dtype": str(teacher_dtype).removeprefix("torch.")})
+
+
+def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
+    ctx, tokenizer = setup.ctx, setup.tokenizer
     vocab = len(tokenizer)
     student_dir = Path(job.paths.distill_init)
     model = load_model_dir(student_dir, ctx.device, stage="sft")
-    teacher_dtype = frozen_model_dtype(job.cfg.teacher_dtype, ctx.device)
-    teacher = load_model(job.paths.models_dir, "teacher", dtype=teacher_dtype,
-                         trust_remote_code=job.trust_remote_code).to(ctx.device)
-    for name, m in (("student", model), ("teacher", teacher)):
-        rows_out = m.get_output_embeddings().weight.shape[0]
-        if rows_out < vocab:
-            raise ValueError(f"the {name} has {rows_out} output rows but the tokenizer {vocab} ids")
+    rows_out = model.get_output_embeddings().weight.shape[0]
+    if rows_out < vocab:
+        raise ValueError(f"the student has {rows_out} output rows but the tokenizer {vocab} ids")
+    teacher, teacher_params, teacher_manifest = _teacher(job, setup, vocab)
     train_path = job.paths.completions("train")
     rows = read_jsonl(train_path)
     prompts, completions, tasks, counts = _encode(tokenizer, rows, job.cfg)
     if not prompts:
         raise ValueError(f"no OPD prompts left after the budget: {counts}")
-    task = OPDTask(prompts, completions, LocalTeacher(teacher, vocab, job.cfg.chunk_size), tokenizer, job.cfg,
-                   setup.geometry, setup.sampler_seed, setup.stage_seed, ctx.rank, ctx.device, setup.fault, tasks,
-                   matmul_parameters(model), matmul_parameters(teacher))
+    task = OPDTask(prompts, completions, teacher, tokenizer, job.cfg, setup.geometry, setup.sampler_seed,
+                   setup.stage_seed, ctx.rank, ctx.device, setup.fault, tasks, matmul_parameters(model),
+                   teacher_params)
     fingerprint = {"init": sha256_of_files(student_dir),
                    "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
                    "rows": len(rows), "data": file_sha256(train_path)}
-    return PreparedRun(model, task, fingerprint, counts,
-                       manifest={"vocab": vocab, "teacher_dtype": str(teacher_dtype).removeprefix("torch.")},
+    return PreparedRun(model, task, fingerprint, counts, manifest={"vocab": vocab, **teacher_manifest},
                        on_step=lambda s: {"gkd_source": task.source(s)}, budget_start=read_budget(student_dir))
 
 
@@ -195,8 +234,50 @@ def opd_worker(job: TrainingJob) -> dict:
     return run_worker(job, prepare_opd)
 
 
+@contextlib.contextmanager
+def scoring_endpoint(cfg: OPDConfig, paths: PathsConfig) -> Iterator[tuple[str, str]]:
+    """(base URL, model name) of the scoring endpoint; 'local' starts the bundled server for the pinned teacher."""
+    ep = cfg.teacher_endpoint
+    if ep.endpoint != "local":
+        yield ep.endpoint, ep.model
+        return
+    with local_teacher_server(model_path(paths.models_dir, "teacher"), cfg.teacher_server,
+                              max_logprobs=max(cfg.topk, 1)) as url:
+        yield url, LOCAL_MODEL_NAME
+
+
+def check_scoring_endpoint(url: str, model: str, cfg: OPDConfig, paths: PathsConfig) -> None:
+    """Before step 0: the endpoint answers, serves ``model``, and tokenizes as the student does."""
+    import asyncio
+
+    settings = ClientSettings(url, _api_key(cfg), cfg.teacher_endpoint)
+
+    async def check() -> None:
+        client = make_client(settings)
+        try:
+            await preflight(client, model, min(15.0, cfg.teacher_endpoint.request_timeout_s), ENDPOINT_SECTION)
+            await check_tokenizer(client, model, load_tokenizer(paths.models_dir), settings, ENDPOINT_SECTION)
+        finally:
+            await client.close()
+
+    asyncio.run(check())
+
+
 def run_opd(cfg: OPDConfig, ddp: DDPConfig, paths: PathsConfig, trust_remote_code: bool = False,
             progress: bool = True) -> dict:
-    """The opd stage: start the workers, distil, write outputs. Returns rank 0's summary."""
+    """The opd stage: start the workers, distil, write outputs. Returns rank 0's summary.
+
+    With ``opd.teacher: endpoint`` the endpoint is checked (reachable, serving the model, same tokenizer)
+    before any worker starts, and the bundled server (``teacher_endpoint.endpoint: local``) runs for the
+    stage's duration; under an outside launcher every process does this for itself.
+    """
     check_config(cfg)  # before any worker starts: a loss the rollouts cannot serve is a config error
-    return launch_stage(opd_worker, TrainingJob("opd", cfg, ddp, paths, trust_remote_code, progress))
+    job = TrainingJob("opd", cfg, ddp, paths, trust_remote_code, progress)
+    if cfg.teacher == "local":
+        return launch_stage(opd_worker, job)
+    with scoring_endpoint(cfg, paths) as (url, model):
+        check_scoring_endpoint(url, model, cfg, paths)
+        # the resolved URL is run-time only: a bundled server's port changes every run, and must not keep a
+        # checkpoint from resuming (job.runtime is outside the checkpoint fingerprint)
+        return launch_stage(opd_worker, dataclasses.replace(job, runtime={"scoring_url": url,
+                                                                          "scoring_model": model}))

@@ -40,6 +40,9 @@ class TrainingJob:
     paths: PathsConfig
     trust_remote_code: bool = False
     progress: bool = True
+    runtime: dict = field(default_factory=dict)
+    """Run-time settings that do not change the result (e.g. a scoring endpoint's resolved URL): kept out of
+    the checkpoint fingerprint, so a rerun with another port still resumes."""
 
 
 @dataclass
