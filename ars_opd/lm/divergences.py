@@ -44,12 +44,16 @@ class DivergenceInputError(ValueError):
     """Bad shapes, an all-masked batch, or β / τ out of range."""
 
 
-def _check(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, beta: float,
-           temperature: float) -> None:
+def _check_beta_temperature(beta: float, temperature: float) -> None:
     if not 0.0 <= beta <= 1.0 or math.isnan(beta):
         raise DivergenceInputError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
     if not temperature > 0:
         raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
+
+
+def _check(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, beta: float,
+           temperature: float) -> None:
+    _check_beta_temperature(beta, temperature)
     if student_logits.shape != teacher_logits.shape:
         raise DivergenceInputError(f"student logits {tuple(student_logits.shape)} and teacher logits "
                                    f"{tuple(teacher_logits.shape)} differ; slice both to the shared vocabulary")
@@ -207,10 +211,7 @@ def divergence_terms(teacher_rows: Callable[[int, int], torch.Tensor], beta: flo
     (c × V) fp32 tensors at once for reverse KL, four for forward KL and briefly six for 0 < β < 1, where the
     out-of-place form holds about eight.
     """
-    if not 0.0 <= beta <= 1.0 or math.isnan(beta):
-        raise DivergenceInputError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
-    if not temperature > 0:
-        raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
+    _check_beta_temperature(beta, temperature)
     beta, tau = float(beta), float(temperature)
 
     def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
@@ -288,10 +289,7 @@ def topk_terms(support_ids: torch.Tensor, teacher_logprobs: torch.Tensor, beta: 
     p̃ and q̃, and the gradient reaches the student's logits on S only. The student's mass outside S is neither
     penalised nor rewarded: that is the approximation's bias (the README states it).
     """
-    if not 0.0 <= beta <= 1.0 or math.isnan(beta):
-        raise DivergenceInputError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
-    if not temperature > 0:
-        raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
+    _check_beta_temperature(beta, temperature)
     beta, tau = float(beta), float(temperature)
 
     def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):

@@ -88,8 +88,8 @@ def _message_text(content, index: int) -> str:
                             f"{type(content).__name__}", "invalid_type", "messages")
 
 
-def parse_chat_request(body, model_name: str) -> ChatRequest:
-    """Validate a decoded ``/v1/chat/completions`` body; raises ``RequestError`` (400, or 404 for the model)."""
+def check_model(body, model_name: str) -> None:
+    """A request body must be a JSON object naming the served model (400, or 404 for another model)."""
     if not isinstance(body, dict):
         raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
@@ -98,6 +98,11 @@ def parse_chat_request(body, model_name: str) -> ChatRequest:
     if model != model_name:
         raise RequestError(404, f"The model `{model}` does not exist; this server serves `{model_name}`.",
                            "model_not_found", "model")
+
+
+def parse_chat_request(body, model_name: str) -> ChatRequest:
+    """Validate a decoded ``/v1/chat/completions`` body; raises ``RequestError`` (400, or 404 for the model)."""
+    check_model(body, model_name)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise RequestError(400, "'messages' must be a non-empty list of {'role', 'content'} objects",

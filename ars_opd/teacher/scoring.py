@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from ars_opd.lm.head import OutputHead, last_hidden_states
-from ars_opd.teacher.requests import RequestError, UNSUPPORTED_FIELDS
+from ars_opd.teacher.requests import RequestError, UNSUPPORTED_FIELDS, check_model
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
@@ -66,14 +66,7 @@ def _token_lists(prompt, vocab: int) -> list[list[int]]:
 def parse_score_request(body, model_name: str, vocab: int, context_length: int | None,
                         max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> ScoreRequest:
     """Validate a decoded ``/v1/completions`` body; raises ``RequestError`` (400, or 404 for the model)."""
-    if not isinstance(body, dict):
-        raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    model = body.get("model")
-    if model is None:
-        raise RequestError(400, "'model' is required", "missing_required_parameter", "model")
-    if model != model_name:
-        raise RequestError(404, f"The model `{model}` does not exist; this server serves `{model_name}`.",
-                           "model_not_found", "model")
+    check_model(body, model_name)
     prompts = _token_lists(body.get("prompt"), vocab)
     max_tokens = body.get("max_tokens", 16)
     if max_tokens not in (0, 1) or isinstance(max_tokens, bool):
