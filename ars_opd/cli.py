@@ -9,8 +9,9 @@ Subcommands:
   row counts across stages, finite in-range metrics); exits 1 listing every problem.
 - ``ars-opd scenarios [--from exp.json] [--out reports/scenarios.md]``: compare the seed scenarios of the DVC
   experiments (``dvc exp show --json``) against the paper's expected ordering.
-- ``ars-opd distillation [--from exp.json] [--out reports/distillation.md]``: OPD against its control arm
-  at equal steps and equal FLOPs across the training seeds of a DVC sweep, with intervals.
+- ``ars-opd distillation [--from exp.json] [--out reports/distillation.md] [--where K=V] [--regime L:K=V]``:
+  OPD against its control arm at equal steps and equal FLOPs across the training seeds of a DVC sweep, with
+  intervals, a positive control, and further regimes (sets of seeds selected by their params).
 - ``ars-opd serve MODEL_DIR [...]``: the bundled OpenAI-compatible server (``ars_opd.teacher.server``)
   for any local Hugging Face causal-LM directory, on 127.0.0.1 by default.
 """
@@ -101,13 +102,35 @@ ars-opd distillation --from exps.json --out reports/distillation.md
 """
 
 
+def _pairs(items: list[str]) -> dict[str, str]:
+    """KEY=VALUE strings as a dict (params keys are dotted: opd.steps=1000)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.strip().partition("=")
+        if not sep or not key:
+            raise ValueError(f"{item!r}: expected KEY=VALUE with a dotted params key, e.g. opd.steps=1000")
+        out[key] = value
+    return out
+
+
 def _cmd_distillation(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ars_opd.evaluation import distillation, scenarios
 
     data = json.loads(Path(args.source).read_text()) if args.source else scenarios.exp_show_json()
-    runs = distillation.collect(data)
+    try:
+        where = _pairs(args.where or [])
+        regime_filters = {}
+        for spec in args.regime or []:
+            label, sep, rest = spec.partition(":")
+            if not sep or not label.strip() or not rest.strip():
+                raise ValueError(f"--regime {spec!r}: expected 'LABEL:KEY=VALUE[,KEY=VALUE...]'")
+            regime_filters[label.strip()] = _pairs(rest.split(","))
+    except ValueError as e:
+        print(f"ars-opd distillation: {e}", file=sys.stderr)
+        return 2
+    runs = distillation.collect(data, where)
     if len(runs) < 2:
         print(f"ars-opd distillation: {len(runs)} training seed(s) with both arms evaluated; at least 2 are needed "
               "for intervals. Run:\n" + DISTILLATION_COMMANDS, file=sys.stderr)
@@ -120,7 +143,14 @@ def _cmd_distillation(args: argparse.Namespace) -> int:
         distillation.curve_figure(runs, x_key, fig_dir / f"curves_{x_key}.png")
         figures[x_key] = f"{fig_dir.name}/curves_{x_key}.png"
     commands = Path(args.commands).read_text() if args.commands else DISTILLATION_COMMANDS
-    text, _ = distillation.render_study(runs, commands, figures)
+    regimes = {}
+    for label, filters in regime_filters.items():
+        regimes[label] = distillation.collect(data, filters)
+        if len(regimes[label]) < 2:
+            print(f"ars-opd distillation: regime {label!r} ({filters}) has {len(regimes[label])} seed(s) with both "
+                  "arms evaluated; at least 2 are needed", file=sys.stderr)
+            return 1
+    text, _ = distillation.render_study(runs, commands, figures, regimes)
     notes = Path(args.notes).read_text() if args.notes else ""
     out.write_text(text + ("\n" + notes.strip() + "\n" if notes.strip() else ""))
     print(f"wrote {out} and {fig_dir}/")
@@ -154,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--notes", default=None, help="markdown appended after the tables (the interpretation)")
     d.add_argument("--commands", default=None,
                    help="file with the commands that made the sweep (default: the seed sweep of the README)")
+    d.add_argument("--where", action="append", metavar="KEY=VALUE",
+                   help="only experiments whose params have this value (repeatable), e.g. opd.steps=300")
+    d.add_argument("--regime", action="append", metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                   help="a further set of seeds, reported in its own section (repeatable), e.g. "
+                        "'longer horizon:opd.steps=1000'")
     d.set_defaults(func=_cmd_distillation)
     # parsed by the server itself (main() hands it the rest of the command line)
     sub.add_parser("serve", help="serve a local HF causal LM with an OpenAI-compatible API (serve --help)")

@@ -7,7 +7,7 @@
 # plus a positive control: shard_skew on rank 1 from step 0 (rank 1 sees a single task) in both training
 # stages. Every experiment's opd (and its control arm, sft_continued) starts from one fixed SFT student
 # (paths.distill_init), so OPD's differences are not SFT's. Shortened steps keep the grid under an hour on
-# two CPU cores. The S1-1 runs double as the distillation seed sweep (reports/distillation.md).
+# two CPU cores. (The distillation seed sweep is bench/distillation_sweep.sh.)
 #
 # Run from a clean checkout after `dvc repro` (its SFT student becomes the fixed OPD init). The init is
 # committed as a DVC-tracked copy on a throwaway branch, since queued experiments see only committed files:
@@ -33,14 +33,10 @@ for seed in $SEEDS; do
 done
 time dvc queue start --jobs 1
 # (status captured first: with pipefail, grep -q closing the pipe early would end the wait at once)
-while status=$(dvc queue status) && grep -Eq "Queued|Running" <<<"$status"; do sleep 30; done
-dvc queue status
+# (a hung `dvc queue status` counts as still running, not as done)
+while status=$(timeout 120 dvc queue status || echo Running) && grep -Eq "Queued|Running" <<<"$status"; do
+  sleep 30
+done
+timeout 120 dvc queue status || true
 dvc exp show --json --all-commits > /tmp/scenario_exps.json
 ars-opd scenarios --from /tmp/scenario_exps.json --notes reports/scenarios_notes.md --out reports/scenarios.md
-# the S1-1 runs (nothing injected) are also a seed sweep of OPD against its control at equal budget
-{ echo "git switch -c scenario-study && bash bench/scenario_sweep.sh   # SEEDS=\"$SEEDS\""
-  echo "# per experiment: ${COMMON[*]} -S ddp.scenario=S1-1 -S ddp.seed=<seed>"
-  echo "dvc exp show --json --all-commits > exps.json"
-  echo "ars-opd distillation --from exps.json --out reports/distillation.md"; } > /tmp/distillation_commands.txt
-ars-opd distillation --from /tmp/scenario_exps.json --commands /tmp/distillation_commands.txt \
-  --out reports/distillation.md

@@ -12,7 +12,8 @@ import pytest
 
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import BaseConfig, OPDConfig, SFTConfig, load_params
-from ars_opd.evaluation.distillation import collect, compare, headline, interpolate, render_study
+from ars_opd.evaluation.distillation import (budget_note, collect, compare, headline, interpolate, regime_note,
+                                               render_study)
 from ars_opd.models.pinning import load_model, sha256_of_files
 from ars_opd.models.stage import prepare_models
 from ars_opd.training.budget import matmul_parameters, read_budget, write_budget
@@ -136,7 +137,25 @@ def test_interpolation_and_the_equal_budget_comparison():
     text = "\n".join(headline(cmp))
     assert "at equal steps, OPD's reverse KL to the teacher is **lower**" in text
     assert "at equal FLOPs, OPD's reverse KL to the teacher is **not lower**" in text
+    # it lost at equal FLOPs: the regime it is expected to win in
+    assert "Where OPD is expected to win" in "\n".join(regime_note(cmp))
+    # OPD ahead at both budgets (reverse KL and exact match): no regime paragraph
+    ahead = compare(_evaluate(0.5, 2.0, opd_em=0.7, ctl_em=0.5))
+    assert ahead["equal_flops"]["opd"]["reverse_kl"] == 1.5 < ahead["equal_flops"]["sft_continued"]["reverse_kl"]
+    assert regime_note(ahead) == []
     assert compare({"opd": {"reverse_kl": 1.0}}) is None
+
+
+def test_the_budget_note_states_the_budget_and_whether_the_curves_still_fall():
+    ev = {**_evaluate(1.0, 1.2), "teacher": {"exact_match": 0.95}}
+    text = " ".join(budget_note(ev))
+    assert "had 1000 steps; each arm adds 300." in text
+    assert "95.0% against the arms' 60.0% and 60.0%, so neither student is near the ceiling" in text
+    assert "OPD's reverse KL was still falling over its last 150 steps (1.5 → 1 on the curve prompts)" in text
+    flat = {**ev, "curves": {**ev["curves"], "sft_continued": _curve([1000, 1300], [1e12, 2e12], [1.0, 1.2],
+                                                                      [0.5, 0.6])}}
+    assert "continued SFT (control)'s reverse KL was flat or rising over its last 300 steps" in " ".join(
+        budget_note(flat))
 
 
 def _show(evals: list[tuple[int, dict]], others: list[tuple[int, dict, dict]] = (), base_params: dict | None = None):
@@ -167,3 +186,39 @@ def test_the_seed_study_pairs_differences_by_seed_and_states_a_verdict():
     assert "equal steps, reverse KL to the teacher (per token): OPD better" in text
     assert "exact match: no difference resolved" in text  # identical exact match in every seed
     assert "![learning curves against steps](distillation/curves_steps.png)" in text
+    # the positive control: the control arm's change over the second half of its steps (1,150 -> 1,300 on its
+    # curve, whose 1,150-step point is 1.8), paired by seed
+    m, lo, hi = summary["control_last_half/reverse_kl"]
+    assert m == pytest.approx(np.mean([e["sft_continued"]["reverse_kl"] - 1.8 for _, e in evals]))
+    assert lo < m < hi < 0 and "positive control" in text
+
+
+def test_the_distillation_command_selects_seeds_by_params_and_reports_regimes(tmp_path):
+    """`ars-opd distillation --where/--regime`: sets of seeds picked by their params, each in its section."""
+    from ars_opd.cli import main
+
+    def rev(name, seed, steps, ev):
+        params = {"ddp": {"seed": seed}, "opd": {"steps": steps}}
+        return {"rev": name, "name": name, "data": {"params": {"params.yaml": {"data": params}},
+                                                     "metrics": {"data/metrics/evaluate.json": {"data": ev}}}}
+
+    rng = np.random.default_rng(1)
+    base = rev("workspace", 0, 300, _evaluate(1.0, 1.3))
+    exps = [(s, 300, _evaluate(1.0 + rng.normal(0, 0.02), 1.3 + rng.normal(0, 0.02))) for s in (1, 2, 3)]
+    exps += [(s, 1000, _evaluate(2.0 + rng.normal(0, 0.02), 1.0 + rng.normal(0, 0.02))) for s in (1, 2, 3, 4)]
+    base["experiments"] = [{"name": f"e{i}", "revs": [rev(f"e{i}", s, n, ev)]} for i, (s, n, ev) in enumerate(exps)]
+    src, out = tmp_path / "exps.json", tmp_path / "reports" / "distillation.md"
+    src.write_text(json.dumps([base]))
+    assert main(["distillation", "--from", str(src), "--out", str(out), "--where", "opd.steps=300",
+                 "--regime", "longer horizon:opd.steps=1000"]) == 0
+    text = out.read_text()
+    main_part, regime_part = text.split("## Regime: longer horizon")
+    # the baseline revision (seed 0, same params) is a seed of the main study; the regime has its own four
+    assert "Seeds: [0, 1, 2, 3]" in main_part and "Seeds: [1, 2, 3, 4]." in regime_part
+    assert "equal steps, reverse KL to the teacher (per token): OPD better" in main_part
+    assert "longer horizon: at equal steps, reverse KL to the teacher (per token): control better" in regime_part
+    assert "Where OPD is expected to win" in regime_part
+    assert (tmp_path / "reports" / "distillation" / "curves_flops.png").stat().st_size > 0
+    # a malformed selector is refused with a message, and a regime without two seeds is not reported
+    assert main(["distillation", "--from", str(src), "--out", str(out), "--regime", "no colon"]) == 2
+    assert main(["distillation", "--from", str(src), "--out", str(out), "--regime", "x:opd.steps=7"]) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -29,10 +30,12 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     rows = teacher_rows(12, seed=9)
     write_jsonl(Path(p.paths.teacher_dir) / "eval.jsonl", rows)
     # stand-ins: the trained-student directories hold the teacher or the base student
-    for stage in ("sft", "opd", "sft_continued"):
+    # budgets: sft 5 steps; both arms continue it to 10 steps (OPD at more FLOPs)
+    budgets = {"sft": (5, 1e9), "opd": (10, 3e9), "sft_continued": (10, 2e9)}
+    for stage, (steps, flops) in budgets.items():
         model_dir = Path(p.paths.training(stage).model)
         load_model(p.paths.models_dir, "teacher" if stage == "opd" else "student").save_pretrained(model_dir)
-        write_budget(model_dir, {"steps": 10, "flops": 3e9 if stage == "opd" else 1e9, "tokens_trained": 1,
+        write_budget(model_dir, {"steps": steps, "flops": flops, "tokens_trained": 1,
                                  "tokens_processed": 1, "tokens_generated": 0})
     snap = Path(p.paths.training("opd").model) / "snapshots" / "step_0000007"  # a learning-curve point: the base
     load_model(p.paths.models_dir, "student").save_pretrained(snap)
@@ -54,12 +57,27 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     assert [a["teacher"] for a in answers] == [a["opd"] for a in answers]
     table = (Path(p.paths.eval_dir) / "table.md").read_text()
     assert table.splitlines()[0].startswith("| model | exact match")
-    # learning curves: every snapshot then the final model, in step order, scored on the curve prompts
+    # learning curves: each arm's start (the sft model, distill_init), every snapshot, then the final model,
+    # in step order, scored on the curve prompts
     curves = m["curves"]
-    assert curves["examples"] == 4 and [c["steps"] for c in curves["opd"]] == [7, 10]
-    assert curves["opd"][0]["flops"] == 2e9 and curves["opd"][1]["reverse_kl"] < 1e-4  # final: the teacher
-    assert curves["opd"][0]["reverse_kl"] > 0.01 and len(curves["sft"]) == 1
+    assert curves["examples"] == 4 and [c["steps"] for c in curves["opd"]] == [5, 7, 10]
+    assert [c["steps"] for c in curves["sft_continued"]] == [5, 10] and len(curves["sft"]) == 1
+    assert curves["opd"][0] == curves["sft_continued"][0] == {**curves["sft"][0], "start": True}
+    assert curves["opd"][1]["flops"] == 2e9 and curves["opd"][2]["reverse_kl"] < 1e-4  # final: the teacher
+    assert curves["opd"][1]["reverse_kl"] > 0.01
     assert m["opd"]["budget"]["flops"] == 3e9
+    # a start elsewhere (a pinned copy, as a study uses) is scored itself: here the teacher stands in for it;
+    # a snapshot taken at the final step is the final model and is scored once
+    init = Path("data/init")  # paths are relative to the repo root (here tmp_path)
+    load_model(p.paths.models_dir, "teacher").save_pretrained(init)
+    write_budget(init, {"steps": 5, "flops": 1e9, "tokens_trained": 1, "tokens_processed": 1, "tokens_generated": 0})
+    final_snap = Path(p.paths.training("sft_continued").model) / "snapshots" / "step_0000010"
+    load_model(p.paths.models_dir, "student").save_pretrained(final_snap)
+    write_budget(final_snap, {"steps": 10, "flops": 2e9, "tokens_trained": 1, "tokens_processed": 1,
+                              "tokens_generated": 0})
+    again = evaluate_models(p.evaluate, dataclasses.replace(p.paths, distill_init=str(init)))["curves"]
+    assert again["opd"][0]["reverse_kl"] < 1e-4 < again["sft"][0]["reverse_kl"]
+    assert [c["steps"] for c in again["sft_continued"]] == [5, 10]
 
 
 def test_evaluation_losses_from_hidden_equal_the_logits_formulas(char_tokenizer):

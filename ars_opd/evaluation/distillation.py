@@ -113,6 +113,67 @@ def headline(cmp: dict) -> list[str]:
     return lines + [""]
 
 
+def regime_note(cmp: dict) -> list[str]:
+    """Markdown: where OPD is expected to win, when it did not win here at equal steps or equal FLOPs."""
+    if _opd_wins(cmp["equal_steps"]) and (not cmp["equal_flops"] or _opd_wins(cmp["equal_flops"])):
+        return []
+    return [REGIME, ""]
+
+
+REGIME = ("Where OPD is expected to win, if not here: on-policy distillation trains on the states the student "
+          "itself reaches, so its advantage over SFT on teacher text grows with (1) a longer horizon, answers of "
+          "many tokens where the student's early mistakes compound and SFT never shows it how to recover; (2) a "
+          "larger teacher–student gap with a student good enough that its samples are informative; (3) judging "
+          "by the reverse KL on the student's own samples, the quantity OPD minimises, rather than by the "
+          "teacher-text NLL that SFT minimises. At equal FLOPs it also pays for sampling and for the teacher's "
+          "forward (2·P_teacher per scored token against 6·P_student per trained token); a served teacher "
+          "(`opd.teacher: endpoint`) moves that cost off the student's devices, not out of the budget.")
+
+
+def _opd_wins(table: dict) -> bool:
+    """OPD at least as good as the control on both reverse KL and exact match (where both are known)."""
+    o, c = table.get("opd") or {}, table.get("sft_continued") or {}
+    ok = True
+    for metric, _, direction in METRICS[:2]:
+        a, b = o.get(metric), c.get(metric)
+        if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+            continue
+        ok &= (a <= b) if direction == "lower" else (a >= b)
+    return bool(ok)
+
+
+def budget_note(eval_metrics: dict) -> list[str]:
+    """Markdown: the budget both arms had and how far from converged they are (the teacher as the ceiling,
+    and whether each arm's learning curve was still improving over its last interval)."""
+    curves = eval_metrics.get("curves") or {}
+    teacher = eval_metrics.get("teacher") or {}
+    bits = []
+    for arm in ARMS:
+        c = [p for p in curves.get(arm) or [] if p.get("reverse_kl") is not None]
+        if len(c) >= 2:
+            a, b = c[-2], c[-1]
+            trend = "still falling" if b["reverse_kl"] < a["reverse_kl"] else "flat or rising"
+            bits.append(f"{LABELS[arm]}'s reverse KL was {trend} over its last {b['steps'] - a['steps']} steps "
+                        f"({a['reverse_kl']:.3g} → {b['reverse_kl']:.3g} on the curve prompts)")
+    start = (curves.get("opd") or [{}])[0]
+    arm_steps = (eval_metrics.get("opd") or {}).get("budget", {}).get("steps")
+    words = []
+    if start.get("steps") is not None and arm_steps is not None:
+        words.append(f"Budget: the SFT student both arms start from had {start['steps']} steps; each arm adds "
+                     f"{arm_steps - start['steps']}.")
+    if teacher.get("exact_match") is not None:
+        em = {a: (eval_metrics.get(a) or {}).get("exact_match") for a in ARMS}
+        if all(v is not None for v in em.values()):
+            words.append(f"The teacher's exact match is {teacher['exact_match']:.1%} against the arms' "
+                         f"{em['opd']:.1%} and {em['sft_continued']:.1%}, so neither student is near the ceiling"
+                         if max(em.values()) < teacher["exact_match"] - 0.05 else
+                         f"The teacher's exact match is {teacher['exact_match']:.1%}, the arms' {em['opd']:.1%} "
+                         f"and {em['sft_continued']:.1%}")
+    if bits:
+        words.append("; ".join(bits) + ".")
+    return [" ".join(w if w.endswith(".") else w + "." for w in words), ""] if words else []
+
+
 # -- the seed sweep ---------------------------------------------------------------------------------------
 
 def _without_seed(params: dict) -> str:
@@ -121,13 +182,25 @@ def _without_seed(params: dict) -> str:
     return json.dumps({**params, "ddp": ddp}, sort_keys=True, default=str)
 
 
-def collect(data: Any) -> list[dict]:
+def param(params: dict, dotted: str) -> Any:
+    """A params.yaml value by its dotted key (``opd.steps``); None when absent."""
+    node: Any = params
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def collect(data: Any, where: dict[str, str] | None = None) -> list[dict]:
     """One entry per training seed: {"name", "seed", "evaluate"} from ``dvc exp show --json`` experiments
     (and the baseline revision when no experiment has its seed) whose evaluation has both arms. Only runs
     that differ in ``ddp.seed`` alone are seeds of one study: when experiments exist, the configuration most
     of them share decides, so a baseline run with other steps or workers is not mixed in."""
     found = []
     for name, params, metrics, is_experiment in walk_experiments(data):
+        if any(str(param(params, k)) != v for k, v in (where or {}).items()):
+            continue  # ``where``: only runs whose params have these values (as text: opd.steps=1000)
         ddp = params.get("ddp") or {}
         if (ddp.get("inject") or {}).get("kind") or ddp.get("scenario", "S1-1") != "S1-1":
             continue  # a fault or another seed scenario is another experiment, not another seed of this one
@@ -156,19 +229,14 @@ def _paired(runs: list[dict], where: str, metric: str) -> tuple[list[float], lis
     return a, b
 
 
-def render_study(runs: list[dict], commands: str, figures: dict[str, str]) -> tuple[str, dict]:
-    """Markdown of the sweep and its flat summary: per arm mean [95% CI], paired difference, verdict."""
-    lines = ["# Did on-policy distillation beat more SFT at equal budget?", "",
-             "Made from a real sweep of DVC experiments (training seeds `ddp.seed`; the models, data and teacher "
-             "completions are shared) with these commands:", "", "```", commands.strip(), "```", "",
-             f"Seeds: {[r['seed'] for r in runs]} (scenario S1-1, nothing injected). Both arms start from the same SFT "
-             "student (`paths.distill_init`) and run "
-             "the same loop (the `opd` section's steps, batch and schedule). Each cell: mean over seeds [95% "
-             "t-interval]; differences are paired by seed.", ""]
+def _comparison(runs: list[dict], level: str = "##") -> tuple[list[str], dict, list[str]]:
+    """The equal-steps and equal-FLOPs tables of a set of seeds: (markdown, flat summary, verdict bits)."""
+    lines: list[str] = []
     summary: dict = {}
     verdict_bits = []
     for where, title in (("equal_steps", "At equal steps"), ("equal_flops", "At equal FLOPs")):
-        lines += [f"## {title}", "", "| metric | OPD | continued SFT (control) | OPD − control |", "|---|---|---|---|"]
+        lines += [f"{level} {title}", "", "| metric | OPD | continued SFT (control) | OPD − control |",
+                  "|---|---|---|---|"]
         for metric, label, direction in METRICS:
             a, b = _paired(runs, where, metric)
             if len(a) < 2:
@@ -187,10 +255,76 @@ def render_study(runs: list[dict], commands: str, figures: dict[str, str]) -> tu
                 verdict_bits.append(f"{title.lower()}, {label}: {word} (OPD − control {_fmt(md, pct)} "
                                     f"[{_fmt(ld, pct)}, {_fmt(hd, pct)}])")
         lines.append("")
+    return lines, summary, verdict_bits
+
+
+def render_study(runs: list[dict], commands: str, figures: dict[str, str],
+                 regimes: dict[str, list[dict]] | None = None) -> tuple[str, dict]:
+    """Markdown of the sweep and its flat summary: per arm mean [95% CI], paired difference, a positive
+    control, verdict; then each further regime (label -> its seeds) with the same tables."""
+    lines = ["# Did on-policy distillation beat more SFT at equal budget?", "",
+             "Made from a real sweep of DVC experiments (training seeds `ddp.seed`; the models, data and teacher "
+             "completions are shared) with these commands:", "", "```", commands.strip(), "```", "",
+             f"Seeds: {[r['seed'] for r in runs]} (scenario S1-1, nothing injected). Both arms start from the same SFT "
+             "student (`paths.distill_init`) and run "
+             "the same loop (the `opd` section's steps, batch and schedule). Each cell: mean over seeds [95% "
+             "t-interval]; differences are paired by seed. At equal FLOPs the costlier arm (OPD) is read off its "
+             "learning curve (which begins at the shared start) at the cheaper arm's total.", ""]
+    budget = budget_note(runs[0]["evaluate"]) if runs else []
+    if budget:
+        lines += ["Seed " + str(runs[0]["seed"]) + ": " + budget[0], ""]
+    table, summary, verdict_bits = _comparison(runs)
+    lines += table
+    control = _instrument_control(runs)
+    if control:
+        lines += ["## Can this sweep see an effect? (positive control)", "",
+                  "The same instrument (these seeds, the curve prompts) measuring something that does change: "
+                  "the control arm's improvement over the second half of its steps (its curve at the end minus "
+                  "its curve half-way, interpolated on steps), paired by seed. A difference between the arms "
+                  "smaller than this is one the sweep may miss.", "",
+                  "| metric | control, end − half-way |", "|---|---|"]
+        for metric, label, _ in METRICS:
+            if metric in control:
+                pct = metric == "exact_match"
+                m, lo, hi = control[metric]
+                lines.append(f"| {label} | {_fmt(m, pct)} [{_fmt(lo, pct)}, {_fmt(hi, pct)}] |")
+                summary[f"control_last_half/{metric}"] = control[metric]
+        lines.append("")
     for key, path in figures.items():
         lines += [f"![learning curves against {key}]({path})", ""]
     lines += ["## Verdict", "", "- " + "\n- ".join(verdict_bits), ""] if verdict_bits else []
+    regime_bits = []
+    for label, seeds in (regimes or {}).items():
+        table, regime_summary, bits = _comparison(seeds, level="###")
+        summary.update({f"{label}/{k}": v for k, v in regime_summary.items()})
+        lines += [f"## Regime: {label}", "", f"Seeds: {[r['seed'] for r in seeds]}."]
+        note = budget_note(seeds[0]["evaluate"]) if seeds else []
+        lines += ([f"Seed {seeds[0]['seed']}: " + note[0]] if note else []) + [""] + table
+        regime_bits += [f"{label}: {b}" for b in bits]
+    if regime_bits:
+        lines += ["Regimes:", "", "- " + "\n- ".join(regime_bits), ""]
+    if any("OPD better" not in b for b in verdict_bits + regime_bits):
+        lines += [REGIME, ""]
     return "\n".join(lines) + "\n", summary
+
+
+def _instrument_control(runs: list[dict]) -> dict:
+    """Per metric, mean [95% CI] over seeds of the control arm's change over the second half of its steps
+    (on its learning curve): an effect the sweep should resolve if it can resolve anything."""
+    out = {}
+    for metric, _, _ in METRICS:
+        diffs = []
+        for r in runs:
+            curve = (r["evaluate"].get("curves") or {}).get("sft_continued") or []
+            if len(curve) < 2:
+                continue
+            s0, s1 = curve[0]["steps"], curve[-1]["steps"]
+            half, end = interpolate(curve, "steps", (s0 + s1) / 2, metric), interpolate(curve, "steps", s1, metric)
+            if math.isfinite(half) and math.isfinite(end):
+                diffs.append(end - half)
+        if len(diffs) >= 2:
+            out[metric] = mean_ci(diffs)
+    return out
 
 
 def curve_figure(runs: list[dict], x_key: str, path: Path) -> None:

@@ -15,7 +15,8 @@ prompts of the subset (the teacher_gen eval split, which carries the teacher's c
 
 Learning curves: every snapshot a training stage kept (``snapshot_every``) and its final model, scored on
 the first ``evaluate.curve_examples`` held-out prompts, with the steps and FLOPs spent from scratch to
-reach it (``ars_opd.training.budget``), under ``curves`` in the metrics.
+reach it (``ars_opd.training.budget``), under ``curves`` in the metrics. Each arm's curve begins at the
+student both arms start from (``paths.distill_init``, marked ``"start": true``).
 
 Both losses are taken from the models' last hidden states through their output heads one chunk of positions
 at a time (``ars_opd.lm.head``), so a real vocabulary never makes (tokens × vocabulary) logits here either;
@@ -37,7 +38,7 @@ from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json
 from ars_opd.config import EvaluateConfig, PathsConfig, to_dict
 from ars_opd.data import synthetic
 from ars_opd.data.prompts import encode_completions, encode_prompts
-from ars_opd.evaluation.tables import MODELS, TRAINED, render_table
+from ars_opd.evaluation.tables import ARMS, MODELS, TRAINED, render_table
 from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
 from ars_opd.lm.divergences import divergence_terms
 from ars_opd.lm.generation import decode_completion, generate_token_ids
@@ -139,14 +140,37 @@ def score_model(model, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig, v
 def learning_curve(stage: str, paths: PathsConfig, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig,
                    vocab: int, device: torch.device) -> list[dict]:
     """A training stage's snapshots (``snapshots/step_N`` in its model directory) and its final model, each
-    scored on ``data``, with the budget spent to reach it (``budget.json``: steps and FLOPs from scratch)."""
+    scored on ``data``, with the budget spent to reach it (``budget.json``: steps and FLOPs from scratch).
+    A snapshot taken at the final step is the final model and is scored once."""
     model_dir = Path(paths.training(stage).model)
-    points = []
-    for d in sorted((model_dir / SNAPSHOTS).glob("step_*")) + [model_dir]:
-        model = load_model_dir(d, stage=stage).to(device).eval().requires_grad_(False)
-        m, _ = score_model(model, teacher, tokenizer, data, cfg, vocab, device)
-        points.append({**read_budget(d), **{k: m[k] for k in ("exact_match", "reverse_kl", "teacher_nll")}})
-    return points
+    final_steps = read_budget(model_dir)["steps"]
+    dirs = [d for d in sorted((model_dir / SNAPSHOTS).glob("step_*")) if read_budget(d)["steps"] != final_steps]
+    return [curve_point(d, stage, teacher, tokenizer, data, cfg, vocab, device) for d in dirs + [model_dir]]
+
+
+def curve_point(model_dir: Path, stage: str, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig, vocab: int,
+                device: torch.device) -> dict:
+    """One learning-curve point: the model in ``model_dir`` scored on ``data``, with its budget."""
+    model = load_model_dir(model_dir, stage=stage).to(device).eval().requires_grad_(False)
+    m, _ = score_model(model, teacher, tokenizer, data, cfg, vocab, device)
+    return {**read_budget(model_dir), **{k: m[k] for k in ("exact_match", "reverse_kl", "teacher_nll")}}
+
+
+def learning_curves(paths: PathsConfig, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig, vocab: int,
+                    device: torch.device) -> dict:
+    """Every training stage's curve; each arm's curve starts at the student both arms start from
+    (``paths.distill_init``), so the arms can be read off at any budget between their start and end (the
+    equal-FLOPs comparison interpolates there). When that student is the sft stage's model its final curve
+    point is reused rather than scored again."""
+    curves = {stage: learning_curve(stage, paths, teacher, tokenizer, data, cfg, vocab, device) for stage in TRAINED}
+    init = Path(paths.distill_init)
+    if init.resolve() == Path(paths.sft_model).resolve():
+        start = dict(curves["sft"][-1])
+    else:
+        start = curve_point(init, "sft", teacher, tokenizer, data, cfg, vocab, device)
+    for arm in ARMS:
+        curves[arm] = [{**start, "start": True}] + curves[arm]
+    return curves
 
 
 def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: bool = False) -> dict:
@@ -180,8 +204,8 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
         for a, t in zip(answers, texts):
             a[name] = t
     curve_data = data.head(cfg.curve_examples) if cfg.curve_examples else data
-    metrics["curves"] = {"examples": len(curve_data.rows), **{
-        stage: learning_curve(stage, paths, teacher, tokenizer, curve_data, cfg, vocab, device) for stage in TRAINED}}
+    metrics["curves"] = {"examples": len(curve_data.rows),
+                         **learning_curves(paths, teacher, tokenizer, curve_data, cfg, vocab, device)}
     table = render_table(metrics)
     with atomic_outputs(paths.eval_metrics, paths.eval_dir) as (metrics_tmp, out):
         out.mkdir(parents=True)

@@ -25,7 +25,7 @@ from ars_opd.config import PathsConfig, ReportConfig
 from ars_opd.evaluation.detector import (
     Alarm, detect, monitored_ranks, standardised_residuals, threshold_for,
 )
-from ars_opd.evaluation.distillation import compare, curve_figure, headline
+from ars_opd.evaluation.distillation import budget_note, compare, curve_figure, headline, regime_note
 from ars_opd.evaluation.tables import ARMS, MODELS, render_table
 
 STAGES = ("sft", "opd", "sft_continued")
@@ -199,7 +199,7 @@ def build_report(stage_logs: dict[str, pd.DataFrame], eval_metrics: dict | None,
         md += ["## Did distillation work?", ""]
         cmp = compare(eval_metrics)
         if cmp is not None:
-            md += headline(cmp)
+            md += headline(cmp) + budget_note(eval_metrics) + regime_note(cmp)
             md += ["![learning curves against steps](figures/learning_curves_steps.png)", "",
                    "![learning curves against FLOPs](figures/learning_curves_flops.png)", ""]
             for where in ("equal_steps", "equal_flops"):
