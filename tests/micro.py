@@ -56,3 +56,30 @@ def teacher_rows(n: int, seed: int) -> list[dict]:
     return [{"id": str(i), "messages": alpaca_messages(r["instruction"], r["input"]), "reference": r["output"],
              "task": r["task"], "completion": r["output"], "finish_reason": "stop", "key": str(i)}
             for i, r in enumerate(synthetic.generate(n, seed=seed))]
+
+
+def distill_workspace(repo_root: Path, root: Path, opd: dict, workers: int = 2) -> None:
+    """A micro workspace in ``root`` ready for the stages that start from the SFT student (opd,
+    sft_continued): params with these ``opd`` overrides and ``workers``, the built-in micro models, 64 teacher
+    training rows, and the base student standing in as the SFT student (they only need an HF model directory)."""
+    import os
+
+    from ars_opd.artifacts import write_jsonl
+    from ars_opd.config import BaseConfig, load_params
+    from ars_opd.models.pinning import load_model
+    from ars_opd.models.stage import prepare_models
+
+    root.mkdir(parents=True, exist_ok=True)
+    write_micro_params(repo_root, root / "params.yaml",
+                       {"opd": opd, "ddp": {"workers": workers, "threads_per_worker": 1}})
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        p = load_params("params.yaml")
+        prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
+                       progress=False)
+        Path(p.paths.teacher_dir).mkdir(parents=True, exist_ok=True)
+        write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", teacher_rows(64, seed=5))
+        load_model(p.paths.models_dir, "student").save_pretrained(Path(p.paths.sft_model))
+    finally:
+        os.chdir(cwd)

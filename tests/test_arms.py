@@ -10,16 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ars_opd.artifacts import read_jsonl, write_jsonl
-from ars_opd.config import BaseConfig, OPDConfig, SFTConfig, load_params
+from ars_opd.artifacts import read_jsonl
+from ars_opd.config import OPDConfig, SFTConfig, load_params
 from ars_opd.evaluation.distillation import (budget_note, collect, compare, headline, interpolate, regime_note,
                                                render_study)
 from ars_opd.models.pinning import load_model, sha256_of_files
-from ars_opd.models.stage import prepare_models
 from ars_opd.training.budget import matmul_parameters, read_budget, write_budget
 from ars_opd.training.opd import run_opd
 from ars_opd.training.sft import continued_sft_config, run_sft_continued
-from micro import teacher_rows, write_micro_params
+from micro import distill_workspace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,19 +48,13 @@ def test_matmul_parameters_counts_an_untied_embedding_out():
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_arms_start_from_the_same_student_and_their_budgets_add_up(tmp_path):
-    write_micro_params(REPO, tmp_path / "params.yaml", {
-        "opd": {"steps": 4, "global_batch_size": 8, "micro_batch_size": 4, "snapshot_every": 2, "max_new_tokens": 5},
-        "ddp": {"workers": 2, "threads_per_worker": 1}})
+    distill_workspace(REPO, tmp_path, {"steps": 4, "global_batch_size": 8, "micro_batch_size": 4,
+                                       "snapshot_every": 2, "max_new_tokens": 5}, workers=2)
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
         p = load_params("params.yaml")
-        prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
-                       progress=False)
-        Path(p.paths.teacher_dir).mkdir(parents=True)
-        write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", teacher_rows(64, seed=5))
-        init = Path(p.paths.distill_init)
-        load_model(p.paths.models_dir, "student").save_pretrained(init)
+        init = Path(p.paths.distill_init)  # the sft model: the base student stands in for it
         start = {"steps": 100, "flops": 5e9, "tokens_trained": 700, "tokens_processed": 900, "tokens_generated": 0}
         write_budget(init, start)
         init_sha = sha256_of_files(init)

@@ -9,15 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ars_opd.artifacts import read_jsonl, write_jsonl
-from ars_opd.config import BaseConfig, load_params
+from ars_opd.artifacts import read_jsonl
+from ars_opd.config import load_params
 from ars_opd.training.distributed import launch
-from ars_opd.models.stage import prepare_models
 from ars_opd.models.pinning import load_model, load_tokenizer
 from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.training.opd import run_opd, uses_student_rollouts
 from ddp_probe import gkd_probe
-from micro import teacher_rows, write_micro_params
+from micro import distill_workspace
 
 REPO = Path(__file__).resolve().parents[1]
 EOS, PAD = 2, 2  # pad == eos, as in several real tokenizers
@@ -58,20 +57,7 @@ def test_gkd_draw_identical_on_every_worker():
 
 
 def _workspace(root: Path, opd: dict) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    write_micro_params(REPO, root / "params.yaml", {"opd": opd, "ddp": {"workers": 2, "threads_per_worker": 1}})
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        p = load_params("params.yaml")
-        prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
-                       progress=False)
-        Path(p.paths.teacher_dir).mkdir(parents=True)
-        write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", teacher_rows(64, seed=5))
-        # the SFT student stands in as the base student: the OPD stage only needs an HF model directory
-        load_model(p.paths.models_dir, "student").save_pretrained(Path(p.paths.sft_model))
-    finally:
-        os.chdir(cwd)
+    distill_workspace(REPO, root, opd, workers=2)
 
 
 @pytest.mark.slow

@@ -13,38 +13,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from ars_opd.artifacts import read_jsonl, write_jsonl
-from ars_opd.config import BaseConfig, ConfigError, EndpointConfig, TeacherServerConfig, load_params
+from ars_opd.artifacts import read_jsonl
+from ars_opd.config import ConfigError, EndpointConfig, TeacherServerConfig, load_params
 from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.lm.objectives import check_config, get_objective
 from ars_opd.models.pinning import load_model, load_tokenizer, model_path
-from ars_opd.models.stage import prepare_models
 from ars_opd.teacher.client import ClientSettings, EndpointError
 from ars_opd.teacher.generate import LOCAL_MODEL_NAME, local_teacher_server
 from ars_opd.teacher.score_client import ScoringError
 from ars_opd.training.opd import run_opd
 from ars_opd.training.teachers import EndpointTeacher, LocalTeacher
 from fake_endpoint import FaultyProxy
-from micro import teacher_rows, write_micro_params
+from micro import distill_workspace, teacher_rows
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = TeacherServerConfig(max_batch_size=64, max_wait_ms=5.0, threads=1, startup_timeout_s=120.0)
 
 
 def _workspace(root: Path, opd: dict, workers: int = 1) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    write_micro_params(REPO, root / "params.yaml", {"opd": opd, "ddp": {"workers": workers, "threads_per_worker": 1}})
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        p = load_params("params.yaml")
-        prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
-                       progress=False)
-        Path(p.paths.teacher_dir).mkdir(parents=True)
-        write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", teacher_rows(64, seed=5))
-        load_model(p.paths.models_dir, "student").save_pretrained(Path(p.paths.sft_model))
-    finally:
-        os.chdir(cwd)
+    distill_workspace(REPO, root, opd, workers)
 
 
 def _models_dir(root: Path) -> str:
