@@ -83,18 +83,15 @@ class _Failure:
     message: str
 
 
-@dataclass(eq=False)
-class _ScoreJob:
-    """One prompt of a scoring request: its row in a scoring batch, answered with one ``RowScores`` event."""
+class _Answered:
+    """A queued row whose request handler listens on ``events`` in its event loop ``loop``."""
 
-    prompt_ids: list[int]
-    top_k: int
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
-    done: bool = False
-    cancelled: bool = False
+    done: bool
 
     def post(self, event) -> None:
+        """Hand an event to the request's handler from any thread."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop has closed: nobody is listening any more
@@ -106,7 +103,19 @@ class _ScoreJob:
 
 
 @dataclass(eq=False)
-class _Job:
+class _ScoreJob(_Answered):
+    """One prompt of a scoring request: its row in a scoring batch, answered with one ``RowScores`` event."""
+
+    prompt_ids: list[int]
+    top_k: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    done: bool = False
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class _Job(_Answered):
     """One request's row in a batch. The generation thread writes the token fields, the handler reads events."""
 
     prompt_ids: list[int]
@@ -122,17 +131,6 @@ class _Job:
     done: bool = False
     cancelled: bool = False
     """Set by the handler when it stops listening (client gone); the row is then dropped."""
-
-    def post(self, event: _Progress | _Failure) -> None:
-        """Hand an event to the request's handler from any thread."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop has closed: nobody is listening any more
-            pass
-
-    def fail(self, status: int, message: str) -> None:
-        self.done = True
-        self.post(_Failure(status, message))
 
 
 class _RowSampler(LogitsProcessor):
