@@ -130,11 +130,24 @@ def _cmd_distillation(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"ars-opd distillation: {e}", file=sys.stderr)
         return 2
-    runs = distillation.collect(data, where)
+    runs = distillation.with_curves(distillation.collect(data, where))
     if len(runs) < 2:
         print(f"ars-opd distillation: {len(runs)} training seed(s) with both arms evaluated; at least 2 are needed "
               "for intervals. Run:\n" + DISTILLATION_COMMANDS, file=sys.stderr)
         return 1
+    regimes = {}
+    for label, filters in regime_filters.items():
+        regimes[label] = distillation.with_curves(distillation.collect(data, filters))
+        if len(regimes[label]) < 2:
+            print(f"ars-opd distillation: regime {label!r} ({filters}) has {len(regimes[label])} seed(s) with both "
+                  "arms evaluated; at least 2 are needed", file=sys.stderr)
+            return 1
+    missing = [r["name"] for rs in [runs, *regimes.values()] for r in rs if not distillation.has_curves(r["evaluate"])]
+    if missing:
+        print(f"ars-opd distillation: no learning curves for {', '.join(map(str, missing))} (`dvc exp show --json` "
+              "drops them and their commits could not be read here): the equal-FLOPs tables, the positive control "
+              "and the figures leave those runs out. Run this inside the repository that holds the experiments.",
+              file=sys.stderr)
     out = Path(args.out)
     fig_dir = out.parent / out.stem  # e.g. reports/distillation/ beside reports/distillation.md
     fig_dir.mkdir(parents=True, exist_ok=True)
@@ -143,13 +156,6 @@ def _cmd_distillation(args: argparse.Namespace) -> int:
         distillation.curve_figure(runs, x_key, fig_dir / f"curves_{x_key}.png")
         figures[x_key] = f"{fig_dir.name}/curves_{x_key}.png"
     commands = Path(args.commands).read_text() if args.commands else DISTILLATION_COMMANDS
-    regimes = {}
-    for label, filters in regime_filters.items():
-        regimes[label] = distillation.collect(data, filters)
-        if len(regimes[label]) < 2:
-            print(f"ars-opd distillation: regime {label!r} ({filters}) has {len(regimes[label])} seed(s) with both "
-                  "arms evaluated; at least 2 are needed", file=sys.stderr)
-            return 1
     text, _ = distillation.render_study(runs, commands, figures, regimes)
     notes = Path(args.notes).read_text() if args.notes else ""
     out.write_text(text + ("\n" + notes.strip() + "\n" if notes.strip() else ""))

@@ -177,7 +177,8 @@ def test_the_seed_study_pairs_differences_by_seed_and_states_a_verdict():
     assert d == pytest.approx(np.mean([e["opd"]["reverse_kl"] - e["sft_continued"]["reverse_kl"] for _, e in evals]))
     assert lo < d < hi < 0
     assert "equal steps, reverse KL to the teacher (per token): OPD better" in text
-    assert "exact match: no difference resolved" in text  # identical exact match in every seed
+    # identical exact match in both arms in every seed: a zero-width interval, no verdict
+    assert "equal steps, exact match: not resolved (every seed gave the same difference" in text
     assert "![learning curves against steps](distillation/curves_steps.png)" in text
     # the positive control: the control arm's change over the second half of its steps (1,150 -> 1,300 on its
     # curve, whose 1,150-step point is 1.8), paired by seed
@@ -215,3 +216,52 @@ def test_the_distillation_command_selects_seeds_by_params_and_reports_regimes(tm
     # a malformed selector is refused with a message, and a regime without two seeds is not reported
     assert main(["distillation", "--from", str(src), "--out", str(out), "--regime", "no colon"]) == 2
     assert main(["distillation", "--from", str(src), "--out", str(out), "--regime", "x:opd.steps=7"]) == 1
+
+
+def test_learning_curves_dropped_by_dvc_exp_show_are_read_from_the_experiment_commits(tmp_path, monkeypatch):
+    """`dvc exp show --json` keeps dicts of numbers but drops lists, so an experiment's learning curves arrive
+    as {"examples": N}; the study reads them whole from the experiment's commit instead."""
+    import subprocess
+
+    from ars_opd.evaluation.distillation import git_metrics_reader, has_curves, with_curves
+
+    rng = np.random.default_rng(2)
+    evals = [(s, _evaluate(1.0 + rng.normal(0, 0.02), 1.3 + rng.normal(0, 0.02))) for s in range(3)]
+    # a git repository with one commit per "experiment", each holding its whole evaluate metrics
+    monkeypatch.chdir(tmp_path)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    revs = []
+    for _, ev in evals:
+        Path("data/metrics").mkdir(parents=True, exist_ok=True)
+        Path("data/metrics/evaluate.json").write_text(json.dumps(ev))
+        subprocess.run(git + ["add", "-A"], check=True)
+        subprocess.run(git + ["commit", "-qm", "exp"], check=True)
+        revs.append(subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip())
+    dropped = [{**ev, "curves": {"examples": 50}} for _, ev in evals]  # what dvc exp show hands over
+    show = _show(list(zip([s for s, _ in evals], dropped)))
+    for exp, rev in zip(show[0]["experiments"], revs[1:]):
+        exp["revs"][0]["rev"] = rev
+    show[0]["rev"] = revs[0]
+    runs = collect(show)
+    assert not any(has_curves(r["evaluate"]) for r in runs)
+    assert render_study(runs, "cmds", {})[1].get("equal_flops/reverse_kl/diff") is None  # nothing to read off
+    full = with_curves(runs)
+    assert all(has_curves(r["evaluate"]) for r in full)
+    assert [r["evaluate"] for r in full] == [json.loads(json.dumps(ev)) for _, ev in evals]
+    d, lo, hi = render_study(full, "cmds", {})[1]["equal_flops/reverse_kl/diff"]
+    # equal FLOPs (2e12): OPD's curve is 1.5 there in every seed, the control's final value is 1.3 + noise
+    assert d == pytest.approx(np.mean([1.5 - ev["sft_continued"]["reverse_kl"] for _, ev in evals]))
+    assert git_metrics_reader(revs[0], "no/such.json") is None and git_metrics_reader("0" * 40, "x") is None
+    assert json.loads(git_metrics_reader("workspace", "data/metrics/evaluate.json")) == json.loads(
+        json.dumps(evals[-1][1]))
+
+
+def test_a_zero_width_interval_is_not_a_verdict():
+    """Every seed giving the same difference (exact match moves in steps of one prompt) is not evidence."""
+    evals = [_evaluate(1.0 + 0.01 * s, 1.3 + 0.02 * s, opd_em=0.60, ctl_em=0.62) for s in range(3)]
+    text, summary = render_study([{"name": f"s{s}", "seed": s, "evaluate": e} for s, e in enumerate(evals)], "c", {})
+    d, lo, hi = summary["equal_steps/exact_match/diff"]
+    assert lo == hi == pytest.approx(-0.02)
+    assert "equal steps, exact match: not resolved (every seed gave the same difference" in text
+    assert "at equal steps, exact match: control better" not in text

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -198,23 +199,56 @@ def collect(data: Any, where: dict[str, str] | None = None) -> list[dict]:
     that differ in ``ddp.seed`` alone are seeds of one study: when experiments exist, the configuration most
     of them share decides, so a baseline run with other steps or workers is not mixed in."""
     found = []
-    for name, params, metrics, is_experiment in walk_experiments(data):
+    for name, params, metrics, is_experiment, rev in walk_experiments(data):
         if any(str(param(params, k)) != v for k, v in (where or {}).items()):
             continue  # ``where``: only runs whose params have these values (as text: opd.steps=1000)
         ddp = params.get("ddp") or {}
         if (ddp.get("inject") or {}).get("kind") or ddp.get("scenario", "S1-1") != "S1-1":
             continue  # a fault or another seed scenario is another experiment, not another seed of this one
         if all(a in metrics for a in ARMS):
-            found.append((int(ddp.get("seed", 0)), name, metrics, is_experiment, _without_seed(params)))
-    configs = Counter(key for *_, is_exp, key in found if is_exp)
+            run = {"name": name, "seed": int(ddp.get("seed", 0)), "evaluate": metrics, "rev": rev,
+                   "metrics_path": param(params, "paths.eval_metrics") or "data/metrics/evaluate.json"}
+            found.append((run, is_experiment, _without_seed(params)))
+    configs = Counter(key for _, is_exp, key in found if is_exp)
     study = configs.most_common(1)[0][0] if configs else None
     by_seed: dict[int, dict] = {}
-    for seed, name, ev, is_experiment, key in found:
+    for run, is_experiment, key in found:
         if study is not None and key != study:
             continue
-        if is_experiment or seed not in by_seed:
-            by_seed[seed] = {"name": name, "seed": seed, "evaluate": ev}
+        if is_experiment or run["seed"] not in by_seed:
+            by_seed[run["seed"]] = run
     return [by_seed[s] for s in sorted(by_seed)]
+
+
+def has_curves(ev: dict) -> bool:
+    """Whether an evaluation carries both arms' learning curves (lists of points)."""
+    curves = ev.get("curves") or {}
+    return all(isinstance(curves.get(a), list) and curves[a] for a in ARMS)
+
+
+def git_metrics_reader(rev: str, path: str) -> str | None:
+    """A metrics file as committed in ``rev`` (an experiment's commit), or in the workspace; None if absent."""
+    if rev == "workspace":
+        return Path(path).read_text() if Path(path).is_file() else None
+    try:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def with_curves(runs: list[dict], read: Callable[[str, str], str | None] = git_metrics_reader) -> list[dict]:
+    """The runs with their whole evaluation metrics. ``dvc exp show --json`` drops list-valued metrics, so
+    the learning curves (lists of points) do not survive it: where a run lacks them, its metrics file is read
+    whole from the experiment's commit (the evaluate metrics are committed to git, not to the DVC cache)."""
+    out = []
+    for run in runs:
+        ev = run["evaluate"]
+        if not has_curves(ev) and run.get("rev"):
+            text = read(run["rev"], run["metrics_path"])
+            if text:
+                ev = json.loads(text)
+        out.append({**run, "evaluate": ev})
+    return out
 
 
 def _paired(runs: list[dict], where: str, metric: str) -> tuple[list[float], list[float]]:
@@ -252,6 +286,8 @@ def _comparison(runs: list[dict], level: str = "##") -> tuple[list[str], dict, l
                 good = (hd < 0) if direction == "lower" else (ld > 0)
                 bad = (ld > 0) if direction == "lower" else (hd < 0)
                 word = "OPD better" if good else "control better" if bad else "no difference resolved"
+                if ld == hd:  # every seed gave the same difference: a zero-width interval says nothing
+                    word = "not resolved (every seed gave the same difference, so the interval has no width)"
                 verdict_bits.append(f"{title.lower()}, {label}: {word} (OPD − control {_fmt(md, pct)} "
                                     f"[{_fmt(ld, pct)}, {_fmt(hd, pct)}])")
         lines.append("")
@@ -268,8 +304,10 @@ def render_study(runs: list[dict], commands: str, figures: dict[str, str],
              f"Seeds: {[r['seed'] for r in runs]} (scenario S1-1, nothing injected). Both arms start from the same SFT "
              "student (`paths.distill_init`) and run "
              "the same loop (the `opd` section's steps, batch and schedule). Each cell: mean over seeds [95% "
-             "t-interval]; differences are paired by seed. At equal FLOPs the costlier arm (OPD) is read off its "
-             "learning curve (which begins at the shared start) at the cheaper arm's total.", ""]
+             "t-interval over training seeds]; differences are paired by seed. The held-out prompts are the same "
+             "for every seed, so the intervals hold for these prompts: their own sampling error is not in them. "
+             "At equal FLOPs the costlier arm (OPD) is read off its learning curve (which begins at the shared "
+             "start) at the cheaper arm's total.", ""]
     budget = budget_note(runs[0]["evaluate"]) if runs else []
     if budget:
         lines += ["Seed " + str(runs[0]["seed"]) + ": " + budget[0], ""]
@@ -327,6 +365,12 @@ def _instrument_control(runs: list[dict]) -> dict:
     return out
 
 
+def _leads_to_start(sft_curve: list[dict], ev: dict) -> bool:
+    start = ((ev.get("curves") or {}).get("opd") or [{}])[0]
+    return bool(sft_curve) and sft_curve[-1].get("steps") == start.get("steps") \
+        and sft_curve[-1].get("flops") == start.get("flops")
+
+
 def curve_figure(runs: list[dict], x_key: str, path: Path) -> None:
     """One panel per metric, one line per arm (and SFT before them): mean over seeds, min-max band."""
     import matplotlib
@@ -338,6 +382,8 @@ def curve_figure(runs: list[dict], x_key: str, path: Path) -> None:
     for ax, (metric, label, _) in zip(axes, METRICS):
         for stage, color in (("sft", "grey"), ("opd", "tab:blue"), ("sft_continued", "tab:orange")):
             curves = [r["evaluate"].get("curves", {}).get(stage) or [] for r in runs]
+            if stage == "sft":  # drawn only where it leads to the arms' start (a study may start them elsewhere)
+                curves = [c for c, r in zip(curves, runs) if c and _leads_to_start(c, r["evaluate"])]
             curves = [c for c in curves if c]
             if not curves:
                 continue

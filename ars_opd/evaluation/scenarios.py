@@ -113,7 +113,8 @@ def jonckheere(groups: Sequence[Sequence[float]], permutations: int = 20000, see
 # -- experiments ------------------------------------------------------------------------------------------
 
 def walk_experiments(data: Any):
-    """Yield (name, params, metrics, is_experiment) for every revision in `dvc exp show --json` output."""
+    """Yield (name, params, metrics, is_experiment, rev) for every revision in `dvc exp show --json` output
+    (rev: the experiment's commit, a baseline commit, or "workspace")."""
     queue = list(data if isinstance(data, list) else [data])
     while queue:
         exp = queue.pop(0)
@@ -125,7 +126,7 @@ def walk_experiments(data: Any):
         metrics: dict = {}
         for m in (d.get("metrics") or {}).values():
             metrics.update(m.get("data") or {})
-        yield exp.get("name") or exp.get("rev"), params, metrics, bool(exp.get("_experiment"))
+        yield exp.get("name") or exp.get("rev"), params, metrics, bool(exp.get("_experiment")), exp.get("rev")
 
 
 def collect(data: Any) -> dict[str, list[dict]]:
@@ -133,7 +134,7 @@ def collect(data: Any) -> dict[str, list[dict]]:
 
     Only experiments (not the baseline revision) with report metrics count, one per (group, seed)."""
     groups: dict[str, dict[int, dict]] = {}
-    for name, params, metrics, is_experiment in walk_experiments(data):
+    for name, params, metrics, is_experiment, _ in walk_experiments(data):
         ddp = params.get("ddp") or {}
         if not is_experiment or not any(k.endswith("_mean") for k in metrics):
             continue
