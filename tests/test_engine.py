@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -332,3 +333,37 @@ def test_the_logged_lr_is_the_rate_each_step_used(tmp_path, char_tokenizer):
     expected = [1e-3 * warmup_cosine(s, 6, 1, 0.1) for s in range(6)]
     assert [r["lr"] for r in rows] == pytest.approx(expected, rel=1e-12)
     assert rows[-1]["lr"] > 1e-4  # the floor (min_lr_ratio) is reached only after the last step
+
+
+def test_step_logger_without_studio_writes_what_next_step_writes(tmp_path, monkeypatch):
+    """Without DVC Studio the logger skips Live.next_step() (it re-reads every plot file each step): the plot
+    files and the summary must be the ones next_step() writes."""
+    import csv
+
+    from ars_opd.training.loop import StepLogger
+
+    for var in ("DVC_STUDIO_TOKEN", "STUDIO_TOKEN", "DVC_STUDIO_URL", "STUDIO_ENDPOINT", "DVC_STUDIO_REPO_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    rows = [{"step": s, "loss": 3.0 / (s + 1), "lr": 1e-3, "grad_norm": 1.0 + s % 3, "tokens": 10 + s,
+             "consistency/loss_dispersion": 0.01 * s, "worker_loss": [1.0, 2.0], "fault": None} for s in range(30)]
+    out = {}
+    for name, studio in (("fast", False), ("reference", True)):
+        logger = StepLogger(tmp_path / name / "steps.jsonl", tmp_path / name / "live", enabled=True)
+        assert logger._studio is False  # Studio is not configured here
+        logger._studio = studio
+        logger.replay(rows[:12])  # a resume replays the checkpoint's log first
+        for r in rows[12:]:
+            logger.log(r)
+        logger.summary({"final_loss": rows[-1]["loss"], "steps": 30})
+        logger.close()
+        plots = tmp_path / name / "live" / "plots" / "metrics" / "train"
+        out[name] = ({p.relative_to(plots).as_posix(): [(r["step"], r[p.stem]) for r in csv.DictReader(
+            p.open(), delimiter="\t")] for p in sorted(plots.rglob("*.tsv"))},
+            json.loads((tmp_path / name / "live" / "metrics.json").read_text()))
+    fast_plots, fast_summary = out["fast"]
+    assert fast_plots == out["reference"][0]
+    assert [int(s) for s, _ in fast_plots["loss.tsv"]] == list(range(30))
+    assert fast_summary == out["reference"][1]
+    assert fast_summary["step"] == 30 and fast_summary["final_loss"] == rows[-1]["loss"]
+    assert fast_summary["train"]["loss"] == rows[-1]["loss"]

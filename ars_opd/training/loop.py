@@ -252,18 +252,27 @@ class StepLogger:
     """
 
     SCALARS = ("loss", "lr", "grad_norm", "clip_coef", "tokens", "step_s")
+    SUMMARY_EVERY_S = 5.0  # DVCLive's metrics.json is rewritten at most this often while training
 
     def __init__(self, steps_path: Path, live_dir: Path, enabled: bool):
         self.enabled = enabled
         self.rows: list[dict] = []
         self._file = None
         self._live = None
+        self._next_summary = 0.0
         if enabled:
             from dvclive import Live
 
             steps_path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(steps_path, "w")
             self._live = Live(dir=str(live_dir), save_dvc_exp=False, dvcyaml=None, resume=False)
+            # Live.next_step() also streams to DVC Studio and, to do so, re-reads every plot file on every
+            # step, even with Studio not configured: a cost that grows with the step count (measured ~25 ms a
+            # step by 300 steps of 22 scalars, as much as an SFT step of the default). So next_step() runs
+            # only when Studio is configured; otherwise each step appends its plot rows and the summary is
+            # rewritten every few seconds and at the end. (An unknown DVCLive keeps next_step().)
+            skipped = getattr(self._live, "_studio_events_to_skip", None)
+            self._studio = skipped is None or "data" not in skipped
 
     def log(self, row: dict) -> None:
         self.rows.append(row)
@@ -271,12 +280,18 @@ class StepLogger:
             return
         self._file.write(json.dumps({k: v for k, v in row.items() if not is_timing(k)}) + "\n")
         self._file.flush()
+        self._live.step = row["step"]
         for k, v in row.items():
             if (k in self.SCALARS or k.startswith(("task/", "consistency/", "gns/"))) and isinstance(v, (int, float)) \
                     and not isinstance(v, bool) and math.isfinite(v):
                 self._live.log_metric(f"train/{k}", v, plot=True)
-        self._live.step = row["step"]
-        self._live.next_step()
+        if self._studio:
+            self._live.next_step()
+            return
+        self._live.step = row["step"] + 1  # what next_step() leaves: the summary's step counts steps done
+        if time.monotonic() >= self._next_summary:
+            self._live.make_summary()
+            self._next_summary = time.monotonic() + self.SUMMARY_EVERY_S
 
     def replay(self, rows: list[dict]) -> None:
         for row in rows:
