@@ -232,6 +232,10 @@ def check_evaluate(p: PathsConfig, problems: Problems) -> None:
     for f in ("table.md", "answers.jsonl"):
         if not (Path(p.eval_dir) / f).is_file():
             problems.add(Path(p.eval_dir) / f, "missing")
+    for stage in TRAINING_STAGES:
+        tsv = Path(p.eval_live) / "plots" / "metrics" / stage / "reverse_kl.tsv"
+        if not tsv.is_file():
+            problems.add(tsv, "missing (the learning curve through DVCLive)")
 
 
 def check_report(p: PathsConfig, problems: Problems) -> None:

@@ -112,6 +112,8 @@ class PathsConfig:
     """evaluate: table.md, answers.jsonl (every greedy answer), manifest.json."""
     eval_metrics: str = "data/metrics/evaluate.json"
     """evaluate metrics, nested by model (base, sft, opd, teacher)."""
+    eval_live: str = "data/live/evaluate"
+    """evaluate: the learning curves through DVCLive (plots/metrics/<stage>/<metric>.tsv against steps)."""
     report_md: str = "reports/report.md"
     """report: the markdown report."""
     report_figures: str = "reports/figures"

@@ -66,6 +66,16 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     assert curves["opd"][1]["flops"] == 2e9 and curves["opd"][2]["reverse_kl"] < 1e-4  # final: the teacher
     assert curves["opd"][1]["reverse_kl"] > 0.01
     assert m["opd"]["budget"]["flops"] == 3e9
+    # the same curves through DVCLive: one TSV per stage and metric, one row per point, against steps
+    import csv
+
+    for stage in ("sft", "opd", "sft_continued"):
+        for key in ("reverse_kl", "teacher_nll", "flops"):
+            tsv = Path(p.paths.eval_live) / "plots" / "metrics" / stage / f"{key}.tsv"
+            rows = list(csv.DictReader(tsv.open(), delimiter="\t"))
+            assert [(int(r["step"]), float(r[key])) for r in rows] == [
+                (c["steps"], pytest.approx(float(c[key]), rel=1e-6)) for c in curves[stage]], (stage, key)
+    assert not list(Path(p.paths.eval_live).glob("*.json"))  # plot files only: the numbers are in the metrics
     # a start elsewhere (a pinned copy, as a study uses) is scored itself: here the teacher stands in for it;
     # a snapshot taken at the final step is the final model and is scored once
     init = Path("data/init")  # paths are relative to the repo root (here tmp_path)

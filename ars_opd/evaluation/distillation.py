@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ars_opd.config import PathsConfig
 from ars_opd.evaluation.scenarios import mean_ci, walk_experiments
 from ars_opd.evaluation.tables import ARMS
 
@@ -207,7 +208,7 @@ def collect(data: Any, where: dict[str, str] | None = None) -> list[dict]:
             continue  # a fault or another seed scenario is another experiment, not another seed of this one
         if all(a in metrics for a in ARMS):
             run = {"name": name, "seed": int(ddp.get("seed", 0)), "evaluate": metrics, "rev": rev,
-                   "metrics_path": param(params, "paths.eval_metrics") or "data/metrics/evaluate.json"}
+                   "metrics_path": param(params, "paths.eval_metrics") or PathsConfig().eval_metrics}
             found.append((run, is_experiment, _without_seed(params)))
     configs = Counter(key for _, is_exp, key in found if is_exp)
     study = configs.most_common(1)[0][0] if configs else None

@@ -22,12 +22,14 @@ Both losses are taken from the models' last hidden states through their output h
 at a time (``ars_opd.lm.head``), so a real vocabulary never makes (tokens × vocabulary) logits here either;
 the teacher is loaded in bf16 on CUDA and fp32 on CPU (``evaluate.teacher_dtype``).
 
-Outputs: one metrics JSON (DVC metrics, nested by model), a markdown table, and every greedy answer as
-JSON Lines for inspection. Runs in one process (evaluation needs no data parallelism at this size).
+Outputs: one metrics JSON (DVC metrics, nested by model), a markdown table, every greedy answer as JSON
+Lines for inspection, and the learning curves through DVCLive (DVC plots against steps). Runs in one process (evaluation needs no data parallelism at this size).
 """
 
 from __future__ import annotations
 
+import math
+import shutil
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +175,26 @@ def learning_curves(paths: PathsConfig, teacher, tokenizer, data: HeldOut, cfg: 
     return curves
 
 
+def log_curves(live_dir: Path, curves: dict) -> None:
+    """The learning curves through DVCLive, for ``dvc plots show``/``dvc plots diff``: one series per training
+    stage and metric (and its FLOPs from scratch) against optimiser steps from scratch. Written beside the
+    target and swapped in whole. Only the plot files: the numbers are in the evaluate metrics already."""
+    from dvclive import Live
+
+    tmp = live_dir.with_name(live_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    live = Live(dir=str(tmp), save_dvc_exp=False, dvcyaml=None, resume=False)
+    for stage in TRAINED:
+        for point in curves.get(stage) or []:
+            live.step = int(point["steps"])
+            for key in ("exact_match", "reverse_kl", "teacher_nll", "flops"):
+                v = point.get(key)
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    live.log_metric(f"{stage}/{key}", float(v), plot=True)
+    shutil.rmtree(live_dir, ignore_errors=True)
+    tmp.rename(live_dir)
+
+
 def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: bool = False) -> dict:
     """Run the stage; write metrics, table, answers and learning curves; return the metrics."""
     if cfg.threads:
@@ -207,6 +229,7 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
     metrics["curves"] = {"examples": len(curve_data.rows),
                          **learning_curves(paths, teacher, tokenizer, curve_data, cfg, vocab, device)}
     table = render_table(metrics)
+    log_curves(Path(paths.eval_live), metrics["curves"])
     with atomic_outputs(paths.eval_metrics, paths.eval_dir) as (metrics_tmp, out):
         out.mkdir(parents=True)
         (out / "table.md").write_text(table)
