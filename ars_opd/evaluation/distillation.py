@@ -70,6 +70,12 @@ def _fmt(v, pct: bool = False) -> str:
     return f"{v:.1%}" if pct else f"{v:.4g}"
 
 
+def _interval(mean_lo_hi: tuple[float, float, float], pct: bool = False) -> str:
+    """``mean [lo, hi]`` as the tables print it."""
+    m, lo, hi = mean_lo_hi
+    return f"{_fmt(m, pct)} [{_fmt(lo, pct)}, {_fmt(hi, pct)}]"
+
+
 def _better(metric: str, a: float, b: float) -> bool:
     direction = next(d for k, _, d in METRICS if k == metric)
     return a < b if direction == "lower" else a > b
@@ -277,20 +283,18 @@ def _comparison(runs: list[dict], level: str = "##") -> tuple[list[str], dict, l
             if len(a) < 2:
                 continue
             pct = metric == "exact_match"
-            ma, la, ha = mean_ci(a)
-            mb, lb, hb = mean_ci(b)
-            md, ld, hd = mean_ci([x - y for x, y in zip(a, b)])
-            lines.append(f"| {label} | {_fmt(ma, pct)} [{_fmt(la, pct)}, {_fmt(ha, pct)}] | {_fmt(mb, pct)} "
-                         f"[{_fmt(lb, pct)}, {_fmt(hb, pct)}] | {_fmt(md, pct)} [{_fmt(ld, pct)}, {_fmt(hd, pct)}] |")
-            summary[f"{where}/{metric}/diff"] = (md, ld, hd)
+            diff = mean_ci([x - y for x, y in zip(a, b)])
+            _, ld, hd = diff
+            lines.append(f"| {label} | {_interval(mean_ci(a), pct)} | {_interval(mean_ci(b), pct)} | "
+                         f"{_interval(diff, pct)} |")
+            summary[f"{where}/{metric}/diff"] = diff
             if metric in ("reverse_kl", "exact_match"):
                 good = (hd < 0) if direction == "lower" else (ld > 0)
                 bad = (ld > 0) if direction == "lower" else (hd < 0)
                 word = "OPD better" if good else "control better" if bad else "no difference resolved"
                 if ld == hd:  # every seed gave the same difference: a zero-width interval says nothing
                     word = "not resolved (every seed gave the same difference, so the interval has no width)"
-                verdict_bits.append(f"{title.lower()}, {label}: {word} (OPD − control {_fmt(md, pct)} "
-                                    f"[{_fmt(ld, pct)}, {_fmt(hd, pct)}])")
+                verdict_bits.append(f"{title.lower()}, {label}: {word} (OPD − control {_interval(diff, pct)})")
         lines.append("")
     return lines, summary, verdict_bits
 
@@ -324,9 +328,7 @@ def render_study(runs: list[dict], commands: str, figures: dict[str, str],
                   "| metric | control, end − half-way |", "|---|---|"]
         for metric, label, _ in METRICS:
             if metric in control:
-                pct = metric == "exact_match"
-                m, lo, hi = control[metric]
-                lines.append(f"| {label} | {_fmt(m, pct)} [{_fmt(lo, pct)}, {_fmt(hi, pct)}] |")
+                lines.append(f"| {label} | {_interval(control[metric], metric == 'exact_match')} |")
                 summary[f"control_last_half/{metric}"] = control[metric]
         lines.append("")
     for key, path in figures.items():

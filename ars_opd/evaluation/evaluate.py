@@ -23,13 +23,13 @@ at a time (``ars_opd.lm.head``), so a real vocabulary never makes (tokens × voc
 the teacher is loaded in bf16 on CUDA and fp32 on CPU (``evaluate.teacher_dtype``).
 
 Outputs: one metrics JSON (DVC metrics, nested by model), a markdown table, every greedy answer as JSON
-Lines for inspection, and the learning curves through DVCLive (DVC plots against steps). Runs in one process (evaluation needs no data parallelism at this size).
+Lines for inspection, and the learning curves through DVCLive (DVC plots against steps), all replaced
+together. Runs in one process (evaluation needs no data parallelism at this size).
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,13 +177,11 @@ def learning_curves(paths: PathsConfig, teacher, tokenizer, data: HeldOut, cfg: 
 
 def log_curves(live_dir: Path, curves: dict) -> None:
     """The learning curves through DVCLive, for ``dvc plots show``/``dvc plots diff``: one series per training
-    stage and metric (and its FLOPs from scratch) against optimiser steps from scratch. Written beside the
-    target and swapped in whole. Only the plot files: the numbers are in the evaluate metrics already."""
+    stage and metric (and its FLOPs from scratch) against optimiser steps from scratch. Only the plot files:
+    the numbers are in the evaluate metrics already."""
     from dvclive import Live
 
-    tmp = live_dir.with_name(live_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    live = Live(dir=str(tmp), save_dvc_exp=False, dvcyaml=None, resume=False)
+    live = Live(dir=str(live_dir), save_dvc_exp=False, dvcyaml=None, resume=False)
     for stage in TRAINED:
         for point in curves.get(stage) or []:
             live.step = int(point["steps"])
@@ -191,8 +189,6 @@ def log_curves(live_dir: Path, curves: dict) -> None:
                 v = point.get(key)
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     live.log_metric(f"{stage}/{key}", float(v), plot=True)
-    shutil.rmtree(live_dir, ignore_errors=True)
-    tmp.rename(live_dir)
 
 
 def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: bool = False) -> dict:
@@ -229,8 +225,8 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
     metrics["curves"] = {"examples": len(curve_data.rows),
                          **learning_curves(paths, teacher, tokenizer, curve_data, cfg, vocab, device)}
     table = render_table(metrics)
-    log_curves(Path(paths.eval_live), metrics["curves"])
-    with atomic_outputs(paths.eval_metrics, paths.eval_dir) as (metrics_tmp, out):
+    with atomic_outputs(paths.eval_metrics, paths.eval_dir, paths.eval_live) as (metrics_tmp, out, live_tmp):
+        log_curves(live_tmp, metrics["curves"])
         out.mkdir(parents=True)
         (out / "table.md").write_text(table)
         write_jsonl(out / "answers.jsonl", answers)
