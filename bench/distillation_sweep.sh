@@ -16,6 +16,7 @@
 #     git switch -c distill-study && bash bench/distillation_sweep.sh
 # then copy reports/distillation.md and reports/distillation/ to your branch.
 set -euo pipefail
+source "$(dirname "$0")/dvc_queue.sh"
 SEEDS="${SEEDS:-1 2 3 4 5}"
 REGIME_SEEDS="${REGIME_SEEDS:-1 2 3}"
 INIT=data/study/sft_init
@@ -39,13 +40,7 @@ for seed in $SEEDS; do
   dvc exp run --queue "${COMMON[@]}" -S "paths.distill_init=$INIT" -S opd.snapshot_every=50 -S "ddp.seed=$seed" \
     -n "distill-seed$seed"
 done
-time dvc queue start --jobs 1
-# (status captured first: with pipefail, grep -q closing the pipe early would end the wait at once)
-# (a hung `dvc queue status` counts as still running, not as done)
-while status=$(timeout 120 dvc queue status || echo Running) && grep -Eq "Queued|Running" <<<"$status"; do
-  sleep 30
-done
-timeout 120 dvc queue status || true
+run_queue
 dvc exp show --json --all-commits > /tmp/distill_exps.json
 { echo "git switch -c distill-study && bash bench/distillation_sweep.sh   # SEEDS=\"$SEEDS\" REGIME_SEEDS=\"$REGIME_SEEDS\""
   echo "# every experiment: ${COMMON[*]} -S ddp.seed=<seed>"

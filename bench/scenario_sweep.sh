@@ -14,6 +14,7 @@
 #     git switch -c scenario-study && bash bench/scenario_sweep.sh
 # then copy reports/scenarios.md to your branch.
 set -euo pipefail
+source "$(dirname "$0")/dvc_queue.sh"
 SEEDS="${SEEDS:-1 2 3 4 5}"
 INIT=data/study/sft_init
 if [ ! -f "$INIT.dvc" ]; then
@@ -31,12 +32,6 @@ for seed in $SEEDS; do
   dvc exp run --queue "${COMMON[@]}" -S ddp.scenario=S1-1 -S "ddp.seed=$seed" -S ddp.inject.kind=shard_skew \
     -S ddp.inject.magnitude=1.0 -S ddp.inject.start_step=0 -S 'ddp.inject.stages=[sft,opd]' -n "control-seed$seed"
 done
-time dvc queue start --jobs 1
-# (status captured first: with pipefail, grep -q closing the pipe early would end the wait at once)
-# (a hung `dvc queue status` counts as still running, not as done)
-while status=$(timeout 120 dvc queue status || echo Running) && grep -Eq "Queued|Running" <<<"$status"; do
-  sleep 30
-done
-timeout 120 dvc queue status || true
+run_queue
 dvc exp show --json --all-commits > /tmp/scenario_exps.json
 ars-opd scenarios --from /tmp/scenario_exps.json --notes reports/scenarios_notes.md --out reports/scenarios.md
