@@ -16,12 +16,11 @@ import aiohttp
 import pytest
 import torch
 
-from ars_opd.config import ArchConfig, EndpointConfig
-from ars_opd.models.builtin import build_causal_lm
+from ars_opd.config import EndpointConfig
 from ars_opd.teacher import server as teacher_server
 from ars_opd.teacher.client import ClientSettings, _Retryable, make_client
 from ars_opd.teacher.score_client import ScoringError, check_tokenizer, parse_prompt_logprobs, score_sequences
-from test_teacher_server import _ServerThread
+from test_teacher_server import _ServerThread, save_scaled_model
 
 MODEL = "tiny-scorer"
 
@@ -63,16 +62,8 @@ def test_parser_refuses_malformed_prompt_logprobs(mutate, needle):
 
 @pytest.fixture(scope="module")
 def scorer_dir(tmp_path_factory, char_tokenizer):
-    d = tmp_path_factory.mktemp("tiny_scorer")
-    model = build_causal_lm(ArchConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2,
-                                       intermediate_size=64), char_tokenizer, seed=3)
-    with torch.no_grad():  # sharper distributions than the default init's near-uniform ones
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    model.save_pretrained(d)
-    char_tokenizer.save_pretrained(d)
-    return d
+    # sharper distributions than the default init's near-uniform ones
+    return save_scaled_model(tmp_path_factory.mktemp("tiny_scorer"), char_tokenizer, num_layers=2, seed=3, scale=8.0)
 
 
 @pytest.fixture(scope="module")

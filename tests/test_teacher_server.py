@@ -37,16 +37,21 @@ PROMPTS = [f"Reverse: {'abcdefghijklmnop'[:i + 1]}" + " x" * (i % 3) for i in ra
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, char_tokenizer) -> Path:
     d = tmp_path_factory.mktemp("tiny_teacher")
-    model = build_causal_lm(ArchConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
-                                       intermediate_size=64), char_tokenizer, seed=0)
     # At the default init (std 0.02) this model answers "\n\n\n..." to every prompt, which could not tell
     # one batch row from another; larger weights make the greedy text depend on the prompt.
+    return save_scaled_model(d, char_tokenizer, num_layers=1, seed=0, scale=20.0)
+
+
+def save_scaled_model(d: Path, tokenizer, num_layers: int, seed: int, scale: float) -> Path:
+    """A tiny built-in model (hidden 32) with its matrices scaled by ``scale``, saved with ``tokenizer``."""
+    model = build_causal_lm(ArchConfig(hidden_size=32, num_layers=num_layers, num_heads=2, num_kv_heads=2,
+                                       intermediate_size=64), tokenizer, seed=seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.mul_(20.0)
+                p.mul_(scale)
     model.save_pretrained(d)
-    char_tokenizer.save_pretrained(d)
+    tokenizer.save_pretrained(d)
     return d
 
 
