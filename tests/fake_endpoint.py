@@ -13,6 +13,10 @@ It runs in a background thread of the caller (``FakeEndpoint(...).start()``) or 
 (``python tests/fake_endpoint.py --port 0 --ready-file F --latency 1.0``) for benchmarks, where the
 client's and server's CPU must not share one interpreter. Loopback only. Not a model: nothing here
 generates text.
+
+``FaultyProxy`` injects faults in front of a real server; ``FakeScorer`` answers OPD scoring requests in
+vLLM's field names (``/v1/completions`` with ``prompt_logprobs``, ``/tokenize`` at the root), returning
+log-probabilities or, as a server with ``--logprobs-mode raw_logits`` does, logits.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import os
 import signal
 import threading
@@ -267,3 +272,107 @@ class FaultyProxy(FakeEndpoint):
             async with s.request(request.method, self.upstream + request.path_qs, data=body or None,
                                  headers={"Content-Type": request.headers.get("Content-Type", "application/json")}) as r:
                 return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+
+
+def byte_ids(text: str) -> list[int]:
+    """``FakeScorer``'s tokenizer: one id per UTF-8 byte (ids 0..255), no special tokens."""
+    return list(text.encode())
+
+
+class ByteTokenizer:
+    """``byte_ids`` called the way the scoring client calls a Hugging Face tokenizer."""
+
+    eos_token = None
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": byte_ids(text)}
+
+
+@dataclass
+class FakeScorer(FakeEndpoint):
+    """vLLM's scoring surface without a model, in vLLM's field names, for the OPD scoring client.
+
+    ``POST /v1/completions`` ``{"model", "prompt": [ids], "max_tokens", "temperature", "prompt_logprobs": k}``
+    answers ``choices[0].prompt_logprobs``: a list whose first item is null, then per position a dict keyed by
+    token id (a string in JSON) of ``{"logprob", "rank", "decoded_token"}`` holding the top-k and the actual
+    token (first, with its own rank; k + 1 entries when it is outside the top-k). ``POST /tokenize`` is served
+    at the server root only, as vLLM serves it: ``{"model", "prompt", "add_special_tokens"}`` ->
+    ``{"count", "max_model_len", "tokens"}`` (``byte_ids``). ``GET /v1/models`` lists the model.
+
+    The logits at position i are a fixed function of token i - 1, i and the id, in (-0.5, 0]; like vLLM's
+    ``--logprobs-mode``, ``logprobs_mode`` "raw_logprobs" returns their log-softmax and "raw_logits" the
+    logits themselves (all negative, so a check of the sign alone passes them). ``requests`` records
+    (path, body) of every POST.
+    """
+
+    logprobs_mode: str = "raw_logprobs"
+    max_model_len: int = 4096
+    vocab: int = 256
+    requests: list = field(default_factory=list)
+
+    def logits(self, prev: int, position: int) -> list[float]:
+        return [-((v * 40503 + prev * 977 + position * 131) % 1024) / 2048 for v in range(self.vocab)]
+
+    def values(self, prev: int, position: int) -> list[float]:
+        """What position ``position`` (after token ``prev``) returns: log-probs or logits, per ``logprobs_mode``."""
+        z = self.logits(prev, position)
+        if self.logprobs_mode == "raw_logits":
+            return z
+        m = max(z)
+        lse = m + math.log(sum(math.exp(x - m) for x in z))
+        return [x - lse for x in z]
+
+    def _position(self, ids: list[int], i: int, k: int) -> dict:
+        z, out = self.logits(ids[i - 1], i), self.values(ids[i - 1], i)
+        order = sorted(range(self.vocab), key=lambda v: (-z[v], v))
+        actual = ids[i]
+        entry = {str(actual): {"logprob": out[actual], "rank": 1 + sum(x > z[actual] for x in z),
+                               "decoded_token": chr(actual)}}
+        for j, v in enumerate(order[:k]):
+            if v != actual:
+                entry[str(v)] = {"logprob": out[v], "rank": j + 1, "decoded_token": chr(v)}
+        return entry
+
+    @staticmethod
+    def _error(status: int, message: str) -> web.Response:
+        return web.json_response({"object": "error", "message": message, "type": "BadRequestError",
+                                  "param": None, "code": status}, status=status)
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        body = await request.json()
+        with self._lock:
+            self.requests.append((request.path, body))
+        if body.get("model") != self.model:
+            return self._error(404, f"The model `{body.get('model')}` does not exist.")
+        ids, k = body.get("prompt"), body.get("prompt_logprobs")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and 0 <= t < self.vocab for t in ids):
+            return self._error(400, "this fake scores token-id prompts only")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            return self._error(400, "prompt_logprobs must be an integer >= 0")
+        prompt_logprobs = [None] + [self._position(ids, i, k) for i in range(1, len(ids))]
+        last = self.logits(ids[-1], len(ids))
+        return web.json_response({
+            "id": "cmpl-fake", "object": "text_completion", "created": int(time.time()), "model": self.model,
+            "choices": [{"index": 0, "text": chr(max(range(self.vocab), key=lambda v: (last[v], -v))),
+                         "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                         "prompt_logprobs": prompt_logprobs}],
+            "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids) + 1, "completion_tokens": 1},
+        })
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        with self._lock:
+            self.requests.append((request.path, body))
+        if body.get("model") != self.model:
+            return self._error(404, f"The model `{body.get('model')}` does not exist.")
+        tokens = byte_ids(body["prompt"])
+        return web.json_response({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/tokenize", self._tokenize)  # at the root, as vLLM serves it: not /v1/tokenize
+        return app

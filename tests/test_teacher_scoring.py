@@ -50,7 +50,8 @@ def test_parser_reads_a_vllm_shaped_response():
     (lambda p: p.pop(), "positions"),  # one position short
     (lambda p: p.__setitem__(0, {}), "not null"),
     (lambda p: p[2].pop("7"), "lacks the actual token 7"),
-    (lambda p: p[1]["42"].__setitem__("logprob", 0.5), "not a finite number"),
+    (lambda p: p[1]["42"].__setitem__("logprob", "-0.5"), "not a finite number"),
+    (lambda p: p[1]["42"].__setitem__("logprob", None), "not a finite number"),
     (lambda p: p[1].__setitem__("x", {"logprob": -1.0}), "not a token id"),
 ])
 def test_parser_refuses_malformed_prompt_logprobs(mutate, needle):
@@ -164,6 +165,7 @@ def test_tokenize_endpoint_matches_the_tokenizer(scorer, char_tokenizer):
     text = "Reverse: abc"
     _, body = _post(scorer.url, "/tokenize", [{"model": MODEL, "prompt": text, "add_special_tokens": False}])[0]
     assert body["tokens"] == char_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert set(body) == {"count", "max_model_len", "tokens"} and body["count"] == len(body["tokens"])  # vLLM's fields
 
 
 def _settings(url: str, **limits) -> ClientSettings:
