@@ -16,6 +16,14 @@ written into a single tensor of the logits' dtype — the gradient autograd must
 scaled in place in the backward. Extra peak: that one logits-sized tensor plus a few (chunk × vocab) fp32
 temporaries. One backward pass only (no ``retain_graph``). The teacher gets no gradient.
 
+Precision: each gradient is q ⊙ (h − ⟨q, h⟩)/τ, which is a small difference of large terms wherever the
+student is all but certain of one token (h there is O(1), or ~100 when the teacher gives that token a −40
+logit) or the JSD saturates (q and p barely overlap; h is then nearly constant on q's mass). Three rules keep
+fp32 at the precision its logits allow, where the textbook formulas lose up to all of it: log-softmaxes
+subtract the row max before the log-normaliser (``_log_softmax_``); the centring is taken relative to the
+row's most likely token (``_centre_``); the JSD is written in softplus(log(βp / ((1 − β)q))), which leaves
+no constant to cancel (``_jsd_``). Row sums are ``.sum(-1)`` (pairwise), not matrix products.
+
 ``sampled_token_loss`` is the cheaper estimator that needs only the teacher's log-probability of the tokens
 the student sampled: per-token advantage A_t = log p_T(y_t) − log p_S(y_t) (detached) and the
 policy-gradient loss −Σ A_t·log p_S(y_t), whose gradient is that of the reverse KL in expectation.
@@ -77,16 +85,10 @@ def _chunk_terms(zs: torch.Tensor, zt: torch.Tensor, beta: float, temperature: f
     if beta == 1.0:  # reverse KL(q || p)
         s = log_q - log_p
         div = (q * s).sum(-1)
-        grad = q * (s - div[:, None]) / temperature if need_grad else None
+        grad = _centre_(s, q, log_p).mul_(q).div_(temperature) if need_grad else None
         return div, grad
-    p = log_p.exp()
-    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))  # log(β p + (1-β) q)
-    div = beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
-    grad = None
-    if need_grad:
-        h = (1 - beta) * (log_q - log_m)  # ∂JSD/∂q
-        grad = q * (h - (q * h).sum(-1, keepdim=True)) / temperature
-    return div, grad
+    x = log_p - log_q + _logit(beta)  # (R, V)
+    return _jsd_(log_p.exp_(), q, x, log_q, beta, temperature, need_grad)
 
 
 class _ChunkedDivergence(torch.autograd.Function):
@@ -191,15 +193,67 @@ def sampled_token_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Ten
 
 
 def _log_softmax_(z: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(z / τ) over the last dimension, in z's own storage."""
+    """log softmax(z / τ) over the last dimension, in z's own storage.
+
+    The row max is subtracted first, as ``torch.log_softmax`` does: z − max is exact near the max (Sterbenz),
+    and what remains to subtract, log Σ exp(z − max) ∈ [0, log V], is small. The logsumexp itself is about
+    max z/τ (60 for logits of 30 at τ = 0.5): subtracted in one step it would round every log-probability to
+    its ulp, 4e-6 absolute, and the gradients would carry that at the tokens that hold the mass.
+    """
     if temperature != 1.0:
         z.div_(temperature)
+    z.sub_(z.amax(-1, keepdim=True))
     return z.sub_(torch.logsumexp(z, -1, keepdim=True))
 
 
-def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Σ_v a[r, v]·b[r, v] per row (c,), without a (c, V) product tensor."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+def _logit(beta: float) -> float:
+    """log(β / (1 − β)) for 0 < β < 1."""
+    return math.log(beta) - math.log1p(-beta)
+
+
+def _centre_(f: torch.Tensor, q: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    """f − ⟨q, f⟩ per row, in f's storage (c, V); ``work`` (c, V) is overwritten (it takes the product).
+
+    Every divergence gradient here is q ⊙ (f − ⟨q, f⟩)/τ for some f = ∂D/∂q. Where q holds nearly all its mass
+    on one token a, f_a − ⟨q, f⟩ = Σ_{u≠a} q_u (f_a − f_u) is small, and forming it as f_a minus a sum
+    dominated by q_a·f_a cancels to the ulp of |f_a| (f_a = log q_a − log p_a can be ~100 when the teacher
+    gives a −40 logit to the student's top token). The result is invariant under f → f − f_a (Σq = 1), and
+    after that shift the q_a term is exactly 0: what remains sums to the size of the answer, at full relative
+    precision however close q_a is to 1.
+    """
+    f.sub_(f.gather(-1, q.argmax(-1, keepdim=True)))
+    return f.sub_(torch.mul(q, f, out=work).sum(-1, keepdim=True))
+
+
+def _jsd_(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, work: torch.Tensor, beta: float, tau: float,
+          need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Generalised JSD per row (c,) and, if asked, ∂JSD/∂z_S (c, V), from p, q and x = log(β p / ((1 − β) q)).
+
+    p, q: (c, V) probabilities, each summing to 1 over the row (zero at slots outside a top-k support, where x
+    must be finite); x, work: (c, V), both overwritten; the gradient is returned in ``work``'s storage. With
+    m = βp + (1 − β)q, log(m / βp) = softplus(−x) and log(m / (1 − β)q) = softplus(x), so
+
+        JSD = H(β) − β·⟨p, softplus(−x)⟩ − (1 − β)·⟨q, softplus(x)⟩,   H(β) = −β log β − (1 − β) log(1 − β),
+        ∂JSD/∂z_S = −(1 − β)/τ · q ⊙ (ℓ − ⟨q, ℓ⟩),   ℓ = softplus(x) ≥ 0.
+
+    Why this form: ∂JSD/∂q = (1 − β)·(log q − log m) = (1 − β)·(−log(1 − β) − ℓ), and the constant drops out
+    of the centring exactly. Kept inside log q − log m it would drop out only to fp32 rounding: wherever q
+    dominates p (the student confident where the teacher is not, a saturated JSD) log q − log m ≈ −log(1 − β)
+    on all of q's mass, and the gradient, of the order of the small ℓ there, would be the difference of two
+    O(1) numbers. ℓ = log1p(eˣ) keeps full relative precision however small it is, and ``_centre_`` keeps it
+    through the centring. Row sums are ``.sum(-1)`` (pairwise) of a product written into storage that is free
+    at that point, so no further (c, V) tensor is needed.
+    """
+    zero = x.new_zeros(())
+    entropy = -beta * math.log(beta) - (1 - beta) * math.log1p(-beta)
+    x.neg_()  # exact: the sign flip loses nothing, and is undone below
+    div = torch.logaddexp(x, zero, out=work).mul_(p).sum(-1)  # ⟨p, softplus(−x)⟩ (c,)
+    x.neg_()
+    ell = torch.logaddexp(x, zero, out=work)  # softplus(x) (c, V)
+    div = entropy - beta * div - (1 - beta) * torch.mul(q, ell, out=x).sum(-1)
+    if not need_grad:
+        return div, None
+    return div, _centre_(ell, q, x).mul_(q).mul_(-(1 - beta) / tau)
 
 
 def divergence_terms(teacher_rows: Callable[[int, int], torch.Tensor], beta: float = 1.0,
@@ -208,8 +262,8 @@ def divergence_terms(teacher_rows: Callable[[int, int], torch.Tensor], beta: flo
 
     teacher_rows(start, end) gives the teacher's logits (c, V) for the same rows (fp32, no grad, the caller's to
     overwrite). The same formulas as ``token_divergence``'s, written in place: a chunk holds at most three
-    (c × V) fp32 tensors at once for reverse KL, four for forward KL and briefly six for 0 < β < 1, where the
-    out-of-place form holds about eight.
+    (c × V) fp32 tensors at once for reverse KL and four for forward KL and 0 < β < 1 (z, the teacher's rows,
+    q and p; the row sums take storage already spent), where the out-of-place form holds about eight.
     """
     _check_beta_temperature(beta, temperature)
     beta, tau = float(beta), float(temperature)
@@ -223,21 +277,14 @@ def divergence_terms(teacher_rows: Callable[[int, int], torch.Tensor], beta: flo
         q = log_q.exp()
         if beta == 1.0:  # reverse KL(q || p); ∂/∂z_S = q ⊙ (s − D)/τ with s = log q − log p
             s = log_p.neg_().add_(log_q)
-            div = _rowdot(q, s)
-            return div, (s.sub_(div[:, None]).mul_(q).div_(tau) if need_grad else None)
+            div = torch.mul(q, s, out=log_q).sum(-1)  # log q is spent: its storage takes the products
+            return div, (_centre_(s, q, log_q).mul_(q).div_(tau) if need_grad else None)
         p = log_p.exp()
         if beta == 0.0:  # forward KL(p || q); ∂/∂z_S = (q − p)/τ
-            div = _rowdot(p, log_p.sub_(log_q))
+            div = log_p.sub_(log_q).mul_(p).sum(-1)
             return div, (q.sub_(p).div_(tau) if need_grad else None)
-        log_m = log_p + math.log(beta)  # log(β p + (1 − β) q)
-        torch.logaddexp(log_m, log_q + math.log1p(-beta), out=log_m)
-        div = beta * _rowdot(p, log_p.sub_(log_m))
-        del p, log_p
-        h = log_q.sub_(log_m)  # log q − log m; ∂JSD/∂q = (1 − β)·h
-        div += (1 - beta) * _rowdot(q, h)
-        if not need_grad:
-            return div, None
-        return div, h.sub_(_rowdot(q, h)[:, None]).mul_(q).mul_((1 - beta) / tau)
+        x = log_p.sub_(log_q).add_(_logit(beta))  # log(β p / ((1 − β) q)), in the teacher's storage
+        return _jsd_(p, q, x, log_q, beta, tau, need_grad)
 
     return terms
 
@@ -299,20 +346,17 @@ def topk_terms(support_ids: torch.Tensor, teacher_logprobs: torch.Tensor, beta: 
         log_p = torch.log_softmax(lp_t / tau, -1)  # (c, K), −inf where not valid
         log_q = torch.log_softmax(z.gather(-1, ids).masked_fill(~valid, -math.inf) / tau, -1)  # (c, K)
         p, q = log_p.exp(), log_q.exp()  # exactly 0 where not valid
-        zero = torch.zeros_like(p)
+        zero = torch.zeros_like(p)  # (c, K); once s or x is formed, the scratch for the products
         if beta == 1.0:
             s = torch.where(valid, log_q - log_p, zero)
             div = (q * s).sum(-1)
-            g = q * (s - div[:, None]) / tau if need_grad else None
+            g = _centre_(s, q, zero).mul_(q).div_(tau) if need_grad else None
         elif beta == 0.0:
             div = torch.where(valid, p * (log_p - log_q), zero).sum(-1)
             g = (q - p) / tau if need_grad else None
-        else:
-            log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
-            div = (beta * torch.where(valid, p * (log_p - log_m), zero).sum(-1)
-                   + (1 - beta) * torch.where(valid, q * (log_q - log_m), zero).sum(-1))
-            h = torch.where(valid, (1 - beta) * (log_q - log_m), zero)
-            g = q * (h - (q * h).sum(-1, keepdim=True)) / tau if need_grad else None
+        else:  # x = 0 at unused slots keeps the softplus terms finite there, where p = q = 0
+            x = torch.where(valid, log_p - log_q + _logit(beta), zero)
+            div, g = _jsd_(p, q, x, zero, beta, tau, need_grad)
         if g is None:
             return div, None
         # duplicate ids (an unused slot repeats the target) add a zero: scatter_add keeps the real one
