@@ -2,8 +2,9 @@
 
 Subcommands:
 
-- ``ars-opd params [--file params.yaml]``: validate every section of the params file and print the
-  resolved values (defaults filled in) as JSON; exits 2 naming the first bad key. Cheap enough for a
+- ``ars-opd params [--file params.yaml]``: validate every section of the params file with every check a
+  stage runs on its params (``ars_opd.config.load_params``, the stages' own loader) and print the resolved
+  values (defaults filled in) as JSON; exits 2 naming the first bad key. Cheap enough for a
   pre-commit hook or the first step of CI, before hours of ``dvc repro``.
 - ``ars-opd check [--stages s1,s2] [--file params.yaml]``: validate the stages' outputs (files, schemas,
   row counts across stages, finite in-range metrics); exits 1 listing every problem.
@@ -27,10 +28,7 @@ from ars_opd.config import ConfigError, load_params, to_dict
 
 def _cmd_params(args: argparse.Namespace) -> int:
     try:
-        params = load_params(args.file)
-        from ars_opd.lm.objectives import check_config
-
-        check_config(params.opd)
+        params = load_params(args.file)  # every check a stage runs on its params (config.check_params)
     except ConfigError as e:
         print(f"ars-opd: invalid params: {e}", file=sys.stderr)
         return 2

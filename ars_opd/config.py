@@ -6,13 +6,24 @@ out-of-range values are refused with a message that names the full key (``models
 and what is allowed. Each field carries a one-line docstring (the string after it), which is also the
 reference for params.yaml.
 
+One source of defaults: every field's default is the committed params.yaml value (params.yaml is the
+product's default), so a config built in code, or a key left out of a params file, runs what the pipeline
+runs; tests/test_config.py walks params.yaml key by key against the defaults.
+
+"Valid params" means one thing: ``load_params`` runs every check a stage runs on its params before it starts
+work, including those that span sections or live with the code they protect (the OPD objective's rules,
+``ars_opd.lm.objectives.check_config``; the batch split over ``ddp.workers``), so ``ars-opd params``
+refuses exactly what a stage would.
+
 What this module leaves out: file paths are not resolved or checked for existence here (stages do that
-when they open them), and nothing is read from the environment.
+when they open them), and nothing is read from the environment (but whether this process is a worker of an
+outside launcher, whose world ``ddp.workers`` does not describe: ``check_params``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,6 +43,11 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str):
         self.key, self.message = key, message
         super().__init__(f"{key}: {message}" if key else message)
+
+    def __reduce__(self):
+        # a worker's error is pickled to its launcher (ars_opd.training.distributed); the default would
+        # rebuild it from the formatted text alone, which __init__ does not take
+        return type(self), (self.key, self.message)
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -259,7 +275,7 @@ class TeacherTrainingConfig(OptimConfig):
     """Linear warmup steps before the cosine decay."""
     eval_examples: int = 500
     """Held-out synthetic prompts for the teacher's exact-match accuracy."""
-    min_accuracy: float = 0.0
+    min_accuracy: float = 0.85
     """Fail the stage if held-out exact match is below this (0 disables the gate)."""
 
     def __post_init__(self):
@@ -643,6 +659,16 @@ class TrainLoopConfig(OptimConfig):
 class SFTConfig(TrainLoopConfig):
     """Supervised fine-tuning of the student on the teacher's completions (loss on response tokens)."""
 
+    # the shared loop's keys whose params.yaml value is not the loop's generic default, at sft's value
+    steps: int = 1000
+    """Optimizer steps."""
+    warmup_steps: int = 30
+    """Linear warmup steps before the cosine decay."""
+    max_grad_norm: float | None = 3.0
+    """Clip the global gradient norm to this, a guard (~p95 of pre-clip norms on the default, median ~1.7), not
+    the optimiser; null = noclip (the pre-clip norm is logged either way)."""
+    snapshot_every: int = 250
+    """Keep the weights every this many steps with the model (learning-curve points; 0: none)."""
     max_prompt_tokens: int = 256
     """Prompts longer than this are dropped (counted), never cut: a cut prompt is another task."""
     max_completion_tokens: int = 64
@@ -673,6 +699,19 @@ class SFTConfig(TrainLoopConfig):
 class OPDConfig(TrainLoopConfig):
     """On-policy distillation: student rollouts scored by the frozen teacher, token-level divergence."""
 
+    # the shared loop's keys whose params.yaml value is not the loop's generic default, at opd's value
+    steps: int = 300
+    """Optimizer steps."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 10
+    """Linear warmup steps before the cosine decay."""
+    max_grad_norm: float | None = 12.0
+    """Clip the global gradient norm to this, a guard (~p95 of pre-clip norms on the default, median ~6.4);
+    null = noclip (the pre-clip norm is logged either way)."""
+    snapshot_every: int = 100
+    """Keep the weights every this many steps with the model (learning-curve points; also the loop of
+    sft_continued, the control arm; 0: none)."""
     loss: str = "full_vocab"
     """An objective of ars_opd.lm.objectives: full_vocab (exact divergence over the vocabulary) or sampled_token
     (policy-gradient estimator of reverse KL from the sampled tokens' teacher log-probabilities)."""
@@ -686,7 +725,7 @@ class OPDConfig(TrainLoopConfig):
     """Rollout sampling temperature (0 = greedy)."""
     top_p: float = 1.0
     """Rollout nucleus sampling mass."""
-    max_new_tokens: int = 16
+    max_new_tokens: int = 12
     """Longest rollout."""
     on_policy_fraction: float = 1.0
     """GKD λ: probability that a step uses student rollouts (else the teacher's cached completions)."""
@@ -710,7 +749,8 @@ class OPDConfig(TrainLoopConfig):
         super().__post_init__()
         _require(self.topk >= 1, "topk", f"must be >= 1, got {self.topk}")
         # which losses exist and what each demands (beta, pure on-policy rollouts) is checked against the
-        # objectives registry, ars_opd.lm.objectives.check_config, by the opd stage and `ars-opd params`
+        # objectives registry, ars_opd.lm.objectives.check_config, by load_params (check_params), not here:
+        # the registry imports this module (and torch)
         _require(bool(self.loss.strip()), "loss", "must name an objective, e.g. full_vocab or sampled_token")
         _require(0 <= self.beta <= 1, "beta", f"must be in [0, 1] (0 forward KL, 1 reverse KL), got {self.beta}")
         _require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
@@ -729,7 +769,7 @@ class EvaluateConfig:
 
     max_examples: int = 0
     """Evaluate on the first N held-out prompts (0: all)."""
-    curve_examples: int = 100
+    curve_examples: int = 50
     """Score learning-curve snapshots on the first N of those prompts (0: all of them)."""
     max_new_tokens: int = 16
     """Longest greedy answer and student sample."""
@@ -771,8 +811,11 @@ class ReportConfig:
     """Standardised values are clipped at +-clip_z, so one heavy-tailed step cannot raise an alarm alone."""
     false_alarms_per_1000: float = 0.25
     """Design false-alarm rate per 1,000 steps (every statistic, rank and side) for independent Gaussian
-    scores, from which the threshold is computed; real runs alarm more often (the report quotes the rate
-    measured on healthy runs), so it sits below the 1-per-1,000 target."""
+    scores, from which the threshold is computed, with three or more workers; real runs alarm more often
+    than independent scores would, so it is calibrated on healthy runs of the default pipeline at K = 4
+    (``bench/detection.py``) to keep the measured rate at or below 1 per 1,000."""
+    two_worker_false_alarms_per_1000: float = 0.25
+    """The same with two workers, where one test per statistic sees both (calibrated at K = 2)."""
 
     def __post_init__(self):
         _require(self.warmup >= 0, "warmup", f"must be >= 0, got {self.warmup}")
@@ -782,6 +825,8 @@ class ReportConfig:
         _require(self.clip_z > self.k, "clip_z", f"must be > k ({self.k}), got {self.clip_z}")
         _require(self.false_alarms_per_1000 > 0, "false_alarms_per_1000",
                  f"must be > 0, got {self.false_alarms_per_1000}")
+        _require(self.two_worker_false_alarms_per_1000 > 0, "two_worker_false_alarms_per_1000",
+                 f"must be > 0, got {self.two_worker_false_alarms_per_1000}")
 
 
 SECTIONS: dict[str, type] = {
@@ -899,17 +944,63 @@ def read_params_file(path: str | Path = PARAMS_FILE) -> dict:
 
 
 def load_params(path: str | Path = PARAMS_FILE, sections: tuple[str, ...] | None = None) -> Params:
-    """Parse the named sections (all if None) of a params file. With ``inputs`` among them, the local
-    sources of the ``data``/``models`` sections loaded too are checked against it (``check_inputs``)."""
+    """Parse the named sections (all if None) of a params file and run every check a stage runs on them
+    (``check_params``): a ``ConfigError`` from here is all a stage or ``ars-opd params`` can refuse."""
     raw = read_params_file(path)
     names = tuple(SECTIONS) if sections is None else sections
     for name in names:
         if name not in SECTIONS:
             raise KeyError(f"no params section {name!r}; known: {list(SECTIONS)}")
     params = Params(**{name: parse_section(SECTIONS[name], raw.get(name), name) for name in names})
-    if params.inputs is not None:
-        check_inputs(params.inputs, params.data, params.models, Path(path).resolve().parent)
+    check_params(params, Path(path).resolve().parent)
     return params
+
+
+def check_params(params: Params, base: str | Path = ".") -> None:
+    """The checks beyond each section's own that the stages run on their params, for the sections
+    ``params`` holds; ``ConfigError`` naming the key. ``base``: where relative paths start (the repo root).
+
+    - ``inputs``: each local source of ``data``/``models`` is mirrored by its ``inputs`` key (``check_inputs``);
+    - ``opd``: the objective ``opd.loss`` trains correctly with these settings
+      (``ars_opd.lm.objective_rules.check_config``; ``run_opd`` calls it again for configs built in code);
+    - ``ddp`` with ``sft``/``opd``: the global batch splits over ``ddp.workers`` and then into micro-batches
+      (``batch_split_problem``, which every worker runs again with the real world
+      size). Skipped in a worker of an outside launcher (torchrun): ``ddp.workers`` is ignored there.
+
+    Left to the stages, which refuse them when they meet them: what depends on the machine or the data, not
+    on the params (a packed attention this machine cannot run, ``ddp.device: cuda`` without a GPU, too few
+    rows for one step, an endpoint that is unreachable or serves another model).
+    """
+    if params.inputs is not None:
+        check_inputs(params.inputs, params.data, params.models, base)
+    if params.opd is not None:
+        from ars_opd.lm.objective_rules import check_config  # here, not at the top: it imports this module
+
+        check_config(params.opd)
+    loops = [(name, getattr(params, name)) for name in ("sft", "opd") if getattr(params, name) is not None]
+    if params.ddp is not None and loops and not launched_externally():
+        workers = params.ddp.workers
+        for name, cfg in loops:
+            problem = batch_split_problem(cfg.global_batch_size, workers, cfg.micro_batch_size, name)
+            if problem is not None:
+                key = "global_batch_size" if cfg.global_batch_size % workers else "micro_batch_size"
+                raise ConfigError(f"{name}.{key}", problem)
+
+
+def launched_externally() -> bool:
+    """True inside a worker started by torchrun / accelerate launch (they set WORLD_SIZE and RANK)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def batch_split_problem(global_batch: int, workers: int, micro_batch: int, section: str) -> str | None:
+    """Why a global batch does not split over ``workers`` and then into micro-batches, or None if it does
+    (``ars_opd.training.geometry.BatchGeometry.check`` refuses the same)."""
+    if global_batch % workers:
+        return f"{section}.global_batch_size = {global_batch} does not divide by ddp.workers = {workers}"
+    if (global_batch // workers) % micro_batch:
+        return (f"{section}.global_batch_size / ddp.workers = {global_batch // workers} does not divide by "
+                f"{section}.micro_batch_size = {micro_batch}")
+    return None
 
 
 def to_dict(cfg: Any) -> Any:

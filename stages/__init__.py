@@ -6,9 +6,18 @@ import with a bare ``ModuleNotFoundError: No module named 'torch'``. Python impo
 any stage module, so the check below runs first: it names the interpreter, what it lacks and the fix,
 using the standard library only (it must work precisely where the packages are missing).
 
-``run_stage`` runs a stage's ``main``: a params error (``ConfigError``, from ``params.yaml`` or from a
-check such as the OPD objective's) prints its message alone and exits 2, as argparse does, instead of a
-traceback that buries it.
+``run_stage`` runs a stage's ``main``. An error whose message says everything prints that message alone,
+as argparse does, instead of a traceback that buries it, and exits with its own code:
+
+- 2: a params error (``ConfigError``, from ``params.yaml`` or from a check ``load_params`` runs, such as
+  the OPD objective's);
+- 3: this interpreter lacks the packages (the check below, before any stage import);
+- 4: an endpoint or API-key error (``ars_opd.teacher.client.EndpointError`` and its subclasses: the
+  endpoint is unreachable, serves another model, rejects the key or tokenizes differently from the
+  student, or the variable named by ``api_key_env`` is not set), also when a data-parallel worker raised it
+  (``ars_opd.training.distributed.launch`` re-raises a worker's error as itself).
+
+Any other exception is unexpected and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from typing import Callable
 
 # top-level modules of requirements.txt that every stage imports (directly or through ars_opd)
 REQUIRED_MODULES = ("yaml", "numpy", "torch", "transformers")
-EXIT_ENVIRONMENT, EXIT_PARAMS = 3, 2
+EXIT_PARAMS, EXIT_ENVIRONMENT, EXIT_ENDPOINT = 2, 3, 4
 
 
 def missing_modules(names: tuple[str, ...] = REQUIRED_MODULES) -> list[str]:
@@ -51,12 +60,21 @@ _require_environment()
 
 
 def run_stage(main: Callable[[], None]) -> None:
-    """Run a stage's ``main``; a ``ConfigError`` prints ``<stage>: invalid params: <message>`` and exits 2."""
+    """Run a stage's ``main``; a ``ConfigError`` prints ``ars-opd <stage>: invalid params: <message>`` and
+    exits 2, an ``EndpointError`` ``ars-opd <stage>: <message>`` and exits 4; anything else propagates."""
     from ars_opd.config import ConfigError
 
+    stage = os.path.splitext(os.path.basename(main.__code__.co_filename))[0]
     try:
         main()
     except ConfigError as e:
-        stage = os.path.splitext(os.path.basename(main.__code__.co_filename))[0]
         print(f"ars-opd {stage}: invalid params: {e}", file=sys.stderr)
         sys.exit(EXIT_PARAMS)
+    except Exception as e:
+        # an EndpointError exists only once its module is loaded, so a stage that never loaded the HTTP
+        # client (most of them) does not import it (openai and all) just to find out what failed
+        client = sys.modules.get("ars_opd.teacher.client")
+        if client is None or not isinstance(e, client.EndpointError):
+            raise
+        print(f"ars-opd {stage}: {e}", file=sys.stderr)
+        sys.exit(EXIT_ENDPOINT)

@@ -141,3 +141,65 @@ def test_a_stage_prints_a_params_error_alone_and_exits_2(tmp_path, section, raw,
                          text=True, timeout=120)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith(f"ars-opd {stage}: invalid params: {needle}") and out.stderr.count("\n") == 1
+
+
+def _differences_from_defaults(raw: dict, cfg, where: str) -> list[str]:
+    """Every key of a params.yaml section ``raw`` (nested sections walked) whose value is not the default in
+    ``cfg`` (the section's dataclass built with no arguments), and every field the file leaves out."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    problems = [f"{where}.{name}: not in params.yaml (default {getattr(cfg, name)!r})"
+                for name in sorted(fields - set(raw))]
+    for name, value in raw.items():
+        if name not in fields:
+            problems.append(f"{where}.{name}: no such field")
+            continue
+        default = getattr(cfg, name)
+        if dataclasses.is_dataclass(default):
+            problems += _differences_from_defaults(value or {}, default, f"{where}.{name}")
+        elif to_dict(default) != value:  # to_dict: tuples as the lists YAML writes
+            problems.append(f"{where}.{name}: params.yaml has {value!r}, the dataclass default is {default!r}")
+    return problems
+
+
+def test_every_params_yaml_value_is_its_dataclass_default(repo_root):
+    """One source of defaults: params.yaml is the product's default, so a config built in code (a test, a
+    benchmark) or a key left out of a params file runs what the pipeline runs. No exceptions: every field has
+    a default (each section builds with no arguments), and paths and inputs are held to it too (dvc.yaml reads
+    the same paths from params.yaml: a different default would write elsewhere than DVC tracks)."""
+    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    problems = [p for name, cls in SECTIONS.items() for p in _differences_from_defaults(raw.get(name) or {}, cls(),
+                                                                                        name)]
+    assert problems == [], "\n".join(problems)
+
+
+@pytest.mark.parametrize("over, sections, key, fragment", [
+    # the OPD objective's rules (ars_opd.lm.objectives.check_config), as the opd stage loads its sections
+    ({"opd": {"loss": "sampled_token", "on_policy_fraction": 0.5}}, ("paths", "models", "ddp", "opd"),
+     "opd.on_policy_fraction", "sampled from the student"),
+    ({"opd": {"teacher": "endpoint", "loss": "full_vocab"}}, ("paths", "models", "ddp", "opd"), "opd.loss",
+     "full distribution"),
+    # the batch split over ddp.workers that every training worker checks (ars_opd.training.geometry)
+    ({"sft": {"global_batch_size": 6, "micro_batch_size": 2}}, ("paths", "ddp", "sft"), "sft.micro_batch_size",
+     "does not divide by sft.micro_batch_size = 2"),
+    ({"ddp": {"workers": 3}}, ("paths", "ddp", "sft", "opd"), "sft.global_batch_size",
+     "does not divide by ddp.workers = 3"),
+    ({"opd": {"global_batch_size": 30}}, ("paths", "ddp", "sft", "opd"), "opd.micro_batch_size",
+     "opd.global_batch_size / ddp.workers = 15"),
+])
+def test_load_params_refuses_what_the_stages_refuse(tmp_path, capsys, over, sections, key, fragment):
+    """A stage's checks beyond each section's own run in load_params, so `ars-opd params` and every stage
+    refuse the same file, naming the key, before any work starts."""
+    from ars_opd.cli import main
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for section, values in over.items():
+        params[section].update(values)
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(params))
+    with pytest.raises(ConfigError) as e:
+        load_params(p, sections=sections)
+    assert e.value.key == key and fragment in str(e.value)
+    assert main(["params", "--file", str(p)]) == 2
+    assert key in capsys.readouterr().err

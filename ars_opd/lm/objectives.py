@@ -5,7 +5,8 @@ per-row loss and logit gradient (``RowTerms``) from which ``Objective.loss`` com
 out of the student's last hidden states and output head, one chunk of positions at a time
 (``ars_opd.lm.head.chunked_head_loss``: no (tokens × vocabulary) tensor on either side). ``check_config``
 (run by the opd stage before it starts workers, and by ``ars-opd params``) and the OPD trainer read only
-this registry, so a new loss is one new entry here.
+this registry, so a new loss is one new entry here (its rules in ``ars_opd.lm.objective_rules``, which
+the params check reads without torch).
 
 The teacher's side is a ``TeacherScores``: what a teacher said about the M scored positions of a batch (the
 True entries of its loss mask, in row-major order). A teacher object fills the fields its objective's
@@ -32,9 +33,11 @@ from typing import Callable, Literal
 
 import torch
 
-from ars_opd.config import ConfigError, OPDConfig
+from ars_opd.config import OPDConfig
 from ars_opd.lm.divergences import divergence_terms, sampled_token_terms, topk_terms
 from ars_opd.lm.head import OutputHead, RowTerms, chunked_head_loss
+from ars_opd.lm.objective_rules import RULES, ObjectiveRules
+from ars_opd.lm.objective_rules import check_config as check_rules
 
 
 class TeacherLogits:
@@ -88,15 +91,10 @@ TermsFactory = Callable[[TeacherScores, torch.Tensor, float, float], RowTerms]
 
 
 @dataclass(frozen=True)
-class Objective:
-    name: str
-    teacher_signal: Literal["logits", "token_logprobs", "topk"]
-    """What the teacher must provide."""
-    uses_beta: bool
-    """Whether ``opd.beta`` means anything (else it must stay 1.0)."""
-    exact_on_policy: bool
-    """The gradient is right only for pure student samples at the loss temperature (λ = 1, top_p = 1)."""
-    terms: TermsFactory
+class Objective(ObjectiveRules):
+    """A loss: its rules (``ars_opd.lm.objective_rules``) and how it computes."""
+
+    terms: TermsFactory | None = None
     """(teacher scores, targets (M,), beta, temperature) -> RowTerms: per-row loss and its gradient with
     respect to the student's logits (fp32, (c,) and (c, V)) for a chunk of the M rows."""
 
@@ -125,11 +123,8 @@ def _topk(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
     return topk_terms(teacher.support_ids, teacher.support_logprobs, beta, temperature)
 
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
-    Objective("full_vocab", "logits", uses_beta=True, exact_on_policy=False, terms=_full_vocab),
-    Objective("sampled_token", "token_logprobs", uses_beta=False, exact_on_policy=True, terms=_sampled_token),
-    Objective("topk", "topk", uses_beta=True, exact_on_policy=False, terms=_topk),
-)}
+_TERMS: dict[str, TermsFactory] = {"full_vocab": _full_vocab, "sampled_token": _sampled_token, "topk": _topk}
+OBJECTIVES: dict[str, Objective] = {name: Objective(**vars(rules), terms=_TERMS[name]) for name, rules in RULES.items()}
 
 
 def get_objective(name: str) -> Objective:
@@ -139,31 +134,6 @@ def get_objective(name: str) -> Objective:
 
 
 def check_config(cfg: OPDConfig) -> Objective:
-    """The objective ``cfg.loss`` names, if ``cfg`` lets it train correctly; else ``ConfigError`` naming the key."""
-    if cfg.loss not in OBJECTIVES:
-        raise ConfigError("opd.loss", f"must be one of {list(OBJECTIVES)}, got {cfg.loss!r}")
-    objective = OBJECTIVES[cfg.loss]
-    if cfg.teacher == "endpoint":  # a served teacher returns log-probabilities at τ = 1, top-k at most
-        if objective.teacher_signal == "logits":
-            raise ConfigError("opd.loss", f"the {cfg.loss} loss needs the teacher's full distribution, which a "
-                                          "scoring endpoint does not return; with opd.teacher: endpoint use "
-                                          "sampled_token (exact) or topk (top-k approximation)")
-        if objective.teacher_signal == "token_logprobs" and cfg.temperature != 1.0:
-            raise ConfigError("opd.temperature", f"an endpoint's prompt_logprobs are log-softmax at temperature 1 "
-                                                 f"and log p_T(y) at τ = {cfg.temperature} needs the whole "
-                                                 f"distribution; set 1.0 with opd.teacher: endpoint (or use topk, "
-                                                 "which renormalises over the top-k at τ)")
-    if not objective.uses_beta and cfg.beta != 1.0:
-        raise ConfigError("opd.beta", f"the {cfg.loss} loss estimates reverse KL only; set beta: 1.0")
-    if objective.exact_on_policy:  # its gradient is right only for tokens drawn from q at the temperature
-        if cfg.on_policy_fraction != 1.0:
-            raise ConfigError("opd.on_policy_fraction",
-                              f"the {cfg.loss} loss needs tokens sampled from the student (teacher completions "
-                              f"would bias its gradient with no importance weight); set 1.0, got "
-                              f"{cfg.on_policy_fraction}")
-        if cfg.sample_temperature != cfg.temperature or cfg.top_p != 1.0:
-            raise ConfigError("opd.sample_temperature",
-                              f"the {cfg.loss} loss needs rollouts from the distribution it differentiates: "
-                              f"sample_temperature == temperature ({cfg.temperature}) and top_p == 1.0, got "
-                              f"{cfg.sample_temperature} and {cfg.top_p}")
-    return objective
+    """The objective ``cfg.loss`` names, if ``cfg`` lets it train correctly (``objective_rules.check_config``);
+    else ``ConfigError`` naming the key."""
+    return OBJECTIVES[check_rules(cfg).name]

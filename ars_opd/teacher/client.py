@@ -45,8 +45,13 @@ AUTH_STATUS = {401, 403}
 
 
 class EndpointError(RuntimeError):
-    """The endpoint is unreachable, rejects the key, or fails every request. ``summary``: what the run got
-    before it stopped (set when requests were sent)."""
+    """The endpoint is unreachable, rejects the key, serves another model or tokenizer, or fails every
+    request. ``summary``: what the run got before it stopped (set when requests were sent).
+
+    The base class of every error about the endpoint or the key (``ScoringError`` included): its message
+    is complete, naming the URL or the params key and what to do, so a stage prints it alone and exits 4
+    (``stages.run_stage``) instead of a traceback. Raise it (or a subclass) only with such a message.
+    """
 
     summary: "AskSummary | None" = None
 
@@ -163,7 +168,8 @@ async def preflight(client: openai.AsyncOpenAI, model: str, timeout_s: float = 1
         page = await asyncio.wait_for(client.models.list(), timeout_s)
     except (openai.APIConnectionError, asyncio.TimeoutError, OSError) as e:
         raise EndpointError(f"cannot reach the teacher endpoint {client.base_url} ({type(e).__name__}: "
-                            f"{_short(e)}); is the server running and {section}.endpoint right?") from None
+                            f"{_short(e)}); start the server there, or set {section}.endpoint to the URL it "
+                            "listens on") from None
     except openai.APIStatusError as e:
         if e.status_code in AUTH_STATUS:
             raise EndpointError(f"the teacher endpoint {client.base_url} rejected the API key "
@@ -171,7 +177,8 @@ async def preflight(client: openai.AsyncOpenAI, model: str, timeout_s: float = 1
         return []  # some compatible servers do not implement /models; the first request will tell
     ids = [m.id for m in page.data]
     if ids and model not in ids:
-        raise EndpointError(f"model {model!r} is not served at {client.base_url}; it serves {ids[:10]}")
+        raise EndpointError(f"model {model!r} is not served at {client.base_url}; it serves {ids[:10]}: set "
+                            f"{section}.model to the served name")
     return ids
 
 
@@ -278,8 +285,7 @@ async def ask_all(
     own_client = client is None
     client = client or make_client(settings)
     t0 = time.perf_counter()
-    bar = tqdm(total=len(pending), desc="teacher", unit="req", disable=not progress, mininterval=0.5,
-               smoothing=0.05, dynamic_ncols=True)
+    bar = None  # made after the preflight: an endpoint error is then the only thing printed
     abort: list[EndpointError] = []
     results_seen = 0
     queue = iter(pending)
@@ -328,9 +334,12 @@ async def ask_all(
     try:
         if check_endpoint:
             await preflight(client, pending[0].body["model"])
+        bar = tqdm(total=len(pending), desc="teacher", unit="req", disable=not progress, mininterval=0.5,
+                   smoothing=0.05, dynamic_ncols=True)
         await asyncio.gather(*(worker() for _ in range(min(settings.limits.concurrency, len(pending)))))
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         summary.seconds = time.perf_counter() - t0
         if own_client:
             await client.close()

@@ -58,6 +58,11 @@ class TeacherGenerationError(RuntimeError):
     """Too many prompts ended without an answer, or the setup is wrong."""
 
 
+class MissingAPIKeyError(TeacherGenerationError, EndpointError):
+    """``teacher_gen.api_key_env`` names a variable that is not set: a setup error of this stage, and one
+    about the endpoint's key (an ``EndpointError``), so the stage prints its message alone."""
+
+
 def strip_thinking(text: str) -> str:
     """Remove one leading ``<think>…</think>`` block; an unterminated block leaves nothing to train on."""
     stripped = _THINK.sub("", text, count=1)
@@ -134,8 +139,8 @@ def _api_key(cfg: TeacherGenConfig) -> str:
         return "EMPTY"
     key = os.environ.get(cfg.api_key_env)
     if not key:
-        raise TeacherGenerationError(f"teacher_gen.api_key_env names {cfg.api_key_env}, but that environment "
-                                     "variable is not set (or empty); export it before running the stage")
+        raise MissingAPIKeyError(f"teacher_gen.api_key_env names {cfg.api_key_env}, but that environment "
+                                 "variable is not set (or empty); export it before running the stage")
     return key
 
 

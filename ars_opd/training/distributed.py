@@ -9,21 +9,33 @@ multi-node runs), ``fn`` runs here directly and the launcher's world is used.
 ``init_worker`` joins the process group (gloo on CPU, NCCL on CUDA by default) and pins the device and
 CPU threads. ``gather_floats`` all-gathers a few scalars per worker in one call.
 
+A worker's exception reaches the caller of ``launch`` as itself (pickled to the launcher, which re-raises it
+from a ``WorkerFailedError`` carrying the worker's traceback), as it would in one process or under an
+outside launcher: so a stage reports a worker's ``ConfigError`` or ``EndpointError`` as a message alone
+(``stages.run_stage``), and elastic's own log of that failure, a second traceback, is left out. An
+exception that does not pickle, or a worker killed by a signal, fails as a ``WorkerFailedError``.
+
 What this module leaves out: FSDP and model parallelism (DDP only), fault-tolerant restarts
 (``max_restarts=0``: a failed worker fails the stage, which then resumes from its checkpoint).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import socket
+import tempfile
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from ars_opd.config import launched_externally  # noqa: F401  (where workers ask it)
 
 
 class WorkerFailedError(RuntimeError):
@@ -57,19 +69,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launched_externally() -> bool:
-    """True inside a worker started by torchrun / accelerate launch (they set WORLD_SIZE and RANK)."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ
-
-
-def _run_and_capture(fn: Callable[[Any], Any], job: Any) -> Any:
+def _run_and_capture(fn: Callable[[Any], Any], job: Any, error_dir: str | None = None) -> Any:
     try:
         return fn(job)
     except BaseException as e:  # elastic reports only "exitcode 1" for a plain raise; keep the message
         import traceback
 
         rank = os.environ.get("RANK", "?")
-        raise WorkerFailedError(f"worker {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}") from e
+        text = traceback.format_exc()
+        if error_dir is not None and isinstance(e, Exception):
+            _save_error(e, text, Path(error_dir) / f"{rank}.pickle")
+        raise WorkerFailedError(f"worker {rank}: {type(e).__name__}: {e}\n{text}") from e
+
+
+def _save_error(error: Exception, text: str, path: Path) -> None:
+    """Pickle a worker's exception and traceback for the launcher, if the exception round-trips (its class
+    importable, its constructor's arguments kept); else nothing, and the launcher falls back."""
+    try:
+        blob = pickle.dumps({"error": error, "traceback": text})
+        pickle.loads(blob)
+    except Exception:
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)  # whole or absent: the launcher may look as soon as the process exits
+
+
+def _load_error(path: Path) -> dict | None:
+    try:
+        return pickle.loads(path.read_bytes())
+    except Exception:  # absent (killed by a signal, not picklable) or not loadable here
+        return None
+
+
+class _QuietWhenReraised(logging.Filter):
+    """Drops torch's reports of a failed worker when that worker left its exception for the launcher to
+    re-raise, so the stage reports the error once: elastic's "failed (exitcode ...)" (with a traceback of its
+    own; it names the worker by local rank, the global rank here on one node) and "Terminating process"
+    for each of the others, stopped because of it."""
+
+    def __init__(self, error_dir: str):
+        super().__init__()
+        self.error_dir = Path(error_dir)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message, args = str(record.msg), record.args if isinstance(record.args, tuple) else ()
+        if message.startswith("failed (exitcode") and len(args) >= 2:
+            return not (self.error_dir / f"{args[1]}.pickle").exists()
+        if message.startswith("Terminating process"):
+            return not any(self.error_dir.glob("*.pickle"))
+        return True
 
 
 def launch(fn: Callable[[Any], Any], job: Any, workers: int, threads_per_worker: int = 1) -> Any:
@@ -85,12 +134,25 @@ def launch(fn: Callable[[Any], Any], job: Any, workers: int, threads_per_worker:
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"join_timeout": 120},
         max_restarts=0, monitor_interval=0.2, start_method="spawn", local_addr="127.0.0.1",
     )
-    try:
-        results = elastic_launch(config, _run_and_capture)(fn, job)
-    except ChildFailedError as e:
-        first = next(iter(e.failures.values()))
-        message = first.message if isinstance(first.message, str) else str(first.message)
-        raise WorkerFailedError(f"a data-parallel worker failed: {message[-4000:]}") from None
+    logs = [logging.getLogger(name) for name in ("torch.distributed.elastic.multiprocessing.api",
+                                                 "torch.multiprocessing.spawn")]
+    with tempfile.TemporaryDirectory(prefix="ars-opd-workers-") as error_dir:
+        quiet = _QuietWhenReraised(error_dir)
+        for log in logs:
+            log.addFilter(quiet)
+        try:
+            results = elastic_launch(config, _run_and_capture)(fn, job, error_dir)
+        except ChildFailedError as e:
+            rank, first = e.get_first_failure()
+            saved = _load_error(Path(error_dir) / f"{rank}.pickle")
+            if saved is None:
+                message = first.message if isinstance(first.message, str) else str(first.message)
+                raise WorkerFailedError(f"a data-parallel worker failed: {message[-4000:]}") from None
+            # the worker's own exception, as if raised here; its traceback travels in the cause
+            raise saved["error"] from WorkerFailedError(f"worker {rank} failed:\n{saved['traceback']}")
+        finally:
+            for log in logs:
+                log.removeFilter(quiet)
     return results[0]
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ars_opd.config import batch_split_problem
+
 
 class BatchConfigError(ValueError):
     """The global batch does not split into workers and micro-batches, or the data is too small."""
@@ -35,12 +37,9 @@ class BatchGeometry:
 
     @classmethod
     def check(cls, global_batch: int, workers: int, micro_batch: int, section: str) -> "BatchGeometry":
-        if global_batch % workers:
-            raise BatchConfigError(f"{section}.global_batch_size = {global_batch} does not divide by "
-                                   f"ddp.workers = {workers}")
-        if (global_batch // workers) % micro_batch:
-            raise BatchConfigError(f"{section}.global_batch_size / ddp.workers = {global_batch // workers} "
-                                   f"does not divide by {section}.micro_batch_size = {micro_batch}")
+        problem = batch_split_problem(global_batch, workers, micro_batch, section)
+        if problem is not None:
+            raise BatchConfigError(problem)
         return cls(global_batch, workers, micro_batch)
 
 

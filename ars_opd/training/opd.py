@@ -247,7 +247,8 @@ def scoring_endpoint(cfg: OPDConfig, paths: PathsConfig) -> Iterator[tuple[str, 
 
 
 def check_scoring_endpoint(url: str, model: str, cfg: OPDConfig, paths: PathsConfig) -> None:
-    """Before step 0: the endpoint answers, serves ``model``, and tokenizes as the student does."""
+    """Before step 0: the endpoint answers, serves ``model``, tokenizes as the student does, and returns
+    log-probabilities (not logits) for a probe scored with the run's k (so ``--max-logprobs`` is checked too)."""
     import asyncio
 
     settings = ClientSettings(url, _api_key(cfg), cfg.teacher_endpoint)
@@ -256,7 +257,8 @@ def check_scoring_endpoint(url: str, model: str, cfg: OPDConfig, paths: PathsCon
         client = make_client(settings)
         try:
             await preflight(client, model, min(15.0, cfg.teacher_endpoint.request_timeout_s), ENDPOINT_SECTION)
-            await check_tokenizer(client, model, load_tokenizer(paths.models_dir), settings, ENDPOINT_SECTION)
+            await check_tokenizer(client, model, load_tokenizer(paths.models_dir), settings, ENDPOINT_SECTION,
+                                  k=cfg.topk if cfg.loss == "topk" else 1)
         finally:
             await client.close()
 
@@ -271,7 +273,9 @@ def run_opd(cfg: OPDConfig, ddp: DDPConfig, paths: PathsConfig, trust_remote_cod
     before any worker starts, and the bundled server (``teacher_endpoint.endpoint: local``) runs for the
     stage's duration; under an outside launcher every process does this for itself.
     """
-    check_config(cfg)  # before any worker starts: a loss the rollouts cannot serve is a config error
+    # before any worker starts: a loss the rollouts cannot serve is a config error (load_params runs this
+    # too; here for configs built in code)
+    check_config(cfg)
     job = TrainingJob("opd", cfg, ddp, paths, trust_remote_code, progress)
     if cfg.teacher == "local":
         return launch_stage(opd_worker, job)

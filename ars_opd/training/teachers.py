@@ -7,7 +7,7 @@ for the M scored positions of a micro-batch (the True entries of its loss mask, 
 - ``LocalTeacher``: the frozen teacher model in every worker (``opd.teacher: local``): one no-grad forward
   per micro-batch to its last hidden states; full logits are formed chunk by chunk inside the loss, the
   targets' log-probabilities or the top-k chunk by chunk here. Neither forms (B, T, V) logits.
-- ``EndpointTeacher``: a served teacher (``opd.teacher: endpoint``; vLLM, SGLang or the bundled server).
+- ``EndpointTeacher``: a served teacher (``opd.teacher: endpoint``; vLLM or the bundled server).
   The trainer never loads teacher weights. ``attach`` sends every sequence of the step's micro-batches
   (prompt + completion token ids, padding dropped) for scoring at once, with bounded concurrency and the
   teacher client's retries (``ars_opd.teacher.score_client``), and stores the answers in each micro-batch's
