@@ -9,7 +9,8 @@ import pytest
 
 from ars_opd.config import ReportConfig
 from ars_opd.evaluation.detector import (
-    STATISTICS, cusum, cusum_threshold, detect, rank_residuals, siegmund_arl, standardise, threshold_for,
+    STATISTICS, cusum, cusum_threshold, detect, rank_residuals, rate_interval, siegmund_arl, standardise,
+    threshold_for,
 )
 
 
@@ -25,10 +26,35 @@ def test_threshold_inverts_siegmunds_approximation():
 
 
 def test_threshold_spreads_the_target_over_every_test():
-    cfg = ReportConfig(false_alarms_per_1000=1.0, k=0.5)
-    h4 = threshold_for(cfg, ranks=4)
+    cfg = ReportConfig(false_alarms_per_1000=1.0, two_worker_false_alarms_per_1000=1.0, k=0.5)
+    h4 = threshold_for(cfg, workers=4)
     assert h4 == pytest.approx(cusum_threshold(1000 * len(STATISTICS) * 4 * 2, 0.5))
-    assert threshold_for(cfg, ranks=8) > h4 > threshold_for(cfg, ranks=2)
+    # two workers: one tested rank (each residual is the other's negative)
+    assert threshold_for(cfg, workers=2) == pytest.approx(cusum_threshold(1000 * len(STATISTICS) * 1 * 2, 0.5))
+    assert threshold_for(cfg, workers=8) > h4 > threshold_for(cfg, workers=2)
+
+
+def test_each_worker_count_has_its_own_design_rate():
+    """K = 2 and K >= 3 are calibrated apart: each threshold follows its own key and ignores the other's."""
+    cfg = ReportConfig(false_alarms_per_1000=0.25, two_worker_false_alarms_per_1000=0.05)
+    assert threshold_for(cfg, workers=2) == pytest.approx(cusum_threshold(1000 * len(STATISTICS) * 2 / 0.05, 0.5))
+    assert threshold_for(cfg, workers=4) == pytest.approx(cusum_threshold(1000 * len(STATISTICS) * 8 / 0.25, 0.5))
+    loose = ReportConfig(false_alarms_per_1000=0.25, two_worker_false_alarms_per_1000=1.0)
+    assert threshold_for(loose, workers=4) == threshold_for(cfg, workers=4)
+    assert threshold_for(loose, workers=2) < threshold_for(cfg, workers=2)
+
+
+def test_rate_interval_is_the_exact_poisson_interval():
+    """Garwood's interval against values from the chi-square quantiles (chi2(0.975, 2)/2 = 3.6889 for no
+    events; 0.6187 and 8.7673 for three), and coverage checked by simulation."""
+    lo, hi = rate_interval(0, 1.0, per=1)
+    assert lo == 0 and hi == pytest.approx(3.688879, rel=1e-5)
+    lo, hi = rate_interval(3, 1.0, per=1)
+    assert lo == pytest.approx(0.618672, rel=1e-5) and hi == pytest.approx(8.767273, rel=1e-5)
+    rng = np.random.default_rng(0)
+    mu, n = 4.0, 4000
+    hits = sum(lo <= mu <= hi for lo, hi in (rate_interval(int(c), 1.0, per=1) for c in rng.poisson(mu, n)))
+    assert hits / n >= 0.95  # exact intervals are conservative
 
 
 def test_cusum_run_length_on_gaussian_noise_matches_the_target():

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from ars_opd.config import PathsConfig, ReportConfig
+from ars_opd.evaluation.detector import rate_interval
 from ars_opd.evaluation.report import build_report, detection_benchmark, noise_scale_summary, write_report
 
 
@@ -43,7 +44,9 @@ def test_clean_logs_stay_near_the_target_rate_and_the_method_is_stated():
         if not alarms["sft"]:
             assert "no worker departed from the others" in md
     assert total <= 2  # 800 judged iid steps at 0.25 per 1,000: Poisson(0.2) exceeds 2 with probability 0.001
-    assert "0.25 false alarms per 1,000 steps" in md and "two-sided CUSUM" in md
+    cfg = ReportConfig()
+    assert f"**{cfg.false_alarms_per_1000:g} per 1,000 steps** at K ≥ 3" in md and "two-sided CUSUM" in md
+    assert f"**{cfg.two_worker_false_alarms_per_1000:g}** at K = 2" in md
 
 
 def test_a_scaled_gradient_on_one_rank_is_a_silent_alarm_naming_it():
@@ -77,17 +80,31 @@ def test_clipping_noise_scale_and_drift_are_reported():
 
 
 def test_detection_benchmark_summary(tmp_path):
-    rows = [{"case": "healthy", "magnitude": None, "default": True, "seed": s, "rank": None, "detected": False,
-             "delay_steps": None, "named_rank": None, "false_alarms": s, "judged_steps": 1000} for s in range(3)]
-    rows += [{"case": "loss_scale", "magnitude": 2.0, "default": True, "seed": s, "rank": 2, "detected": True,
-              "delay_steps": 3 + s, "named_rank": 2 if s else 1, "false_alarms": 0, "judged_steps": 60}
-             for s in range(3)]
+    """The run's own K is quoted: its held-out null with the exact interval, its fault table; at K = 2 the
+    fault table counts any alarm (no rank is named) and the text says an alarm cannot name the worker."""
+    rows = [{"null": stage, "workers": k, "seed": s, "steps": 1000, "judged_steps": 1000,
+             "false_alarms": s * (k // 2), "alarms": []} for k in (2, 4) for s in range(3) for stage in ("sft",)]
+    rows += [{"case": "loss_scale", "workers": 4, "magnitude": 2.0, "default": True, "seed": s, "rank": 2,
+              "detected": True, "delay_steps": 3 + s, "named_rank": 2 if s else 1, "false_alarms": 0,
+              "judged_steps": 60} for s in range(3)]
+    rows += [{"case": "loss_scale", "workers": 2, "magnitude": 2.0, "default": True, "seed": s, "rank": 1,
+              "detected": s > 0, "delay_steps": 4 + s if s else None, "named_rank": None, "false_alarms": 0,
+              "judged_steps": 60} for s in range(3)]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + json.dumps({"summary": "x"}) + "\n")
-    lines, flat = detection_benchmark(path)
-    assert flat["detector/false_alarms_per_1000_measured"] == pytest.approx(1000 * 3 / 3000)
+    lines, flat = detection_benchmark(path, workers=4)
+    assert flat["detector/false_alarms_per_1000_measured"] == pytest.approx(1000 * 6 / 3000)
+    lo, hi = rate_interval(6, 3000)
+    assert (flat["detector/false_alarms_per_1000_ci_low"], flat["detector/false_alarms_per_1000_ci_high"]) == (lo, hi)
     assert "| loss_scale | 2 | yes | 2/3 | 5 | 5 |" in lines  # the run that named rank 1 is not a hit
-    missing, none = detection_benchmark(tmp_path / "absent.jsonl")
+    assert not any("a third worker" in line for line in lines)
+    lines2, flat2 = detection_benchmark(path, workers=2)
+    assert flat2["detector/false_alarms_per_1000_measured"] == pytest.approx(1000 * 3 / 3000)
+    assert "| loss_scale | 2 | yes | 2/3 | 6 | 6 |" in lines2 and "rank not attributable" in "\n".join(lines2)
+    assert any("a third worker" in line and "K ≥ 3" in line for line in lines2)
+    unmeasured, none = detection_benchmark(path, workers=8)
+    assert none == {} and "K = 8" in unmeasured[0] and "not known" in unmeasured[0]
+    missing, none = detection_benchmark(tmp_path / "absent.jsonl", workers=2)
     assert none == {} and "python bench/detection.py" in missing[0]
 
 

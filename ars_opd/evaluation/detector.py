@@ -114,10 +114,15 @@ def cusum_threshold(target_arl: float, k: float) -> float:
     return solve_increasing(lambda h: siegmund_arl(h, k), target_arl)
 
 
-def threshold_for(settings: ReportConfig, ranks: int) -> float:
-    """h for the target rate over 3 statistics × ``ranks`` tested ranks × 2 sides."""
-    tests = len(STATISTICS) * ranks * 2
-    return cusum_threshold(1000.0 * tests / settings.false_alarms_per_1000, settings.k)
+def design_rate(settings: ReportConfig, workers: int) -> float:
+    """The design false-alarm rate per 1,000 steps for a run of ``workers`` (calibrated per K)."""
+    return settings.two_worker_false_alarms_per_1000 if workers == 2 else settings.false_alarms_per_1000
+
+
+def threshold_for(settings: ReportConfig, workers: int) -> float:
+    """h for the design rate over 3 statistics × the tested ranks × 2 sides of a run of ``workers``."""
+    tests = len(STATISTICS) * monitored_ranks(workers) * 2
+    return cusum_threshold(1000.0 * tests / design_rate(settings, workers), settings.k)
 
 
 def rank_residuals(worker_loss: np.ndarray, worker_norm: np.ndarray, worker_cos: np.ndarray) -> dict[str, np.ndarray]:
@@ -245,7 +250,7 @@ def detect(rows: list[dict], settings: ReportConfig = ReportConfig()) -> list[Al
     z_by_stat = standardised_residuals(rows, settings)
     if z_by_stat:
         K = next(iter(z_by_stat.values())).shape[1]
-        h = threshold_for(settings, monitored_ranks(K))
+        h = threshold_for(settings, K)
         global_alarms = global_loss_alarms(np.array([r["loss"] for r in rows], dtype=float), settings, h)
         for name, z in z_by_stat.items():
             for rank in range(monitored_ranks(K)):
@@ -259,3 +264,26 @@ def detect(rows: list[dict], settings: ReportConfig = ReportConfig()) -> list[Al
         for rank in r.get("drift_mismatch") or []:
             alarms.append(Alarm(steps[t], rank, "drift", "mismatch", 0.0, steps[t], False, steps[t]))
     return sorted(alarms, key=lambda a: (a.step, -1 if a.rank is None else a.rank, a.statistic))
+
+
+def poisson_cdf(c: int, mu: float) -> float:
+    """P(X <= c) for X ~ Poisson(mu)."""
+    term = total = math.exp(-mu)
+    for i in range(1, c + 1):
+        term *= mu / i
+        total += term
+    return min(1.0, total)
+
+
+def rate_interval(count: int, exposure: float, level: float = 0.95, per: float = 1000.0) -> tuple[float, float]:
+    """Exact (Garwood) interval for a Poisson rate: ``count`` events in ``exposure`` units, per ``per`` units.
+
+    The bounds are the means mu_L, mu_U with P(X >= count; mu_L) = P(X <= count; mu_U) = (1 - level) / 2
+    (mu_L = 0 for no events), each solved by bisection on the Poisson distribution function.
+    """
+    if exposure <= 0:
+        return float("nan"), float("nan")
+    tail = (1 - level) / 2
+    lower = 0.0 if count == 0 else solve_increasing(lambda mu: 1 - poisson_cdf(count - 1, mu), tail)
+    upper = solve_increasing(lambda mu: 1 - poisson_cdf(count, mu), 1 - tail)
+    return per * lower / exposure, per * upper / exposure

@@ -23,7 +23,7 @@ import pandas as pd
 from ars_opd.artifacts import atomic_outputs, read_jsonl, write_json
 from ars_opd.config import PathsConfig, ReportConfig
 from ars_opd.evaluation.detector import (
-    Alarm, detect, monitored_ranks, standardised_residuals, threshold_for,
+    Alarm, design_rate, detect, rate_interval, standardised_residuals, threshold_for,
 )
 from ars_opd.evaluation.distillation import budget_note, compare, curve_figure, headline, regime_note
 from ars_opd.evaluation.tables import ARMS, MODELS, render_table
@@ -89,30 +89,63 @@ def noise_scale_summary(df: pd.DataFrame) -> tuple[float, float]:
     return (float(b.iloc[-1]) if len(b) else float("nan")), tokens
 
 
-def detection_benchmark(path: Path) -> tuple[list[str], dict]:
-    """Markdown lines and flat metrics summarising ``bench/detection.py``'s committed output (if present)."""
+def detection_benchmark(path: Path, workers: int) -> tuple[list[str], dict]:
+    """Markdown lines and flat metrics from ``bench/detection.py``'s committed output, for a run of ``workers``.
+
+    The rate quoted is the one measured on the held-out healthy runs of the default pipeline at this K,
+    with its exact 95% interval (recomputed from the per-run lines); the fault table is the one at this K.
+    """
     if not path.exists():
         return [f"No detection benchmark found ({path}): run `python bench/detection.py > {path}`.", ""], {}
-    rows = [r for r in read_jsonl(path) if "case" in r]
-    healthy = [r for r in rows if r["case"] == "healthy"]  # faulty runs branch from these before their onset
-    judged = sum(r["judged_steps"] for r in healthy)
-    false_alarms = sum(r["false_alarms"] for r in healthy)
+    rows = read_jsonl(path)
+    null = [r for r in rows if "null" in r and r["workers"] == workers]
+    faults = [r for r in rows if "case" in r and r.get("workers") == workers]
+    measured = sorted({r["workers"] for r in rows if "null" in r})
+    if not null:
+        return [f"`bench/detection.py` measured no healthy runs at K = {workers} workers (it did at K = "
+                f"{', '.join(map(str, measured)) or 'none'}): this run's false-alarm rate is not known. Run "
+                f"`python bench/detection.py --workers {workers} --rows DIR > {path}`.", ""], {}
+    judged = sum(r["judged_steps"] for r in null)
+    false_alarms = sum(r["false_alarms"] for r in null)
     rate = 1000 * false_alarms / judged if judged else float("nan")
-    lines = [f"Measured by `bench/detection.py` (K = 4 workers, the built-in student, {len(healthy)} healthy runs "
-             f"and {len(rows) - len(healthy)} faulty ones branched from them): **{false_alarms} false alarms in "
-             f"{judged} judged healthy steps = {rate:.2f} per 1,000 steps**.", "",
-             "| fault | magnitude | default | detected, right rank | median delay | max delay |",
-             "|---|---|---|---|---|---|"]
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        if r["case"] != "healthy":
+    lo, hi = rate_interval(false_alarms, judged)
+    seeds = sorted({r["seed"] for r in null})
+    stages = sorted({r["null"] for r in null})
+    lines = [f"Measured by `bench/detection.py` at this run's K = {workers} workers, on {len(seeds)} held-out seeds of "
+             f"the default pipeline's own {' and '.join(stages)} stages (nothing injected; seeds "
+             f"{seeds[0]}–{seeds[-1]}, never used to calibrate): **{false_alarms} false alarms in {judged} judged "
+             f"healthy steps = {rate:.2f} per 1,000 steps** (exact 95% interval {lo:.2f}–{hi:.2f}), against a target "
+             "of at most 1 per 1,000.", ""]
+    attributable = workers > 2
+    if faults:
+        head = "detected, right rank" if attributable else "detected (rank not attributable)"
+        lines += [f"Injected faults at K = {workers} (the built-in student, SFT on reference answers, one rank "
+                  "faulty from step 150):", "",
+                  f"| fault | magnitude | default | {head} | median delay | max delay |", "|---|---|---|---|---|---|"]
+        groups: dict[tuple, list[dict]] = {}
+        for r in faults:
             groups.setdefault((r["case"], r["magnitude"]), []).append(r)
-    for (case, m), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        hits = sorted(r["delay_steps"] for r in rs if r["detected"] and r["named_rank"] == r["rank"])
-        med = hits[len(hits) // 2] if hits else None
-        lines.append(f"| {case} | {m:g} | {'yes' if rs[0]['default'] else ''} | {len(hits)}/{len(rs)} | "
-                     f"{'n/a' if med is None else med} | {hits[-1] if hits else 'n/a'} |")
-    return lines + [""], {"detector/false_alarms_per_1000_measured": rate}
+        for (case, m), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+            hits = sorted(r["delay_steps"] for r in rs
+                          if r["detected"] and (not attributable or r["named_rank"] == r["rank"]))
+            med = hits[len(hits) // 2] if hits else None
+            lines.append(f"| {case} | {m:g} | {'yes' if rs[0]['default'] else ''} | {len(hits)}/{len(rs)} | "
+                         f"{'n/a' if med is None else med} | {hits[-1] if hits else 'n/a'} |")
+        lines.append("")
+    if not attributable:
+        lines += ["**With two workers an alarm says that the two workers disagree, not which one is wrong**: each "
+                  "worker's residual is the other's negative, so a third worker is needed to say which one departed. "
+                  "For attribution run K ≥ 3 workers (`ddp.workers`).", ""]
+    return lines, {"detector/false_alarms_per_1000_measured": rate, "detector/false_alarms_per_1000_ci_low": lo,
+                   "detector/false_alarms_per_1000_ci_high": hi}
+
+
+def run_workers(stage_logs: dict[str, pd.DataFrame]) -> int:
+    """The run's K: the per-worker columns' width in the first training log that has them (1 if none)."""
+    for df in stage_logs.values():
+        if not df.empty and "worker_loss" in df:
+            return len(df["worker_loss"].iloc[0])
+    return 1
 
 
 def _alarm_lines(alarms: list[Alarm]) -> list[str]:
@@ -233,12 +266,13 @@ def detector_text(cfg: ReportConfig) -> str:
         "the same step (log ratios for loss and norm, a difference for the cosine), standardised against the "
         f"median and MAD of the same statistic over the previous {cfg.window} steps (ending {cfg.lag} steps "
         f"back, all ranks pooled), clipped at ±{cfg.clip_z}, and watched by a two-sided CUSUM per rank and "
-        f"statistic (reference k = {cfg.k}). The alarm threshold h is set for a design rate of "
-        f"**{cfg.false_alarms_per_1000:g} false alarms per 1,000 steps** with every test combined, were the scores "
-        f"independent (h = {threshold_for(cfg, 4):.2f} for 4 workers, {threshold_for(cfg, monitored_ranks(2)):.2f} "
-        "for 2, where each rank's residual is the other's negative and an alarm cannot name the faulty one); "
-        "training runs alarm more often than independent scores would, so the rate that counts is the one "
-        "measured on healthy runs below, against a target of at most 1 per 1,000 steps. "
+        f"statistic (reference k = {cfg.k}). The alarm threshold h is set from a design rate, every test "
+        "combined, were the scores independent: training runs alarm more often than independent scores would, "
+        "so the design rate is calibrated per worker count on healthy runs of the default pipeline "
+        f"(**{design_rate(cfg, 4):g} per 1,000 steps** at K ≥ 3, h = {threshold_for(cfg, 4):.2f} for 4 workers; "
+        f"**{design_rate(cfg, 2):g}** at K = 2, h = {threshold_for(cfg, 2):.2f}, where each rank's residual is "
+        "the other's negative and an alarm cannot name the faulty one), and the rate that counts is the one "
+        "measured on held-out healthy runs below, against a target of at most 1 per 1,000 steps. "
         f"The first {cfg.warmup} steps of a stage are not judged. An alarm is **silent** when the same test on "
         "the averaged loss curve stayed quiet between the alarm's estimated onset and the alarm, else visible. "
         "Replica drift is checked apart, bit-exactly: every rank's parameters and optimizer state are "
@@ -310,7 +344,8 @@ def write_report(cfg: ReportConfig, paths: PathsConfig) -> dict:
         raise FileNotFoundError(f"no training log found ({where}): run sft/opd first")
     eval_path = Path(paths.eval_metrics)
     eval_metrics = json.loads(eval_path.read_text()) if eval_path.exists() else None
-    md, flat, alarms = build_report(logs, eval_metrics, cfg, detection_benchmark(Path(paths.detection_benchmark)))
+    benchmark = detection_benchmark(Path(paths.detection_benchmark), run_workers(logs))
+    md, flat, alarms = build_report(logs, eval_metrics, cfg, benchmark)
     with atomic_outputs(paths.report_md, paths.report_figures, paths.report_plots, paths.report_metrics) as tmp:
         tmp[0].write_text(md)
         tmp[1].mkdir(parents=True)
