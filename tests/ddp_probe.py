@@ -123,6 +123,7 @@ def _brute_force(ddp, task, ctx, cfg):
         "gradient_diversity": float((norms ** 2).sum() / G.sum(0).pow(2).sum()),
         "grad_direction_consistency": sum(cos) / len(cos) if cos else float("nan"),
         "mean": mean,
+        "abs_mean": G.abs().mean(0),
     }
 
 
@@ -159,10 +160,13 @@ def _consistency_probe(job: dict, ctx) -> list:
                                      hook.local_stats(ctx.device)]), ctx.device)
         gram = hook.gram()
         reduced = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
-        stats = consistency_metrics(g[:, 0].tolist(), g[:, 1].tolist(), g[:, 2].tolist(),
-                                    float(reduced.pow(2).sum()), gram)
-        out.append({"hook": stats, "brute": {k: v for k, v in brute.items() if k != "mean"},
-                    "reduced_err": float((reduced - brute["mean"]).abs().max()),
+        inputs = {"worker_loss": g[:, 0].tolist(), "sq": g[:, 1].tolist(), "dot": g[:, 2].tolist(),
+                  "mean_sq": float(reduced.pow(2).sum()), "gram": None if gram is None else gram.tolist()}
+        stats = consistency_metrics(*(inputs[k] for k in ("worker_loss", "sq", "dot", "mean_sq")), gram)
+        # the reduced gradient's error relative to Σ_k |g_k| / K, entry by entry (0 where every g_k is 0)
+        rel = ((reduced - brute["mean"]).abs() / brute["abs_mean"]).nan_to_num(0.0)
+        out.append({"hook": stats, "brute": {k: v for k, v in brute.items() if k not in ("mean", "abs_mean")},
+                    "inputs": inputs, "params": reduced.numel(), "reduced_rel": float(rel.max()),
                     "buckets": len(hook._sq)})
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -2,8 +2,11 @@
 
 The reference is the pipeline's former path: ``model(...).logits`` then ``causal_lm_token_loss_sum`` /
 ``token_divergence`` / ``sampled_token_loss`` (themselves tested against torch.distributions and float64
-formulas in test_divergences.py). fp32 on CPU: the loss to 1e-6 relative, every parameter's gradient (the tied
-embedding included) to 1e-5 of its own max |value|.
+formulas in test_divergences.py). fp32 on CPU, both paths from the same hidden states (bit for bit: the same
+decoder ops in the same order), so they differ only in the head's products and the losses' sums: the loss to
+twice its first-order fp32 bound (tests/tolerances.py, from the float64 oracle of the head and loss), every
+parameter's gradient (the tied embedding included) to twice the chain bound of its backward path, relative to
+its own max |value|.
 """
 
 from __future__ import annotations
@@ -15,8 +18,14 @@ import torch
 
 from ars_opd.lm.divergences import sampled_token_loss, token_divergence
 from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows, target_logprobs
-from ars_opd.lm.losses import causal_lm_loss_from_hidden, causal_lm_token_loss_sum, cross_entropy_terms
+from ars_opd.lm.losses import (
+    causal_lm_loss_from_hidden, causal_lm_token_loss_sum, cross_entropy_terms, shifted_targets,
+)
 from ars_opd.lm.objectives import TeacherLogits, TeacherScores, get_objective
+from tolerances import (
+    U32, U_BF16, chain_bound, cross_entropy_grad_bound, decoder_lengths, head_grad_bound, linear_bound,
+    log_softmax_bound, loss_bound, softmax_length, two_computations, vs_oracle,
+)
 
 V, ROWS = 53, 58  # scored vocabulary; output rows (5 padding rows beyond the tokenizer, as Qwen3 has)
 
@@ -58,14 +67,37 @@ def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _assert_close(loss, ref_loss, grads, ref_grads):
-    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (loss, ref_loss)
+def _head_bound(kind, student, ref_student, ids, attn, mask, targets, teacher=None, beta=1.0, tau=1.0):
+    """The fp32 bound of one evaluation of the loss from the student's hidden states, and the gradients'
+    reduction lengths (the chain of ``chain_bound``) from the loss back to every parameter."""
+    with torch.no_grad():
+        hidden = last_hidden_states(student, ids, attn)
+        # the premise of comparing two paths on the head alone: the same decoder ops in the same order
+        assert torch.equal(hidden, last_hidden_states(ref_student, ids, attn))
+        hs, head = select_rows(hidden, mask), OutputHead.of(student, V)
+        zs = torch.nn.functional.linear(hs.double(), head.weight.double())  # exact products of the fp32 rows
+        zt = bt = None
+        if teacher is not None:
+            ht, t_head = select_rows(last_hidden_states(teacher, ids, attn), mask), OutputHead.of(teacher, V)
+            zt, bt = torch.nn.functional.linear(ht.double(), t_head.weight.double()), linear_bound(ht, t_head.weight)
+    _, bound = loss_bound(kind, zs, linear_bound(hs, head.weight), zt, bt, targets[mask], beta, tau)
+    cfg, (B, T), M = student.config, ids.shape, hs.shape[0]
+    rows = student.get_output_embeddings().weight.shape[0]
+    # head: logits (H), log-softmax, the row sum a KL gradient takes, about 8 elementwise operations, then
+    # dz·W (over the output rows) and dzᵀ·h (over the M rows); the decoder's backward; the weight gradients'
+    # sum over the B·T positions
+    lengths = [cfg.hidden_size, softmax_length(V, zs.abs().max().item() / tau), V, 8, max(rows, M)]
+    return bound, lengths + decoder_lengths(cfg, T) + [B * T]
+
+
+def _assert_close(loss, ref_loss, loss_tol, grads, ref_grads, lengths):
+    assert abs(loss - ref_loss) <= loss_tol, (loss, ref_loss, loss_tol)
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
         scale = ref.abs().max().item()
         assert scale > 0, name  # every parameter takes part
         err = (grads[name] - ref).abs().max().item()
-        assert err <= 1e-5 * scale, (name, err, scale)
+        assert err <= two_computations(chain_bound(lengths, scale)), (name, err, scale)
 
 
 @pytest.mark.parametrize("family, tied", [("llama", True), ("llama", False), ("qwen3", True)])
@@ -79,7 +111,9 @@ def test_sft_cross_entropy_from_hidden_equals_logits_path(family, tied, chunk):
     loss, n = causal_lm_loss_from_hidden(hidden, OutputHead.of(model), labels, chunk_size=chunk)
     loss.backward()
     assert n == int((labels[:, 1:] != -100).sum()) and loss.dtype == torch.float32
-    _assert_close(loss.item(), ref.item(), _grads(model), _grads(ref_model))
+    mask, _ = shifted_targets(labels)
+    bound, lengths = _head_bound("cross_entropy", model, ref_model, ids, attn, mask, torch.roll(labels, -1, 1))
+    _assert_close(loss.item(), ref.item(), two_computations(bound), _grads(model), _grads(ref_model), lengths)
 
 
 def _opd_reference(student, teacher, ids, attn, mask, targets, loss, beta, tau):
@@ -88,10 +122,12 @@ def _opd_reference(student, teacher, ids, attn, mask, targets, loss, beta, tau):
         t_logits = teacher(input_ids=ids, attention_mask=attn).logits[..., :V]
     if loss == "full_vocab":
         value, _ = token_divergence(s_logits, t_logits, mask, beta, tau, chunk_size=7)
-        return value
+        return value, 0.0
     logp = torch.log_softmax(t_logits.float() / tau, -1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
     surrogate, estimate, _ = sampled_token_loss(s_logits, logp, targets, mask, tau)
-    return surrogate + (estimate - surrogate).detach()
+    # the value is fl(s + fl(e − s)): two more roundings than the estimate e itself
+    extra = U32 * (abs(estimate.item() - surrogate.item()) + abs(estimate.item()))
+    return surrogate + (estimate - surrogate).detach(), extra
 
 
 def _opd_chunked(student, teacher, ids, attn, mask, targets, loss, beta, tau, chunk):
@@ -118,7 +154,7 @@ def test_opd_losses_from_hidden_equal_logits_path(loss, beta, tau, tied):
     ids, attn, _, mask, targets = _batch(seed=2)
     teacher = _model("qwen3", True, seed=7, hidden=48).eval()  # another width and family: only the vocabulary is shared
     ref_model, model = _model("llama", tied, seed=3), _model("llama", tied, seed=3)
-    ref = _opd_reference(ref_model, teacher, ids, attn, mask, targets, loss, beta, tau)
+    ref, extra = _opd_reference(ref_model, teacher, ids, attn, mask, targets, loss, beta, tau)
     ref.backward()
     value, n, scores = _opd_chunked(model, teacher, ids, attn, mask, targets, loss, beta, tau, chunk=3)
     value.backward()
@@ -128,16 +164,27 @@ def test_opd_losses_from_hidden_equal_logits_path(loss, beta, tau, tied):
     assert grads[out_rows][V:].abs().max() == 0  # padding rows beyond the vocabulary take no part in the loss
     for g in (grads, ref_grads):  # ... and are compared over the vocabulary only (the reference slices the same way)
         g[out_rows] = g[out_rows][:V]
-    _assert_close(value.item(), ref.item(), grads, ref_grads)
+    kind = "sampled_token" if loss == "sampled_token" else "divergence"
+    bound, lengths = _head_bound(kind, model, ref_model, ids, attn, mask, targets, teacher, beta, tau)
+    _assert_close(value.item(), ref.item(), two_computations(bound, bound + extra), grads, ref_grads, lengths)
     with torch.no_grad():  # the logged teacher log-probability at tau = 1, for either kind of teacher signal
         t_logits = teacher(input_ids=ids, attention_mask=attn).logits[..., :V]
         logged = torch.log_softmax(t_logits.double(), -1).gather(-1, targets[..., None]).squeeze(-1)[mask]
-    assert torch.allclose(scores.target_logprobs().double(), logged, atol=1e-5)
+        # both from fp32 logits (within linear_bound of h·Wᵀ), passed through the log-softmax (gain: the
+        # logit's own error plus the softmax-weighted mean of the row's), one of them then rounded by its fp32
+        # log-softmax; the float64 one is the oracle
+        ht, t_head = select_rows(last_hidden_states(teacher, ids, attn), mask), OutputHead.of(teacher, V)
+        zt, bz = torch.nn.functional.linear(ht.double(), t_head.weight.double()), linear_bound(ht, t_head.weight)
+        gain = bz + (torch.softmax(zt, -1) * bz).sum(-1, keepdim=True)
+        y = targets[mask][:, None]
+        bound = (2 * gain + log_softmax_bound(zt)).gather(-1, y).squeeze(-1)
+    assert ((scores.target_logprobs().double() - logged).abs() <= vs_oracle(bound)).all()
 
 
 def test_bf16_weights_accumulate_in_fp32():
-    """bf16 model: the chunked loss stays close to a float64 evaluation of the same bf16 hidden states and head,
-    and no worse than the logits path (which rounds (tokens x vocabulary) logits to bf16)."""
+    """bf16 model: the chunked loss and gradients are the fp32 evaluation of the chunks' bf16 logits (no sum in
+    bf16), close to a float64 evaluation of the same bf16 hidden states and head, and no worse than the logits
+    path (which rounds (tokens x vocabulary) logits to bf16)."""
     ids, attn, labels, _, _ = _batch(n=6, seed=4)
     model = _model("llama", True, rows=V, hidden=64, dtype=torch.bfloat16)
     hidden = last_hidden_states(model, ids, attn).detach().requires_grad_(True)
@@ -150,12 +197,32 @@ def test_bf16_weights_accumulate_in_fp32():
     w64 = head.weight.detach().double().requires_grad_(True)
     oracle, _ = causal_lm_token_loss_sum(h64 @ w64.T, labels)
     oracle.backward()
-    assert abs(loss.item() - oracle.item()) < 1e-3 * abs(oracle.item())
-    for got, want in ((hidden.grad, h64.grad), (model.lm_head.weight.grad, w64.grad)):
-        assert (got.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+    mask, y = shifted_targets(labels)
+    rows = select_rows(hidden.detach(), mask)
+    with torch.no_grad():  # the bf16 logits the loss formed: the same products of the same chunks of rows
+        zb = torch.cat([head.logits(rows[i:i + 4]) for i in range(0, len(rows), 4)]).double()
+    # the loss is the fp32 evaluation of those logits (a bf16 sum would be off by ~2^-8 of it)
+    at_zb, bound = loss_bound("cross_entropy", zb, targets=y)
+    assert abs(loss.item() - at_zb.item()) <= vs_oracle(bound)
+    # the float64 oracle: the logits' one bf16 rounding (2^-8 of each) on fp32-accumulated products, propagated
+    z64 = rows.double() @ w64.detach().T
+    _, bf16_bound = loss_bound("cross_entropy", z64, U_BF16 * z64.abs() + linear_bound(rows, head.weight), targets=y)
+    assert abs(loss.item() - oracle.item()) <= vs_oracle(bound + bf16_bound)
+    # the gradients: the exact cross-entropy gradient of those logits, cast to bf16 (one rounding of dz), the
+    # products' fp32 accumulation, their outputs rounded to bf16 (once for dh; per chunk and once more for dW)
+    dz, dz_bound = cross_entropy_grad_bound(zb, y)
+    bh, bw, _ = head_grad_bound(rows, head.weight, dz, dz_bound + U_BF16 * dz.abs(), u_out=2 * U_BF16)
+    w = head.weight.detach().double()
+    assert ((hidden.grad[mask].double() - dz @ w).abs() <= bh).all() and (hidden.grad[~mask] == 0).all()
+    assert ((model.lm_head.weight.grad.double() - dz.T @ rows.double()).abs() <= bw).all()
     naive = hidden.detach().requires_grad_(True)
-    naive_loss, _ = causal_lm_token_loss_sum(naive @ head.weight.detach().T, labels)  # bf16 logits
-    assert abs(loss.item() - oracle.item()) <= abs(naive_loss.item() - oracle.item()) + 1e-6 * abs(oracle.item())
+    zn = naive @ head.weight.detach().T  # bf16 logits, (B, T, V)
+    naive_loss, _ = causal_lm_token_loss_sum(zn, labels)
+    # both paths evaluate bf16 logits in fp32: the chunked path is no worse than the logits path up to the
+    # difference of their logits (evaluated exactly) and both fp32 evaluations
+    at_zn, bound_n = loss_bound("cross_entropy", select_rows(zn.detach(), mask).double(), targets=y)
+    slack = abs(at_zb - at_zn).item() + two_computations(bound, bound_n)
+    assert abs(loss.item() - oracle.item()) <= abs(naive_loss.item() - oracle.item()) + slack
 
 
 def test_backward_scales_by_the_exact_upstream_factor_and_runs_once():
@@ -167,7 +234,11 @@ def test_backward_scales_by_the_exact_upstream_factor_and_runs_once():
     (loss * (1 / 3)).backward(retain_graph=True)
     h64, w64 = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
     (torch.nn.functional.cross_entropy(h64 @ w64.T, y, reduction="sum") / 3).backward()
-    assert torch.allclose(h.grad.double(), h64.grad, atol=1e-6) and torch.allclose(w.grad.double(), w64.grad, atol=1e-6)
+    # fp32 logits, the softmax, the products; then two roundings: 1/3 in fp32 and the scaling by it
+    dz, dz_bound = cross_entropy_grad_bound(h64.detach() @ w64.detach().T, y, linear_bound(h, w))
+    bh, bw, _ = head_grad_bound(h, w, dz, dz_bound)
+    for got, want, bound in ((h.grad, h64.grad, bh), (w.grad, w64.grad, bw)):
+        assert ((got.double() - want).abs() <= vs_oracle(bound / 3 + 2 * U32 * want.abs())).all()
     with pytest.raises(RuntimeError, match="one backward pass"):
         loss.backward()
 
@@ -180,8 +251,11 @@ def test_bias_gets_its_gradient():
     chunked_head_loss(h, OutputHead(w, b), cross_entropy_terms(y), chunk_size=2).backward()
     ref = [t.detach().clone().requires_grad_(True) for t in (h, w, b)]
     torch.nn.functional.cross_entropy(torch.nn.functional.linear(*ref), y, reduction="sum").backward()
-    for got, want in zip((h, w, b), ref):
-        assert torch.allclose(got.grad, want.grad, atol=1e-6)
+    # two fp32 evaluations of one gradient (chunked, and autograd's), each within its bound of the exact one
+    z = torch.nn.functional.linear(*(t.detach().double() for t in (h, w, b)))
+    dz, dz_bound = cross_entropy_grad_bound(z, y, linear_bound(h, w, b))
+    for got, want, bound in zip((h, w, b), ref, head_grad_bound(h, w, dz, dz_bound)):
+        assert ((got.grad - want.grad).abs() <= two_computations(bound)).all()
 
 
 def test_last_hidden_states_are_the_decoders_output_and_no_logits_are_formed():
@@ -223,5 +297,15 @@ def test_bf16_teacher_scores_a_fp32_student():
     with torch.no_grad():
         t_logits = teacher(input_ids=ids, attention_mask=attn).logits[..., :V]  # bf16
         ref, _ = token_divergence(student(input_ids=ids, attention_mask=attn).logits[..., :V], t_logits, mask, 0.5)
-    assert abs(value.item() - ref.item()) < 1e-4 * abs(ref.item())
+    # both paths: the same fp32 student rows (within linear_bound of exact logits) and bf16 teacher logits,
+    # the chunked path's from chunks of 4 rows, the logits path's from one product; their difference is
+    # evaluated exactly, then each path's fp32 evaluation is within its bound
+    hs, s_head = select_rows(last_hidden_states(student, ids, attn), mask), OutputHead.of(student, V)
+    zs = torch.nn.functional.linear(hs.double(), s_head.weight.double())
+    ht, y = scores.logits.hidden, targets[mask]
+    with torch.no_grad():
+        zt = torch.cat([scores.logits.head.logits(ht[i:i + 4]) for i in range(0, len(ht), 4)])
+    a, bound_a = loss_bound("divergence", zs, linear_bound(hs, s_head.weight), zt, None, y, 0.5)
+    b, bound_b = loss_bound("divergence", zs, linear_bound(hs, s_head.weight), t_logits[mask], None, y, 0.5)
+    assert abs(value.item() - ref.item()) <= abs(a - b).item() + two_computations(bound_a, bound_b)
     assert scores.logits.hidden.dtype == torch.bfloat16 and torch.isfinite(scores.target_logprobs()).all()

@@ -25,6 +25,7 @@ from ars_opd.training.opd import run_opd
 from ars_opd.training.teachers import EndpointTeacher, LocalTeacher
 from fake_endpoint import FaultyProxy
 from micro import distill_workspace, teacher_rows
+from tolerances import forward_bound, two_computations
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = TeacherServerConfig(max_batch_size=64, max_wait_ms=5.0, threads=1, startup_timeout_s=120.0)
@@ -88,7 +89,13 @@ def test_endpoint_scores_equal_the_local_forward(micro):
         finally:
             remote.close()
     print(f"max |endpoint - local| log p_T: targets {worst['token']:.2e}, top-k {worst['topk']:.2e}")
-    assert worst["token"] <= 1e-4 and worst["topk"] <= 1e-4
+    # two fp32 forwards of the same weights at other batch shapes (the server pads its own batches)
+    with torch.no_grad():
+        top = max(local.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.abs().max().item()
+                  for b in batches)
+    width = max(b["input_ids"].shape[1] for b in batches)
+    tol = two_computations(forward_bound(local.model.config, width, top, len(tokenizer)))
+    assert worst["token"] <= tol and worst["topk"] <= tol
 
 
 def test_faults_on_the_endpoint_leave_the_scores_identical(micro):
@@ -167,6 +174,10 @@ def test_sampled_token_opd_with_endpoint_scoring_matches_the_local_teacher(tmp_p
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(local_steps, endpoint_steps)]
     lp = [abs(a["task/teacher_logprob"] - b["task/teacher_logprob"]) for a, b in zip(local_steps, endpoint_steps)]
     print(f"max per-step |loss diff| {max(diffs):.2e}, |teacher_logprob diff| {max(lp):.2e}")
+    # not a rounding bound of one computation: the runs differ only by the teacher's fp32 scores (within
+    # two fp32 forwards, as above) at step 0, then train on them for 20 steps, so the later steps also carry the
+    # trajectories' drift from those differences; 1e-4 is an allowance for that drift, far below the losses'
+    # own step-to-step changes (checked next)
     assert max(diffs) <= 1e-4 and max(lp) <= 1e-4
     assert len({round(r["loss"], 3) for r in local_steps}) > 5  # the runs really trained (losses moved)
 

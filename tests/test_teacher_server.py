@@ -323,6 +323,7 @@ def test_row_sampler_draws_from_the_tempered_nucleus():
         return q
 
     assert freq[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    # statistical, not rounding: 2,000 draws, binomial standard error at most √(0.25/2000) ≈ 0.011; 4 of them
     assert (freq[1] - nucleus_probs(0.7, 1.0)).abs().max() < 0.045, freq[1]
     want = nucleus_probs(1.3, 0.8)
     assert (want[3:] == 0).all() and (freq[2, 3:] == 0).all()  # outside the nucleus: never drawn

@@ -13,6 +13,9 @@ from torch.distributions import Categorical, kl_divergence
 from ars_opd.lm.divergences import topk_support, topk_terms
 from ars_opd.lm.head import OutputHead, topk_logprobs
 from ars_opd.lm.objectives import TeacherScores, get_objective
+from tolerances import (
+    U32, head_grad_bound, linear_bound, logprob_bound, loss_bound, loss_grad_bound, two_computations, vs_oracle,
+)
 
 
 def _reference(z: torch.Tensor, ids: torch.Tensor, lp: torch.Tensor, beta: float, tau: float) -> torch.Tensor:
@@ -51,8 +54,14 @@ def test_topk_terms_match_float64_autograd_on_the_restricted_support(beta, tau):
     ref = _reference(z, ids, lp, beta, tau)
     ref.sum().backward()
     value, grad = topk_terms(ids, lp, beta, tau)(z.detach().float().clone(), 0, M, True)
-    assert torch.allclose(value.double(), ref.detach(), atol=2e-5)
-    assert torch.allclose(grad.double(), z.grad, atol=2e-5)
+    # per row, against the float64 oracle: the student's logits rounded to fp32 (u·|z|), then the fp32
+    # divergence on the support (the teacher's fp32 log-probs are the inputs of both)
+    zs = z.detach().gather(-1, ids).masked_fill(~torch.isfinite(lp), -float("inf"))
+    _, bound = loss_bound("divergence", zs, U32 * zs.abs(), lp, None, beta=beta, tau=tau, rows=True)
+    assert ((value.double() - ref.detach()).abs() <= vs_oracle(bound)).all()
+    grad_bound = loss_grad_bound("divergence", zs, lp, beta=beta, tau=tau, zs_bound=U32 * zs.abs())
+    grad_bound = torch.zeros(M, V, dtype=torch.float64).scatter_add_(-1, ids, grad_bound)
+    assert ((grad.double() - z.grad).abs() <= vs_oracle(grad_bound)).all()
     outside = torch.ones(M, V, dtype=torch.bool).scatter_(-1, ids, False)
     assert (grad[outside] == 0).all()  # no gradient outside the support
 
@@ -66,8 +75,15 @@ def test_topk_logprobs_and_the_objective_through_the_chunked_head():
     targets = torch.randint(0, V, (M,), generator=g)
     ids, lps, at = topk_logprobs(ht, OutputHead(head_t.weight, head_t.bias), targets, k, chunk_size=3)
     full = torch.log_softmax(head_t(ht).detach(), -1)
-    assert torch.equal(ids, full.topk(k).indices) and torch.allclose(lps, full.topk(k).values)
-    assert torch.allclose(at, full.gather(-1, targets[:, None]).squeeze(-1))
+    # two fp32 evaluations (chunks of 3 rows, and all rows) of log-probabilities of fp32 products
+    zt = torch.nn.functional.linear(ht.double(), head_t.weight.double(), head_t.bias.double())
+    lp_bound = two_computations(logprob_bound(zt, linear_bound(ht, head_t.weight, head_t.bias)))
+    top = torch.log_softmax(zt, -1).topk(k + 1)
+    assert (top.values[:, :-1] - top.values[:, 1:] > 2 * lp_bound.max()).all()  # so no rounding reorders them
+    assert torch.equal(ids, full.topk(k).indices)
+    assert ((lps - full.topk(k).values).abs() <= lp_bound.gather(-1, ids)).all()
+    at_full = full.gather(-1, targets[:, None]).squeeze(-1)
+    assert ((at - at_full).abs() <= lp_bound.gather(-1, targets[:, None]).squeeze(-1)).all()
     support, slp = topk_support(ids, lps, targets, at)
     loss, n = get_objective("topk").loss(hs, OutputHead(head_s.weight, head_s.bias),
                                          TeacherScores(support_ids=support, support_logprobs=slp), targets,
@@ -77,8 +93,20 @@ def test_topk_logprobs_and_the_objective_through_the_chunked_head():
     ref = _reference(torch.nn.functional.linear(hs2, head_s.weight.double(), head_s.bias.double()), support, slp,
                      0.0, 1.0).sum()
     ref.backward()
-    assert n == M and abs(loss.item() - ref.item()) < 1e-5
-    assert torch.allclose(hs.grad.double(), hs2.grad, atol=1e-5)
+    # against the float64 oracle: the student's fp32 logits (linear_bound) on the support, the fp32 divergence
+    zs = torch.nn.functional.linear(hs2.detach(), head_s.weight.double(), head_s.bias.double())
+    z_bound = linear_bound(hs, head_s.weight, head_s.bias)
+    valid = torch.isfinite(slp)
+    on_support = zs.gather(-1, support).masked_fill(~valid, -float("inf"))
+    _, bound = loss_bound("divergence", on_support, z_bound.gather(-1, support), slp, None, beta=0.0)
+    assert n == M and abs(loss.item() - ref.item()) <= vs_oracle(bound)
+    # dz on the support (scattered into the vocabulary, 0 elsewhere) within its bound, then dz·W
+    dz = torch.zeros(M, V, dtype=torch.float64).scatter_add_(-1, support, torch.where(
+        valid, torch.softmax(on_support, -1) - torch.softmax(slp.double(), -1), 0.0))
+    dz_bound = torch.zeros(M, V, dtype=torch.float64).scatter_add_(-1, support, loss_grad_bound(
+        "divergence", on_support, slp, beta=0.0, zs_bound=z_bound.gather(-1, support)))
+    bh, _, _ = head_grad_bound(hs, head_s.weight, dz, dz_bound)
+    assert ((hs.grad.double() - hs2.grad).abs() <= vs_oracle(bh)).all()
 
 
 def _distil_toy(beta: float, seed: int = 0, k: int = 4, V: int = 64, steps: int = 500, lr: float = 0.3,
