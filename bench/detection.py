@@ -222,11 +222,14 @@ def build_jobs(names: list[str], seeds: list[int], workers: int, fault_steps: in
 
 
 def null_rows(rows_dir: Path, workers: int, seeds: list[int]) -> dict[tuple[int, str], list[dict]]:
-    """The kept step logs of the pipeline null, by (seed, stage)."""
+    """The kept step logs of the pipeline null, by (seed, stage); a seed's sft log is required, its opd log is
+    read where that stage ran (a sweep cut short names the seeds each stage covers in its summary)."""
     out = {}
     for seed in seeds:
         for stage in STAGES:
             path = rows_dir / f"k{workers}" / f"seed{seed}_{stage}.jsonl"
+            if stage != "sft" and not path.exists():
+                continue
             out[(seed, stage)] = [json.loads(line) for line in path.read_text().splitlines() if line]
     return out
 
@@ -266,7 +269,8 @@ def null_summary(runs: dict[tuple[int, str], list[dict]], settings: ReportConfig
     alarms = sum(r["false_alarms"] for r in lines)
     judged = sum(r["judged_steps"] for r in lines)
     lo, hi = rate_interval(alarms, judged)
-    by_stage = {s: {"false_alarms": sum(r["false_alarms"] for r in lines if r["null"] == s),
+    by_stage = {s: {"seeds": [r["seed"] for r in lines if r["null"] == s],
+                    "false_alarms": sum(r["false_alarms"] for r in lines if r["null"] == s),
                     "judged_steps": sum(r["judged_steps"] for r in lines if r["null"] == s)} for s in STAGES}
     return lines, {"summary": "false_alarm_rate", "workers": workers, "setting": "pipeline",
                    "design_rate": design_rate, "healthy_runs": len(lines),

@@ -99,7 +99,7 @@ def detection_benchmark(path: Path, workers: int) -> tuple[list[str], dict]:
         return [f"No detection benchmark found ({path}): run `python bench/detection.py > {path}`.", ""], {}
     rows = read_jsonl(path)
     null = [r for r in rows if "null" in r and r["workers"] == workers]
-    faults = [r for r in rows if "case" in r and r.get("workers") == workers]
+    faults = [r for r in rows if r.get("case") not in (None, "healthy") and r.get("workers") == workers]
     measured = sorted({r["workers"] for r in rows if "null" in r})
     if not null:
         return [f"`bench/detection.py` measured no healthy runs at K = {workers} workers (it did at K = "
@@ -110,12 +110,16 @@ def detection_benchmark(path: Path, workers: int) -> tuple[list[str], dict]:
     rate = 1000 * false_alarms / judged if judged else float("nan")
     lo, hi = rate_interval(false_alarms, judged)
     seeds = sorted({r["seed"] for r in null})
-    stages = sorted({r["null"] for r in null})
-    lines = [f"Measured by `bench/detection.py` at this run's K = {workers} workers, on {len(seeds)} held-out seeds of "
-             f"the default pipeline's own {' and '.join(stages)} stages (nothing injected; seeds "
-             f"{seeds[0]}–{seeds[-1]}, never used to calibrate): **{false_alarms} false alarms in {judged} judged "
-             f"healthy steps = {rate:.2f} per 1,000 steps** (exact 95% interval {lo:.2f}–{hi:.2f}), against a target "
-             "of at most 1 per 1,000.", ""]
+    per_stage = {}
+    for r in null:
+        per_stage.setdefault(r["null"], []).append(r)
+    covered = "; ".join(f"{stage} on {len(rs)} seeds ({sum(r['judged_steps'] for r in rs)} judged steps, "
+                        f"{sum(r['false_alarms'] for r in rs)} alarms)" for stage, rs in sorted(per_stage.items(),
+                                                                                       key=lambda kv: kv[0] != "sft"))
+    lines = [f"Measured by `bench/detection.py` at this run's K = {workers} workers on the default pipeline's own "
+             f"stages, nothing injected, held-out seeds {seeds[0]}–{seeds[-1]} never used to calibrate ({covered}): "
+             f"**{false_alarms} false alarms in {judged} judged healthy steps = {rate:.2f} per 1,000 steps** (exact 95% "
+             f"interval {lo:.2f}–{hi:.2f}), against a target of at most 1 per 1,000.", ""]
     attributable = workers > 2
     if faults:
         head = "detected, right rank" if attributable else "detected (rank not attributable)"
