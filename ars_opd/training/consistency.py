@@ -36,6 +36,7 @@ anything but DDP), and per-parameter-group statistics.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -54,6 +55,7 @@ class ConsistencyHook:
     _sq: dict[int, torch.Tensor] = field(default_factory=dict)
     _dot: dict[int, torch.Tensor] = field(default_factory=dict)
     _keep: dict[int, torch.Tensor] = field(default_factory=dict)
+    _host: list[float] = field(default_factory=list)  # seconds per piece of statistic work (list.append is atomic)
     _gram_step: bool = False
 
     def attach(self, ddp_model: torch.nn.Module) -> None:
@@ -65,12 +67,18 @@ class ConsistencyHook:
         self._sq.clear()
         self._dot.clear()
         self._keep.clear()
+        self._host.clear()
         self._gram_step = self.world_size > 2 and self.gram_every > 0 and step % self.gram_every == 0
 
     @property
     def tracks_dot(self) -> bool:
         """⟨g_k, ḡ⟩ needs a copy of the local gradient; only K > 2 needs it (K = 2 derives it exactly)."""
         return self.world_size > 2
+
+    def host_seconds(self) -> float:
+        """Host time this step spent on the hook's own statistics (norms, clones, cross terms), not on the
+        all-reduce that DDP does anyway; on an accelerator it is launch time unless the caller synchronises."""
+        return sum(self._host)
 
     def local_stats(self, device: torch.device) -> torch.Tensor:
         """[‖g_k‖², ⟨g_k, ḡ⟩ or NaN] of this worker's step, fp64 on ``device`` (summed in bucket order)."""
@@ -102,6 +110,7 @@ class ConsistencyHook:
 
 def _hook(state, bucket):  # (ConsistencyHook, dist.GradBucket) -> Future[Tensor]; DDP checks real
     # annotation objects, which ``from __future__ import annotations`` would turn into strings
+    t0 = time.perf_counter()
     buffer = bucket.buffer()
     index = bucket.index()
     # fp32 accumulation (fp64 is ~15x slower on CPU); the cross term is a difference of squared norms, so
@@ -112,6 +121,7 @@ def _hook(state, bucket):  # (ConsistencyHook, dist.GradBucket) -> Future[Tensor
         local = buffer.detach().float().clone()  # the all-reduce below works in place on ``buffer``
         if state._gram_step:
             state._keep[index] = local
+    state._host.append(time.perf_counter() - t0)
     # exactly DDP's default all-reduce: divide by the world size, then sum
     buffer.div_(state.world_size)
     fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
@@ -119,8 +129,10 @@ def _hook(state, bucket):  # (ConsistencyHook, dist.GradBucket) -> Future[Tensor
         return fut.then(lambda f: f.value()[0])
 
     def after(f: torch.futures.Future) -> torch.Tensor:
+        t1 = time.perf_counter()
         reduced = f.value()[0]
         state._dot[index] = (local * reduced.float()).sum()
+        state._host.append(time.perf_counter() - t1)
         return reduced
 
     return fut.then(after)

@@ -102,6 +102,9 @@ class StepResult:
     noise_scale: tuple[float, float] = (float("nan"), float("nan"))  # (|G|², tr Σ) estimates of the step
     drift: list[int] | None = None  # ranks whose replica differs (None: not checked this step)
     budget: dict = field(default_factory=dict)  # this step's flops, tokens_trained/processed/generated
+    # host seconds of each part of the monitor this step (hook, stats, metrics, noise_scale; drift and
+    # drift_gather on a check step): what bench/consistency_overhead.py breaks the overhead into; not logged
+    monitor_s: dict[str, float] = field(default_factory=dict)
 
 
 def wrap_ddp(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig) -> DDP:
@@ -191,12 +194,24 @@ def optimizer_step(model: torch.nn.Module, opt, sched, cfg: TrainLoopConfig, los
     return norm, clip_coef, clipped, skipped
 
 
-def check_drift(model: torch.nn.Module, opt, ctx: WorkerContext) -> list[int]:
-    """All ranks call: all-gather every rank's fingerprint; the ranks that differ from the majority."""
+def check_drift(model: torch.nn.Module, opt, ctx: WorkerContext, seconds: dict | None = None) -> list[int]:
+    """All ranks call: all-gather every rank's fingerprint; the ranks that differ from the majority.
+
+    ``seconds`` (optional) gets the time of this rank's fingerprint (``drift``) and of the all-gather and
+    comparison (``drift_gather``), apart: the gather also waits for the slowest rank, a wait that the step's
+    next collective would otherwise take.
+    """
+    t0 = time.perf_counter()
     local = fingerprint(model, opt).to(ctx.device)
+    if seconds is not None and local.is_cuda:
+        torch.cuda.synchronize(local.device)  # the fingerprint's time, not its launch (.cpu() waits below anyway)
+    t1 = time.perf_counter()
     parts = [torch.empty_like(local) for _ in range(ctx.world_size)]
     dist.all_gather(parts, local)
-    return mismatched_ranks(torch.stack(parts).cpu())
+    found = mismatched_ranks(torch.stack(parts).cpu())
+    if seconds is not None:
+        seconds.update(drift=t1 - t0, drift_gather=time.perf_counter() - t1)
+    return found
 
 
 def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContext, cfg: TrainLoopConfig,
@@ -205,14 +220,17 @@ def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContex
     model = ddp_model.module
     if fault is not None:
         fault.perturb(model, state.step)
-    drift = check_drift(model, opt, ctx) if drift_every and state.step % drift_every == 0 else None
+    monitor_s = {}
+    drift = check_drift(model, opt, ctx, monitor_s) if drift_every and state.step % drift_every == 0 else None
     micro = task.micro_batches(state.step, model)
     if monitor is not None:
         monitor.begin_step(state.step)
     acc = accumulate_gradients(ddp_model, task, micro, ctx, cfg, fault, state.step)
     global_tokens = acc.global_tokens
     names = task.metric_names()
+    t0 = time.perf_counter()
     stats = monitor.local_stats(ctx.device) if monitor is not None else torch.full((2,), float("nan"))
+    stats_s = time.perf_counter() - t0
     processed = sum(b.n_real_tokens for b in micro)
     vec = torch.cat([torch.tensor([acc.local_sum, float(acc.local_tokens)], dtype=torch.float64, device=ctx.device),
                      stats.to(device=ctx.device, dtype=torch.float64),
@@ -221,7 +239,9 @@ def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContex
                      torch.tensor([x for n in names for x in acc.metrics.get(n, (0.0, 0.0))],
                                   dtype=torch.float64, device=ctx.device)])
     gathered = gather_floats(vec, ctx.device)  # (K, 7 + 2M): the one per-step gather
+    t0 = time.perf_counter()
     gram = monitor.gram() if monitor is not None else None
+    stats_s += time.perf_counter() - t0
     loss = gathered[:, 0].sum().item() / global_tokens
     norm, coef, clipped, skipped = optimizer_step(model, opt, sched, cfg, loss, state)
     worker_tokens = [int(t) for t in gathered[:, 1].tolist()]
@@ -235,12 +255,16 @@ def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContex
     consistency, noise = {}, (float("nan"), float("nan"))
     if monitor is not None:
         # ‖ḡ‖ is the pre-clip norm of the reduced gradient (identical on every worker)
+        t0 = time.perf_counter()
         consistency = consistency_metrics(worker_loss, gathered[:, 2].tolist(), gathered[:, 3].tolist(),
                                           norm * norm, gram)
+        t1 = time.perf_counter()
         noise = noise_scale_terms(gathered[:, 2].tolist(), worker_tokens, norm * norm)
+        monitor_s.update(hook=monitor.host_seconds(), stats=stats_s, metrics=t1 - t0,
+                         noise_scale=time.perf_counter() - t1)
     state.tokens_seen += global_tokens
     return StepResult(loss, global_tokens, norm, coef, clipped, skipped, worker_loss, worker_tokens, metrics,
-                      consistency, noise, drift, budget)
+                      consistency, noise, drift, budget, monitor_s)
 
 
 class StepLogger:
