@@ -31,7 +31,7 @@ def _workspace(root: Path, extra_sft: dict | None = None) -> Path:
     cwd = os.getcwd()
     os.chdir(root)
     try:
-        p = load_params("params.yaml")
+        p = load_params("params.yaml", sections=("paths", "models", "synthetic"))  # the sft section may be bad on purpose
         if not Path(p.paths.models_dir).exists():
             prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
                            progress=False)
