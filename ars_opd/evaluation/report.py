@@ -169,7 +169,7 @@ def _alarm_lines(alarms: list[Alarm]) -> list[str]:
 def stage_section(stage: str, df: pd.DataFrame, cfg: ReportConfig) -> tuple[list[str], dict, list[Alarm]]:
     """One training stage's part of the report, its flat metrics and its alarms."""
     rows = df.to_dict("records")
-    workers = len(rows[0]["worker_loss"]) if rows and "worker_loss" in df else 1
+    workers = run_workers({stage: df})
     scenario = df["scenario"].iloc[0] if "scenario" in df else "n/a"
     flat: dict = {}
     md = [f"### {stage}: {len(df)} steps, {workers} workers, scenario {scenario}", "",
