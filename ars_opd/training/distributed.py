@@ -2,7 +2,10 @@
 
 ``launch(fn, job, workers)`` runs ``fn(job)`` on ``workers`` processes through torch's elastic launch API
 (the engine behind ``torchrun``), on this machine, with a c10d rendezvous on 127.0.0.1 and a free port,
-and returns rank 0's result. So ``dvc repro`` needs no extra launcher. When the current process already
+and returns rank 0's result. So ``dvc repro`` needs no extra launcher. One worker (``workers == 1``) runs
+``fn(job)`` in this process instead, in a world of one on a private in-memory store (``init_worker``): the
+same code on the same data, so the same result bit for bit (tested), without a spawned interpreter's
+start-up (re-importing torch and transformers) or a second resident process. When the current process already
 is a worker of an outside launcher (``torchrun``/``accelerate launch`` set ``WORLD_SIZE``, e.g. for
 multi-node runs), ``fn`` runs here directly and the launcher's world is used.
 
@@ -15,7 +18,7 @@ outside launcher: so a stage reports a worker's ``ConfigError`` or ``EndpointErr
 (``stages.run_stage``), and elastic's own log of that failure, a second traceback, is left out. An
 exception that does not pickle, or a worker killed by a signal, fails as a ``WorkerFailedError``.
 
-What this module leaves out: FSDP and model parallelism (DDP only), fault-tolerant restarts
+What this module leaves out: model parallelism, fault-tolerant restarts
 (``max_restarts=0``: a failed worker fails the stage, which then resumes from its checkpoint).
 """
 
@@ -121,10 +124,16 @@ class _QuietWhenReraised(logging.Filter):
         return True
 
 
-def launch(fn: Callable[[Any], Any], job: Any, workers: int, threads_per_worker: int = 1) -> Any:
-    """Run ``fn(job)`` on ``workers`` local processes (or here, under an outside launcher); rank 0's result."""
+def launch(fn: Callable[[Any], Any], job: Any, workers: int, threads_per_worker: int = 1,
+           in_process: bool = True) -> Any:
+    """Run ``fn(job)`` on ``workers`` local processes (or here, under an outside launcher); rank 0's result.
+
+    ``in_process``: one worker runs here (``False`` spawns it like any other count, as before).
+    """
     if launched_externally():
         return fn(job)
+    if workers == 1 and in_process:
+        return _run_here(fn, job, threads_per_worker)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -154,6 +163,29 @@ def launch(fn: Callable[[Any], Any], job: Any, workers: int, threads_per_worker:
             for log in logs:
                 log.removeFilter(quiet)
     return results[0]
+
+
+def _run_here(fn: Callable[[Any], Any], job: Any, threads: int) -> Any:
+    """``fn(job)`` as the only worker, in this process: this process's thread count and RNG states are
+    restored afterwards (the worker sets both as a spawned one would), so a caller sees no side effect."""
+    import random
+
+    saved = (torch.get_num_threads(), torch.get_rng_state(), random.getstate(),
+             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    if dist.is_initialized():
+        raise RuntimeError("a training stage started in-process while this process already belongs to a "
+                           "process group; launch it from a process outside any group")
+    # a spawned worker starts with OMP_NUM_THREADS threads (``launch`` sets it to ``threads`` unless set);
+    # ``init_worker`` sets ``threads`` when it is > 0, and for 0 the same default applies here
+    torch.set_num_threads(max(1, threads) if threads > 0 else int(os.environ.get("OMP_NUM_THREADS") or 1))
+    try:
+        return fn(job)
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.set_rng_state(saved[1])
+        random.setstate(saved[2])
+        if saved[3] is not None:
+            torch.cuda.set_rng_state_all(saved[3])
 
 
 def init_worker(device: str = "auto", backend: str = "auto", threads: int = 1,
