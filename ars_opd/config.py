@@ -292,6 +292,36 @@ class TeacherTrainingConfig(OptimConfig):
 BUILTIN = "builtin"
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """A parameter-efficient adapter on the student (peft), trained instead of the full weights."""
+
+    kind: Literal["lora"] | None = None
+    """null: full fine-tuning; lora: train a LoRA adapter (peft) on the frozen student."""
+    r: int = 16
+    """LoRA rank."""
+    alpha: float = 32.0
+    """LoRA scale numerator: the update is (alpha / r)·B·A."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (0: none; the trained model is then deterministic given the data)."""
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    """Linear layers to adapt, by name or dotted-name suffix (peft's rule); each must match a module."""
+
+    def __post_init__(self):
+        _require(self.r >= 1, "r", f"must be >= 1, got {self.r}")
+        _require(self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
+        _require(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(len(self.target_modules) > 0 and all(t.strip() for t in self.target_modules), "target_modules",
+                 "must name at least one module")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind is not None
+
+
 @dataclass(frozen=True)
 class ModelsConfig:
     """Teacher and student: the built-in tiny models, or pretrained ones (hub id or local directory)."""
@@ -314,6 +344,9 @@ class ModelsConfig:
     """Built-in student shape (smaller than the teacher)."""
     teacher_training: TeacherTrainingConfig = field(default_factory=TeacherTrainingConfig)
     """Training of the built-in teacher."""
+    student_adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    """What the training stages train: the whole student (kind: null) or an adapter on it; the teacher is never
+    adapted. Read by sft, opd and sft_continued only (the models stage ignores it)."""
 
     def __post_init__(self):
         for role in ("teacher", "student"):

@@ -7,7 +7,7 @@ from stages import run_stage
 
 def main() -> None:
     p = load_params(sections=("paths", "models", "ddp", "opd"))
-    summary = run_opd(p.opd, p.ddp, p.paths, p.models.trust_remote_code)
+    summary = run_opd(p.opd, p.ddp, p.paths, p.models.trust_remote_code, adapter=p.models.student_adapter)
     print(f"opd: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
 
 

@@ -6,8 +6,8 @@ from stages import run_stage
 
 
 def main() -> None:
-    p = load_params(sections=("paths", "ddp", "sft"))
-    summary = run_sft(p.sft, p.ddp, p.paths)
+    p = load_params(sections=("paths", "models", "ddp", "sft"))
+    summary = run_sft(p.sft, p.ddp, p.paths, adapter=p.models.student_adapter)
     print(f"sft: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
 
 

@@ -7,8 +7,8 @@ from stages import run_stage
 
 
 def main() -> None:
-    p = load_params(sections=("paths", "ddp", "sft", "opd"))
-    summary = run_sft_continued(p.sft, p.opd, p.ddp, p.paths)
+    p = load_params(sections=("paths", "models", "ddp", "sft", "opd"))
+    summary = run_sft_continued(p.sft, p.opd, p.ddp, p.paths, adapter=p.models.student_adapter)
     print(f"sft_continued: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
 
 

@@ -9,7 +9,12 @@ teacher, an SFT step does neither. Every micro-batch carries its FLOPs estimate 
   prefill and every generated token; the KV cache makes each new token one token's forward).
 
 P is the number of parameters used in matrix products per token (``matmul_parameters``: every parameter,
-less an untied input embedding, which is a lookup). Attention's own O(T²) term is left out: at the short
+less an untied input embedding, which is a lookup). A student trained through a LoRA adapter
+(``ars_opd.models.adapters``) counts P = P_base + P_adapter, so training costs 6·(P_base + P_adapter) per
+token: the forward and backward through the frozen base as if it were trained, plus the adapter's own
+(r·(d_in + d_out) per adapted layer). The frozen base needs no weight gradients, so the true cost is nearer
+4·P_base + 6·P_adapter; the 6·P form keeps full and adapter runs on one axis, an overestimate of at most
+a third for the adapter runs. Attention's own O(T²) term is left out: at the short
 sequences of the pipeline it is a few percent; the estimate is for comparing methods, not for MFU.
 
 ``budget.json`` in a model directory (and in each learning-curve snapshot) holds the cumulative budget
@@ -50,6 +55,11 @@ def read_budget(model_dir: str | Path) -> dict:
     return {k: data.get(k, 0) for k in FIELDS}
 
 
-def write_budget(model_dir: str | Path, budget: dict) -> None:
+def write_budget(model_dir: str | Path, budget: dict, trainable_parameters: int | None = None) -> None:
+    """``budget.json``: the cumulative budget, and the trainable parameter count of the run that wrote it (all
+    of them in full fine-tuning, the adapter's with LoRA)."""
     Path(model_dir).mkdir(parents=True, exist_ok=True)
-    (Path(model_dir) / BUDGET_FILE).write_text(json.dumps({k: budget[k] for k in FIELDS}, sort_keys=True) + "\n")
+    data = {k: budget[k] for k in FIELDS}
+    if trainable_parameters is not None:
+        data["trainable_parameters"] = trainable_parameters
+    (Path(model_dir) / BUDGET_FILE).write_text(json.dumps(data, sort_keys=True) + "\n")

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ars_opd.config import DDPConfig, TrainLoopConfig
+from ars_opd.models.adapters import save_trained
 from ars_opd.training.budget import FIELDS, write_budget
 from ars_opd.training.checkpoint import TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
 from ars_opd.training.consistency import ConsistencyHook, consistency_metrics, noise_scale_terms
@@ -368,7 +369,7 @@ def save_snapshot(snapshot_dir: Path, model: torch.nn.Module, step: int, totals:
     final = snapshot_dir / f"step_{step:07d}"
     tmp = snapshot_dir / f".step_{step:07d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    save_trained(model, tmp)  # a plain (merged) model, adapter or not: evaluation reads it as one
     write_budget(tmp, totals)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

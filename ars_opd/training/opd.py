@@ -36,32 +36,32 @@ import dataclasses
 import os
 import random
 import time
-from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from ars_opd.artifacts import file_sha256, read_jsonl
-from ars_opd.config import DDPConfig, OPDConfig, PathsConfig
+from ars_opd.config import AdapterConfig, DDPConfig, OPDConfig, PathsConfig
 from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.lm.generation import generate_token_ids
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.objectives import check_config, get_objective
 from ars_opd.lm.precision import frozen_model_dtype
-from ars_opd.models.pinning import load_model, load_model_dir, load_tokenizer, model_path, read_manifest, sha256_of_files
+from ars_opd.models.adapters import check_adapter
+from ars_opd.models.pinning import load_model, load_tokenizer, model_path, read_manifest
 from ars_opd.models.tokenizer import check_shared_tokenizer
 from ars_opd.teacher.client import ClientSettings, EndpointError, make_client, preflight
 from ars_opd.teacher.generate import LOCAL_MODEL_NAME, local_teacher_server
 from ars_opd.teacher.score_client import check_tokenizer
 from ars_opd.seeding import derive_seed
-from ars_opd.training.budget import matmul_parameters, read_budget
+from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.faults import Fault
 from ars_opd.training.geometry import BatchGeometry, step_indices
 from ars_opd.training.loop import MicroBatch
 from ars_opd.training.optim import autocast_context
 from ars_opd.training.teachers import EndpointTeacher, LocalTeacher
-from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker
+from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
 
 __all__ = ["EndpointTeacher", "LocalTeacher", "OPDTask", "run_opd", "uses_student_rollouts"]
 ENDPOINT_SECTION = "opd.teacher_endpoint"
@@ -209,8 +209,8 @@ def _teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[LocalTea
 def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     ctx, tokenizer = setup.ctx, setup.tokenizer
     vocab = len(tokenizer)
-    student_dir = Path(job.paths.distill_init)
-    model = load_model_dir(student_dir, ctx.device, stage="sft")
+    student = starting_student(job, ctx.device)
+    model = student.model
     rows_out = model.get_output_embeddings().weight.shape[0]
     if rows_out < vocab:
         raise ValueError(f"the student has {rows_out} output rows but the tokenizer {vocab} ids")
@@ -223,11 +223,12 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     task = OPDTask(prompts, completions, teacher, tokenizer, job.cfg, setup.geometry, setup.sampler_seed,
                    setup.stage_seed, ctx.rank, ctx.device, setup.fault, tasks, matmul_parameters(model),
                    teacher_params)
-    fingerprint = {"init": sha256_of_files(student_dir),
+    fingerprint = {"init": student.init,
                    "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
                    "rows": len(rows), "data": file_sha256(train_path)}
-    return PreparedRun(model, task, fingerprint, counts, manifest={"vocab": vocab, **teacher_manifest},
-                       on_step=lambda s: {"gkd_source": task.source(s)}, budget_start=read_budget(student_dir))
+    return PreparedRun(model, task, fingerprint, counts,
+                       manifest={"vocab": vocab, "adapter_start": student.adapter, **teacher_manifest},
+                       on_step=lambda s: {"gkd_source": task.source(s)}, budget_start=student.budget)
 
 
 def opd_worker(job: TrainingJob) -> dict:
@@ -266,7 +267,7 @@ def check_scoring_endpoint(url: str, model: str, cfg: OPDConfig, paths: PathsCon
 
 
 def run_opd(cfg: OPDConfig, ddp: DDPConfig, paths: PathsConfig, trust_remote_code: bool = False,
-            progress: bool = True) -> dict:
+            progress: bool = True, adapter: AdapterConfig = AdapterConfig()) -> dict:
     """The opd stage: start the workers, distil, write outputs. Returns rank 0's summary.
 
     With ``opd.teacher: endpoint`` the endpoint is checked (reachable, serving the model, same tokenizer)
@@ -276,7 +277,8 @@ def run_opd(cfg: OPDConfig, ddp: DDPConfig, paths: PathsConfig, trust_remote_cod
     # before any worker starts: a loss the rollouts cannot serve is a config error (load_params runs this
     # too; here for configs built in code)
     check_config(cfg)
-    job = TrainingJob("opd", cfg, ddp, paths, trust_remote_code, progress)
+    check_adapter(adapter, paths.models_dir, trust_remote_code)
+    job = TrainingJob("opd", cfg, ddp, paths, trust_remote_code, progress, adapter=adapter)
     if cfg.teacher == "local":
         return launch_stage(opd_worker, job)
     with scoring_endpoint(cfg, paths) as (url, model):

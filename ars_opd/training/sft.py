@@ -17,24 +17,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from ars_opd.artifacts import file_sha256, read_jsonl
-from ars_opd.config import DDPConfig, OPDConfig, PathsConfig, SFTConfig, TrainLoopConfig
+from ars_opd.config import AdapterConfig, DDPConfig, OPDConfig, PathsConfig, SFTConfig, TrainLoopConfig
 from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.lm.attention import packed_attention_implementation, packed_model_inputs, use_packed_attention
 from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels
 from ars_opd.lm.head import OutputHead, last_hidden_states
 from ars_opd.lm.losses import causal_lm_loss_from_hidden
-from ars_opd.models.pinning import load_model, load_model_dir, read_manifest, sha256_of_files
-from ars_opd.training.budget import matmul_parameters, read_budget
+from ars_opd.models.adapters import check_adapter
+from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.distributed import resolve_device
 from ars_opd.training.geometry import BatchGeometry, step_indices
 from ars_opd.training.faults import Fault
 from ars_opd.training.loop import MicroBatch
-from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker
+from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
 
 
 @dataclass
@@ -127,14 +126,9 @@ def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     data = encode_sft_rows(setup.tokenizer, rows, job.cfg)
     if not data.prompts:
         raise ValueError(f"no SFT rows left after the budgets: {data.counts}")
-    if job.stage == "sft":
-        model = load_model(job.paths.models_dir, "student").to(setup.ctx.device)
-        init = read_manifest(job.paths.models_dir)["student"]["revision"]
-        start = {}
-    else:
-        model = load_model_dir(job.paths.distill_init, setup.ctx.device, stage="sft")
-        init, start = sha256_of_files(Path(job.paths.distill_init)), read_budget(job.paths.distill_init)
-    manifest = {}
+    student = starting_student(job, setup.ctx.device)
+    model, init, start = student.model, student.init, student.budget
+    manifest = {"adapter_start": student.adapter}
     if job.cfg.packing:
         manifest["packed_attention"] = use_packed_attention(model, job.cfg.packed_attention)
     task = SFTTask(data, job.cfg, setup.geometry, setup.sampler_seed, setup.ctx.rank, setup.ctx.device,
@@ -147,11 +141,13 @@ def sft_worker(job: TrainingJob) -> dict:
     return run_worker(job, prepare_sft)
 
 
-def run_sft(cfg: SFTConfig, ddp: DDPConfig, paths: PathsConfig, progress: bool = True) -> dict:
+def run_sft(cfg: SFTConfig, ddp: DDPConfig, paths: PathsConfig, progress: bool = True,
+            adapter: AdapterConfig = AdapterConfig()) -> dict:
     """The sft stage: start the workers, train, write outputs. Returns rank 0's summary."""
     if cfg.packing:  # before any worker starts: a packed attention this machine cannot train with is a config error
         packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
-    return launch_stage(sft_worker, TrainingJob("sft", cfg, ddp, paths, progress=progress))
+    check_adapter(adapter, paths.models_dir)
+    return launch_stage(sft_worker, TrainingJob("sft", cfg, ddp, paths, progress=progress, adapter=adapter))
 
 
 def continued_sft_config(sft: SFTConfig, opd: OPDConfig) -> SFTConfig:
@@ -163,9 +159,11 @@ def continued_sft_config(sft: SFTConfig, opd: OPDConfig) -> SFTConfig:
 
 
 def run_sft_continued(sft: SFTConfig, opd: OPDConfig, ddp: DDPConfig, paths: PathsConfig,
-                      progress: bool = True) -> dict:
+                      progress: bool = True, adapter: AdapterConfig = AdapterConfig()) -> dict:
     """The sft_continued stage: OPD's control arm, more SFT from the same start, with OPD's loop."""
     cfg = continued_sft_config(sft, opd)
     if cfg.packing:
         packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
-    return launch_stage(sft_worker, TrainingJob("sft_continued", cfg, ddp, paths, progress=progress))
+    check_adapter(adapter, paths.models_dir)
+    return launch_stage(sft_worker, TrainingJob("sft_continued", cfg, ddp, paths, progress=progress,
+                                                adapter=adapter))

@@ -20,14 +20,15 @@ from typing import Any, Callable
 import torch
 
 from ars_opd.artifacts import provenance, write_json
-from ars_opd.config import DDPConfig, PathsConfig, TrainLoopConfig, to_dict
-from ars_opd.models.pinning import load_tokenizer
+from ars_opd.config import AdapterConfig, DDPConfig, PathsConfig, TrainLoopConfig, to_dict
+from ars_opd.models.adapters import adapter_of, attach, is_adapted, resume, save_trained, trainable_parameters
+from ars_opd.models.pinning import load_model, load_model_dir, load_tokenizer, read_manifest, sha256_of_files
 from ars_opd.seeding import derive_seed, scenario_seeds, set_seeds
 from ars_opd.training.checkpoint import config_fingerprint
 from ars_opd.training.distributed import WorkerContext, init_worker, launch, shutdown_worker
 from ars_opd.training.faults import Fault
 from ars_opd.training.geometry import BatchGeometry
-from ars_opd.training.budget import SNAPSHOTS, write_budget
+from ars_opd.training.budget import SNAPSHOTS, read_budget, write_budget
 from ars_opd.training.loop import TrainingTask, fit, snapshot_dir
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class TrainingJob:
     runtime: dict = field(default_factory=dict)
     """Run-time settings that do not change the result (e.g. a scoring endpoint's resolved URL): kept out of
     the checkpoint fingerprint, so a rerun with another port still resumes."""
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    """``models.student_adapter``: train the whole student (kind null) or a LoRA adapter on it."""
 
 
 @dataclass
@@ -70,6 +73,40 @@ class PreparedRun:
     budget_start: dict = field(default_factory=dict)  # the starting model's budget (ars_opd.training.budget)
 
 
+@dataclass
+class StartingStudent:
+    model: torch.nn.Module  # on the device; adapted if the job trains an adapter
+    init: str  # what it starts from: the base student's revision, or the sha256 of the starting directory
+    budget: dict  # the budget already spent on it (ars_opd.training.budget)
+    adapter: str  # "none", "fresh" or "continued" (from the starting directory's adapter)
+
+
+def starting_student(job: TrainingJob, device: torch.device) -> StartingStudent:
+    """The student a training stage starts from. ``sft`` starts from the models stage's base student; the
+    stages after it (opd, sft_continued) from ``paths.distill_init``, the SFT stage's output. With an adapter:
+    a fresh one on the base student (sft), the published one continued on that same base student (when
+    ``distill_init`` holds one), or a fresh one on the fully fine-tuned SFT student (when it holds none)."""
+    base_revision = read_manifest(job.paths.models_dir)["student"]["revision"]
+    if job.stage == "sft":
+        model = load_model(job.paths.models_dir, "student", trust_remote_code=job.trust_remote_code)
+        init, budget = base_revision, {}
+        published = None
+    else:
+        start = Path(job.paths.distill_init)
+        model = load_model_dir(start, "cpu", stage="sft")
+        init, budget = sha256_of_files(start), read_budget(start)
+        published = adapter_of(start)
+    how = "none"
+    if job.adapter.enabled and published is not None:
+        model = resume(load_model(job.paths.models_dir, "student", trust_remote_code=job.trust_remote_code),
+                       published, base_revision)
+        how = "continued"
+    elif job.adapter.enabled:
+        model = attach(model, job.adapter)
+        how = "fresh"
+    return StartingStudent(model.to(device), init, budget, how)
+
+
 def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], PreparedRun]) -> dict:
     ctx = init_worker(job.ddp.device, job.ddp.backend, job.ddp.threads_per_worker, job.ddp.timeout_s)
     try:
@@ -82,14 +119,17 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         run = prepare(job, WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault))
         run.model.train()
         out = job.paths.training(job.stage)
-        fingerprint = config_fingerprint({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp), **run.fingerprint})
+        fingerprint = config_fingerprint({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp),
+                                          **({"adapter": to_dict(job.adapter)} if job.adapter.enabled else {}),
+                                          **run.fingerprint})
         state, log, totals = fit(ctx, run.model, run.task, job.cfg, job.ddp, fingerprint, Path(out.checkpoints),
                                  Path(out.steps), Path(out.live), job.progress, on_step=run.on_step, fault=fault,
                                  budget_start=run.budget_start)
         if ctx.is_main:
-            run.model.save_pretrained(Path(out.model), safe_serialization=True)
+            shutil.rmtree(Path(out.model) / "adapter", ignore_errors=True)  # a previous run's adapter
+            save_trained(run.model, Path(out.model), read_manifest(job.paths.models_dir)["student"]["revision"])
             tokenizer.save_pretrained(Path(out.model))
-            write_budget(out.model, totals)
+            write_budget(out.model, totals, trainable_parameters(run.model))
             snapshots = snapshot_dir(Path(out.checkpoints), fingerprint)
             kept = Path(out.model) / SNAPSHOTS
             shutil.rmtree(kept, ignore_errors=True)  # a previous run's snapshots (outside dvc) are not this run's
@@ -97,7 +137,10 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
                 shutil.copytree(snapshots, kept)
             write_json(out.manifest, {
                 "data": run.data_counts, "workers": ctx.world_size, "geometry": dataclasses.asdict(geometry),
-                "resumed_from": state.resumed_from, "steps": state.step, "inputs": run.fingerprint, **run.manifest,
+                "resumed_from": state.resumed_from, "steps": state.step, "inputs": run.fingerprint,
+                "trainable_parameters": trainable_parameters(run.model),
+                "parameters": sum(p.numel() for p in {id(p): p for p in run.model.parameters()}.values()),
+                "adapter": to_dict(job.adapter) if is_adapted(run.model) else None, **run.manifest,
                 **provenance({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp)}),
             })
         return {"steps": state.step, "data": run.data_counts, "resumed_from": state.resumed_from,

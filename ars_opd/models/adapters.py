@@ -1,0 +1,150 @@
+"""LoRA adapters on the student (peft): attach, continue, publish as an adapter and a merged plain model.
+
+With ``models.student_adapter.kind: lora`` a training stage trains only a LoRA adapter on the frozen
+student: ``attach`` wraps the model with peft's ``get_peft_model`` (the base weights get
+``requires_grad=False``, so the optimizer, DDP's all-reduce and the consistency statistics see the adapter
+tensors only), and ``resume`` continues an adapter a previous stage published (OPD and the continued-SFT
+control continue the SFT stage's adapter, on the same base student).
+
+``save_trained`` publishes a stage's model directory: the merged model (W + (alpha/r)·B·A for every adapted
+layer) as a plain HF directory at the top, so evaluation and the bundled server read a plain model, and the
+adapter itself in ``adapter/`` (peft's format, with the base it was trained on in ``base.json``). The merge
+is computed into a new state dict one layer at a time; the training model is never merged in place (an
+unmerge would not restore its fp32 weights exactly).
+
+``check_adapter`` runs before any worker starts: every ``target_modules`` entry must match a linear layer
+of the student (peft's rule: the module's name, or its dotted-name suffix), and peft must be able to wrap
+the student (a ``trust_remote_code`` model may have layers it cannot), both checked on a weightless
+(meta-device) copy built from the student's config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ars_opd.config import AdapterConfig, ConfigError
+
+ADAPTER_DIR = "adapter"  # the adapter, in a published model directory
+BASE_FILE = "base.json"  # which base model the adapter was trained on
+ADAPTER_NAME = "default"  # peft's name for the one adapter
+KEY = "models.student_adapter"
+
+
+def is_adapted(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def trainable_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def unmatched_targets(model: torch.nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """The entries of ``targets`` that name no linear layer of ``model``."""
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return [t for t in targets if not any(_matches(n, t) for n in linear)]
+
+
+def _lora_config(cfg: AdapterConfig):
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
+                      bias="none")
+
+
+def check_adapter(cfg: AdapterConfig, models_dir: str | Path, trust_remote_code: bool = False) -> None:
+    """Refuse, naming the key, an adapter that would not wrap the models stage's student (from its config
+    alone)."""
+    if not cfg.enabled:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ars_opd.models.pinning import model_path
+
+    config = AutoConfig.from_pretrained(model_path(models_dir, "student"), trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    missing = unmatched_targets(model, cfg.target_modules)
+    if missing:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(f"{KEY}.target_modules", f"{missing} match no linear layer of the student "
+                          f"({type(model).__name__}); its linear layers are named {names}")
+    try:
+        attach(model, cfg)
+    except Exception as e:  # peft refuses a layer type it has no LoRA for (remote code may bring such layers)
+        why = f"peft cannot wrap the student ({type(model).__name__}) with this adapter: {type(e).__name__}: {e}"
+        if trust_remote_code:
+            why += "; models.trust_remote_code is true and the model's own code may use layers peft does not know"
+        raise ConfigError(KEY, why) from None
+
+
+def attach(model: torch.nn.Module, cfg: AdapterConfig) -> torch.nn.Module:
+    """A fresh adapter on ``model`` (peft initialises B = 0, so the wrapped model computes what ``model`` does)."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, _lora_config(cfg), adapter_name=ADAPTER_NAME)
+
+
+def resume(base: torch.nn.Module, adapter_dir: str | Path, base_revision: str) -> torch.nn.Module:
+    """Continue the adapter published in ``adapter_dir`` on ``base`` (trainable), which must be the base it was
+    trained on."""
+    from peft import PeftModel
+
+    adapter_dir = Path(adapter_dir)
+    recorded = json.loads((adapter_dir / BASE_FILE).read_text()).get("revision")
+    if recorded != base_revision:
+        raise ValueError(f"the adapter in {adapter_dir} was trained on the student {recorded}, not on this run's "
+                         f"{base_revision}; rerun the stage that made it (dvc repro)")
+    return PeftModel.from_pretrained(base, str(adapter_dir), adapter_name=ADAPTER_NAME, is_trainable=True)
+
+
+def adapter_of(model_dir: str | Path) -> Path | None:
+    """The adapter a stage published with its model, if it published one."""
+    path = Path(model_dir) / ADAPTER_DIR
+    return path if (path / "adapter_config.json").exists() else None
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The plain model's state dict of an adapted ``model``: every adapted linear layer's weight is
+    W + its adapter's delta (peft's ``get_delta_weight``), every other tensor is the base's."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    adapted = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
+    out = {}
+    for name, tensor in base.state_dict().items():
+        owner = next((a for a in adapted if name.startswith(a + ".")), None)
+        if owner is None:
+            out[name] = tensor.detach()
+            continue
+        rest = name[len(owner) + 1:]
+        if not rest.startswith("base_layer."):
+            continue  # the adapter's own tensors (lora_A, lora_B)
+        key = f"{owner}.{rest.removeprefix('base_layer.')}"
+        if rest == "base_layer.weight":
+            layer = adapted[owner]
+            with torch.no_grad():
+                out[key] = tensor.detach() + layer.get_delta_weight(ADAPTER_NAME).to(tensor.dtype)
+        else:
+            out[key] = tensor.detach()
+    return out
+
+
+def save_trained(model: torch.nn.Module, out_dir: str | Path, base_revision: str | None = None) -> None:
+    """Write a trained student to ``out_dir`` as a plain HF model directory; an adapted one also leaves its
+    adapter in ``out_dir/adapter`` (with ``base_revision``, the base it needs)."""
+    out_dir = Path(out_dir)
+    if not is_adapted(model):
+        model.save_pretrained(out_dir, safe_serialization=True)
+        return
+    model.get_base_model().save_pretrained(out_dir, state_dict=merged_state_dict(model), safe_serialization=True)
+    model.save_pretrained(out_dir / ADAPTER_DIR, safe_serialization=True)
+    (out_dir / ADAPTER_DIR / BASE_FILE).write_text(json.dumps({"revision": base_revision}, sort_keys=True) + "\n")
