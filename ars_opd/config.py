@@ -606,6 +606,9 @@ class DDPConfig:
 
     workers: int = 2
     """Worker processes the stage starts on this machine (ignored under an outside torchrun/accelerate launch)."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """ddp: every worker holds the whole student (torch DDP); fsdp: the student's weights, gradients and
+    optimizer state are sharded over the workers (torch FSDP2, per decoder layer and the root)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when visible (one GPU per worker), else CPU."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -634,6 +637,9 @@ class DDPConfig:
     """Fault injection for testing the detector (off unless inject.kind is set)."""
     timeout_s: float = 600.0
     """Process-group timeout."""
+    reshard_resume: bool = False
+    """Resume a checkpoint of this run made by another worker count or strategy, resharded (fsdp checkpoints
+    load into any layout), instead of starting afresh; the stage says so and its manifest records it."""
 
     def __post_init__(self):
         _require(1 <= self.workers <= 1024, "workers", f"must be in 1..1024, got {self.workers}")
@@ -646,6 +652,9 @@ class DDPConfig:
         _require(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
         _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
         _require(self.gram_every >= 0, "gram_every", f"must be >= 0, got {self.gram_every}")
+        _require(not (self.strategy == "fsdp" and self.inject.kind == "param_desync"), "inject.kind",
+                 "param_desync perturbs one replica's weights, and under ddp.strategy: fsdp there are no replicas "
+                 "(each worker holds a shard and computes with the gathered whole); use ddp.strategy: ddp")
         _require(not (self.device == "cpu" and self.backend == "nccl"), "backend", "nccl needs device cuda")
 
 
@@ -1010,6 +1019,10 @@ def check_params(params: Params, base: str | Path = ".") -> None:
         from ars_opd.lm.objective_rules import check_config  # here, not at the top: it imports this module
 
         check_config(params.opd)
+    if params.ddp is not None and params.opd is not None and params.ddp.strategy == "fsdp" \
+            and params.opd.rollout_cache == "static":
+        raise ConfigError("opd.rollout_cache", "static rollouts stop each worker at its own EOS, and a sharded "
+                          "student (ddp.strategy: fsdp) needs every worker to run the same forwards; use dynamic")
     loops = [(name, getattr(params, name)) for name in ("sft", "opd") if getattr(params, name) is not None]
     if params.ddp is not None and loops and not launched_externally():
         workers = params.ddp.workers

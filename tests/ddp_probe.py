@@ -8,7 +8,7 @@ import torch.distributed as dist
 from ars_opd.config import ArchConfig, DDPConfig, SFTConfig
 from ars_opd.training.distributed import init_worker, shutdown_worker
 from ars_opd.training.geometry import BatchGeometry
-from ars_opd.training.loop import accumulate_gradients, wrap_ddp
+from ars_opd.training.loop import accumulate_gradients, wrap_ddp, wrap_model
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.training.sft import EncodedData, SFTTask
 
@@ -48,13 +48,15 @@ def _grad_probe(job: dict, ctx) -> dict:
     geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "sft")
     task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=tok.pad_token_id,
                    vocab=len(tok))
-    ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size,
-                                         gradient_as_bucket_view=job.get("bucket_view", True)))
+    ddp_cfg = DDPConfig(workers=ctx.world_size, gradient_as_bucket_view=job.get("bucket_view", True),
+                        strategy=job.get("strategy", "ddp"))
+    ddp = wrap_model(model, ctx, ddp_cfg, cfg)  # DDP, or the model itself sharded in place (fsdp)
     micro = task.micro_batches(0, model)
     local_sum, _, global_tokens, *_ = accumulate_gradients(ddp, task, micro, ctx, cfg)
     total = torch.tensor([local_sum], dtype=torch.float64)
     dist.all_reduce(total)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731  (sharded: gathered)
+    grads = {n: full(p.grad).detach().clone() for n, p in model.named_parameters()}
     return {"loss": total.item() / global_tokens, "tokens": global_tokens, "grads": grads,
             "n_micro": len(micro)}
 

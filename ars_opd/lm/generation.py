@@ -33,15 +33,21 @@ def generate_token_ids(
     generator_seed: int | None = None,
     stop_at_eos: bool = True,
     cache: str = "dynamic",
+    synced: bool = False,
 ) -> list[list[int]]:
     """New tokens for each prompt, cut after the first EOS (EOS kept) when ``stop_at_eos``.
 
     cache: "dynamic" (``model.generate``) or "static" (``ars_opd.lm.decoding.generate_static``).
+    synced: every worker runs the same number of forward passes (transformers' ``synced_gpus``: a worker
+    whose rows are done keeps stepping until every worker's are), as a sharded model needs, since each of its
+    forwards gathers the weights from all workers. Dynamic cache only.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     if cache not in ("dynamic", "static"):
         raise ValueError(f"cache must be dynamic or static, got {cache!r}")
+    if synced and cache == "static":
+        raise ValueError("synced generation (a sharded student) needs the dynamic cache")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
     device = next(model.parameters()).device
@@ -61,6 +67,8 @@ def generate_token_ids(
             ids, mask = ids.to(device), mask.to(device)
             kwargs = dict(do_sample=do_sample, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
                           eos_token_id=eos_id)
+            if synced:
+                kwargs["synced_gpus"] = True
             if do_sample:
                 kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
             else:

@@ -8,6 +8,19 @@ from the step number, ``ars_opd.training.geometry``); one with another configura
 changed code starts afresh and says so, so a rerun never publishes a model of other inputs. DVC reruns a
 stage exactly when such inputs change. Loading uses ``torch.load(weights_only=True)``; resumed runs are
 bit-identical to uninterrupted ones on CPU (tested).
+
+Formats. Under DDP rank 0 writes the whole model (``model.safetensors``) and optimizer (``optimizer.pt``).
+A sharded student (``ddp.strategy: fsdp``) is saved by every rank through ``torch.distributed.checkpoint``
+(``dcp/``: each rank its shards, keyed by parameter name), which loads into any layout: FSDP at another
+world size, DDP, or one worker (resharding).
+
+Another layout. A checkpoint whose run differs only in how the workers are laid out (``LAYOUT_KEYS``:
+worker count, strategy, device, backend, threads, DDP buckets) starts afresh by default, as any other
+configuration does: at another world size the same global batches are summed in another order (fp32
+rounding) and OPD's rollouts are drawn by other per-rank generators, so the result is not the same run's.
+``ddp.reshard_resume: true`` resumes it instead, resharded (``dcp/`` into any layout; a DDP checkpoint into
+DDP or one worker), says so, and records it in the manifest; ranks beyond the old world keep their fresh
+RNG state.
 """
 
 from __future__ import annotations
@@ -29,6 +42,10 @@ from ars_opd.training.distributed import WorkerContext
 
 STEPS_LOG = "steps.jsonl"
 LATEST = "latest.json"
+DCP_DIR = "dcp"
+# ddp keys that change how the work is laid out over workers, not what is trained (see the module doc)
+LAYOUT_KEYS = ("workers", "strategy", "device", "backend", "threads_per_worker", "bucket_cap_mb",
+               "gradient_as_bucket_view", "timeout_s", "reshard_resume")
 
 
 def code_fingerprint() -> str:
@@ -60,6 +77,11 @@ def _as_tuple(x):
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+def layout_free(ddp: dict) -> dict:
+    """The ddp section without its layout keys: what must match for a resharded resume."""
+    return {k: v for k, v in ddp.items() if k not in LAYOUT_KEYS}
+
+
 @dataclass
 class TrainerState:
     step: int = 0  # next step to run
@@ -68,11 +90,20 @@ class TrainerState:
     tokens_seen: int = 0
     train_seconds: float = 0.0
     resumed_from: int | None = None
+    resharded_from: dict | None = None  # {"workers", "strategy"} of a checkpoint of another layout
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def save_checkpoint(ckpt_dir: Path, ctx: WorkerContext, model: torch.nn.Module, opt, sched,
-                    state: TrainerState, fingerprint: str, steps_log: list[dict], keep: int) -> None:
-    """All workers call this; weights/optimizer from rank 0, RNG from every rank; atomic switch of ``latest``."""
+                    state: TrainerState, fingerprint: str, steps_log: list[dict], keep: int,
+                    layout_fingerprint: str | None = None, strategy: str = "ddp") -> None:
+    """All workers call this; weights/optimizer from rank 0 (DDP) or from every rank (sharded, DCP), RNG from
+    every rank; atomic switch of ``latest``."""
     from safetensors.torch import save_model
 
     final = ckpt_dir / f"step_{state.step:07d}"
@@ -82,11 +113,22 @@ def save_checkpoint(ckpt_dir: Path, ctx: WorkerContext, model: torch.nn.Module, 
         tmp.mkdir(parents=True)
     dist.barrier()
     torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
+    sharded = _sharded(model)
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=str(tmp / DCP_DIR))
     if ctx.is_main:
-        save_model(model, str(tmp / "model.safetensors"))
-        torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        if not sharded:
+            save_model(model, str(tmp / "model.safetensors"))
+            torch.save(opt.state_dict(), tmp / "optimizer.pt")
         torch.save(sched.state_dict(), tmp / "scheduler.pt")
-        write_json(tmp / "state.json", {**state.__dict__, "fingerprint": fingerprint, "world_size": ctx.world_size})
+        saved = {k: v for k, v in state.__dict__.items() if k != "resharded_from"}
+        write_json(tmp / "state.json", {**saved, "fingerprint": fingerprint, "world_size": ctx.world_size,
+                                        "layout_fingerprint": layout_fingerprint, "strategy": strategy,
+                                        "format": DCP_DIR if sharded else "safetensors"})
         write_jsonl(tmp / STEPS_LOG, steps_log)
     dist.barrier()
     if ctx.is_main:
@@ -101,29 +143,68 @@ def save_checkpoint(ckpt_dir: Path, ctx: WorkerContext, model: torch.nn.Module, 
     dist.barrier()
 
 
-def find_checkpoint(ckpt_dir: Path, fingerprint: str, world_size: int) -> tuple[Path | None, str]:
-    """The latest checkpoint if it matches this run's configuration, else (None, why not)."""
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint to resume, and from which layout (None: this run's own)."""
+
+    path: Path
+    why: str
+    resharded_from: dict | None = None
+    fingerprint: str = ""  # the fingerprint it was saved under (its snapshots' directory)
+
+
+def find_checkpoint(ckpt_dir: Path, fingerprint: str, world_size: int, layout_fingerprint: str | None = None,
+                    reshard: bool = False, strategy: str = "ddp") -> tuple[Found | None, str]:
+    """The latest checkpoint if it matches this run's configuration, else (None, why not). With ``reshard``,
+    one of another layout of the same run (``layout_fingerprint``) is returned as a ``Found`` with
+    ``resharded_from`` set."""
     latest = ckpt_dir / LATEST
     if not latest.exists():
         return None, "no checkpoint"
     info = json.loads(latest.read_text())
     path = ckpt_dir / info["dir"]
+    state = json.loads((path / "state.json").read_text())
+    same_run = layout_fingerprint is not None and state.get("layout_fingerprint") == layout_fingerprint
+    layout = {"workers": state.get("world_size"), "strategy": state.get("strategy", "ddp")}
+    if info.get("fingerprint") == fingerprint and state.get("world_size") == world_size:
+        why = f"resuming from step {info['step']}"
+        return Found(path, why, None, fingerprint), why
+    if same_run and reshard:
+        if state.get("format") != DCP_DIR and strategy == "fsdp":
+            return None, (f"checkpoint at step {info['step']} holds whole DDP weights, which do not load into a "
+                          "sharded student; starting afresh")
+        why = (f"resuming from step {info['step']}, resharded from {layout['workers']} {layout['strategy']} "
+               f"worker(s) to {world_size} {strategy} worker(s) (ddp.reshard_resume)")
+        return Found(path, why, layout, info.get("fingerprint", "")), why
+    if same_run:
+        return None, (f"checkpoint at step {info['step']} was made by {layout['workers']} {layout['strategy']} "
+                      f"worker(s), not {world_size} {strategy}; starting afresh (ddp.reshard_resume: true would "
+                      "resume it resharded)")
     if info.get("fingerprint") != fingerprint:
         return None, f"checkpoint at step {info['step']} was made with another configuration, other data or other code; starting afresh"
-    state = json.loads((path / "state.json").read_text())
-    if state.get("world_size") != world_size:
-        return None, f"checkpoint was made with {state.get('world_size')} workers, not {world_size}; starting afresh"
-    return path, f"resuming from step {info['step']}"
+    return None, f"checkpoint was made with {state.get('world_size')} workers, not {world_size}; starting afresh"
 
 
 def load_checkpoint(path: Path, ctx: WorkerContext, model: torch.nn.Module, opt, sched) -> tuple[TrainerState, list[dict]]:
-    from safetensors.torch import load_model
-
-    load_model(model, str(path / "model.safetensors"), device=str(ctx.device))
-    opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=ctx.device))
-    sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    _set_rng_state(torch.load(path / f"rng_rank{ctx.rank}.pt", weights_only=True))
     raw = json.loads((path / "state.json").read_text())
-    state = TrainerState(**{k: raw[k] for k in TrainerState.__dataclass_fields__})
+    if raw.get("format") == DCP_DIR:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
+
+        target = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(target, checkpoint_id=str(path / DCP_DIR))  # into this run's layout, whatever it is
+        set_model_state_dict(model, target["model"])
+        set_optimizer_state_dict(model, opt, target["optim"])
+    else:
+        from safetensors.torch import load_model
+
+        load_model(model, str(path / "model.safetensors"), device=str(ctx.device))
+        opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=ctx.device))
+    sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    rng = path / f"rng_rank{ctx.rank}.pt"
+    if rng.exists():  # a rank beyond a resharded checkpoint's world keeps its fresh state
+        _set_rng_state(torch.load(rng, weights_only=True))
+    state = TrainerState(**{k: raw[k] for k in TrainerState.__dataclass_fields__ if k in raw})
     state.resumed_from = state.step
     return state, read_jsonl(path / STEPS_LOG)

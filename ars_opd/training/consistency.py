@@ -29,8 +29,9 @@ On the other steps GDC is the norm-weighted mean of the pairwise cosines,
 bound Σ_{i<j}|w_ij − 1/P| (w_ij = ‖g_i‖‖g_j‖ / Σ‖g_a‖‖g_b‖, P pairs) on its distance to the unweighted
 mean, since every cosine lies in [−1, 1]. Equal norms make it exact (bound 0).
 
-What this module leaves out: FSDP (there is no full local gradient to hook; the hook refuses to attach to
-anything but DDP), and per-parameter-group statistics.
+Under ``ddp.strategy: fsdp`` the same statistics come from FSDP2's reduce-scatter inputs
+(``ars_opd.training.sharding.ShardedConsistencyHook``); ``consistency_metrics`` and ``noise_scale_terms``
+below serve both. What this module leaves out: per-parameter-group statistics.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class ConsistencyHook:
 
     def attach(self, ddp_model: torch.nn.Module) -> None:
         if not isinstance(ddp_model, DDP):
-            raise TypeError("the consistency hook works with DistributedDataParallel only (FSDP is out of scope)")
+            raise TypeError("the consistency hook works with DistributedDataParallel only (FSDP: ShardedConsistencyHook)")
         ddp_model.register_comm_hook(self, _hook)
 
     def begin_step(self, step: int) -> None:

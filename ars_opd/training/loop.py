@@ -1,4 +1,8 @@
-"""The training engine shared by SFT and OPD: DDP workers, one global token-mean loss, explicit clipping.
+"""The training engine shared by SFT and OPD: data-parallel workers, one global token-mean loss, explicit clipping.
+
+The student is DDP-wrapped (``ddp.strategy: ddp``) or sharded with FSDP2 (``fsdp``,
+``ars_opd.training.sharding``); the steps below are the same for both (FSDP2's reduce-scatter averages
+over the workers as DDP's all-reduce does, and ``no_sync`` is its ``set_requires_gradient_sync``).
 
 One optimiser step, on every worker k of K:
 
@@ -20,13 +24,14 @@ Columns whose name ends in ``_s`` are wall-clock seconds: they go to DVCLive (``
 reruns nothing downstream of it. Checkpoints: ``ars_opd.training.checkpoint``; batch split and data
 position: ``ars_opd.training.geometry``.
 
-What this module leaves out: FSDP/tensor parallelism, mixed-precision loss scaling (bf16 needs none),
+What this module leaves out: tensor parallelism, mixed-precision loss scaling (bf16 needs none),
 gradient checkpointing, and the loss itself (tasks provide it; see ``ars_opd.training.sft``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -51,6 +56,7 @@ from ars_opd.training.distributed import WorkerContext, gather_floats
 from ars_opd.training.drift import fingerprint, mismatched_ranks
 from ars_opd.training.faults import Fault
 from ars_opd.training.optim import autocast_context, clip_gradients, make_optimizer, make_scheduler
+from ars_opd.training.sharding import ShardedConsistencyHook, full_state_dict, is_sharded, no_gradient_sync, shard_model
 
 
 class NonFiniteError(FloatingPointError):
@@ -113,6 +119,23 @@ def wrap_ddp(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig) -> 
                bucket_cap_mb=ddp_cfg.bucket_cap_mb, gradient_as_bucket_view=ddp_cfg.gradient_as_bucket_view)
 
 
+def wrap_model(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig, cfg: TrainLoopConfig):
+    """The model the engine trains: DDP-wrapped (``ddp.strategy: ddp``) or sharded in place (``fsdp``)."""
+    if ddp_cfg.strategy == "fsdp":
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and ctx.device.type == "cuda")
+        return shard_model(model, ctx.device, bf16)
+    return wrap_ddp(model, ctx, ddp_cfg)
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The trained module itself: DDP's ``.module``; a sharded model is its own."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def _no_sync(model: torch.nn.Module):
+    return no_gradient_sync(model) if is_sharded(model) else model.no_sync()
+
+
 class Accumulated(NamedTuple):
     """One rank's view of a step's forward/backward passes."""
 
@@ -150,9 +173,11 @@ def accumulate_gradients(ddp_model: DDP, task: TrainingTask, micro: list[MicroBa
         flops += batch.flops
         generated += batch.generated_tokens
         last = i == len(micro) - 1
-        with (contextlib.nullcontext() if last else ddp_model.no_sync()), autocast_context(cfg.precision, ctx.device):
-            loss_sum, metrics = task.loss_sum(ddp_model, batch)
-        (loss_sum.float() * scale).backward()
+        # the backward too inside no_sync: DDP decides at the forward, FSDP2 at the backward (autocast: forward only)
+        with contextlib.nullcontext() if last else _no_sync(ddp_model):
+            with autocast_context(cfg.precision, ctx.device):
+                loss_sum, metrics = task.loss_sum(ddp_model, batch)
+            (loss_sum.float() * scale).backward()
         local_sum += loss_sum.detach().float().item()
         for k, v in list(metrics.items()) + list(batch.meta.items()):
             acc = metric_sums.setdefault(k, [0.0, 0.0])
@@ -218,7 +243,7 @@ def check_drift(model: torch.nn.Module, opt, ctx: WorkerContext, seconds: dict |
 def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContext, cfg: TrainLoopConfig,
                state: TrainerState, monitor: ConsistencyHook | None = None, fault: Fault | None = None,
                drift_every: int = 0) -> StepResult:
-    model = ddp_model.module
+    model = unwrapped(ddp_model)
     if fault is not None:
         fault.perturb(model, state.step)
     monitor_s = {}
@@ -375,34 +400,48 @@ def save_snapshot(snapshot_dir: Path, model: torch.nn.Module, step: int, totals:
     os.replace(tmp, final)
 
 
+class FitResult(NamedTuple):
+    state: TrainerState
+    rows: list[dict]  # the per-step log (rank 0's view; identical values on every rank)
+    totals: dict  # the cumulative budget from scratch
+    model: torch.nn.Module | None  # the trained student whole, to publish (rank 0; None on other ranks when sharded)
+
+
 def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: TrainLoopConfig,
         ddp_cfg: DDPConfig, run_fingerprint: str, ckpt_dir: Path, steps_path: Path, live_dir: Path,
         progress: bool = True, on_step=None, fault: Fault | None = None,
-        budget_start: dict | None = None) -> tuple[TrainerState, list[dict], dict]:
+        budget_start: dict | None = None, layout_fingerprint: str | None = None) -> FitResult:
     """Train ``model`` (unwrapped, on ``ctx.device``) for ``cfg.steps`` optimiser steps, resuming if possible.
 
     Every ``cfg.snapshot_every`` steps rank 0 keeps the weights in ``snapshot_dir(ckpt_dir, fingerprint)``
     (learning-curve points, kept with the checkpoints so that a resumed run still has its earlier ones).
-    Returns the final state, the per-step log (rank 0's view; identical values on every rank) and the
-    cumulative budget from scratch (``budget_start``: the starting model's).
+    Returns the final state, the per-step log (rank 0's view; identical values on every rank), the
+    cumulative budget from scratch (``budget_start``: the starting model's) and the student to publish.
+    ``ddp.strategy: fsdp`` shards ``model`` in place (``ars_opd.training.sharding``); rank 0 then keeps an
+    unsharded CPU copy, loaded with the gathered weights whenever it publishes (snapshots, the end).
     """
     from tqdm.auto import tqdm
 
-    ddp_model = wrap_ddp(model, ctx, ddp_cfg)
+    sharded = ddp_cfg.strategy == "fsdp"
+    publish = copy.deepcopy(model).cpu() if sharded and ctx.is_main else None  # rank 0 writes snapshots from it
+    ddp_model = wrap_model(model, ctx, ddp_cfg, cfg)
     monitor = None
     if ddp_cfg.consistency:
-        monitor = ConsistencyHook(ctx.world_size, gram_every=ddp_cfg.gram_every)
+        monitor = (ShardedConsistencyHook if sharded else ConsistencyHook)(ctx.world_size, gram_every=ddp_cfg.gram_every)
         monitor.attach(ddp_model)
+    drift_every = 0 if sharded else ddp_cfg.drift_check_every  # no replicas to compare (training.sharding)
     opt = make_optimizer(model, cfg)
     sched = make_scheduler(opt, cfg, cfg.steps)
     state, history = TrainerState(), []
     if ctx.is_main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    path, why = find_checkpoint(ckpt_dir, run_fingerprint, ctx.world_size)
-    if path is not None:
-        state, history = load_checkpoint(path, ctx, model, opt, sched)
-    if ctx.is_main and (path is not None or why != "no checkpoint"):
+    found, why = find_checkpoint(ckpt_dir, run_fingerprint, ctx.world_size, layout_fingerprint,
+                                 ddp_cfg.reshard_resume, ddp_cfg.strategy)
+    if found is not None:
+        state, history = load_checkpoint(found.path, ctx, model, opt, sched)
+        state.resharded_from = found.resharded_from
+    if ctx.is_main and (found is not None or why != "no checkpoint"):
         print(f"checkpoints: {why}", flush=True)
     logger = StepLogger(steps_path, live_dir, enabled=ctx.is_main)
     logger.replay(history)
@@ -412,6 +451,9 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
         noise_scale.update(row.get("gns/g2", float("nan")), row.get("gns/trace", float("nan")))
         totals.update({k: row.get(f"budget/{k}", 0) for k in FIELDS[1:]})
     snapshots = snapshot_dir(ckpt_dir, run_fingerprint)
+    earlier = snapshot_dir(ckpt_dir, found.fingerprint) if found is not None and found.fingerprint else snapshots
+    if ctx.is_main and earlier != snapshots and earlier.is_dir() and not snapshots.exists():
+        os.replace(earlier, snapshots)  # a resharded resume continues the same learning curve
     if ctx.is_main and cfg.snapshot_every:
         for old in ckpt_dir.glob("snapshots/*"):  # another run's learning curve
             if old.name != snapshots.name:
@@ -422,8 +464,7 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
         while state.step < cfg.steps:
             t0 = time.perf_counter()
             lr = opt.param_groups[0]["lr"]  # the rate this step uses (train_step advances the schedule)
-            result = train_step(ddp_model, task, opt, sched, ctx, cfg, state, monitor, fault,
-                                ddp_cfg.drift_check_every)
+            result = train_step(ddp_model, task, opt, sched, ctx, cfg, state, monitor, fault, drift_every)
             step_s = time.perf_counter() - t0
             state.train_seconds += step_s
             row = {
@@ -448,12 +489,16 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
             state.step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.4f}", gnorm=f"{result.grad_norm:.2f}", refresh=False)
-            if ctx.is_main and cfg.snapshot_every and state.step % cfg.snapshot_every == 0:
-                save_snapshot(snapshots, model, state.step, totals.totals)
+            if cfg.snapshot_every and state.step % cfg.snapshot_every == 0:
+                weights = publishable(model, publish)  # sharded: a collective, every rank gathers
+                if ctx.is_main:
+                    save_snapshot(snapshots, weights, state.step, totals.totals)
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
-                save_checkpoint(ckpt_dir, ctx, model, opt, sched, state, run_fingerprint, logger.rows, cfg.keep_checkpoints)
-        if path is None or state.resumed_from != cfg.steps:
-            save_checkpoint(ckpt_dir, ctx, model, opt, sched, state, run_fingerprint, logger.rows, cfg.keep_checkpoints)
+                save_checkpoint(ckpt_dir, ctx, model, opt, sched, state, run_fingerprint, logger.rows,
+                                cfg.keep_checkpoints, layout_fingerprint, ddp_cfg.strategy)
+        if found is None or state.resumed_from != cfg.steps or found.resharded_from is not None:
+            save_checkpoint(ckpt_dir, ctx, model, opt, sched, state, run_fingerprint, logger.rows, cfg.keep_checkpoints,
+                            layout_fingerprint, ddp_cfg.strategy)
         tail = [r["loss"] for r in logger.rows[-10:] if math.isfinite(r["loss"])]
         summary = {
             "final_loss": logger.rows[-1]["loss"] if logger.rows else float("nan"),
@@ -464,10 +509,36 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
             **{f"budget_{k}_total": v for k, v in totals.totals.items()},
         }
         logger.summary(summary)
+        final = publishable(model, publish)  # sharded: a collective, every rank gathers
     finally:
         bar.close()
         logger.close()
-    return state, logger.rows, dict(totals.totals)
+    return FitResult(state, logger.rows, dict(totals.totals), final)
+
+
+def publishable(model: torch.nn.Module, copy_on_main: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The trained student as a whole module on rank 0: itself (DDP: every rank holds it whole), or, when
+    sharded, rank 0's unsharded CPU copy loaded with the gathered full state dict (every rank must call;
+    others get None)."""
+    if not is_sharded(model):
+        return model
+    state = full_state_dict(model)
+    if copy_on_main is None:
+        return None
+    missing, unexpected = copy_on_main.load_state_dict(state, strict=False)
+    tied = {k for k in missing if _is_tied(copy_on_main, k)}
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"the gathered state dict does not fit the student: missing {sorted(set(missing) - tied)}, "
+                           f"unexpected {sorted(unexpected)}")
+    return copy_on_main
+
+
+def _is_tied(model: torch.nn.Module, key: str) -> bool:
+    """Whether ``key`` names a parameter that shares its tensor with another (a tied head)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if key not in params:
+        return False
+    return any(other is not key and p is params[key] for other, p in params.items() if other != key)
 
 
 def snapshot_dir(ckpt_dir: Path, run_fingerprint: str) -> Path:

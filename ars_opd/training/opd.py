@@ -60,6 +60,7 @@ from ars_opd.training.faults import Fault
 from ars_opd.training.geometry import BatchGeometry, step_indices
 from ars_opd.training.loop import MicroBatch
 from ars_opd.training.optim import autocast_context
+from ars_opd.training.sharding import is_sharded
 from ars_opd.training.teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
 
@@ -107,7 +108,8 @@ class OPDTask:
                 completions = generate_token_ids(
                     model, self.tokenizer, prompts, self.cfg.max_new_tokens, batch_size=len(prompts),
                     do_sample=sample, temperature=self.cfg.sample_temperature if sample else 1.0,
-                    top_p=self.cfg.top_p, cache=self.cfg.rollout_cache)
+                    top_p=self.cfg.top_p, cache=self.cfg.rollout_cache,
+                    synced=is_sharded(model) and self.geometry.workers > 1)
         else:
             completions = [self.teacher_completions[i][: self.cfg.max_new_tokens] for i in idx]
         gen_s = time.perf_counter() - t0

@@ -7,7 +7,8 @@ each with its own params section (both are ``OptimConfig``s).
 - the learning rate is a pure function of the step: linear warmup to the peak, cosine down to
   ``min_lr_ratio`` of it at the last step;
 - clipping is explicit: ``clip_gradients`` returns the pre-clip global norm and the coefficient applied
-  (``max_grad_norm: null`` never clips), so callers log both;
+  (``max_grad_norm: null`` never clips), so callers log both; over sharded (FSDP2) gradients the norm is
+  that of the whole gradient (torch reduces it over the shards);
 - precision: bf16 autocast on CUDA (``precision: auto``), fp32 on CPU; losses are taken in fp32 anyway.
 """
 
@@ -45,12 +46,15 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: in
 def clip_gradients(params: list[torch.nn.Parameter], max_grad_norm: float | None) -> tuple[float, float]:
     """(pre-clip global L2 norm, clip coefficient applied). Clips in place unless ``max_grad_norm`` is None
     or the norm is not finite (the caller decides what a non-finite step means)."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0).item()
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    # sharded gradients (FSDP2 DTensors) give a replicated DTensor: the norm of the whole reduced gradient
+    norm = (total.full_tensor() if hasattr(total, "full_tensor") else total).item()
     coef = 1.0
     if math.isfinite(norm) and max_grad_norm is not None:
         coef = min(1.0, max_grad_norm / (norm + 1e-6))
         if coef < 1.0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, torch.tensor(norm))
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm,
+                                                 total if hasattr(total, "full_tensor") else torch.tensor(norm))
     return norm, coef
 
 

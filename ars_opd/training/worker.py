@@ -24,7 +24,7 @@ from ars_opd.config import AdapterConfig, DDPConfig, PathsConfig, TrainLoopConfi
 from ars_opd.models.adapters import adapter_of, attach, is_adapted, resume, save_trained, trainable_parameters
 from ars_opd.models.pinning import load_model, load_model_dir, load_tokenizer, read_manifest, sha256_of_files
 from ars_opd.seeding import derive_seed, scenario_seeds, set_seeds
-from ars_opd.training.checkpoint import config_fingerprint
+from ars_opd.training.checkpoint import config_fingerprint, layout_free
 from ars_opd.training.distributed import WorkerContext, init_worker, launch, shutdown_worker
 from ars_opd.training.faults import Fault
 from ars_opd.training.geometry import BatchGeometry
@@ -104,7 +104,8 @@ def starting_student(job: TrainingJob, device: torch.device) -> StartingStudent:
     elif job.adapter.enabled:
         model = attach(model, job.adapter)
         how = "fresh"
-    return StartingStudent(model.to(device), init, budget, how)
+    # sharded: the whole student stays on the CPU until fully_shard has cut it (the engine moves the shards)
+    return StartingStudent(model.to("cpu" if job.ddp.strategy == "fsdp" else device), init, budget, how)
 
 
 def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], PreparedRun]) -> dict:
@@ -119,15 +120,19 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         run = prepare(job, WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault))
         run.model.train()
         out = job.paths.training(job.stage)
-        fingerprint = config_fingerprint({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp),
-                                          **({"adapter": to_dict(job.adapter)} if job.adapter.enabled else {}),
-                                          **run.fingerprint})
-        state, log, totals = fit(ctx, run.model, run.task, job.cfg, job.ddp, fingerprint, Path(out.checkpoints),
-                                 Path(out.steps), Path(out.live), job.progress, on_step=run.on_step, fault=fault,
-                                 budget_start=run.budget_start)
+        adapter = {"adapter": to_dict(job.adapter)} if job.adapter.enabled else {}
+        ddp = {k: v for k, v in to_dict(job.ddp).items() if k != "reshard_resume"}
+        fingerprint = config_fingerprint({job.stage: to_dict(job.cfg), "ddp": ddp, **adapter, **run.fingerprint})
+        # what a resharded resume must match: the same run in any worker layout (ars_opd.training.checkpoint)
+        layout = config_fingerprint({job.stage: to_dict(job.cfg), "ddp": layout_free(ddp), **adapter,
+                                     **run.fingerprint})
+        state, log, totals, trained = fit(ctx, run.model, run.task, job.cfg, job.ddp, fingerprint,
+                                          Path(out.checkpoints), Path(out.steps), Path(out.live), job.progress,
+                                          on_step=run.on_step, fault=fault, budget_start=run.budget_start,
+                                          layout_fingerprint=layout)
         if ctx.is_main:
             shutil.rmtree(Path(out.model) / "adapter", ignore_errors=True)  # a previous run's adapter
-            save_trained(run.model, Path(out.model), read_manifest(job.paths.models_dir)["student"]["revision"])
+            save_trained(trained, Path(out.model), read_manifest(job.paths.models_dir)["student"]["revision"])
             tokenizer.save_pretrained(Path(out.model))
             write_budget(out.model, totals, trainable_parameters(run.model))
             snapshots = snapshot_dir(Path(out.checkpoints), fingerprint)
@@ -137,7 +142,8 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
                 shutil.copytree(snapshots, kept)
             write_json(out.manifest, {
                 "data": run.data_counts, "workers": ctx.world_size, "geometry": dataclasses.asdict(geometry),
-                "resumed_from": state.resumed_from, "steps": state.step, "inputs": run.fingerprint,
+                "resumed_from": state.resumed_from, "resharded_from": state.resharded_from, "steps": state.step,
+                "inputs": run.fingerprint, "strategy": job.ddp.strategy,
                 "trainable_parameters": trainable_parameters(run.model),
                 "parameters": sum(p.numel() for p in {id(p): p for p in run.model.parameters()}.values()),
                 "adapter": to_dict(job.adapter) if is_adapted(run.model) else None, **run.manifest,

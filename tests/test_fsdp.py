@@ -1,0 +1,175 @@
+"""ddp.strategy: fsdp (torch FSDP2): the same training as DDP, per-worker statistics equal to a brute force,
+sharded checkpoints that resume bit-identically and reshard into other layouts, and the up-front refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from ars_opd.artifacts import read_jsonl
+from ars_opd.config import ConfigError, DDPConfig, InjectConfig, load_params
+from ars_opd.training.distributed import launch
+from fsdp_probe import fsdp_consistency_probe
+from micro import distill_workspace
+from test_consistency import _batches, _compare
+from test_sft_stage import _workspace
+
+REPO = Path(__file__).resolve().parents[1]
+# the bound the issue sets for "the same training" under both strategies: per-step losses and final weights
+# (relative to each tensor's largest entry) after 20 AdamW steps at K = 2
+SAME_TRAINING = 1e-5
+
+
+def _set(root: Path, **sections) -> None:
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    for section, values in sections.items():
+        params[section].update(values)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def _run(root: Path, stage: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
+def _rel(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-30)) for k in a)
+
+
+def _losses(path: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(path)]
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [2, 3])
+def test_sharded_statistics_equal_brute_force_on_gathered_local_gradients(char_tokenizer, workers):
+    """K = 2: from the norms; K = 3: the all-to-all Gram (and padded shards: 3 does not divide the sizes)."""
+    job = {"batches": _batches(len(char_tokenizer), workers, micro=2), "steps": 3}
+    steps = launch(fsdp_consistency_probe, job, workers=workers)
+    assert all(s["buckets"] == 3 for s in steps)  # one reduce-scatter per FSDP group (2 layers, root) a step
+    _compare(steps)  # the same derived fp32 bounds as the DDP hook's
+    assert all(s["hook"]["gdc_exact"] for s in steps)
+    if workers > 2:
+        assert all(s["inputs"]["gram"] is not None for s in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_fsdp_trains_as_ddp_resumes_after_kill_and_reshards(tmp_path):
+    base = _workspace(tmp_path / "ddp", {"steps": 20, "checkpoint_every": 5, "snapshot_every": 10, "keep_checkpoints": 4})
+    _run(base, "sft")
+    fsdp = tmp_path / "fsdp"
+    shutil.copytree(base / "data/models", fsdp / "data/models")
+    shutil.copytree(base / "data/teacher", fsdp / "data/teacher")
+    shutil.copy(base / "params.yaml", fsdp / "params.yaml")
+    _set(fsdp, ddp={"strategy": "fsdp"})
+    out = _run(fsdp, "sft")
+    manifest = json.loads((fsdp / "data/sft/log/manifest.json").read_text())
+    assert manifest["strategy"] == "fsdp" and manifest["workers"] == 2
+    a, b = _losses(base / "data/sft/log/steps.jsonl"), _losses(fsdp / "data/sft/log/steps.jsonl")
+    assert len(a) == len(b) == 20
+    assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= SAME_TRAINING
+    weights = load_file(str(fsdp / "data/sft/model/model.safetensors"))  # gathered: a plain HF directory
+    assert _rel(load_file(str(base / "data/sft/model/model.safetensors")), weights) <= SAME_TRAINING
+    rows = read_jsonl(fsdp / "data/sft/log/steps.jsonl")
+    assert all(r["drift_mismatch"] is None for r in rows)  # no replicas to compare
+    assert all(len(r["consistency/worker_grad_norm"]) == 2 for r in rows)
+    assert (fsdp / "data/checkpoints/sft/step_0000020/dcp/.metadata").is_file()
+
+    # kill -9 mid-run, rerun: bit-identical to the uninterrupted fsdp run
+    killed = tmp_path / "killed"
+    shutil.copytree(fsdp, killed)
+    for out in ("data/checkpoints", "data/sft", "data/live"):
+        shutil.rmtree(killed / out)
+    latest = killed / "data/checkpoints/sft/latest.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "stages.sft"], cwd=killed, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if latest.exists() and json.loads(latest.read_text())["step"] >= 5:
+            break
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = json.loads(latest.read_text())["step"]
+    assert killed_at < 20, "the run finished before it could be killed"
+    out = _run(killed, "sft")
+    assert "resuming from step" in out
+    again = load_file(str(killed / "data/sft/model/model.safetensors"))
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
+    assert _losses(killed / "data/sft/log/steps.jsonl") == b
+
+    # the 2-worker fsdp checkpoint of step 10 resumed by 1 worker, and by 2 ddp workers (resharding)
+    for name, ddp in (("one", {"workers": 1}), ("as_ddp", {"strategy": "ddp"})):
+        other = tmp_path / name
+        shutil.copytree(fsdp, other)
+        for out in ("data/sft", "data/live"):
+            shutil.rmtree(other / out)
+        (other / "data/checkpoints/sft/latest.json").write_text(json.dumps(
+            {**json.loads((fsdp / "data/checkpoints/sft/latest.json").read_text()), "step": 10,
+             "dir": "step_0000010"}))
+        _set(other, ddp=ddp)
+        out = _run(other, "sft")  # not asked to reshard: a checkpoint of another layout starts afresh
+        assert "ddp.reshard_resume: true would resume it resharded" in out
+        shutil.rmtree(other / "data/checkpoints")
+        shutil.copytree(fsdp / "data/checkpoints", other / "data/checkpoints")
+        (other / "data/checkpoints/sft/latest.json").write_text(json.dumps(
+            {**json.loads((fsdp / "data/checkpoints/sft/latest.json").read_text()), "step": 10,
+             "dir": "step_0000010"}))
+        _set(other, ddp={**ddp, "reshard_resume": True})
+        out = _run(other, "sft")
+        assert "resharded from 2 fsdp worker(s)" in out, out[-2000:]
+        resumed = _losses(other / "data/sft/log/steps.jsonl")
+        assert resumed[:10] == b[:10]  # the replayed log
+        # the next step: the same weights and global batch, summed over another split of workers
+        assert abs(resumed[10] - b[10]) / abs(b[10]) <= SAME_TRAINING, (name, resumed[10], b[10])
+        m = json.loads((other / "data/sft/log/manifest.json").read_text())
+        assert m["resharded_from"] == {"workers": 2, "strategy": "fsdp"} and m["resumed_from"] == 10
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_fsdp_opd_steps_equal_ddp_opd_steps(tmp_path):
+    opd = {"steps": 20, "checkpoint_every": 0, "snapshot_every": 0, "on_policy_fraction": 1.0}
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        root = tmp_path / strategy
+        distill_workspace(REPO, root, opd, workers=2)
+        _set(root, ddp={"strategy": strategy})
+        _run(root, "opd")
+        runs[strategy] = (read_jsonl(root / "data/opd/log/steps.jsonl"),
+                          load_file(str(root / "data/opd/model/model.safetensors")))
+    (a, wa), (b, wb) = runs["ddp"], runs["fsdp"]
+    assert [r["task/response_length"] for r in a] == [r["task/response_length"] for r in b]  # same rollouts
+    assert max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)) <= SAME_TRAINING
+    assert _rel(wa, wb) <= SAME_TRAINING
+
+
+def test_fsdp_refusals_name_the_key(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        DDPConfig(strategy="fsdp", inject=InjectConfig(kind="param_desync", magnitude=0.1))
+    assert e.value.key == "inject.kind" and "no replicas" in str(e.value)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["ddp"]["strategy"] = "fsdp"
+    params["opd"]["rollout_cache"] = "static"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(ConfigError) as e:
+        load_params(tmp_path / "params.yaml", sections=("ddp", "opd"))
+    assert e.value.key == "opd.rollout_cache"
