@@ -24,7 +24,7 @@ repro: setup
 	dvc repro
 
 test: setup
-	python -m pytest -q
+	python -m pytest -q --durations=30
 
 test-fast: setup
 	python -m pytest -q -m "not slow and not ddp"

@@ -227,6 +227,22 @@ def test_sft_then_opd_train_publish_and_continue_the_adapter(tmp_path):
     snapshots = sorted((sft_dir / "snapshots").iterdir())
     assert snapshots and (snapshots[-1] / "model.safetensors").is_file()  # plain merged models, for the curve
 
+    # the same adapter trained under fsdp (peft's frozen and trainable tensors share the FSDP groups)
+    sharded = tmp_path / "fsdp"
+    shutil.copytree(root, sharded)
+    for out in ("data/sft", "data/checkpoints", "data/live"):
+        shutil.rmtree(sharded / out, ignore_errors=True)
+    fsdp_params = {**params, "ddp": {**params["ddp"], "strategy": "fsdp"}}
+    (sharded / "params.yaml").write_text(yaml.safe_dump(fsdp_params, sort_keys=False))
+    out = subprocess.run([sys.executable, "-m", "stages.sft"], cwd=sharded, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    fsdp_merged = load_file(str(sharded / "data/sft/model/model.safetensors"))
+    # the bound the FSDP tests hold the two strategies to (tests/test_fsdp.py), per tensor's largest entry
+    assert all(float((fsdp_merged[k] - merged[k]).abs().max()) <= 1e-5 * float(merged[k].abs().max()) for k in merged)
+    assert json.loads((sharded / "data/sft/log/manifest.json").read_text())["trainable_parameters"] == trainable
+    assert (sharded / "data/sft/model/adapter/adapter_model.safetensors").is_file()
+
     params["ddp"]["workers"] = 1
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     out = subprocess.run([sys.executable, "-m", "stages.opd"], cwd=root, env=env, capture_output=True, text=True,

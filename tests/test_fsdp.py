@@ -117,22 +117,24 @@ def test_fsdp_trains_as_ddp_resumes_after_kill_and_reshards(tmp_path):
     assert _losses(killed / "data/sft/log/steps.jsonl") == b
 
     # the 2-worker fsdp checkpoint of step 10 resumed by 1 worker, and by 2 ddp workers (resharding)
+    def from_step_10(root: Path) -> None:
+        shutil.rmtree(root / "data/checkpoints", ignore_errors=True)
+        shutil.copytree(fsdp / "data/checkpoints", root / "data/checkpoints")
+        (root / "data/checkpoints/sft/latest.json").write_text(json.dumps(
+            {**json.loads((fsdp / "data/checkpoints/sft/latest.json").read_text()), "step": 10,
+             "dir": "step_0000010"}))
+
     for name, ddp in (("one", {"workers": 1}), ("as_ddp", {"strategy": "ddp"})):
         other = tmp_path / name
         shutil.copytree(fsdp, other)
         for out in ("data/sft", "data/live"):
             shutil.rmtree(other / out)
-        (other / "data/checkpoints/sft/latest.json").write_text(json.dumps(
-            {**json.loads((fsdp / "data/checkpoints/sft/latest.json").read_text()), "step": 10,
-             "dir": "step_0000010"}))
         _set(other, ddp=ddp)
-        out = _run(other, "sft")  # not asked to reshard: a checkpoint of another layout starts afresh
-        assert "ddp.reshard_resume: true would resume it resharded" in out
-        shutil.rmtree(other / "data/checkpoints")
-        shutil.copytree(fsdp / "data/checkpoints", other / "data/checkpoints")
-        (other / "data/checkpoints/sft/latest.json").write_text(json.dumps(
-            {**json.loads((fsdp / "data/checkpoints/sft/latest.json").read_text()), "step": 10,
-             "dir": "step_0000010"}))
+        if name == "one":  # not asked to reshard: a checkpoint of another layout starts afresh, and says how
+            from_step_10(other)
+            out = _run(other, "sft")
+            assert "ddp.reshard_resume: true would resume it resharded" in out
+        from_step_10(other)
         _set(other, ddp={**ddp, "reshard_resume": True})
         out = _run(other, "sft")
         assert "resharded from 2 fsdp worker(s)" in out, out[-2000:]

@@ -126,3 +126,11 @@ def test_write_report_files(tmp_path, monkeypatch):
         assert list(csv["step"]) == list(range(300)) and "loss_dispersion" in csv and "b_simple" in csv
     metrics = json.loads((tmp_path / "reports/metrics.json").read_text())
     assert metrics == flat and flat["opd/alarms"] >= 1
+
+
+def test_the_header_states_the_strategy_and_fsdp_has_no_drift_check():
+    md, _, _ = build_report({"sft": _log(n=60)}, None, ReportConfig())
+    assert "60 steps, 4 workers (ddp), scenario S1-1" in md and "replica-drift check does not apply" not in md
+    sharded = _log(n=60).assign(strategy="fsdp", drift_mismatch=None)
+    md, _, _ = build_report({"sft": sharded}, None, ReportConfig())
+    assert "60 steps, 4 workers (fsdp), scenario S1-1" in md and "replica-drift check does not apply" in md

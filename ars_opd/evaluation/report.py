@@ -172,8 +172,13 @@ def stage_section(stage: str, df: pd.DataFrame, cfg: ReportConfig) -> tuple[list
     workers = run_workers({stage: df})
     scenario = df["scenario"].iloc[0] if "scenario" in df else "n/a"
     flat: dict = {}
-    md = [f"### {stage}: {len(df)} steps, {workers} workers, scenario {scenario}", "",
-          "| statistic | mean | p95 | max |", "|---|---|---|---|"]
+    strategy = df["strategy"].iloc[0] if "strategy" in df else "ddp"
+    md = [f"### {stage}: {len(df)} steps, {workers} workers ({strategy}), scenario {scenario}", ""]
+    if strategy == "fsdp":
+        md += ["Sharded (FSDP2): the worker statistics come from each worker's local gradient before the "
+               "reduce-scatter, exact every step; the replica-drift check does not apply (there are no replicas: "
+               "every worker computes with the same gathered weights).", ""]
+    md += ["| statistic | mean | p95 | max |", "|---|---|---|---|"]
     for col, s in summarise(df).items():
         md.append(f"| {SUMMARY_COLUMNS[col]} | {_fmt(s['mean'])} | {_fmt(s['p95'])} | {_fmt(s['max'])} |")
         flat[f"{stage}/{col.split('/')[-1]}_mean"] = s["mean"]

@@ -473,7 +473,7 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
                 "clipped": result.clipped, "clipped_total": state.clipped_steps, "skipped": result.skipped,
                 "skipped_total": state.skipped_steps, "step_s": round(step_s, 5),
                 "worker_loss": result.worker_loss, "worker_tokens": result.worker_tokens,
-                "scenario": ddp_cfg.scenario,
+                "scenario": ddp_cfg.scenario, "strategy": ddp_cfg.strategy,
                 "fault": fault.cfg.kind if fault is not None and fault.active(state.step) else None,
                 "drift_mismatch": result.drift,  # null: not checked this step; []: every replica identical
                 **{f"task/{k}": v for k, v in result.metrics.items()},

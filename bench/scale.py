@@ -1,0 +1,207 @@
+"""Per-rank memory, step time and consistency overhead of ddp, fsdp and ddp + LoRA (JSON lines).
+
+Starts ``--workers`` workers (gloo on CPU) through the engine's launcher; each runs the engine's own
+``train_step`` on a Llama-shaped student (``--preset``; ``cpu-50m``: 48.5M parameters, vocabulary 32,000,
+10 layers of width 512, tied head) for each strategy in turn:
+
+- ``ddp``: the whole student on every worker (DDP);
+- ``fsdp``: sharded with FSDP2 (``ars_opd.training.sharding``);
+- ``ddp+lora``: a LoRA adapter (r = ``--lora-r``, every linear layer of the blocks) on the frozen student, DDP.
+
+Memory, per rank, in bytes:
+
+- ``state``: weights (this rank's storage: its shards under fsdp) + gradients (one per trainable element
+  held by this rank) + AdamW state (``exp_avg``, ``exp_avg_sq``), counted exactly from the tensors;
+- ``step_extra_peak``: from the allocator's events (``torch.profiler`` with ``profile_memory``: every
+  allocation and free, in order): the highest live total reached during the first two steps above what was
+  live when they began (the gradients, the optimizer state as AdamW creates it, activations and
+  communication buffers). Not RSS.
+
+Time: ``step_s``, the median step of the run without the monitor; ``overhead_ratio``: the consistency
+monitor (hook, statistics, noise scale) on against off, two identical copies stepping alternately on the same
+batches in ``--rounds`` rounds, the median of the rounds' time ratios. Rank 0 prints one JSON line per
+strategy and a summary line with the ratios the README quotes.
+
+    python bench/scale.py                      # CPU, 2 workers, ~48.5M parameters
+    python bench/scale.py --preset tiny        # seconds (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from ars_opd.config import AdapterConfig, DDPConfig, SFTConfig  # noqa: E402
+from ars_opd.models.adapters import attach  # noqa: E402
+from ars_opd.training.checkpoint import TrainerState  # noqa: E402
+from ars_opd.training.consistency import ConsistencyHook  # noqa: E402
+from ars_opd.training.distributed import init_worker, launch, shutdown_worker  # noqa: E402
+from ars_opd.training.geometry import BatchGeometry  # noqa: E402
+from ars_opd.training.loop import train_step, unwrapped, wrap_model  # noqa: E402
+from ars_opd.training.optim import make_optimizer, make_scheduler  # noqa: E402
+from ars_opd.training.sft import EncodedData, SFTTask  # noqa: E402
+from ars_opd.training.sharding import ShardedConsistencyHook  # noqa: E402
+
+PRESETS = {
+    "cpu-50m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=10,
+                    num_attention_heads=8, num_key_value_heads=8, head_dim=64),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=2, head_dim=32),
+}
+STRATEGIES = ("ddp", "fsdp", "ddp+lora")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _model(preset: str, strategy: str, lora_r: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(tie_word_embeddings=True, **PRESETS[preset]),
+                                             dtype=torch.float32, attn_implementation="eager")
+    if strategy == "ddp+lora":
+        model = attach(model, AdapterConfig(kind="lora", r=lora_r, alpha=2.0 * lora_r, target_modules=TARGETS))
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        t = _local(t)
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _state_bytes(model, opt) -> dict:
+    params = list({id(p): p for p in model.parameters()}.values())
+    weights = _storage_bytes(params)
+    grads = sum(_local(p).numel() * _local(p).element_size() for p in params if p.requires_grad)
+    optim = _storage_bytes(v for s in opt.state.values() for v in s.values()
+                           if isinstance(v, torch.Tensor) and v.numel() > 1)
+    return {"weights": weights, "grads": grads, "optimizer": optim, "state": weights + grads + optim}
+
+
+def _live_peak(prof) -> int:
+    """The highest live total above the start, from the profiler's allocation events in time order."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def _run_strategy(job: dict, strategy: str, ctx) -> dict:
+    rng = random.Random(ctx.rank)
+    vocab = PRESETS[job["preset"]]["vocab_size"]
+    total = 2 + job["rounds"] * job["round_steps"]
+    n = job["micro"] * total
+    data = EncodedData([[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)],
+                       [[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)], {})
+    cfg = SFTConfig(steps=total, warmup_steps=0, global_batch_size=job["micro"] * ctx.world_size,
+                    micro_batch_size=job["micro"], max_seq_len=job["seq"], max_grad_norm=1.0)
+    geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "bench")
+    task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0)
+    ddp_cfg = DDPConfig(workers=ctx.world_size, strategy="fsdp" if strategy == "fsdp" else "ddp")
+    runs = {}
+    for name in ("without", "with"):
+        model = _model(job["preset"], strategy, job["lora_r"])
+        wrapped = wrap_model(model, ctx, ddp_cfg, cfg)
+        hook = None
+        if name == "with":
+            hook = (ShardedConsistencyHook if strategy == "fsdp" else ConsistencyHook)(ctx.world_size)
+            hook.attach(wrapped)
+        opt = make_optimizer(unwrapped(wrapped), cfg)
+        runs[name] = [wrapped, hook, opt, make_scheduler(opt, cfg, cfg.steps), TrainerState()]
+    total_params = sum(p.numel() for p in {id(p): p for p in unwrapped(runs["with"][0]).parameters()}.values())
+    trainable = sum(p.numel() for p in unwrapped(runs["with"][0]).parameters() if p.requires_grad)
+
+    def step(name):
+        wrapped, hook, opt, sched, state = runs[name]
+        t0 = time.perf_counter()
+        train_step(wrapped, task, opt, sched, ctx, cfg, state, hook, None, 0)
+        state.step += 1
+        return time.perf_counter() - t0
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(2):  # the first two steps: gradients, AdamW's state and buffers appear here
+            step("without")
+    peak = _live_peak(prof)
+    for _ in range(2):
+        step("with")
+    model_wo, opt_wo = unwrapped(runs["without"][0]), runs["without"][2]
+    memory = _state_bytes(model_wo, opt_wo)
+    rounds, times = [], []
+    for r in range(job["rounds"]):
+        spent = {"with": 0.0, "without": 0.0}
+        for i in range(job["round_steps"]):
+            for name in (("with", "without") if i % 2 == 0 else ("without", "with")):
+                s = step(name)
+                spent[name] += s
+                if name == "without":
+                    times.append(s)
+        rounds.append(spent["with"] / spent["without"])
+    return {"strategy": strategy, "workers": ctx.world_size, "parameters": total_params, "trainable": trainable,
+            **{f"{k}_bytes": v for k, v in memory.items()}, "step_extra_peak_bytes": peak,
+            "step_s": round(statistics.median(times), 4), "overhead_ratio": round(statistics.median(rounds), 4),
+            "overhead_ratio_rounds": [round(x, 4) for x in rounds]}
+
+
+def worker(job: dict) -> list[dict]:
+    ctx = init_worker("cpu", "gloo", threads=job["threads"])
+    try:
+        return [_run_strategy(job, s, ctx) for s in job["strategies"]]
+    finally:
+        shutdown_worker()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="cpu-50m", choices=sorted(PRESETS))
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--round-steps", type=int, default=4)
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    args = ap.parse_args()
+    job = {**vars(args), "strategies": args.strategies.split(",")}
+    rows = launch(worker, job, args.workers, args.threads, in_process=False)
+    for row in rows:
+        print(json.dumps({"bench": "scale", "preset": args.preset, **row}), flush=True)
+    by = {r["strategy"]: r for r in rows}
+    summary = {"bench": "scale", "summary": True, "preset": args.preset, "workers": args.workers}
+    if "ddp" in by and "fsdp" in by:
+        summary["fsdp_over_ddp_state"] = round(by["fsdp"]["state_bytes"] / by["ddp"]["state_bytes"], 4)
+        summary["fsdp_over_ddp_step_extra_peak"] = round(by["fsdp"]["step_extra_peak_bytes"]
+                                                         / by["ddp"]["step_extra_peak_bytes"], 4)
+        summary["fsdp_over_ddp_step_s"] = round(by["fsdp"]["step_s"] / by["ddp"]["step_s"], 4)
+    if "ddp" in by and "ddp+lora" in by:
+        summary["lora_over_full_optimizer"] = round(by["ddp+lora"]["optimizer_bytes"] / by["ddp"]["optimizer_bytes"], 5)
+        summary["lora_over_full_state"] = round(by["ddp+lora"]["state_bytes"] / by["ddp"]["state_bytes"], 4)
+    summary["overhead_ratio"] = {r["strategy"]: r["overhead_ratio"] for r in rows}
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
