@@ -18,6 +18,11 @@ CUDA graphs. One JSON line per workload:
   tokens; mfu = model FLOPs per second / the device's dense bf16 peak, with model FLOPs = 6 × (the layers'
   matrix parameters + the head's V·H) per token + 6 × layers × n_heads·head_dim × n² per sequence of n
   tokens (causal attention, forward and backward);
+- ``sft_fsdp`` and ``sft_lora``: the same SFT step with the student sharded by FSDP2 (a world of one on this
+  device: FSDP's own cost, its bf16 compute / fp32 reduce policy on CUDA; the per-worker memory saving needs
+  more devices and is measured by ``bench/scale.py``), and with a LoRA adapter (r = 16, every linear layer of
+  the blocks; needs peft, and says ``skipped`` where it is not installed). Not compiled. Each also reports
+  ``state_bytes``: weights + gradients + AdamW state, counted exactly from the tensors;
 - ``rollout``: B = 256 prompts of 128 tokens, 256 new tokens each (sampled at temperature 1, no early
   stop): generated tokens per second;
 - ``opd_step``: one OPD step on 16 × 512 tokens (loss on the last 384 of each row): student forward to
@@ -151,12 +156,47 @@ def fill_rows(seqs, rows: int, pack_length: int):
     return seqs, []
 
 
-def bench_sft(a, device, vocab, shape) -> dict:
+def _state_bytes(model, opt) -> int:
+    """Weights (this process's storage) + gradients (one per trainable element) + optimizer state, exactly."""
+    params = list({id(p): p for p in model.parameters()}.values())  # a tied head once
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    weights = sum(t.numel() * t.element_size() for t in local)
+    grads = sum(t.numel() * t.element_size() for t, p in zip(local, params) if p.requires_grad)
+    state = [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor) and v.numel() > 1]
+    return weights + grads + sum(t.numel() * t.element_size() for t in state)
+
+
+def _world_of_one(device) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+
+
+def bench_sft(a, device, vocab, shape, variant: str = "plain") -> dict:
     cfg = SFTConfig(steps=1, warmup_steps=0, global_batch_size=1, micro_batch_size=1, precision="auto", max_grad_norm=1.0,
                     packing=True, pack_length=a.pack_length, max_seq_len=a.pack_length, chunk_size=a.chunk)
+    name = "sft" if variant == "plain" else f"sft_{variant}"
     model = build(shape, vocab, device, torch.float32, seed=0).train()
     attention = use_packed_attention(model, a.attention)
-    if a.compile:
+    if variant == "lora":
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            return {"bench": name, "skipped": "peft is not installed here"}
+        from ars_opd.config import AdapterConfig, LORA_TARGETS
+        from ars_opd.models.adapters import attach
+
+        model = attach(model, AdapterConfig(kind="lora", r=16, alpha=32.0, target_modules=LORA_TARGETS))
+    elif variant == "fsdp":
+        from ars_opd.training.sharding import shard_model
+
+        _world_of_one(device)
+        model = shard_model(model, device, bf16=device.type == "cuda")
+    compiled = a.compile and variant == "plain"
+    if compiled:
         compile_layers(model)
     opt = make_optimizer(model, cfg)
     rng = random.Random(0)
@@ -196,10 +236,11 @@ def bench_sft(a, device, vocab, shape) -> dict:
         step(next_batch()[1])
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()),
                 None)
-    return {"bench": "sft", "model": shape, "attention": attention, "compiled": a.compile, "rows": a.rows,
+    return {"bench": name, "model": shape, "attention": attention, "compiled": compiled, "rows": a.rows,
             "pack_length": a.pack_length, "lengths": a.lengths, "tokens_per_s": round(real / elapsed, 1),
             "mfu": round(flops / elapsed / peak, 4) if peak else None, "padding_fraction": round(1 - real / padded, 4),
-            "peak_bytes": memory.peak}
+            "peak_bytes": memory.peak, "state_bytes": _state_bytes(model, opt),
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
 
 def bench_rollout(a, device, vocab, shape) -> dict:
@@ -321,7 +362,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--tiny", action="store_true", help="tiny shapes and sizes: the same code paths in seconds")
-    p.add_argument("--only", nargs="+", choices=["sft", "rollout", "opd"], default=["sft", "rollout", "opd"])
+    names = ["sft", "sft_fsdp", "sft_lora", "rollout", "opd"]
+    p.add_argument("--only", nargs="+", choices=names, default=names)
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on CUDA only")
     p.add_argument("--attention", choices=["auto", "flash", "flex", "sdpa"], default="auto",
                    help="packed attention for SFT (as sft.packed_attention)")
@@ -343,6 +385,8 @@ def main() -> None:
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     info = {"device": dev, "torch": torch.__version__, "transformers": __import__("transformers").__version__}
     workloads = {"sft": lambda: [bench_sft(a, device, vocab, student)],
+                 "sft_fsdp": lambda: [bench_sft(a, device, vocab, student, "fsdp")],
+                 "sft_lora": lambda: [bench_sft(a, device, vocab, student, "lora")],
                  "rollout": lambda: [bench_rollout(a, device, vocab, student)],
                  "opd": lambda: bench_opd(a, device, vocab, student, teacher)}
     failed = []

@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -154,7 +155,7 @@ def stage_main() -> None:
     """A stage whose one worker raises an EndpointError (run through stages.run_stage by the test)."""
     from ars_opd.training.distributed import launch
 
-    launch(worker_raises, "endpoint", workers=1)
+    launch(worker_raises, "endpoint", workers=1, in_process=False)  # the spawned path: pickled back
 
 
 @pytest.mark.slow
@@ -170,11 +171,14 @@ def test_an_endpoint_error_in_a_worker_reaches_the_stage_as_itself():
 def test_an_unexpected_error_in_a_worker_keeps_its_traceback():
     from ars_opd.training.distributed import WorkerFailedError, launch
 
-    with pytest.raises(ValueError, match="an unexpected failure") as e:
-        launch(worker_raises, "value", workers=1)
+    with pytest.raises(ValueError, match="an unexpected failure") as e:  # a spawned worker
+        launch(worker_raises, "value", workers=1, in_process=False)
     cause = e.value.__cause__
     assert isinstance(cause, WorkerFailedError)
     assert "Traceback" in str(cause) and "in worker_raises" in str(cause)  # the worker's own frames
+    with pytest.raises(ValueError, match="an unexpected failure") as e:  # one worker in this process
+        launch(worker_raises, "value", workers=1)
+    assert any(frame.name == "worker_raises" for frame in traceback.extract_tb(e.value.__traceback__))
 
 
 def test_run_stage_prints_an_endpoint_error_alone_and_lets_others_through(capsys):

@@ -130,10 +130,6 @@ def test_fsdp_trains_as_ddp_resumes_after_kill_and_reshards(tmp_path):
         for out in ("data/sft", "data/live"):
             shutil.rmtree(other / out)
         _set(other, ddp=ddp)
-        if name == "one":  # not asked to reshard: a checkpoint of another layout starts afresh, and says how
-            from_step_10(other)
-            out = _run(other, "sft")
-            assert "ddp.reshard_resume: true would resume it resharded" in out
         from_step_10(other)
         _set(other, ddp={**ddp, "reshard_resume": True})
         out = _run(other, "sft")
@@ -162,6 +158,28 @@ def test_fsdp_opd_steps_equal_ddp_opd_steps(tmp_path):
     assert [r["task/response_length"] for r in a] == [r["task/response_length"] for r in b]  # same rollouts
     assert max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)) <= SAME_TRAINING
     assert _rel(wa, wb) <= SAME_TRAINING
+
+
+def test_a_checkpoint_of_another_layout_resumes_only_when_asked(tmp_path):
+    from ars_opd.training.checkpoint import find_checkpoint
+
+    step = tmp_path / "step_0000010"
+    step.mkdir()
+    (step / "state.json").write_text(json.dumps({"world_size": 2, "strategy": "fsdp", "format": "dcp",
+                                                  "layout_fingerprint": "same-run"}))
+    (tmp_path / "latest.json").write_text(json.dumps({"step": 10, "dir": step.name, "fingerprint": "2-fsdp"}))
+    found, why = find_checkpoint(tmp_path, "2-fsdp", 2, "same-run")  # its own layout
+    assert found.path == step and found.resharded_from is None and why == "resuming from step 10"
+    found, why = find_checkpoint(tmp_path, "1-ddp", 1, "same-run", reshard=False, strategy="ddp")
+    assert found is None and "ddp.reshard_resume: true would resume it resharded" in why
+    found, why = find_checkpoint(tmp_path, "1-ddp", 1, "same-run", reshard=True, strategy="ddp")
+    assert found.resharded_from == {"workers": 2, "strategy": "fsdp"} and "resharded from 2 fsdp" in why
+    found, why = find_checkpoint(tmp_path, "1-ddp", 1, "another-run", reshard=True, strategy="ddp")
+    assert found is None and "another configuration" in why  # resharding never crosses runs
+    (step / "state.json").write_text(json.dumps({"world_size": 2, "strategy": "ddp", "format": "safetensors",
+                                                  "layout_fingerprint": "same-run"}))
+    found, why = find_checkpoint(tmp_path, "2-fsdp-other", 2, "same-run", reshard=True, strategy="fsdp")
+    assert found is None and "do not load into a sharded student" in why
 
 
 def test_fsdp_refusals_name_the_key(tmp_path):
