@@ -134,3 +134,4 @@ def test_the_header_states_the_strategy_and_fsdp_has_no_drift_check():
     sharded = _log(n=60).assign(strategy="fsdp", drift_mismatch=None)
     md, _, _ = build_report({"sft": sharded}, None, ReportConfig())
     assert "60 steps, 4 workers (fsdp), scenario S1-1" in md and "replica-drift check does not apply" in md
+    assert "**Replica drift:** not applicable" in md and "replicas were identical" not in md

@@ -210,10 +210,13 @@ def stage_section(stage: str, df: pd.DataFrame, cfg: ReportConfig) -> tuple[list
     bad = [r for r in checks if r["drift_mismatch"]]
     flat[f"{stage}/drift_checks"] = len(checks)
     flat[f"{stage}/drift_mismatches"] = len(bad)
-    md += [f"**Replica drift:** {len(checks)} bit-exact fingerprint checks of every rank's parameters and optimizer "
-           + ("state; the replicas were identical at every check." if not bad else
-              f"state; **{len(bad)} found replicas apart**, first at step {bad[0]['step']} "
-              f"(ranks {bad[0]['drift_mismatch']})."), ""]
+    if strategy == "fsdp" and not checks:
+        md += ["**Replica drift:** not applicable (sharded: there are no replicas to compare).", ""]
+    else:
+        md += [f"**Replica drift:** {len(checks)} bit-exact fingerprint checks of every rank's parameters and "
+               + ("optimizer state; the replicas were identical at every check." if not bad else
+                  f"optimizer state; **{len(bad)} found replicas apart**, first at step {bad[0]['step']} "
+                  f"(ranks {bad[0]['drift_mismatch']})."), ""]
 
     alarms = detect(rows, cfg)
     judged = max(0, len(df) - cfg.warmup)
