@@ -102,7 +102,8 @@ def run_seed(job: dict) -> list[dict]:
     from ars_opd.training.distributed import init_worker, shutdown_worker
     from ars_opd.training.faults import Fault
     from ars_opd.training.geometry import BatchGeometry
-    from ars_opd.training.loop import train_step, wrap_ddp
+    from ars_opd.training.loop import train_step, wrap_model
+    from ars_opd.training.sharding import ShardedConsistencyHook
     from ars_opd.training.optim import make_optimizer, make_scheduler
     from ars_opd.training.sft import SFTTask, encode_sft_rows
 
@@ -117,8 +118,9 @@ def run_seed(job: dict) -> list[dict]:
         set_seeds(derive_seed(seed, "bench-rng"))
         task = SFTTask(data, cfg, geometry, derive_seed(seed, "bench-sampler"), ctx.rank, ctx.device,
                        tok.pad_token_id, None, len(tok))
-        ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size))
-        hook = ConsistencyHook(ctx.world_size, gram_every=0)
+        strategy = job.get("strategy", "ddp")
+        ddp = wrap_model(model, ctx, DDPConfig(workers=ctx.world_size, strategy=strategy), cfg)
+        hook = (ShardedConsistencyHook if strategy == "fsdp" else ConsistencyHook)(ctx.world_size, gram_every=0)
         hook.attach(ddp)
         opt = make_optimizer(model, cfg)
         sched = make_scheduler(opt, cfg, cfg.steps)
@@ -126,7 +128,8 @@ def run_seed(job: dict) -> list[dict]:
         def run(state: TrainerState, until: int, fault: Fault | None) -> list[dict]:
             rows = []
             while state.step < until:
-                r = train_step(ddp, task, opt, sched, ctx, cfg, state, hook, fault, job["drift_every"])
+                r = train_step(ddp, task, opt, sched, ctx, cfg, state, hook, fault,
+                               0 if strategy == "fsdp" else job["drift_every"])  # no replicas when sharded
                 rows.append({"step": state.step, "loss": r.loss, "grad_norm": r.grad_norm,
                              "worker_loss": r.worker_loss, "worker_tokens": r.worker_tokens,
                              "consistency/worker_grad_norm": r.consistency["worker_grad_norm"],
@@ -187,8 +190,8 @@ def score_case(case: dict, settings: ReportConfig, onset: int, workers: int) -> 
     if "micro_batch_size" in case:
         extra = {"micro_batches_dropped": case["micro_batches_dropped"],
                  "micro_batches_per_rank": GLOBAL_BATCH // workers // case["micro_batch_size"]}
-    return {"case": case["case"], "workers": workers, "magnitude": case["magnitude"], "default": case["default"],
-            "seed": case["seed"], **extra, "rank": None if healthy else fault_rank(workers),
+    return {"case": case["case"], "workers": workers, "strategy": case.get("strategy", "ddp"),
+            "magnitude": case["magnitude"], "default": case["default"], "seed": case["seed"], **extra, "rank": None if healthy else fault_rank(workers),
             "onset_step": None if healthy else onset, "steps": len(rows), "detected": first is not None,
             "delay_steps": None if first is None else first.step - onset,
             "named_rank": None if first is None else first.rank, "false_alarms": len(before),
@@ -304,13 +307,14 @@ def fault_runs(a, workers: int, params: dict) -> list[dict]:
            "snapshot_every": 0, "steps": SCHEDULE_STEPS}
     done = []
     for job in build_jobs(a.cases, a.fault_seeds, workers, a.fault_steps, a.onset, a.all_magnitudes):
-        path = a.rows / f"k{workers}" / f"faults_seed{job['seed']}.jsonl"
+        sub = f"k{workers}" if a.strategy == "ddp" else f"k{workers}_{a.strategy}"
+        path = a.rows / sub / f"faults_seed{job['seed']}.jsonl"
         if a.from_rows or path.exists():
             done += [json.loads(line) for line in path.read_text().splitlines() if line]
             continue
-        job.update(sft=sft, arch=params["models"]["student_arch"], rows=2000, data_seed=7,
+        job.update(sft=sft, arch=params["models"]["student_arch"], rows=2000, data_seed=7, strategy=a.strategy,
                    drift_every=params["ddp"]["drift_check_every"])
-        out = launch(run_seed, job, workers, 1)
+        out = [{**d, "strategy": a.strategy} for d in launch(run_seed, job, workers, 1)]
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             for d in out:
@@ -335,6 +339,8 @@ def main() -> None:
     p.add_argument("--fault-steps", type=int, default=60, help="steps a fault runs after its onset")
     p.add_argument("--onset", type=int, default=150)
     p.add_argument("--from-rows", action="store_true", help="only re-score kept rows; train nothing")
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp",
+                   help="the fault runs' strategy (fsdp: statistics from the reduce-scatter, no drift check)")
     a = p.parse_args()
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     settings = parse_section(ReportConfig, params["report"], "report")
