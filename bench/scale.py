@@ -50,6 +50,7 @@ from ars_opd.training.loop import train_step, unwrapped, wrap_model  # noqa: E40
 from ars_opd.training.optim import make_optimizer, make_scheduler  # noqa: E402
 from ars_opd.training.sft import EncodedData, SFTTask  # noqa: E402
 from ars_opd.training.sharding import ShardedConsistencyHook  # noqa: E402
+from loss_memory import _cpu_extra_peak  # noqa: E402  (the allocator-event peak, as bench/loss_memory.py)
 
 PRESETS = {
     "cpu-50m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=10,
@@ -96,17 +97,6 @@ def _state_bytes(model, opt) -> dict:
     return {"weights": weights, "grads": grads, "optimizer": optim, "state": weights + grads + optim}
 
 
-def _live_peak(prof) -> int:
-    """The highest live total above the start, from the profiler's allocation events in time order."""
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def _run_strategy(job: dict, strategy: str, ctx) -> dict:
     rng = random.Random(ctx.rank)
     vocab = PRESETS[job["preset"]]["vocab_size"]
@@ -139,12 +129,8 @@ def _run_strategy(job: dict, strategy: str, ctx) -> dict:
         state.step += 1
         return time.perf_counter() - t0
 
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        for _ in range(2):  # the first two steps: gradients, AdamW's state and buffers appear here
-            step("without")
-    peak = _live_peak(prof)
+    # the first two steps: gradients, AdamW's state and buffers appear here
+    peak = _cpu_extra_peak(lambda: [step("without") for _ in range(2)])
     for _ in range(2):
         step("with")
     model_wo, opt_wo = unwrapped(runs["without"][0]), runs["without"][2]

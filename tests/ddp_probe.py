@@ -110,12 +110,13 @@ def _brute_force(ddp, task, ctx, cfg):
     losses = [torch.zeros(1, dtype=torch.float64) for _ in range(ctx.world_size)]
     dist.all_gather(losses, torch.tensor([loss_sum / local_tokens], dtype=torch.float64))
     model.zero_grad(set_to_none=True)
-    G = torch.stack(parts)  # (K, P)
-    mean = G.mean(0)
-    K = ctx.world_size
-    norms = G.norm(dim=1)
+    return brute_force_statistics(torch.stack(parts), [float(x) for x in torch.cat(losses)])
+
+
+def brute_force_statistics(G: torch.Tensor, wl: list[float]) -> dict:
+    """Every consistency statistic from the (K, P) matrix of all workers' flattened local gradients."""
+    K, mean, norms = G.shape[0], G.mean(0), G.norm(dim=1)
     cos = [float(torch.dot(G[i], G[j]) / (norms[i] * norms[j])) for i in range(K) for j in range(i + 1, K)]
-    wl = [float(x) for x in torch.cat(losses)]
     return {
         "worker_loss": wl,
         "loss_dispersion": float(torch.tensor(wl).std(unbiased=False)),

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from ars_opd.config import SFTConfig
 from ars_opd.training.distributed import gather_floats, init_worker, shutdown_worker
-from ddp_probe import FixedTask, tiny_model
+from ddp_probe import FixedTask, brute_force_statistics, tiny_model
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -31,20 +31,7 @@ def _brute_force(plain, task, ctx) -> dict:
     dist.all_gather(parts, flat)
     losses = gather_floats([loss_sum / local_tokens], ctx.device)[:, 0].tolist()
     plain.zero_grad(set_to_none=True)
-    G = torch.stack(parts)  # (K, P)
-    K, mean, norms = ctx.world_size, G.mean(0), G.norm(dim=1)
-    cos = [float(torch.dot(G[i], G[j]) / (norms[i] * norms[j])) for i in range(K) for j in range(i + 1, K)]
-    return {
-        "worker_loss": losses,
-        "loss_dispersion": float(torch.tensor(losses).std(unbiased=False)),
-        "grad_norm_dispersion": float(norms.std(unbiased=False)),
-        "worker_grad_norm": norms.tolist(),
-        "worker_cos_to_mean": [float(torch.dot(G[k], mean) / (norms[k] * mean.norm())) for k in range(K)],
-        "gradient_diversity": float((norms ** 2).sum() / G.sum(0).pow(2).sum()),
-        "grad_direction_consistency": sum(cos) / len(cos) if cos else float("nan"),
-        "mean": mean,
-        "abs_mean": G.abs().mean(0),
-    }
+    return brute_force_statistics(torch.stack(parts), losses)
 
 
 def fsdp_consistency_probe(job: dict) -> list:
