@@ -347,3 +347,16 @@ def noise_scale_probe(job: dict) -> dict:
                 "counts": [c[:int(s)].tolist() for c, s in zip(cparts, sizes)]}
     finally:
         shutdown_worker()
+
+
+def start_probe(job: dict) -> dict:
+    """``grad_probe``, and what the worker's process saw: an environment variable now and one a library read
+    once at import (huggingface_hub's offline flag), its thread count and working directory."""
+    import os
+
+    import huggingface_hub.constants
+
+    out = grad_probe(job)
+    out.update(mark=os.environ.get("ARS_OPD_TEST_MARK"), hub_offline=huggingface_hub.constants.HF_HUB_OFFLINE,
+               threads=torch.get_num_threads(), cwd=os.getcwd())
+    return out

@@ -1,0 +1,57 @@
+"""Workers forked from the forkserver (the default on CPU) are the workers ``spawn`` would start: the same
+gradients bit for bit, and the launching process's environment and directory as they are at each launch."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from ars_opd.training import distributed
+from ddp_probe import start_probe
+
+
+def _batch(n=8, vocab=40, seed=3):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(3, 9))] for _ in range(n)]
+    completions = [[rng.randrange(4, vocab) for _ in range(rng.randint(1, 6))] for _ in range(n)]
+    return {"prompts": prompts, "completions": completions, "micro": 2}
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["loss"] == b["loss"] and a["tokens"] == b["tokens"]
+    assert a["grads"].keys() == b["grads"].keys()
+    for name in a["grads"]:
+        assert torch.equal(a["grads"][name], b["grads"][name]), name
+    for key in ("mark", "hub_offline", "threads", "cwd"):
+        assert a[key] == b[key], key
+
+
+@pytest.mark.ddp
+def test_forkserver_workers_equal_spawned_workers_and_see_each_launchs_environment(tmp_path, monkeypatch):
+    assert distributed.default_start_method() == "forkserver"  # CPU only here: the path every other test takes
+    job = _batch()
+    first = distributed.launch(start_probe, job, 2, start_method="forkserver")
+    # a variable set after the forkserver started, one that huggingface_hub reads only at import, and the
+    # directory: a spawned worker sees them as they are now, and so must a forked one
+    offline = os.environ.get("HF_HUB_OFFLINE", "")
+    monkeypatch.setenv("ARS_OPD_TEST_MARK", "second launch")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0" if offline == "1" else "1")
+    monkeypatch.chdir(tmp_path)
+    forked = distributed.launch(start_probe, job, 2, start_method="forkserver")
+    spawned = distributed.launch(start_probe, job, 2, start_method="spawn")
+    _same(forked, spawned)
+    assert forked["mark"] == "second launch" and forked["cwd"] == str(tmp_path)
+    assert forked["hub_offline"] != first["hub_offline"]
+    assert first["mark"] is None and forked["threads"] == 1
+    # the same computation either way, before and after the change
+    assert first["loss"] == forked["loss"]
+    for name in first["grads"]:
+        assert torch.equal(first["grads"][name], forked["grads"][name]), name
+
+
+def test_an_unknown_start_method_is_refused():
+    with pytest.raises(ValueError, match="forkserver"):
+        distributed.launch(start_probe, {}, 2, start_method="fork")
