@@ -18,6 +18,10 @@ as argparse does, instead of a traceback that buries it, and exits with its own 
   (``ars_opd.training.distributed.launch`` re-raises a worker's error as itself).
 
 Any other exception is unexpected and keeps its traceback.
+
+A training stage (sft, opd, sft_continued) that will start two or more local workers on CPU also starts
+their forkserver here, before its own imports (``ars_opd.training.forkserver.start_early``): the two import
+torch and transformers side by side instead of one after the other.
 """
 
 from __future__ import annotations
@@ -57,6 +61,35 @@ def _require_environment() -> None:
 
 
 _require_environment()
+
+TRAINING_STAGES = ("stages.sft", "stages.opd", "stages.sft_continued")
+
+
+def _start_workers_early() -> None:
+    """Start the workers' forkserver if this process is a training stage that will fork them: run as
+    ``python -m stages.<training stage>``, not under an outside launcher, ``ddp.workers`` ≥ 2 and no CUDA in
+    sight (CUDA workers are spawned). Only a head start: where it guesses wrong, ``launch`` still does the
+    right thing, and bad params are left for the stage to report."""
+    argv = list(getattr(sys, "orig_argv", []))
+    if "-m" not in argv[:-1] or argv[argv.index("-m") + 1] not in TRAINING_STAGES:
+        return
+    if "WORLD_SIZE" in os.environ:
+        return
+    try:
+        from ars_opd.config import load_params
+
+        ddp = load_params(sections=("ddp",)).ddp
+    except Exception:
+        return
+    cuda_in_sight = os.path.exists("/dev/nvidiactl") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if ddp.workers < 2 or ddp.device == "cuda" or (ddp.device == "auto" and cuda_in_sight):
+        return
+    from ars_opd.training.forkserver import start_early
+
+    start_early(ddp.threads_per_worker)
+
+
+_start_workers_early()
 
 
 def run_stage(main: Callable[[], None]) -> None:

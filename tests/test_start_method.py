@@ -1,16 +1,20 @@
 """Workers forked from the forkserver (the default on CPU) are the workers ``spawn`` would start: the same
-gradients bit for bit, and the launching process's environment and directory as they are at each launch."""
+gradients bit for bit, and the launching process's environment and directory as they are at each launch.
+A training stage starts that forkserver before its own imports."""
 
 from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from ars_opd.training import distributed
 from ddp_probe import start_probe
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _batch(n=8, vocab=40, seed=3):
@@ -55,3 +59,37 @@ def test_forkserver_workers_equal_spawned_workers_and_see_each_launchs_environme
 def test_an_unknown_start_method_is_refused():
     with pytest.raises(ValueError, match="forkserver"):
         distributed.launch(start_probe, {}, 2, start_method="fork")
+
+
+def _started_early(root, stage: str, ddp: dict) -> dict:
+    """Import ``stages`` as ``python -m <stage>`` would in a workspace with these ddp params: whether the
+    forkserver is running afterwards, and whether torch was imported on the way."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "params.yaml").write_text(yaml.safe_dump({"ddp": ddp}))
+    probe = ("import sys, json; sys.orig_argv[:] = [sys.executable, '-m', %r]; import stages; "
+             "from multiprocessing import forkserver as f; "
+             "print(json.dumps({'running': f._forkserver._forkserver_pid is not None, "
+             "'torch': 'torch' in sys.modules}))" % stage)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "CUDA_VISIBLE_DEVICES")}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="CUDA in sight: workers are spawned, nothing to start")
+def test_a_training_stage_with_local_cpu_workers_starts_their_forkserver_before_importing_torch(tmp_path):
+    assert _started_early(tmp_path / "sft", "stages.sft", {"workers": 2, "device": "cpu"}) == \
+        {"running": True, "torch": False}
+    # one worker trains in the stage's process; evaluate never launches workers
+    assert not _started_early(tmp_path / "one", "stages.opd", {"workers": 1, "device": "cpu"})["running"]
+    assert not _started_early(tmp_path / "eval", "stages.evaluate", {"workers": 2, "device": "cpu"})["running"]
+    # a bad params file is left for the stage to report
+    assert not _started_early(tmp_path / "bad", "stages.sft", {"workers": "two"})["running"]

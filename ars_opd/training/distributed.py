@@ -15,7 +15,7 @@ so a launch costs a fork instead of an interpreter that re-imports torch and tra
 CPU per worker on the 2-core CI machine). The forkserver has run no torch op, so no OpenMP pool is copied
 into a child (forking a process that has used one can hang the child's first parallel op). A child of the
 forkserver inherits the forkserver's environment and stdout/stderr, not the launching process's current
-ones; so the forkserver is started again whenever either has changed since (``_forkserver_for_here``): a
+ones; so the forkserver is started again whenever either has changed since (``forkserver.use_forkserver``): a
 worker sees exactly the environment a spawned one would (also what libraries read once, at import). With
 CUDA visible, workers are spawned (a fresh interpreter each), because a process that has touched CUDA must
 not fork and the engine's imports may touch it. ``launch(..., start_method="spawn")`` asks for that on CPU too.
@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ars_opd.config import launched_externally  # noqa: F401  (where workers ask it)
+from ars_opd.training import forkserver
 
 
 class WorkerFailedError(RuntimeError):
@@ -135,48 +136,9 @@ class _QuietWhenReraised(logging.Filter):
         return True
 
 
-# what a forkserver imports before it forks any worker: the whole engine (torch and transformers included)
-WORKER_PRELOAD = ("ars_opd.training.worker",)
-# (environment, stdout/stderr identity) the running forkserver was started under; None before the first
-_forkserver_started_under: tuple | None = None
-
-
-def _stdio_identity() -> tuple:
-    out = []
-    for fd in (1, 2):
-        try:
-            st = os.fstat(fd)
-            out.append((st.st_dev, st.st_ino))
-        except OSError:
-            out.append(None)
-    return tuple(out)
-
-
-def _forkserver_for_here() -> None:
-    """Make the forkserver's children see this process's environment and stdio as they are now: keep the
-    running forkserver if it was started under the same ones, else stop it (the next launch starts a new
-    one, which imports ``WORKER_PRELOAD`` first)."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    global _forkserver_started_under
-    # not counted as a change: elastic's own TORCHELASTIC_* variables, which it sets in this process during a
-    # launch (and hands to the workers itself), and pytest's name of the running test, new for every test
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if not k.startswith("TORCHELASTIC_") and k != "PYTEST_CURRENT_TEST")
-    now = (tuple(env), _stdio_identity())
-    if _forkserver_started_under is not None and _forkserver_started_under != now:
-        forkserver._forkserver._stop()
-    multiprocessing.set_forkserver_preload(list(WORKER_PRELOAD))
-    _forkserver_started_under = now
-
-
 def default_start_method() -> str:
     """``forkserver`` on CPU, ``spawn`` where CUDA is visible (see the module's docstring)."""
-    from multiprocessing import forkserver
-
-    usable = hasattr(forkserver, "_forkserver") and hasattr(forkserver._forkserver, "_stop")
-    return "spawn" if torch.cuda.is_available() or not usable else "forkserver"
+    return "spawn" if torch.cuda.is_available() or not forkserver.usable() else "forkserver"
 
 
 def launch(fn: Callable[[Any], Any], job: Any, workers: int, threads_per_worker: int = 1,
@@ -198,7 +160,7 @@ def launch(fn: Callable[[Any], Any], job: Any, workers: int, threads_per_worker:
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn', not {method!r}")
     if method == "forkserver":
-        _forkserver_for_here()
+        forkserver.use_forkserver()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=workers, run_id=uuid.uuid4().hex,
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"join_timeout": 120},
