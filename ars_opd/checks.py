@@ -118,7 +118,7 @@ def check_models(p: PathsConfig, problems: Problems) -> None:
 
 def _check_pin(models_dir: Path, role: str, ref: dict, problems: Problems) -> None:
     """The files of a pinned model still match the manifest (what every stage checks before loading it)."""
-    from ars_opd.models.pinning import ModelSourceError, verify_pin  # torch: only for this check
+    from ars_opd.models.loading import ModelSourceError, verify_pin  # torch: only for this check
 
     try:
         verify_pin(models_dir, role, ref)

@@ -162,9 +162,9 @@ def _cmd_distillation(args: argparse.Namespace) -> int:
 
 
 def _serve(argv: list[str]) -> int:
-    from ars_opd.teacher import server  # heavy imports only for this subcommand
+    from ars_opd.teacher.server import app  # heavy imports only for this subcommand
 
-    return server.main(argv)
+    return app.main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:

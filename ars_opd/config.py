@@ -12,7 +12,7 @@ runs; tests/test_config.py walks params.yaml key by key against the defaults.
 
 "Valid params" means one thing: ``load_params`` runs every check a stage runs on its params before it starts
 work, including those that span sections or live with the code they protect (the OPD objective's rules,
-``ars_opd.lm.objectives.check_config``; the batch split over ``ddp.workers``), so ``ars-opd params``
+``ars_opd.lm.opd_objectives.check_config``; the batch split over ``ddp.workers``), so ``ars-opd params``
 refuses exactly what a stage would.
 
 What this module leaves out: file paths are not resolved or checked for existence here (stages do that
@@ -32,9 +32,12 @@ from typing import Any, Literal, Mapping
 
 import yaml
 
-from ars_opd.data.synthetic import DEFAULT_TASKS, TASK_NAMES
-
 PARAMS_FILE = "params.yaml"
+
+# the built-in synthetic tasks (``synthetic.tasks`` names some of them); ``ars_opd.data.synthetic`` holds one
+# generator and one instruction per name, in this order (tested)
+TASK_NAMES = ("add", "reverse", "sort_digits", "length", "uppercase", "count_letter")
+DEFAULT_TASKS = ("add", "reverse", "sort_digits", "length", "uppercase")
 
 
 class ConfigError(ValueError):
@@ -127,7 +130,7 @@ class PathsConfig:
     eval_dir: str = "data/evaluate"
     """evaluate: table.md, answers.jsonl (every greedy answer), manifest.json."""
     eval_metrics: str = "data/metrics/evaluate.json"
-    """evaluate metrics, nested by model (base, sft, opd, teacher)."""
+    """evaluate metrics, nested by model (base, sft, opd, sft_continued, teacher)."""
     eval_live: str = "data/live/evaluate"
     """evaluate: the learning curves through DVCLive (plots/metrics/<stage>/<metric>.tsv against steps)."""
     report_md: str = "reports/report.md"
@@ -755,7 +758,7 @@ class OPDConfig(TrainLoopConfig):
     """Keep the weights every this many steps with the model (learning-curve points; also the loop of
     sft_continued, the control arm; 0: none)."""
     loss: str = "full_vocab"
-    """An objective of ars_opd.lm.objectives: full_vocab (exact divergence over the vocabulary) or sampled_token
+    """An objective of ars_opd.lm.opd_objectives: full_vocab (exact divergence over the vocabulary) or sampled_token
     (policy-gradient estimator of reverse KL from the sampled tokens' teacher log-probabilities)."""
     beta: float = 1.0
     """Divergence: 0 forward KL, 1 reverse KL, in between generalised JSD (objectives that use beta)."""
@@ -791,7 +794,7 @@ class OPDConfig(TrainLoopConfig):
         super().__post_init__()
         _require(self.topk >= 1, "topk", f"must be >= 1, got {self.topk}")
         # which losses exist and what each demands (beta, pure on-policy rollouts) is checked against the
-        # objectives registry, ars_opd.lm.objectives.check_config, by load_params (check_params), not here:
+        # objectives registry, ars_opd.lm.opd_objectives.check_config, by load_params (check_params), not here:
         # the registry imports this module (and torch)
         _require(bool(self.loss.strip()), "loss", "must name an objective, e.g. full_vocab or sampled_token")
         _require(0 <= self.beta <= 1, "beta", f"must be in [0, 1] (0 forward KL, 1 reverse KL), got {self.beta}")
@@ -998,13 +1001,67 @@ def load_params(path: str | Path = PARAMS_FILE, sections: tuple[str, ...] | None
     return params
 
 
+# What each OPD loss needs from the teacher and demands of the rollouts: torch-free, so that ``load_params``
+# runs ``check_objective`` for every stage ("valid params" means one thing). The losses themselves, with
+# these rules attached, are the registry of ``ars_opd.lm.opd_objectives``; a new loss is one entry here and one
+# there.
+@dataclass(frozen=True)
+class ObjectiveRules:
+    name: str
+    teacher_signal: Literal["logits", "token_logprobs", "topk"]
+    """What the teacher must provide."""
+    uses_beta: bool
+    """Whether ``opd.beta`` means anything (else it must stay 1.0)."""
+    exact_on_policy: bool
+    """The gradient is right only for pure student samples at the loss temperature (λ = 1, top_p = 1)."""
+
+
+RULES: dict[str, ObjectiveRules] = {r.name: r for r in (
+    ObjectiveRules("full_vocab", "logits", uses_beta=True, exact_on_policy=False),
+    ObjectiveRules("sampled_token", "token_logprobs", uses_beta=False, exact_on_policy=True),
+    ObjectiveRules("topk", "topk", uses_beta=True, exact_on_policy=False),
+)}
+
+
+def check_objective(cfg: OPDConfig) -> ObjectiveRules:
+    """The rules of the loss ``cfg.loss`` names, if ``cfg`` lets it train correctly; else ``ConfigError``
+    naming the key."""
+    if cfg.loss not in RULES:
+        raise ConfigError("opd.loss", f"must be one of {list(RULES)}, got {cfg.loss!r}")
+    rules = RULES[cfg.loss]
+    if cfg.teacher == "endpoint":  # a served teacher returns log-probabilities at τ = 1, top-k at most
+        if rules.teacher_signal == "logits":
+            raise ConfigError("opd.loss", f"the {cfg.loss} loss needs the teacher's full distribution, which a "
+                                          "scoring endpoint does not return; with opd.teacher: endpoint use "
+                                          "sampled_token (exact) or topk (top-k approximation)")
+        if rules.teacher_signal == "token_logprobs" and cfg.temperature != 1.0:
+            raise ConfigError("opd.temperature", f"an endpoint's prompt_logprobs are log-softmax at temperature 1 "
+                                                 f"and log p_T(y) at τ = {cfg.temperature} needs the whole "
+                                                 f"distribution; set 1.0 with opd.teacher: endpoint (or use topk, "
+                                                 "which renormalises over the top-k at τ)")
+    if not rules.uses_beta and cfg.beta != 1.0:
+        raise ConfigError("opd.beta", f"the {cfg.loss} loss estimates reverse KL only; set beta: 1.0")
+    if rules.exact_on_policy:  # its gradient is right only for tokens drawn from q at the temperature
+        if cfg.on_policy_fraction != 1.0:
+            raise ConfigError("opd.on_policy_fraction",
+                              f"the {cfg.loss} loss needs tokens sampled from the student (teacher completions "
+                              f"would bias its gradient with no importance weight); set 1.0, got "
+                              f"{cfg.on_policy_fraction}")
+        if cfg.sample_temperature != cfg.temperature or cfg.top_p != 1.0:
+            raise ConfigError("opd.sample_temperature",
+                              f"the {cfg.loss} loss needs rollouts from the distribution it differentiates: "
+                              f"sample_temperature == temperature ({cfg.temperature}) and top_p == 1.0, got "
+                              f"{cfg.sample_temperature} and {cfg.top_p}")
+    return rules
+
+
 def check_params(params: Params, base: str | Path = ".") -> None:
     """The checks beyond each section's own that the stages run on their params, for the sections
     ``params`` holds; ``ConfigError`` naming the key. ``base``: where relative paths start (the repo root).
 
     - ``inputs``: each local source of ``data``/``models`` is mirrored by its ``inputs`` key (``check_inputs``);
     - ``opd``: the objective ``opd.loss`` trains correctly with these settings
-      (``ars_opd.lm.objective_rules.check_config``; ``run_opd`` calls it again for configs built in code);
+      (``check_objective``; ``run_opd`` calls it again for configs built in code);
     - ``ddp`` with ``sft``/``opd``: the global batch splits over ``ddp.workers`` and then into micro-batches
       (``batch_split_problem``, which every worker runs again with the real world
       size). Skipped in a worker of an outside launcher (torchrun): ``ddp.workers`` is ignored there.
@@ -1016,9 +1073,7 @@ def check_params(params: Params, base: str | Path = ".") -> None:
     if params.inputs is not None:
         check_inputs(params.inputs, params.data, params.models, base)
     if params.opd is not None:
-        from ars_opd.lm.objective_rules import check_config  # here, not at the top: it imports this module
-
-        check_config(params.opd)
+        check_objective(params.opd)
     if params.ddp is not None and params.opd is not None and params.ddp.strategy == "fsdp" \
             and params.opd.rollout_cache == "static":
         raise ConfigError("opd.rollout_cache", "static rollouts stop each worker at its own EOS, and a sharded "
@@ -1040,7 +1095,7 @@ def launched_externally() -> bool:
 
 def batch_split_problem(global_batch: int, workers: int, micro_batch: int, section: str) -> str | None:
     """Why a global batch does not split over ``workers`` and then into micro-batches, or None if it does
-    (``ars_opd.training.geometry.BatchGeometry.check`` refuses the same)."""
+    (``ars_opd.training.batch_plan.BatchGeometry.check`` refuses the same)."""
     if global_batch % workers:
         return f"{section}.global_batch_size = {global_batch} does not divide by ddp.workers = {workers}"
     if (global_batch // workers) % micro_batch:

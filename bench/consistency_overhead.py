@@ -47,9 +47,9 @@ from ars_opd.config import DDPConfig, SFTConfig  # noqa: E402
 from ars_opd.training.checkpoint import TrainerState  # noqa: E402
 from ars_opd.training.consistency import ConsistencyHook  # noqa: E402
 from ars_opd.training.distributed import init_worker, launch, shutdown_worker  # noqa: E402
-from ars_opd.training.geometry import BatchGeometry  # noqa: E402
+from ars_opd.training.batch_plan import BatchGeometry  # noqa: E402
 from ars_opd.training.loop import train_step, wrap_ddp  # noqa: E402
-from ars_opd.training.optim import make_optimizer, make_scheduler  # noqa: E402
+from ars_opd.lm.optim import make_optimizer, make_scheduler  # noqa: E402
 from ars_opd.training.sft import EncodedData, SFTTask  # noqa: E402
 
 PRESETS = {

@@ -101,10 +101,10 @@ def run_seed(job: dict) -> list[dict]:
     from ars_opd.training.consistency import ConsistencyHook
     from ars_opd.training.distributed import init_worker, shutdown_worker
     from ars_opd.training.faults import Fault
-    from ars_opd.training.geometry import BatchGeometry
+    from ars_opd.training.batch_plan import BatchGeometry
     from ars_opd.training.loop import train_step, wrap_model
     from ars_opd.training.sharding import ShardedConsistencyHook
-    from ars_opd.training.optim import make_optimizer, make_scheduler
+    from ars_opd.lm.optim import make_optimizer, make_scheduler
     from ars_opd.training.sft import SFTTask, encode_sft_rows
 
     ctx = init_worker("cpu", "gloo", threads=1)

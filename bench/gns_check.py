@@ -44,16 +44,16 @@ def worker(job: dict) -> dict:
     from ars_opd.data import synthetic
     from ars_opd.data.prompts import alpaca_messages
     from ars_opd.lm.batching import pad_right_with_labels
-    from ars_opd.lm.losses import causal_lm_token_loss_sum
+    from ars_opd.lm.cross_entropy import causal_lm_token_loss_sum
     from ars_opd.models.builtin import build_causal_lm
     from ars_opd.models.tokenizer import build_char_word_tokenizer
     from ars_opd.seeding import set_seeds
     from ars_opd.training.checkpoint import TrainerState
     from ars_opd.training.consistency import ConsistencyHook, noise_scale_terms
     from ars_opd.training.distributed import gather_floats, init_worker, shutdown_worker
-    from ars_opd.training.geometry import BatchGeometry
+    from ars_opd.training.batch_plan import BatchGeometry
     from ars_opd.training.loop import accumulate_gradients, train_step, wrap_ddp
-    from ars_opd.training.optim import make_optimizer, make_scheduler
+    from ars_opd.lm.optim import make_optimizer, make_scheduler
     from ars_opd.training.sft import SFTTask, encode_sft_rows
 
     ctx = init_worker("cpu", "gloo", threads=1)

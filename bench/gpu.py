@@ -6,8 +6,8 @@
 
 Every workload runs the pipeline's own code: packing (``ars_opd.lm.batching``), the packed attention
 (``ars_opd.lm.attention``: flash varlen where installed, else FlexAttention on CUDA, else per-sequence SDPA),
-losses from hidden states (``ars_opd.lm.head``, ``ars_opd.lm.losses``, the objectives registry), the frozen
-teacher (``ars_opd.training.teachers.LocalTeacher``, bf16 on CUDA) and the static-cache decode loop
+losses from hidden states (``ars_opd.lm.head``, ``ars_opd.lm.cross_entropy``, the objectives registry), the frozen
+teacher (``ars_opd.training.opd_teachers.LocalTeacher``, bf16 on CUDA) and the static-cache decode loop
 (``ars_opd.lm.decoding``); models are built from config with random weights (no download). Precision is the
 pipeline's on CUDA: fp32 master weights under bf16 autocast for the student, bf16 weights for the teacher.
 On CUDA each decoder layer is compiled (``torch.compile``) for SFT and the OPD step, and the decode step with
@@ -28,8 +28,10 @@ CUDA graphs. One JSON line per workload:
 - ``opd_step``: one OPD step on 16 × 512 tokens (loss on the last 384 of each row): student forward to
   hidden states, teacher scoring, full-vocabulary reverse KL, backward, optimiser step; step_ms and the
   step's peak memory above what existed before it;
-- ``opd_loss``: the loss alone at 8,192 tokens × V from given hidden states, chunked vs naive (logits
-  materialised, the former path): extra peak memory above the inputs, and time.
+- ``opd_loss``: the loss alone at 8,192 tokens × V from given hidden states, through the pipeline's
+  ``full_vocab`` objective: chunked (``chunk`` positions at a time) vs naive (all positions in one chunk, so
+  both models' (tokens × V) logits and the loss's fp32 temporaries exist at once, as on a logits path): extra
+  peak memory above the inputs, and time.
 
 Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the running sum of torch.profiler's
 allocation events (as ``bench/loss_memory.py``). Imports only torch, transformers and ars_opd (its lm,
@@ -56,12 +58,11 @@ from ars_opd.config import OPDConfig, SFTConfig  # noqa: E402
 from ars_opd.lm.attention import packed_model_inputs, use_packed_attention  # noqa: E402
 from ars_opd.lm.batching import pack_sequences  # noqa: E402
 from ars_opd.lm.decoding import generate_static  # noqa: E402
-from ars_opd.lm.divergences import token_divergence  # noqa: E402
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows  # noqa: E402
-from ars_opd.lm.losses import causal_lm_loss_from_hidden  # noqa: E402
-from ars_opd.lm.objectives import TeacherLogits, TeacherScores, get_objective  # noqa: E402
-from ars_opd.training.teachers import LocalTeacher  # noqa: E402
-from ars_opd.training.optim import autocast_context, clip_gradients, make_optimizer  # noqa: E402
+from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden  # noqa: E402
+from ars_opd.lm.opd_objectives import TeacherLogits, TeacherScores, get_objective  # noqa: E402
+from ars_opd.training.opd_teachers import LocalTeacher  # noqa: E402
+from ars_opd.lm.optim import autocast_context, clip_gradients, make_optimizer  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 SHAPES = {  # Qwen3 configurations (hidden, intermediate, layers, heads, kv heads, head_dim)
@@ -316,7 +317,8 @@ def bench_opd(a, device, vocab, student_shape, teacher_shape) -> list[dict]:
 
 
 def bench_opd_loss(a, device, vocab, student, teacher) -> dict:
-    """The loss alone from given hidden states: chunked (the pipeline) vs naive (logits materialised)."""
+    """The loss alone from given hidden states: chunked (the pipeline) vs naive (one chunk of all M rows: every
+    position's logits materialised at once)."""
     M = a.loss_tokens
     g = torch.Generator(device=device).manual_seed(3)
     s_head, t_head = OutputHead.of(student, vocab), OutputHead.of(teacher, vocab)
@@ -325,20 +327,13 @@ def bench_opd_loss(a, device, vocab, student, teacher) -> dict:
     targets = torch.randint(0, vocab, (M,), device=device, generator=g)
     objective = get_objective("full_vocab")
     result = {"bench": "opd_loss", "tokens": M, "vocab": vocab}
-    for variant in ("naive", "chunked"):
-        def run():
+    for variant, chunk in (("naive", M), ("chunked", a.chunk)):
+        def run(chunk=chunk):
             student.zero_grad(set_to_none=True)
             h = hs.detach().requires_grad_(True)
             with autocast_context("auto", device):
-                if variant == "chunked":
-                    scores = TeacherScores(logits=TeacherLogits(ht, t_head, targets))
-                    loss, _ = objective.loss(h, s_head, scores, targets, 1.0, 1.0, a.chunk)
-                else:
-                    with torch.no_grad():
-                        zt = torch.nn.functional.linear(ht, t_head.weight)  # (M, V)
-                    zs = torch.nn.functional.linear(h, s_head.weight)  # (M, V)
-                    loss, _ = token_divergence(zs, zt, torch.ones(M, dtype=torch.bool, device=device), 1.0, 1.0,
-                                               a.chunk)
+                scores = TeacherScores(logits=TeacherLogits(ht, t_head, targets))
+                loss, _ = objective.loss(h, s_head, scores, targets, 1.0, 1.0, chunk)
             loss.backward()
 
         run()

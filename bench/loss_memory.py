@@ -4,8 +4,9 @@ Each step is forward + loss + backward of a Qwen3-shaped student (hidden 256, on
 a real vocabulary (V = 151,936 by default) on 16 × 512 tokens; the OPD step adds a no-grad teacher of the
 same width (two layers) and reverse KL over the full vocabulary. Variants:
 
-- ``naive``: the pipeline's former code path: ``model(...).logits`` (B, T, V) for the student and the teacher,
-  ``causal_lm_token_loss_sum`` / the teacher's fp32 ``logsumexp`` + ``token_divergence``;
+- ``naive``: the logits path: ``model(...).logits`` (B, T, V) for the student and the teacher, then
+  ``causal_lm_token_loss_sum`` (SFT) or the teacher's fp32 ``logsumexp`` + reverse KL over the whole tensors
+  with autograd (OPD: ``divergence_sum`` of ``tests/oracles.py``, the tests' reference);
 - ``chunked``: the current one: last hidden states, then ``causal_lm_loss_from_hidden`` (SFT) or
   ``LocalTeacher.score`` + the ``full_vocab`` objective (OPD), one chunk of positions at a time.
 
@@ -22,7 +23,7 @@ byte tensors, so the parent first checks that the machine has the memory (``MemA
 reports it as not run (with the need) instead of swapping or being killed.
 
     python bench/loss_memory.py                          # CPU: V = 151,936, 16 x 512, fp32
-    python bench/loss_memory.py --batch 4                # a machine with under ~30 GB free
+    python bench/loss_memory.py --batch 4                # a machine with under ~40 GB free
     python bench/loss_memory.py --batch 16 --seq 512     # CUDA (bf16 autocast, bf16 teacher), same command
 
 Prints one JSON line per step: step, vocab, tokens, extra_bytes_naive, extra_bytes_chunked, ms_naive,
@@ -40,6 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # oracles.py: the naive OPD loss
 
 
 def _models(vocab: int, hidden: int, step: str, device):
@@ -82,11 +84,11 @@ def _batch(batch: int, seq: int, vocab: int, device):
 def _step_fn(step: str, variant: str, student, teacher, t: dict, vocab: int, chunk: int):
     import torch
 
-    from ars_opd.lm.divergences import token_divergence
     from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
-    from ars_opd.lm.losses import causal_lm_loss_from_hidden, causal_lm_token_loss_sum
-    from ars_opd.lm.objectives import get_objective
-    from ars_opd.training.teachers import LocalTeacher
+    from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden, causal_lm_token_loss_sum
+    from ars_opd.lm.opd_objectives import get_objective
+    from ars_opd.training.opd_teachers import LocalTeacher
+    from oracles import divergence_sum
 
     local_teacher = LocalTeacher(teacher, vocab, chunk) if teacher is not None else None
     objective = get_objective("full_vocab")
@@ -105,7 +107,7 @@ def _step_fn(step: str, variant: str, student, teacher, t: dict, vocab: int, chu
             t_logits = teacher(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[..., :vocab]
             y = t["targets"].clamp(min=0).unsqueeze(-1)
             logged = t_logits.gather(-1, y).squeeze(-1).float() - torch.logsumexp(t_logits.float(), -1)
-        loss, _ = token_divergence(logits, t_logits, t["loss_mask"], 1.0, 1.0, chunk)
+        loss, _ = divergence_sum(logits, t_logits, t["loss_mask"], 1.0, 1.0)
         del logged
         return loss
 
@@ -247,9 +249,11 @@ def main() -> None:
 
     for step in a.steps:
         out = {"step": step, "vocab": a.vocab, "tokens": tokens, "hidden": a.hidden, "chunk": a.chunk}
-        # the naive step's peak grows by about three fp32 (tokens x V) tensors (measured: 1.85 MB per token at
-        # V = 151,936 for both steps), on top of about a GiB of weights, inputs and gradients
-        need = 3.2 * tokens * a.vocab * 4 + 2**30
+        # the naive step's peak grows by fp32 (tokens x V) tensors: about three for SFT (measured: 1.85 MB per
+        # token at V = 151,936), about six and a half for OPD, whose reverse KL autograd holds the log-softmaxes,
+        # probabilities and differences of the scored rows (measured: 6.4 at V = 8,192), on top of about a GiB
+        # of weights, inputs and gradients
+        need = {"sft": 3.2, "opd": 6.6}[step] * tokens * a.vocab * 4 + 2**30
         free = _mem_available()
         variants = ["naive", "chunked"]
         if free is not None and need > 0.85 * free:

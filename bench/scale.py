@@ -45,9 +45,9 @@ from ars_opd.models.adapters import attach  # noqa: E402
 from ars_opd.training.checkpoint import TrainerState  # noqa: E402
 from ars_opd.training.consistency import ConsistencyHook  # noqa: E402
 from ars_opd.training.distributed import init_worker, launch, shutdown_worker  # noqa: E402
-from ars_opd.training.geometry import BatchGeometry  # noqa: E402
+from ars_opd.training.batch_plan import BatchGeometry  # noqa: E402
 from ars_opd.training.loop import train_step, unwrapped, wrap_model  # noqa: E402
-from ars_opd.training.optim import make_optimizer, make_scheduler  # noqa: E402
+from ars_opd.lm.optim import make_optimizer, make_scheduler  # noqa: E402
 from ars_opd.training.sft import EncodedData, SFTTask  # noqa: E402
 from ars_opd.training.sharding import ShardedConsistencyHook  # noqa: E402
 from loss_memory import _cpu_extra_peak  # noqa: E402  (the allocator-event peak, as bench/loss_memory.py)

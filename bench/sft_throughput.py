@@ -29,9 +29,9 @@ from ars_opd.config import DDPConfig, SFTConfig  # noqa: E402
 from ars_opd.lm.attention import use_packed_attention  # noqa: E402
 from ars_opd.training.distributed import init_worker, shutdown_worker  # noqa: E402
 from ars_opd.training.checkpoint import TrainerState  # noqa: E402
-from ars_opd.training.geometry import BatchGeometry  # noqa: E402
+from ars_opd.training.batch_plan import BatchGeometry  # noqa: E402
 from ars_opd.training.loop import accumulate_gradients, optimizer_step, wrap_ddp  # noqa: E402
-from ars_opd.training.optim import make_optimizer  # noqa: E402
+from ars_opd.lm.optim import make_optimizer  # noqa: E402
 from ars_opd.training.sft import EncodedData, SFTTask  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}

@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ars_opd.config import EndpointConfig  # noqa: E402
-from ars_opd.teacher.cache import TeacherCache, cache_key  # noqa: E402
-from ars_opd.teacher.client import ClientSettings, TeacherRequest, ask_all  # noqa: E402
+from ars_opd.teacher.client.cache import TeacherCache, cache_key  # noqa: E402
+from ars_opd.teacher.client.endpoint import ClientSettings, TeacherRequest, ask_all  # noqa: E402
 
 
 def start_endpoint(latency: float, tmp: Path) -> tuple[subprocess.Popen, str]:

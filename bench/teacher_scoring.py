@@ -37,14 +37,14 @@ from ars_opd.config import EndpointConfig, OPDConfig, TeacherServerConfig, load_
 from ars_opd.data import synthetic  # noqa: E402
 from ars_opd.data.prompts import alpaca_messages, encode_completions, encode_prompts  # noqa: E402
 from ars_opd.lm.batching import build_rollout_batch  # noqa: E402
-from ars_opd.lm.objectives import get_objective  # noqa: E402
+from ars_opd.lm.opd_objectives import get_objective  # noqa: E402
 from ars_opd.models.builtin import build_causal_lm  # noqa: E402
 from ars_opd.models.tokenizer import build_char_word_tokenizer  # noqa: E402
-from ars_opd.teacher.client import ClientSettings  # noqa: E402
-from ars_opd.teacher.generate import local_teacher_server  # noqa: E402
-from ars_opd.training.geometry import BatchGeometry  # noqa: E402
+from ars_opd.teacher.client.endpoint import ClientSettings  # noqa: E402
+from ars_opd.teacher.client.generate import local_teacher_server  # noqa: E402
+from ars_opd.training.batch_plan import BatchGeometry  # noqa: E402
 from ars_opd.training.opd import OPDTask  # noqa: E402
-from ars_opd.training.teachers import EndpointTeacher, LocalTeacher  # noqa: E402
+from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher  # noqa: E402
 
 MODEL = "ars-opd-teacher"
 

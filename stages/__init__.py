@@ -1,10 +1,10 @@
 """The DVC stages' entry points (``python -m stages.<name>``), and what every one of them shares.
 
 DVC runs each stage's ``cmd`` with the first ``python`` on PATH. Started as ``.venv/bin/dvc repro``
-without the environment activated, that is the system interpreter, and a stage used to die on its first
-import with a bare ``ModuleNotFoundError: No module named 'torch'``. Python imports this package before
-any stage module, so the check below runs first: it names the interpreter, what it lacks and the fix,
-using the standard library only (it must work precisely where the packages are missing).
+without the environment activated, that is the system interpreter, which lacks torch. Python imports this
+package before any stage module, so the check below runs first: instead of a bare ``ModuleNotFoundError``
+it names the interpreter, what it lacks and the fix, using the standard library only (it must work
+precisely where the packages are missing).
 
 ``run_stage`` runs a stage's ``main``. An error whose message says everything prints that message alone,
 as argparse does, instead of a traceback that buries it, and exits with its own code:
@@ -12,7 +12,7 @@ as argparse does, instead of a traceback that buries it, and exits with its own 
 - 2: a params error (``ConfigError``, from ``params.yaml`` or from a check ``load_params`` runs, such as
   the OPD objective's);
 - 3: this interpreter lacks the packages (the check below, before any stage import);
-- 4: an endpoint or API-key error (``ars_opd.teacher.client.EndpointError`` and its subclasses: the
+- 4: an endpoint or API-key error (``ars_opd.teacher.client.endpoint.EndpointError`` and its subclasses: the
   endpoint is unreachable, serves another model, rejects the key or tokenizes differently from the
   student, or the variable named by ``api_key_env`` is not set), also when a data-parallel worker raised it
   (``ars_opd.training.distributed.launch`` re-raises a worker's error as itself).
@@ -106,7 +106,7 @@ def run_stage(main: Callable[[], None]) -> None:
     except Exception as e:
         # an EndpointError exists only once its module is loaded, so a stage that never loaded the HTTP
         # client (most of them) does not import it (openai and all) just to find out what failed
-        client = sys.modules.get("ars_opd.teacher.client")
+        client = sys.modules.get("ars_opd.teacher.client.endpoint")
         if client is None or not isinstance(e, client.EndpointError):
             raise
         print(f"ars-opd {stage}: {e}", file=sys.stderr)

@@ -1,7 +1,7 @@
-"""models stage: shared tokenizer, teacher and student base, pinned in a manifest (see ars_opd.models.stage)."""
+"""models stage: shared tokenizer, teacher and student base, pinned in a manifest (see ars_opd.models.prepare)."""
 
 from ars_opd.config import load_params
-from ars_opd.models.stage import prepare_models
+from ars_opd.models.prepare import prepare_models
 from stages import run_stage
 
 

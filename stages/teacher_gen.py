@@ -1,7 +1,7 @@
 """teacher_gen stage: a teacher completion for every prompt, through an OpenAI-compatible endpoint."""
 
 from ars_opd.config import load_params
-from ars_opd.teacher.generate import generate_teacher_completions
+from ars_opd.teacher.client.generate import generate_teacher_completions
 from stages import run_stage
 
 

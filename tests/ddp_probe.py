@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from ars_opd.config import ArchConfig, DDPConfig, SFTConfig
 from ars_opd.training.distributed import init_worker, shutdown_worker
-from ars_opd.training.geometry import BatchGeometry
+from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.loop import accumulate_gradients, wrap_ddp, wrap_model
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.training.sft import EncodedData, SFTTask
@@ -65,7 +65,7 @@ class FixedTask:
     """Per-rank micro-batches given explicitly (for consistency tests): job['batches'][rank][micro]."""
 
     def __init__(self, batches, ctx, pad_id, identical: bool):
-        from ars_opd.training.loop import MicroBatch
+        from ars_opd.training.task import MicroBatch
         from ars_opd.lm.batching import pad_right_with_labels
         from ars_opd.lm.batching import count_loss_tokens
 
@@ -84,7 +84,7 @@ class FixedTask:
     def loss_sum(self, model, batch):
         # the pipeline's loss path: last hidden states through DDP's forward, the head in chunks
         from ars_opd.lm.head import OutputHead, last_hidden_states
-        from ars_opd.lm.losses import causal_lm_loss_from_hidden
+        from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden
 
         t = batch.tensors
         hidden = last_hidden_states(model, t["input_ids"], t["attention_mask"])
@@ -303,7 +303,7 @@ def noise_scale_probe(job: dict) -> dict:
     ctx = init_worker("cpu", "gloo", threads=1, timeout_s=120)
     try:
         from ars_opd.data import synthetic
-        from ars_opd.lm.losses import causal_lm_token_loss_sum
+        from ars_opd.lm.cross_entropy import causal_lm_token_loss_sum
         from ars_opd.models.tokenizer import build_char_word_tokenizer
         from ars_opd.training.consistency import ConsistencyHook
         from ars_opd.training.distributed import gather_floats

@@ -66,8 +66,8 @@ def distill_workspace(repo_root: Path, root: Path, opd: dict, workers: int = 2) 
 
     from ars_opd.artifacts import write_jsonl
     from ars_opd.config import BaseConfig, load_params
-    from ars_opd.models.pinning import load_model
-    from ars_opd.models.stage import prepare_models
+    from ars_opd.models.loading import load_model
+    from ars_opd.models.prepare import prepare_models
 
     root.mkdir(parents=True, exist_ok=True)
     write_micro_params(repo_root, root / "params.yaml",

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from ars_opd.config import AdapterConfig, ArchConfig, ConfigError, ModelsConfig, OptimConfig, load_params
 from ars_opd.models import adapters
 from ars_opd.models.builtin import build_causal_lm
-from ars_opd.training.optim import make_optimizer
+from ars_opd.lm.optim import make_optimizer
 from tolerances import U32, gamma
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,10 +135,10 @@ def _student_dir(char_tokenizer, tmp_path) -> Path:
 
 
 def test_a_target_matching_no_linear_layer_is_refused_naming_the_key(char_tokenizer, tmp_path, monkeypatch):
-    from ars_opd.models import pinning
+    from ars_opd.models import loading
 
     student = _student_dir(char_tokenizer, tmp_path)
-    monkeypatch.setattr(pinning, "model_path", lambda models_dir, role: str(student))
+    monkeypatch.setattr(loading, "model_path", lambda models_dir, role: str(student))
     adapters.check_adapter(LORA, "unused")  # matches: no error
     adapters.check_adapter(AdapterConfig(kind=None, target_modules=("nope",)), "unused")  # off: not checked
     for bad in (("q_proj", "qkv_proj"), ("embed_tokens",)):  # an embedding is not a linear layer
@@ -193,7 +193,7 @@ def test_sft_then_opd_train_publish_and_continue_the_adapter(tmp_path):
     import sys
 
     from micro import distill_workspace
-    from ars_opd.models.pinning import load_model
+    from ars_opd.models.loading import load_model
 
     root = tmp_path / "w"
     adapter = {"kind": "lora", "r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}

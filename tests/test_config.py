@@ -82,7 +82,7 @@ def test_bad_values_name_key_and_allowed(section, raw, key, fragment):
 )
 def test_objective_constraints_come_from_the_registry(raw, key, fragment, tmp_path, capsys):
     from ars_opd.cli import main
-    from ars_opd.lm.objectives import check_config
+    from ars_opd.lm.opd_objectives import check_config
 
     cfg = parse_section(SECTIONS["opd"], raw, "opd")  # the section alone parses: the registry decides
     with pytest.raises(ConfigError) as e:
@@ -175,12 +175,12 @@ def test_every_params_yaml_value_is_its_dataclass_default(repo_root):
 
 
 @pytest.mark.parametrize("over, sections, key, fragment", [
-    # the OPD objective's rules (ars_opd.lm.objectives.check_config), as the opd stage loads its sections
+    # the OPD objective's rules (ars_opd.lm.opd_objectives.check_config), as the opd stage loads its sections
     ({"opd": {"loss": "sampled_token", "on_policy_fraction": 0.5}}, ("paths", "models", "ddp", "opd"),
      "opd.on_policy_fraction", "sampled from the student"),
     ({"opd": {"teacher": "endpoint", "loss": "full_vocab"}}, ("paths", "models", "ddp", "opd"), "opd.loss",
      "full distribution"),
-    # the batch split over ddp.workers that every training worker checks (ars_opd.training.geometry)
+    # the batch split over ddp.workers that every training worker checks (ars_opd.training.batch_plan)
     ({"sft": {"global_batch_size": 6, "micro_batch_size": 2}}, ("paths", "ddp", "sft"), "sft.micro_batch_size",
      "does not divide by sft.micro_batch_size = 2"),
     ({"ddp": {"workers": 3}}, ("paths", "ddp", "sft", "opd"), "sft.global_batch_size",

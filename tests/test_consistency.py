@@ -11,7 +11,7 @@ import torch
 from ars_opd.training.consistency import consistency_metrics
 from ars_opd.training.distributed import launch
 from ars_opd.seeding import scenario_seeds, set_seeds
-from ars_opd.training.geometry import epoch_shard
+from ars_opd.training.batch_plan import epoch_shard
 from ddp_probe import bitwise_probe, consistency_probe
 from tolerances import U64, consistency_bounds, consistency_inputs, gamma, propagate
 

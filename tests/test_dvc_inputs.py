@@ -46,7 +46,7 @@ def test_dvc_tracks_local_inputs_and_refuses_changed_models_and_a_bare_python_st
                                                                                              monkeypatch):
     from ars_opd.checks import check_outputs
     from ars_opd.config import PathsConfig
-    from ars_opd.models.pinning import ModelPinError, load_model
+    from ars_opd.models.loading import ModelPinError, load_model
 
     ext = tmp_path / "outside"  # outside the repository, as a user's files usually are
     ext.mkdir()

@@ -40,7 +40,8 @@ def _ars_imports(path: Path, seen: set[str]) -> set[str]:
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names if a.name.startswith("ars_opd")]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("ars_opd."):
-            names = [node.value]  # a module started as a subprocess (python -m ars_opd.x)
+            # a module started as a subprocess (python -m ars_opd.x): for a package, its __main__ runs
+            names = [node.value, f"{node.value}.__main__"]
         for name in names:
             parts = name.split(".")
             for k in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__, a/b/__init__ and a/b/c

@@ -144,7 +144,7 @@ def test_tokenizer_mismatch_between_the_teacher_endpoint_and_the_student(templat
 
 def worker_raises(kind: str) -> None:
     """A worker body (importable by the spawned process) that fails as ``kind`` says."""
-    from ars_opd.teacher.client import EndpointError
+    from ars_opd.teacher.client.endpoint import EndpointError
 
     if kind == "endpoint":
         raise EndpointError("the teacher endpoint http://127.0.0.1:9/v1 stopped answering: start it again")
@@ -182,7 +182,7 @@ def test_an_unexpected_error_in_a_worker_keeps_its_traceback():
 
 
 def test_run_stage_prints_an_endpoint_error_alone_and_lets_others_through(capsys):
-    from ars_opd.teacher.client import EndpointError
+    from ars_opd.teacher.client.endpoint import EndpointError
     from stages import EXIT_ENDPOINT as code, run_stage
 
     def main() -> None:

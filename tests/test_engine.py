@@ -12,9 +12,9 @@ import torch
 from ars_opd.config import SFTConfig, TrainLoopConfig, parse_section
 from ars_opd.training.distributed import launch
 from ars_opd.lm.batching import IGNORE_INDEX, pack_sequences, pad_right_with_labels
-from ars_opd.lm.losses import causal_lm_token_loss_sum
+from ars_opd.lm.cross_entropy import causal_lm_token_loss_sum
 from ars_opd.training.checkpoint import TrainerState
-from ars_opd.training.geometry import BatchConfigError, BatchGeometry, epoch_shard, step_indices
+from ars_opd.training.batch_plan import BatchConfigError, BatchGeometry, epoch_shard, step_indices
 from ars_opd.training.loop import NonFiniteError, optimizer_step
 from ars_opd.training.sft import encode_sft_rows
 from ddp_probe import grad_probe, tiny_model
@@ -135,7 +135,7 @@ def test_packed_logits_equal_per_sequence_logits_with_per_sequence_sdpa(char_tok
     # the loss over packed rows, from hidden states, equals the loss over padded rows from logits
     from ars_opd.lm.attention import packed_model_inputs
     from ars_opd.lm.head import OutputHead, last_hidden_states
-    from ars_opd.lm.losses import causal_lm_loss_from_hidden
+    from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden
 
     prompts, completions = _ragged_batch(char_tokenizer, n=5, seed=2)
     padded = pad_right_with_labels(prompts, completions, char_tokenizer.pad_token_id)
@@ -296,7 +296,7 @@ class _ScaledTask:
 def _fit_in_process(tmp_path, char_tokenizer, scale, **cfg_kw):
     import json
 
-    from ars_opd.config import DDPConfig
+    from ars_opd.config import DDPConfig, TrainingPaths
     from ars_opd.training.distributed import init_worker, shutdown_worker
     from ars_opd.training.loop import fit
     from ddp_probe import FixedTask
@@ -307,8 +307,9 @@ def _fit_in_process(tmp_path, char_tokenizer, scale, **cfg_kw):
         prompts, completions = _ragged_batch(char_tokenizer, n=4, seed=3)
         task = _ScaledTask(FixedTask([[(prompts, completions)]], ctx, char_tokenizer.pad_token_id, True), scale)
         cfg = TrainLoopConfig(steps=6, global_batch_size=4, micro_batch_size=4, warmup_steps=1, lr=1e-3, **cfg_kw)
-        fit(ctx, model, task, cfg, DDPConfig(workers=1), "fp", tmp_path / "ckpt", tmp_path / "out" / "steps.jsonl",
-            tmp_path / "live", progress=False)
+        out = TrainingPaths(model=str(tmp_path / "model"), log=str(tmp_path / "out"), live=str(tmp_path / "live"),
+                            checkpoints=str(tmp_path / "ckpt"))
+        fit(ctx, model, task, cfg, DDPConfig(workers=1), "fp", out, progress=False)
         return [json.loads(line) for line in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
     finally:
         shutdown_worker()
@@ -349,7 +350,7 @@ def test_an_in_process_world_of_one_leaves_later_launches_with_their_workers():
 
 def test_the_logged_lr_is_the_rate_each_step_used(tmp_path, char_tokenizer):
     """Regression: the log once read the scheduler after it had stepped, one step ahead of the truth."""
-    from ars_opd.training.optim import warmup_cosine
+    from ars_opd.lm.optim import warmup_cosine
 
     rows = _fit_in_process(tmp_path, char_tokenizer, {}, min_lr_ratio=0.1)
     expected = [1e-3 * warmup_cosine(s, 6, 1, 0.1) for s in range(6)]
@@ -363,7 +364,7 @@ def test_step_logger_without_studio_writes_what_next_step_writes(tmp_path, monke
     files and the summary must be the ones next_step() writes."""
     import csv
 
-    from ars_opd.training.loop import StepLogger
+    from ars_opd.training.step_log import StepLogger
 
     for var in ("DVC_STUDIO_TOKEN", "STUDIO_TOKEN", "DVC_STUDIO_URL", "STUDIO_ENDPOINT", "DVC_STUDIO_REPO_URL"):
         monkeypatch.delenv(var, raising=False)

@@ -11,8 +11,8 @@ import pytest
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import BaseConfig, load_params
 from ars_opd.evaluation.evaluate import evaluate_models
-from ars_opd.models.stage import prepare_models
-from ars_opd.models.pinning import load_model
+from ars_opd.models.prepare import prepare_models
+from ars_opd.models.loading import load_model
 from ars_opd.training.budget import write_budget
 from micro import teacher_rows, write_micro_params
 
@@ -103,11 +103,11 @@ def test_evaluation_losses_from_hidden_equal_the_logits_formulas(char_tokenizer)
     from ars_opd.config import EvaluateConfig
     from ars_opd.evaluation.evaluate import _reverse_kl_on_own_samples, _teacher_nll
     from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
-    from ars_opd.lm.divergences import token_divergence
     from ars_opd.lm.generation import generate_token_ids
     from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
-    from ars_opd.lm.losses import causal_lm_token_loss_sum
+    from ars_opd.lm.cross_entropy import causal_lm_token_loss_sum
     from ddp_probe import tiny_model
+    from oracles import divergence_sum
     from tolerances import chain_bound, decoder_lengths, linear_bound, loss_bound, softmax_length, two_computations
 
     model, teacher = tiny_model(char_tokenizer, seed=0).eval(), tiny_model(char_tokenizer, seed=1).eval()
@@ -134,7 +134,7 @@ def test_evaluation_losses_from_hidden_equal_the_logits_formulas(char_tokenizer)
         for i in range(0, 7, 3):
             r = build_rollout_batch(prompts[i:i + 3], samples[i:i + 3], pad, eos)
             kw = {"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]}
-            v, k = token_divergence(model(**kw).logits, teacher(**kw).logits, r["loss_mask"])
+            v, k = divergence_sum(model(**kw).logits, teacher(**kw).logits, r["loss_mask"])
             total, count = total + v.item(), count + k
             # both paths run the same batches through the same decoder ops: they differ in the heads'
             # products (all positions, or chunks of the scored rows) and the KLs' sums, fp32 each

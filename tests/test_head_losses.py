@@ -1,9 +1,9 @@
 """Losses from hidden states, chunk by chunk, against the logits path they replace (values and every gradient).
 
-The reference is the pipeline's former path: ``model(...).logits`` then ``causal_lm_token_loss_sum`` /
-``token_divergence`` / ``sampled_token_loss`` (themselves tested against torch.distributions and float64
-formulas in test_divergences.py). fp32 on CPU, both paths from the same hidden states (bit for bit: the same
-decoder ops in the same order), so they differ only in the head's products and the losses' sums: the loss to
+The reference: ``model(...).logits`` then ``causal_lm_token_loss_sum`` or the oracles of tests/oracles.py (the
+textbook divergences and sampled-token surrogate over whole tensors, with autograd). fp32 on CPU, both paths
+from the same hidden states (bit for bit: the same decoder ops in the same order), so they differ only in the
+head's products and the losses' sums (and the order of the losses' operations): the loss to
 twice its first-order fp32 bound (tests/tolerances.py, from the float64 oracle of the head and loss), every
 parameter's gradient (the tied embedding included) to twice the chain bound of its backward path, relative to
 its own max |value|.
@@ -16,12 +16,12 @@ import random
 import pytest
 import torch
 
-from ars_opd.lm.divergences import sampled_token_loss, token_divergence
 from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows, target_logprobs
-from ars_opd.lm.losses import (
+from ars_opd.lm.cross_entropy import (
     causal_lm_loss_from_hidden, causal_lm_token_loss_sum, cross_entropy_terms, shifted_targets,
 )
-from ars_opd.lm.objectives import TeacherLogits, TeacherScores, get_objective
+from ars_opd.lm.opd_objectives import TeacherLogits, TeacherScores, get_objective
+from oracles import divergence_sum, sampled_token_loss
 from tolerances import (
     U32, U_BF16, chain_bound, cross_entropy_grad_bound, decoder_lengths, head_grad_bound, linear_bound,
     log_softmax_bound, loss_bound, softmax_length, two_computations, vs_oracle,
@@ -121,7 +121,7 @@ def _opd_reference(student, teacher, ids, attn, mask, targets, loss, beta, tau):
     with torch.no_grad():
         t_logits = teacher(input_ids=ids, attention_mask=attn).logits[..., :V]
     if loss == "full_vocab":
-        value, _ = token_divergence(s_logits, t_logits, mask, beta, tau, chunk_size=7)
+        value, _ = divergence_sum(s_logits, t_logits, mask, beta, tau)
         return value, 0.0
     logp = torch.log_softmax(t_logits.float() / tau, -1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
     surrogate, estimate, _ = sampled_token_loss(s_logits, logp, targets, mask, tau)
@@ -296,7 +296,7 @@ def test_bf16_teacher_scores_a_fp32_student():
     value, _ = objective.loss(hidden, OutputHead.of(student, V), scores, targets[mask], 0.5, 1.0, 4)
     with torch.no_grad():
         t_logits = teacher(input_ids=ids, attention_mask=attn).logits[..., :V]  # bf16
-        ref, _ = token_divergence(student(input_ids=ids, attention_mask=attn).logits[..., :V], t_logits, mask, 0.5)
+        ref, _ = divergence_sum(student(input_ids=ids, attention_mask=attn).logits[..., :V], t_logits, mask, 0.5)
     # both paths: the same fp32 student rows (within linear_bound of exact logits) and bf16 teacher logits,
     # the chunked path's from chunks of 4 rows, the logits path's from one product; their difference is
     # evaluated exactly, then each path's fp32 evaluation is within its bound

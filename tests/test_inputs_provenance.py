@@ -11,10 +11,10 @@ import yaml
 from ars_opd.config import (
     INPUT_PLACEHOLDER, ArchConfig, BaseConfig, ConfigError, ModelsConfig, SyntheticConfig, load_params, parse_section,
 )
-from ars_opd.models import pinning
+from ars_opd.models import loading
 from ars_opd.models.builtin import build_causal_lm
-from ars_opd.models.pinning import ModelPinError, load_model, model_path, read_manifest
-from ars_opd.models.stage import prepare_models
+from ars_opd.models.loading import ModelPinError, load_model, model_path, read_manifest
+from ars_opd.models.prepare import prepare_models
 from micro import MICRO_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,9 +87,9 @@ def test_a_changed_local_model_is_refused_at_load(local_pair, monkeypatch):
     reference = load_model(models_dir, "teacher")
 
     # fast path: sizes and mtimes as pinned, so nothing is hashed
-    real_hash = pinning.sha256_of_files
+    real_hash = loading.sha256_of_files
     calls = []
-    monkeypatch.setattr(pinning, "sha256_of_files", lambda d, *a: calls.append(d) or real_hash(d, *a))
+    monkeypatch.setattr(loading, "sha256_of_files", lambda d, *a: calls.append(d) or real_hash(d, *a))
     assert model_path(models_dir, "teacher") == str(teacher.resolve()) and calls == []
 
     # touched but identical: rehashed, accepted
@@ -108,7 +108,7 @@ def test_a_changed_local_model_is_refused_at_load(local_pair, monkeypatch):
 
 def test_teacher_gen_refuses_a_changed_teacher_before_asking(tmp_path, local_pair, monkeypatch):
     from ars_opd.config import PathsConfig, TeacherGenConfig
-    from ars_opd.teacher import generate
+    from ars_opd.teacher.client import generate
 
     models_dir, teacher = local_pair
     monkeypatch.chdir(tmp_path)

@@ -81,7 +81,7 @@ def test_rows_with_line_separators_go_through_subset_and_teacher_gen_and_pass_th
     from ars_opd.checks import check_outputs
     from ars_opd.config import BaseConfig, DataConfig, PathsConfig, SyntheticConfig, TeacherGenConfig, parse_section
     from ars_opd.data.subset import write_subset
-    from ars_opd.teacher.generate import generate_teacher_completions
+    from ars_opd.teacher.client.generate import generate_teacher_completions
     from fake_endpoint import FakeEndpoint
 
     rows = [{"instruction": f"Join these lines:\u2028first {i}\u2028second", "input": f"caf\u00e9\u0085next {i}",

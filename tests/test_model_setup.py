@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ars_opd.data import synthetic
 from ars_opd.config import BaseConfig, ModelsConfig, SyntheticConfig, parse_section
 from ars_opd.lm.generation import generate_token_ids
-from ars_opd.models.stage import TeacherTooWeakError, prepare_models
-from ars_opd.models.pinning import ModelSourceError, load_model, load_tokenizer, read_manifest, resolve_pretrained
+from ars_opd.models.prepare import TeacherTooWeakError, prepare_models
+from ars_opd.models.loading import ModelSourceError, load_model, load_tokenizer, read_manifest, resolve_pretrained
 from ars_opd.data.prompts import alpaca_messages, encode_prompts
 from micro import MICRO_OVERRIDES
 
@@ -130,7 +130,7 @@ def _resolve_in_fresh_process(tmp_path, **env) -> str:
     import sys
 
     full_env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), **env}
-    code = ("from ars_opd.models.pinning import resolve_pretrained, ModelSourceError\n"
+    code = ("from ars_opd.models.loading import resolve_pretrained, ModelSourceError\n"
             "try:\n    resolve_pretrained('Qwen/Qwen3-0.6B')\n"
             "except ModelSourceError as e:\n    print('ModelSourceError:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120,

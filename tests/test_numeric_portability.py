@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ars_opd.lm.divergences import divergence_terms, sampled_token_terms, token_divergence_reference
+from ars_opd.lm.divergences import divergence_terms, sampled_token_terms
 from ars_opd.lm.head import OutputHead, chunked_head_loss
-from ars_opd.lm.losses import cross_entropy_terms
+from ars_opd.lm.cross_entropy import cross_entropy_terms
 from ars_opd.training.consistency import consistency_metrics
+from oracles import divergence_sum, sampled_token_loss
 from tolerances import (
     U32, consistency_bounds, head_grad_bound, linear_bound, log_softmax_bound, loss_bound, loss_grad_bound,
     sum_bound, two_computations, vs_oracle,
@@ -106,19 +107,18 @@ def _terms(kind, zt, y, beta, tau):
 
 
 def _logits_path(kind, z, zt, y, beta, tau):
-    """The same per-row losses from whole (M, V) logits with autograd (the reference the chunks replace), and
-    the bound of the roundings it adds: the sampled-token value is fl(s + fl(e − s)), two more than e's."""
+    """The same per-row losses from whole (M, V) logits with autograd (the oracles of tests/oracles.py, in z's
+    dtype), and the bound of the roundings it adds: the sampled-token value is fl(s + fl(e − s)), two more
+    than e's."""
     if kind == "cross_entropy":
         return torch.nn.functional.cross_entropy(z, y, reduction="sum"), 0.0
+    mask = torch.ones(M, dtype=torch.bool)
     if kind == "sampled_token":
-        logq = torch.log_softmax(z / tau, -1).gather(-1, y[:, None]).squeeze(-1)
         logp = torch.log_softmax(zt / tau, -1).gather(-1, y[:, None]).squeeze(-1)
-        advantage = (logp - logq).detach()
-        surrogate, estimate = -(advantage * logq).sum(), (-advantage).sum()
+        surrogate, estimate, _ = sampled_token_loss(z, logp, y, mask, tau)
         extra = U32 * (abs(estimate.item() - surrogate.item()) + abs(estimate.item()))
         return surrogate + (estimate - surrogate).detach(), extra
-    mask = torch.ones(1, M, dtype=torch.bool)
-    return token_divergence_reference(z[None], zt[None], mask, beta, tau)[0], 0.0
+    return divergence_sum(z, zt, mask, beta, tau)[0], 0.0
 
 
 CASES = [("cross_entropy", 1.0, 1.0), ("divergence", 0.0, 0.7), ("divergence", 1.0, 1.0),

@@ -12,7 +12,7 @@ import torch
 from ars_opd.artifacts import read_jsonl
 from ars_opd.config import load_params
 from ars_opd.training.distributed import launch
-from ars_opd.models.pinning import load_model, load_tokenizer
+from ars_opd.models.loading import load_model, load_tokenizer
 from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.training.opd import run_opd, uses_student_rollouts
 from ddp_probe import gkd_probe

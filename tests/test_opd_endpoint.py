@@ -16,13 +16,13 @@ import torch
 from ars_opd.artifacts import read_jsonl
 from ars_opd.config import ConfigError, EndpointConfig, TeacherServerConfig, load_params
 from ars_opd.lm.batching import build_rollout_batch
-from ars_opd.lm.objectives import check_config, get_objective
-from ars_opd.models.pinning import load_model, load_tokenizer, model_path
-from ars_opd.teacher.client import ClientSettings, EndpointError
-from ars_opd.teacher.generate import LOCAL_MODEL_NAME, local_teacher_server
-from ars_opd.teacher.score_client import ScoringError
+from ars_opd.lm.opd_objectives import check_config, get_objective
+from ars_opd.models.loading import load_model, load_tokenizer, model_path
+from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError
+from ars_opd.teacher.client.generate import LOCAL_MODEL_NAME, local_teacher_server
+from ars_opd.teacher.client.score import ScoringError
 from ars_opd.training.opd import run_opd
-from ars_opd.training.teachers import EndpointTeacher, LocalTeacher
+from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
 from fake_endpoint import FaultyProxy
 from micro import distill_workspace, teacher_rows
 from tolerances import forward_bound, two_computations

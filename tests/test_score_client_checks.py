@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 from ars_opd.config import EndpointConfig
-from ars_opd.teacher.client import ClientSettings, EndpointError, make_client
-from ars_opd.teacher.score_client import (PROBE_TEXT, NotLogprobsError, ScoringError, check_logprobs,
+from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError, make_client
+from ars_opd.teacher.client.score import (PROBE_TEXT, NotLogprobsError, ScoringError, check_logprobs,
                                           check_tokenizer, logsumexp_tolerance, parse_prompt_logprobs,
                                           score_body, score_sequences)
 from fake_endpoint import ByteTokenizer, FakeScorer, byte_ids

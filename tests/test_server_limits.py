@@ -12,8 +12,8 @@ import pytest
 
 from ars_opd.config import ArchConfig
 from ars_opd.models.builtin import build_causal_lm
-from ars_opd.teacher import server as teacher_server
-from ars_opd.teacher.batcher import CHARS_MARGIN
+from ars_opd.teacher.server import app as teacher_server
+from ars_opd.teacher.server.engine import CHARS_MARGIN
 from test_teacher_server import _ServerThread
 
 MODEL = "tiny"

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import BaseConfig, load_params
-from ars_opd.models.stage import prepare_models
+from ars_opd.models.prepare import prepare_models
 from micro import teacher_rows, write_micro_params
 
 REPO = Path(__file__).resolve().parents[1]

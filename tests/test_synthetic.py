@@ -60,3 +60,14 @@ def test_letter_payloads_never_equal_instruction_words():
 def test_exact_match_strips_whitespace_only():
     assert synthetic.is_correct(" 95\n", "95")
     assert not synthetic.is_correct("095", "95")
+
+
+def test_config_names_exactly_the_tasks_the_registry_generates_and_checks():
+    from ars_opd import config
+
+    assert tuple(synthetic.INSTRUCTIONS) == config.TASK_NAMES
+    assert set(config.DEFAULT_TASKS) <= set(config.TASK_NAMES)
+    for task in config.TASK_NAMES:
+        row = synthetic.generate(1, seed=0, tasks=(task,))[0]
+        assert row["task"] == task
+        assert synthetic.expected_answer(task, row["instruction"], row["input"]) == row["output"]

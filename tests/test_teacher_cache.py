@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from ars_opd.teacher.cache import CacheCorruptError, CacheLockedError, TeacherCache, cache_key
+from ars_opd.teacher.client.cache import CacheCorruptError, CacheLockedError, TeacherCache, cache_key
 
 
 def test_key_is_canonical_and_sensitive_to_every_field():

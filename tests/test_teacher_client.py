@@ -12,8 +12,8 @@ import pytest
 
 from fake_endpoint import FakeEndpoint, expected_answer
 from ars_opd.config import EndpointConfig
-from ars_opd.teacher.cache import TeacherCache, cache_key
-from ars_opd.teacher.client import ClientSettings, EndpointError, TeacherRequest, ask_all
+from ars_opd.teacher.client.cache import TeacherCache, cache_key
+from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError, TeacherRequest, ask_all
 
 
 def _requests(n: int, model: str = "fake-teacher", tag: str = "q") -> list[TeacherRequest]:
@@ -116,8 +116,8 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 sys.path.insert(0, "tests")
 from fake_endpoint import FakeEndpoint
 from ars_opd.config import EndpointConfig
-from ars_opd.teacher.cache import TeacherCache, cache_key
-from ars_opd.teacher.client import ClientSettings, TeacherRequest, ask_all
+from ars_opd.teacher.client.cache import TeacherCache, cache_key
+from ars_opd.teacher.client.endpoint import ClientSettings, TeacherRequest, ask_all
 reqs = []
 for i in range(600):
     ident = {"model": "fake-teacher", "messages": [{"role": "user", "content": f"u {i}"}]}

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ars_opd.artifacts import read_jsonl
-from ars_opd.teacher.client import EndpointError
-from ars_opd.teacher.generate import TeacherGenerationError, generate_teacher_completions
+from ars_opd.teacher.client.endpoint import EndpointError
+from ars_opd.teacher.client.generate import TeacherGenerationError, generate_teacher_completions
 from fake_endpoint import FakeEndpoint, _bucket
 from test_teacher_gen_stage import _cfg, _workspace
 

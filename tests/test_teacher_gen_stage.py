@@ -16,7 +16,7 @@ from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import DataConfig, PathsConfig, SyntheticConfig, TeacherGenConfig, parse_section
 from fake_endpoint import FakeEndpoint, expected_answer
 from ars_opd.data.subset import make_subset
-from ars_opd.teacher.generate import (
+from ars_opd.teacher.client.generate import (
     TeacherGenerationError, build_requests, generate_teacher_completions, strip_thinking,
 )
 
@@ -164,8 +164,8 @@ def _valid(line: bytes) -> bool:
 def test_stage_end_to_end_with_the_bundled_server_on_micro_models(in_tmp):
     from ars_opd.config import BaseConfig, ModelsConfig
     from ars_opd.lm.generation import decode_completion, generate_token_ids
-    from ars_opd.models.stage import prepare_models
-    from ars_opd.models.pinning import load_model, load_tokenizer
+    from ars_opd.models.prepare import prepare_models
+    from ars_opd.models.loading import load_model, load_tokenizer
     from ars_opd.data.prompts import encode_prompts
     from micro import MICRO_OVERRIDES
 

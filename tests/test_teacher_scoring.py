@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from ars_opd.config import EndpointConfig
-from ars_opd.teacher import server as teacher_server
-from ars_opd.teacher.client import ClientSettings, _Retryable, make_client
-from ars_opd.teacher.score_client import ScoringError, check_tokenizer, parse_prompt_logprobs, score_sequences
+from ars_opd.teacher.server import app as teacher_server
+from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make_client
+from ars_opd.teacher.client.score import ScoringError, check_tokenizer, parse_prompt_logprobs, score_sequences
 from test_teacher_server import _ServerThread, save_scaled_model
 from tolerances import forward_bound, two_computations, vs_oracle
 
@@ -58,7 +58,7 @@ def test_parser_reads_a_vllm_shaped_response():
 def test_parser_refuses_malformed_prompt_logprobs(mutate, needle):
     p = json.loads(json.dumps(VLLM_RESPONSE["choices"][0]["prompt_logprobs"]))
     mutate(p)
-    with pytest.raises(_Retryable, match=needle):
+    with pytest.raises(RetryableError, match=needle):
         parse_prompt_logprobs(p, [11, 42, 7])
 
 

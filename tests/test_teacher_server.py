@@ -1,7 +1,7 @@
 """The teacher server over real HTTP on 127.0.0.1: OpenAI wire format, batching, sampling, streaming, errors.
 
-The oracle for greedy text is ``ars_opd.generation.generate_token_ids`` on the same model directory,
-which shares no code with the server's batcher, sampler or stopping logic. One test runs the module as
+The oracle for greedy text is ``ars_opd.lm.generation.generate_token_ids`` on the same model directory,
+which shares no code with the server's engine, sampler or stopping logic. One test runs the module as
 a subprocess to check the ready file and a clean SIGTERM exit.
 """
 
@@ -23,7 +23,8 @@ import pytest
 import torch
 from aiohttp import web
 
-from ars_opd.teacher import batcher, server as teacher_server
+from ars_opd.teacher.server import app as teacher_server
+from ars_opd.teacher.server import engine
 from ars_opd.config import ArchConfig
 from ars_opd.lm.generation import decode_completion, generate_token_ids
 from ars_opd.models.builtin import build_causal_lm
@@ -77,7 +78,7 @@ class _ServerThread:
         self.url = f"http://127.0.0.1:{self.port}"
 
     @property
-    def stats(self) -> batcher.ServerStats:
+    def stats(self) -> engine.ServerStats:
         return self.app[teacher_server.ENGINE_KEY].stats
 
     def close(self):
@@ -303,7 +304,7 @@ def test_row_sampler_draws_from_the_tempered_nucleus():
     rows = [SimpleNamespace(temperature=0.0, top_p=1.0, seed=0),   # greedy: no noise
             SimpleNamespace(temperature=0.7, top_p=1.0, seed=1),
             SimpleNamespace(temperature=1.3, top_p=0.8, seed=2)]
-    sampler = batcher._RowSampler(rows, torch.device("cpu"))
+    sampler = engine._RowSampler(rows, torch.device("cpu"))
     draws, counts = 2000, torch.zeros(3, 5)
     for _ in range(draws):
         picks = sampler(None, logits.expand(3, 5).clone()).argmax(dim=-1)

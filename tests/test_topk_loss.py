@@ -12,7 +12,7 @@ from torch.distributions import Categorical, kl_divergence
 
 from ars_opd.lm.divergences import topk_support, topk_terms
 from ars_opd.lm.head import OutputHead, topk_logprobs
-from ars_opd.lm.objectives import TeacherScores, get_objective
+from ars_opd.lm.opd_objectives import TeacherScores, get_objective
 from tolerances import (
     U32, head_grad_bound, linear_bound, logprob_bound, loss_bound, loss_grad_bound, two_computations, vs_oracle,
 )

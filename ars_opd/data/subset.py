@@ -2,7 +2,7 @@
 
 Sources (``data.source``):
 
-- ``synthetic``: the built-in checkable tasks (``ars_opd.synthetic``), generated with the subset seed;
+- ``synthetic``: the built-in checkable tasks (``ars_opd.data.synthetic``), generated with the subset seed;
 - a local file: ``.jsonl``/``.json`` (a JSON list or JSON Lines), ``.parquet``, ``.csv``;
 - a local directory: a dataset saved with ``save_to_disk``, else anything ``datasets.load_dataset`` reads;
 - anything else is a Hugging Face hub dataset id, read with ``datasets.load_dataset``.

@@ -6,7 +6,7 @@ than an impression. Each example is an Alpaca row (``instruction``, ``input``, `
 ``task`` name. Generation is seeded and deterministic: the same (seed, n, config) always gives the
 same rows, in the same order.
 
-Tasks (names are the values accepted by ``synthetic.tasks`` in params.yaml):
+Tasks (``ars_opd.config.TASK_NAMES``: the values accepted by ``synthetic.tasks`` in params.yaml):
 
 - ``add``: ``"13 + 8"`` -> ``"21"`` (operands 0..max_operand)
 - ``reverse``: ``"hqzt"`` -> ``"tzqh"``
@@ -19,7 +19,7 @@ Tasks (names are the values accepted by ``synthetic.tasks`` in params.yaml):
 
 Letter payloads never equal one of the instruction words, so the local tokenizer (which keeps those
 words whole) always sees them letter by letter. What this module leaves out: tokenisation and
-prompt rendering (see ``ars_opd.tokenizer`` and ``ars_opd.prompts``).
+prompt rendering (see ``ars_opd.models.tokenizer`` and ``ars_opd.data.prompts``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import re
 import string
 from dataclasses import dataclass
 from typing import Callable
+
+from ars_opd.config import DEFAULT_TASKS, TASK_NAMES
 
 LETTERS = string.ascii_lowercase
 DIGITS = string.digits
@@ -41,8 +43,6 @@ INSTRUCTIONS = {
     "uppercase": "Uppercase the letters.",
     "count_letter": "Count the letter {letter}.",
 }
-TASK_NAMES = tuple(INSTRUCTIONS)
-DEFAULT_TASKS = ("add", "reverse", "sort_digits", "length", "uppercase")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ import numpy as np
 
 from ars_opd.config import PathsConfig
 from ars_opd.evaluation.scenarios import mean_ci, walk_experiments
-from ars_opd.evaluation.tables import ARMS
+from ars_opd.evaluation.arms import ARMS
+from ars_opd.evaluation.tables import fmt
 
 METRICS = (("reverse_kl", "reverse KL to the teacher (per token)", "lower"),
            ("exact_match", "exact match", "higher"),
@@ -64,21 +65,10 @@ def compare(eval_metrics: dict) -> dict | None:
     return out
 
 
-def _fmt(v, pct: bool = False) -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "n/a"
-    return f"{v:.1%}" if pct else f"{v:.4g}"
-
-
 def _interval(mean_lo_hi: tuple[float, float, float], pct: bool = False) -> str:
     """``mean [lo, hi]`` as the tables print it."""
     m, lo, hi = mean_lo_hi
-    return f"{_fmt(m, pct)} [{_fmt(lo, pct)}, {_fmt(hi, pct)}]"
-
-
-def _better(metric: str, a: float, b: float) -> bool:
-    direction = next(d for k, _, d in METRICS if k == metric)
-    return a < b if direction == "lower" else a > b
+    return f"{fmt(m, pct)} [{fmt(lo, pct)}, {fmt(hi, pct)}]"
 
 
 def headline(cmp: dict) -> list[str]:
@@ -91,18 +81,18 @@ def headline(cmp: dict) -> list[str]:
              + " | ".join(label for _, label, _ in METRICS) + " |", "|---|---|---|---|" + "---|" * len(METRICS)]
     for arm in ARMS:
         s = steps[arm]
-        lines.append(f"| {LABELS[arm]} | {s.get('steps', 'n/a')} | {_fmt(s.get('flops'))} | "
+        lines.append(f"| {LABELS[arm]} | {s.get('steps', 'n/a')} | {fmt(s.get('flops'))} | "
                      f"{s.get('tokens_generated', 'n/a')} | " + " | ".join(
-                         _fmt(s.get(k), pct=k == "exact_match") for k, _, _ in METRICS) + " |")
+                         fmt(s.get(k), pct=k == "exact_match") for k, _, _ in METRICS) + " |")
     flops = cmp["equal_flops"]
     if flops:
-        lines += ["", f"At equal FLOPs ({_fmt(flops['flops'])} from scratch, the cheaper arm's total; learning "
+        lines += ["", f"At equal FLOPs ({fmt(flops['flops'])} from scratch, the cheaper arm's total; learning "
                       "curves interpolated on the curve prompts):", "",
                   "| at equal FLOPs | " + " | ".join(label for _, label, _ in METRICS) + " |",
                   "|---|" + "---|" * len(METRICS)]
         for arm in ARMS:
             lines.append(f"| {LABELS[arm]} | " + " | ".join(
-                _fmt(flops[arm].get(k), pct=k == "exact_match") for k, _, _ in METRICS) + " |")
+                fmt(flops[arm].get(k), pct=k == "exact_match") for k, _, _ in METRICS) + " |")
     verdict = []
     for label, table in (("equal steps", steps), ("equal FLOPs", flops)):
         if not table:

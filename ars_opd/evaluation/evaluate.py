@@ -40,15 +40,16 @@ from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json
 from ars_opd.config import EvaluateConfig, PathsConfig, to_dict
 from ars_opd.data import synthetic
 from ars_opd.data.prompts import encode_completions, encode_prompts
-from ars_opd.evaluation.tables import ARMS, MODELS, TRAINED, render_table
+from ars_opd.evaluation.arms import ARMS, MODELS, TRAINED
+from ars_opd.evaluation.tables import render_table
 from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
 from ars_opd.lm.divergences import divergence_terms
 from ars_opd.lm.generation import decode_completion, generate_token_ids
 from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows, target_logprobs
-from ars_opd.lm.losses import shifted_targets
-from ars_opd.lm.objectives import TeacherLogits
+from ars_opd.lm.cross_entropy import shifted_targets
+from ars_opd.lm.opd_objectives import TeacherLogits
 from ars_opd.lm.precision import frozen_model_dtype
-from ars_opd.models.pinning import load_model, load_model_dir, load_tokenizer
+from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer
 from ars_opd.training.budget import SNAPSHOTS, read_budget
 
 

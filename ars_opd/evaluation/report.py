@@ -26,7 +26,8 @@ from ars_opd.evaluation.detector import (
     Alarm, design_rate, detect, rate_interval, standardised_residuals, threshold_for,
 )
 from ars_opd.evaluation.distillation import budget_note, compare, curve_figure, headline, regime_note
-from ars_opd.evaluation.tables import ARMS, MODELS, render_table
+from ars_opd.evaluation.arms import ARMS, MODELS
+from ars_opd.evaluation.tables import fmt, render_table
 
 STAGES = ("sft", "opd", "sft_continued")
 SUMMARY_COLUMNS = {
@@ -74,12 +75,6 @@ def summarise(df: pd.DataFrame) -> dict[str, dict[str, float]]:
             x = df[col].astype(float).dropna()
             out[col] = {"mean": float(x.mean()), "p95": float(x.quantile(0.95)), "max": float(x.max())}
     return out
-
-
-def _fmt(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    return f"{v:.4g}"
 
 
 def noise_scale_summary(df: pd.DataFrame) -> tuple[float, float]:
@@ -180,7 +175,7 @@ def stage_section(stage: str, df: pd.DataFrame, cfg: ReportConfig) -> tuple[list
                "every worker computes with the same gathered weights).", ""]
     md += ["| statistic | mean | p95 | max |", "|---|---|---|---|"]
     for col, s in summarise(df).items():
-        md.append(f"| {SUMMARY_COLUMNS[col]} | {_fmt(s['mean'])} | {_fmt(s['p95'])} | {_fmt(s['max'])} |")
+        md.append(f"| {SUMMARY_COLUMNS[col]} | {fmt(s['mean'])} | {fmt(s['p95'])} | {fmt(s['max'])} |")
         flat[f"{stage}/{col.split('/')[-1]}_mean"] = s["mean"]
     md += ["", f"![{stage}](figures/{stage}.png)", ""]
 
@@ -188,7 +183,7 @@ def stage_section(stage: str, df: pd.DataFrame, cfg: ReportConfig) -> tuple[list
     flat[f"{stage}/clip_fraction"] = clipped / len(df) if len(df) else 0.0
     median_norm = float(df["grad_norm"].median()) if "grad_norm" in df else float("nan")
     md += [f"**Clipping:** {clipped} of {len(df)} steps clipped ({flat[f'{stage}/clip_fraction']:.0%}); the median "
-           f"pre-clip gradient norm was {_fmt(median_norm)}. "
+           f"pre-clip gradient norm was {fmt(median_norm)}. "
            + ("Clipping acted on most steps: it worked as part of the optimiser, not as a guard."
               if clipped > len(df) / 2 else "Clipping acted as a guard against rare large steps."), ""]
 

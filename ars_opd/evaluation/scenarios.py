@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ars_opd.evaluation.solve import solve_increasing
+from ars_opd.evaluation.tables import fmt
 
 SCENARIOS = ("S1-1", "S1-2", "S1-3")
 STATISTICS = (  # (metric key suffix, label, the paper's direction from S1-1 to S1-3)
@@ -147,10 +148,6 @@ def collect(data: Any) -> dict[str, list[dict]]:
     return {g: [runs[s] for s in sorted(runs)] for g, runs in groups.items()}
 
 
-def _fmt(v: float) -> str:
-    return "n/a" if v is None or not math.isfinite(v) else f"{v:.4g}"
-
-
 def _values(runs: list[dict], key: str) -> list[float]:
     return [float(r["metrics"][key]) for r in runs if isinstance(r["metrics"].get(key), (int, float))]
 
@@ -171,7 +168,7 @@ def render(found: dict[str, list[dict]], commands: str, notes: str = "") -> str:
             cells = []
             for key, _, _ in STATISTICS:
                 m, lo, hi = mean_ci(_values(found[g], f"{stage}/{key}"))
-                cells.append(f"{_fmt(m)} [{_fmt(lo)}, {_fmt(hi)}]")
+                cells.append(f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]")
             label = g if g in SCENARIOS else f"positive control: {g} on one rank"
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -188,14 +185,14 @@ def render(found: dict[str, list[dict]], commands: str, notes: str = "") -> str:
             base = abs(float(np.mean(groups[0]))) or float("nan")
             order = "S1-1 < S1-2 < S1-3" if direction == "up" else "S1-1 > S1-2 > S1-3"
             lines.append(f"- **{label}**: ordering {order}: Jonckheere–Terpstra one-sided p = {p:.3g}. "
-                         f"S1-3 − S1-1 = {_fmt(d)} [{_fmt(lo)}, {_fmt(hi)}]: within **±{_fmt(bound)}** "
+                         f"S1-3 − S1-1 = {fmt(d)} [{fmt(lo)}, {fmt(hi)}]: within **±{fmt(bound)}** "
                          f"({bound / base:.1%} of S1-1's mean) with 95% confidence. Smallest difference this design "
-                         f"detects with power 0.8: {_fmt(detectable_difference(se, df))}.")
+                         f"detects with power 0.8: {fmt(detectable_difference(se, df))}.")
             for c in controls:
                 cv = _values(found[c], f"{stage}/{key}")
                 if len(cv) >= 2:
                     cd, clo, chi, _, _ = welch_diff(groups[0], cv)
-                    lines.append(f"  - positive control {c} − S1-1 = {_fmt(cd)} [{_fmt(clo)}, {_fmt(chi)}]"
+                    lines.append(f"  - positive control {c} − S1-1 = {fmt(cd)} [{fmt(clo)}, {fmt(chi)}]"
                                  + (" (moved)" if clo > 0 or chi < 0 else " (not distinguishable)") + ".")
         lines.append("")
     if notes.strip():

@@ -1,10 +1,18 @@
-"""Markdown tables of the evaluation metrics (shared by the evaluate and report stages)."""
+"""Markdown for the evaluate and report stages: the metrics table and how a number is printed."""
 
 from __future__ import annotations
 
-MODELS = ("base", "sft", "opd", "sft_continued", "teacher")
-TRAINED = ("sft", "opd", "sft_continued")  # models the training stages write (with budgets and snapshots)
-ARMS = ("opd", "sft_continued")  # the arms that start from the SFT student with equal steps
+import math
+
+from ars_opd.evaluation.arms import MODELS
+
+
+def fmt(v, pct: bool = False) -> str:
+    """A number as the tables print it: 4 significant digits (or a percentage); "n/a" for a missing value
+    (None or NaN)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return f"{v:.1%}" if pct else f"{v:.4g}"
 
 
 def render_table(metrics: dict) -> str:

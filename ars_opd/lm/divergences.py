@@ -1,7 +1,7 @@
-"""Token-level divergences between student and teacher distributions, exact over the full vocabulary.
+"""Token-level divergences between student and teacher distributions, as per-row terms of the chunked head loss.
 
-At every masked-in position, with temperature τ, teacher p = softmax(z_T / τ) and student
-q = softmax(z_S / τ) over the shared vocabulary:
+At every scored row, with temperature τ, teacher p = softmax(z_T / τ) and student q = softmax(z_S / τ) over the
+shared vocabulary:
 
 - β = 0: forward KL(p ‖ q);  β = 1: reverse KL(q ‖ p);
 - 0 < β < 1: generalised JSD, β·KL(p ‖ m) + (1 − β)·KL(q ‖ m) with m = β·p + (1 − β)·q.
@@ -9,12 +9,14 @@ q = softmax(z_S / τ) over the shared vocabulary:
 The interior formula tends to 0 at both ends, so β = 0 and β = 1 are computed as the exact KLs, never by
 plugging the end values into the JSD. No τ² factor is applied (multiply outside if wanted).
 
-Memory: ``token_divergence`` never materialises (tokens × vocab) fp32 tensors for the whole batch. A custom
-autograd function walks the masked-in positions in chunks of ``chunk_size``, computing each chunk's loss
-(log-softmaxes in fp32) and the analytic gradient ∂D/∂z_S = (1/τ)·q ⊙ (h − ⟨q, h⟩), h = ∂D/∂q, in one pass,
-written into a single tensor of the logits' dtype — the gradient autograd must hand to the model anyway,
-scaled in place in the backward. Extra peak: that one logits-sized tensor plus a few (chunk × vocab) fp32
-temporaries. One backward pass only (no ``retain_graph``). The teacher gets no gradient.
+``divergence_terms``, ``sampled_token_terms`` and ``topk_terms`` each return a ``RowTerms`` for
+``ars_opd.lm.head.chunked_head_loss``, which forms the logits from the last hidden states one chunk of rows at
+a time: for a chunk of student logits z (c, V) in fp32, each row's value and its analytic gradient in z,
+computed without autograd. The teacher gets no gradient.
+
+Memory: ``divergence_terms`` works in place on the chunk's student and teacher logits: at most three (c × V)
+fp32 tensors for reverse KL, four for forward KL and 0 < β < 1, where the out-of-place formulas hold about
+eight. Its gradient is ∂D/∂z_S = (1/τ)·q ⊙ (h − ⟨q, h⟩), h = ∂D/∂q.
 
 Precision: each gradient is q ⊙ (h − ⟨q, h⟩)/τ, which is a small difference of large terms wherever the
 student is all but certain of one token (h there is O(1), or ~100 when the teacher gives that token a −40
@@ -24,20 +26,16 @@ subtract the row max before the log-normaliser (``_log_softmax_``); the centring
 row's most likely token (``_centre_``); the JSD is written in softplus(log(βp / ((1 − β)q))), which leaves
 no constant to cancel (``_jsd_``). Row sums are ``.sum(-1)`` (pairwise), not matrix products.
 
-``sampled_token_loss`` is the cheaper estimator that needs only the teacher's log-probability of the tokens
+``sampled_token_terms`` is the cheaper estimator that needs only the teacher's log-probability of the tokens
 the student sampled: per-token advantage A_t = log p_T(y_t) − log p_S(y_t) (detached) and the
 policy-gradient loss −Σ A_t·log p_S(y_t), whose gradient is that of the reverse KL in expectation.
-
-The pipeline computes both from the last hidden states instead of from logits: ``divergence_terms`` and
-``sampled_token_terms`` are the same per-row values and logit gradients as ``RowTerms`` for
-``ars_opd.lm.head.chunked_head_loss``, which forms one chunk of logits at a time; the logits forms above stay
-as the tested reference.
 
 ``topk_terms`` is the sparse form for a teacher that returns only its top-k log-probabilities (a served
 teacher's ``prompt_logprobs``): the same divergences over each row's top-k ∪ the target, both sides
 renormalised there; ``topk_support`` builds that support.
 
-All functions are pure: inputs and outputs are tensors, no I/O, no globals.
+The tests compare these with independent references (autograd of the textbook formulas over whole tensors,
+``tests/oracles.py``). No I/O, no globals.
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ import torch
 
 
 class DivergenceInputError(ValueError):
-    """Bad shapes, an all-masked batch, or β / τ out of range."""
+    """Student and teacher logits of different shapes, or β / τ out of range."""
 
 
 def _check_beta_temperature(beta: float, temperature: float) -> None:
@@ -57,139 +55,6 @@ def _check_beta_temperature(beta: float, temperature: float) -> None:
         raise DivergenceInputError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}")
     if not temperature > 0:
         raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
-
-
-def _check(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, beta: float,
-           temperature: float) -> None:
-    _check_beta_temperature(beta, temperature)
-    if student_logits.shape != teacher_logits.shape:
-        raise DivergenceInputError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                                   f"{tuple(teacher_logits.shape)} differ; slice both to the shared vocabulary")
-    if mask.shape != student_logits.shape[:-1]:
-        raise DivergenceInputError(f"mask {tuple(mask.shape)} does not match logits {tuple(student_logits.shape[:-1])}")
-    if not bool(mask.any()):
-        raise DivergenceInputError("every position is masked out: no token to compute a divergence on "
-                                   "(empty completions?)")
-
-
-def _chunk_terms(zs: torch.Tensor, zt: torch.Tensor, beta: float, temperature: float, need_grad: bool):
-    """Per-row divergence (fp32) and, if asked, ∂D/∂z_S for one chunk of rows (R, V)."""
-    log_q = torch.log_softmax(zs.float() / temperature, dim=-1)  # (R, V)
-    log_p = torch.log_softmax(zt.float() / temperature, dim=-1)  # (R, V)
-    q = log_q.exp()
-    if beta == 0.0:  # forward KL(p || q)
-        p = log_p.exp()
-        div = (p * (log_p - log_q)).sum(-1)
-        grad = (q - p) / temperature if need_grad else None
-        return div, grad
-    if beta == 1.0:  # reverse KL(q || p)
-        s = log_q - log_p
-        div = (q * s).sum(-1)
-        grad = _centre_(s, q, log_p).mul_(q).div_(temperature) if need_grad else None
-        return div, grad
-    x = log_p - log_q + _logit(beta)  # (R, V)
-    return _jsd_(log_p.exp_(), q, x, log_q, beta, temperature, need_grad)
-
-
-class _ChunkedDivergence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, student, teacher, rows, beta, temperature, chunk_size):
-        # student/teacher: (N, V) views of all positions; rows: (M,) indices of the masked-in positions.
-        # One pass: each chunk's loss and, when the student needs a gradient, its analytic gradient, written
-        # into one (N, V) tensor of the logits' dtype (the tensor autograd must hand to the model anyway).
-        need_grad = ctx.needs_input_grad[0]
-        total = torch.zeros((), dtype=torch.float32, device=student.device)
-        grad = torch.zeros_like(student) if need_grad else None
-        for start in range(0, rows.numel(), chunk_size):
-            idx = rows[start:start + chunk_size]
-            div, g = _chunk_terms(student.index_select(0, idx), teacher.index_select(0, idx), beta, temperature,
-                                  need_grad)
-            total += div.sum()
-            if need_grad:
-                grad.index_copy_(0, idx, g.to(grad.dtype))
-            del div, g
-        ctx.grad = grad
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad = ctx.grad
-        if grad is None:
-            raise RuntimeError("token_divergence's gradient was already used; it supports one backward pass "
-                               "(no retain_graph)")
-        ctx.grad = None  # scaled in place and handed over: no second logits-sized tensor
-        scale = grad_out.item()
-        if scale != 1.0:
-            # a Python float keeps the scale (the engine's K / N_global) exact: casting it to a bf16 grad's
-            # dtype first rounded it, skewing every gradient of the step by up to 2**-9
-            grad.mul_(scale)
-        return grad, None, None, None, None, None
-
-
-def token_divergence(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    mask: torch.Tensor,
-    beta: float = 1.0,
-    temperature: float = 1.0,
-    chunk_size: int = 256,
-) -> tuple[torch.Tensor, int]:
-    """Summed divergence over masked-in positions, and their count.
-
-    student_logits, teacher_logits: (..., V), any float dtype (computed in fp32); the teacher side gets no
-    gradient. mask: (...) bool, True where a token counts. Returns (loss_sum: 0-dim fp32 tensor with grad
-    w.r.t. student_logits, n_tokens: int). Divide by the (global) token count for a mean.
-    Raises DivergenceInputError on an all-masked batch, mismatched shapes, β ∉ [0, 1] or τ <= 0.
-    """
-    _check(student_logits, teacher_logits, mask, beta, temperature)
-    if chunk_size <= 0:
-        raise DivergenceInputError(f"chunk_size must be > 0, got {chunk_size}")
-    V = student_logits.shape[-1]
-    student = student_logits.reshape(-1, V)
-    teacher = teacher_logits.detach().reshape(-1, V)
-    rows = mask.reshape(-1).nonzero().squeeze(-1)
-    total = _ChunkedDivergence.apply(student, teacher, rows, float(beta), float(temperature), int(chunk_size))
-    return total, int(rows.numel())
-
-
-def token_divergence_reference(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
-                               beta: float = 1.0, temperature: float = 1.0) -> tuple[torch.Tensor, int]:
-    """The same quantity computed naively with autograd over whole (tokens × vocab) fp32 tensors.
-
-    For tests and for the memory benchmark's baseline only.
-    """
-    _check(student_logits, teacher_logits, mask, beta, temperature)
-    log_q = torch.log_softmax(student_logits.float() / temperature, -1)[mask]
-    log_p = torch.log_softmax(teacher_logits.detach().float() / temperature, -1)[mask]
-    q, p = log_q.exp(), log_p.exp()
-    if beta == 0.0:
-        div = (p * (log_p - log_q)).sum(-1)
-    elif beta == 1.0:
-        div = (q * (log_q - log_p)).sum(-1)
-    else:
-        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
-        div = beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
-    return div.sum(), int(mask.sum())
-
-
-def sampled_token_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, tokens: torch.Tensor,
-                       mask: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Policy-gradient loss with per-token advantage log p_T(y) − log p_S(y) of the sampled tokens.
-
-    student_logits: (B, T, V) predicting ``tokens`` (B, T) at the same positions; teacher_logprobs: (B, T)
-    log p_T(y_t) at temperature τ; mask: (B, T) bool. Returns (loss_sum with grad, the summed per-token
-    reverse-KL estimate Σ(log p_S − log p_T) detached, n_tokens).
-    """
-    if not temperature > 0:
-        raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
-    if not bool(mask.any()):
-        raise DivergenceInputError("every position is masked out: no token to compute a divergence on")
-    rows = mask.nonzero(as_tuple=True)
-    z = student_logits[rows].float() / temperature  # (M, V): only masked-in rows
-    logq = torch.log_softmax(z, -1).gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)  # (M,)
-    advantage = (teacher_logprobs[rows].float() - logq).detach()
-    loss_sum = -(advantage * logq).sum()
-    return loss_sum, (-advantage).sum(), int(rows[0].numel())
 
 
 def _log_softmax_(z: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -258,12 +123,14 @@ def _jsd_(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, work: torch.Tensor,
 
 def divergence_terms(teacher_rows: Callable[[int, int], torch.Tensor], beta: float = 1.0,
                      temperature: float = 1.0) -> Callable:
-    """``RowTerms`` of the divergence of ``token_divergence``: per-row D and ∂D/∂z_S for student logits z (c, V).
+    """``RowTerms`` of the divergence (β: 0 forward KL, 1 reverse KL, between generalised JSD) at temperature τ:
+    per-row D and ∂D/∂z_S for student logits z (c, V).
 
     teacher_rows(start, end) gives the teacher's logits (c, V) for the same rows (fp32, no grad, the caller's to
-    overwrite). The same formulas as ``token_divergence``'s, written in place: a chunk holds at most three
-    (c × V) fp32 tensors at once for reverse KL and four for forward KL and 0 < β < 1 (z, the teacher's rows,
-    q and p; the row sums take storage already spent), where the out-of-place form holds about eight.
+    overwrite). Written in place: a chunk holds at most three (c × V) fp32 tensors at once for reverse KL and
+    four for forward KL and 0 < β < 1 (z, the teacher's rows, q and p; the row sums take storage already
+    spent), where the out-of-place form holds about eight. Raises DivergenceInputError for β ∉ [0, 1] or
+    τ <= 0, and for teacher rows of another shape than the student's.
     """
     _check_beta_temperature(beta, temperature)
     beta, tau = float(beta), float(temperature)
@@ -293,7 +160,7 @@ def sampled_token_terms(teacher_logprobs: torch.Tensor, tokens: torch.Tensor, te
     """``RowTerms`` of the sampled-token estimator for rows with targets ``tokens`` (M,) and log p_T (M,) at τ.
 
     Each row's value is the reverse-KL estimate log q(y) − log p_T(y); its gradient is that of the surrogate
-    −A·log q(y) with A = log p_T(y) − log q(y) detached, i.e. A·(q − onehot(y))/τ (as ``sampled_token_loss``).
+    −A·log q(y) with A = log p_T(y) − log q(y) detached, i.e. A·(q − onehot(y))/τ.
     """
     if not temperature > 0:
         raise DivergenceInputError(f"temperature must be > 0, got {temperature}")

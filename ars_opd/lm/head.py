@@ -32,7 +32,7 @@ engine's K / N_global) before casting them to the parameters' dtype, so a bf16 g
 
 A ``RowTerms`` is ``terms(z, start, end, need_grad) -> (value (c,), dz (c, V) or None)`` for rows
 start..end-1, with z the fp32 logits of those rows (the callee may overwrite z). The losses' own terms live
-with their definitions (``ars_opd.lm.losses``, ``ars_opd.lm.divergences``). What this leaves out: heads that
+with their definitions (``ars_opd.lm.cross_entropy``, ``ars_opd.lm.divergences``). What this leaves out: heads that
 transform the logits (final soft-capping, logit scaling) are refused, not approximated.
 """
 

@@ -1,4 +1,6 @@
-"""Which precision a model's weights and the loss's products run in.
+"""Which device a process computes on, and which precision a model's weights and the loss's products run in.
+
+- ``resolve_device``: ``ddp.device`` as a torch device ('auto': CUDA when visible, else CPU);
 
 - ``frozen_model_dtype``: the weights of a model that is only scored (the OPD and evaluation teacher): bf16 on
   CUDA (an 8B teacher is 16 GB instead of 32), fp32 on CPU (CPU bf16 matmuls are slow and the offline default
@@ -35,3 +37,11 @@ def no_autocast(device_type: str):
     """Autocast off (when it is on) for code that casts explicitly."""
     return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
         else contextlib.nullcontext()
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("ddp.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+    return torch.device(device)

@@ -67,7 +67,7 @@ def check_adapter(cfg: AdapterConfig, models_dir: str | Path, trust_remote_code:
         return
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ars_opd.models.pinning import model_path
+    from ars_opd.models.loading import model_path
 
     config = AutoConfig.from_pretrained(model_path(models_dir, "student"), trust_remote_code=trust_remote_code)
     with torch.device("meta"):

@@ -7,7 +7,7 @@ initialisation; saved beside a copy of the tokenizer it is a complete HF directo
 The offline default needs a teacher that is good at the tasks, so the ``models`` stage trains one from
 scratch (``train_builtin_teacher``): a fresh, seeded stream of synthetic examples each step (no example
 repeats by construction of the stream, though small task spaces such as two-digit addition recur), loss
-on response tokens only, the shared optimiser setup (``ars_opd.training.optim``) with the
+on response tokens only, the shared optimiser setup (``ars_opd.lm.optim``) with the
 ``models.teacher_training`` params, fp32 on one process. Deterministic for a seed and a thread count.
 
 This is deliberately a small single-process loop that builds the *default teacher*; the data-parallel
@@ -28,8 +28,8 @@ from ars_opd.data import synthetic
 from ars_opd.data.prompts import alpaca_messages, encode_completions, encode_prompts
 from ars_opd.lm.batching import pad_right_with_labels
 from ars_opd.lm.generation import generate_texts
-from ars_opd.lm.losses import causal_lm_token_loss_sum
-from ars_opd.training.optim import clip_gradients, make_optimizer, make_scheduler
+from ars_opd.lm.cross_entropy import causal_lm_token_loss_sum
+from ars_opd.lm.optim import clip_gradients, make_optimizer, make_scheduler
 
 
 def build_causal_lm(arch: ArchConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:

@@ -19,7 +19,9 @@ sequences of the pipeline it is a few percent; the estimate is for comparing met
 
 ``budget.json`` in a model directory (and in each learning-curve snapshot) holds the cumulative budget
 *from scratch*: a run started from another model's weights adds its own costs to that model's budget, so
-the steps and FLOPs axes of a continued run line up with those of the run it continued.
+the steps and FLOPs axes of a continued run line up with those of the run it continued. A run keeps that
+total as it trains (``BudgetTotals``): the starting model's budget plus every logged step's costs, a pure
+function of the step log, so a resumed run rebuilds it from the checkpoint's log.
 """
 
 from __future__ import annotations
@@ -63,3 +65,24 @@ def write_budget(model_dir: str | Path, budget: dict, trainable_parameters: int 
     if trainable_parameters is not None:
         data["trainable_parameters"] = trainable_parameters
     (Path(model_dir) / BUDGET_FILE).write_text(json.dumps(data, sort_keys=True) + "\n")
+
+
+class BudgetTotals:
+    """The run's cumulative budget from scratch: the starting model's budget plus every logged step's costs."""
+
+    def __init__(self, start: dict):
+        self.totals = {k: start.get(k, 0) for k in FIELDS}
+
+    @classmethod
+    def from_log(cls, start: dict, rows: list[dict]) -> BudgetTotals:
+        """The totals after the logged steps ``rows`` (a resumed run's history) of a run from ``start``."""
+        totals = cls(start)
+        for row in rows:
+            totals.update({k: row.get(f"budget/{k}", 0) for k in FIELDS[1:]})
+        return totals
+
+    def update(self, step_budget: dict) -> dict:
+        self.totals["steps"] += 1
+        for k in FIELDS[1:]:
+            self.totals[k] += step_budget.get(k, 0)
+        return {f"budget/{k}_total": v for k, v in self.totals.items()}

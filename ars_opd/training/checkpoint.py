@@ -4,7 +4,7 @@ A checkpoint (every ``checkpoint_every`` steps and at the end) holds the weights
 optimizer and scheduler state, every worker's RNG state, the counters and the per-step log so far, and
 the run's fingerprint: its configuration, the content of its training data and the source of this
 package. A rerun with the same fingerprint resumes from the latest checkpoint (the data position follows
-from the step number, ``ars_opd.training.geometry``); one with another configuration, other data or
+from the step number, ``ars_opd.training.batch_plan``); one with another configuration, other data or
 changed code starts afresh and says so, so a rerun never publishes a model of other inputs. DVC reruns a
 stage exactly when such inputs change. Loading uses ``torch.load(weights_only=True)``; resumed runs are
 bit-identical to uninterrupted ones on CPU (tested).
@@ -208,3 +208,21 @@ def load_checkpoint(path: Path, ctx: WorkerContext, model: torch.nn.Module, opt,
     state = TrainerState(**{k: raw[k] for k in TrainerState.__dataclass_fields__ if k in raw})
     state.resumed_from = state.step
     return state, read_jsonl(path / STEPS_LOG)
+
+
+def resume_checkpoint(ckpt_dir: Path, ctx: WorkerContext, model: torch.nn.Module, opt, sched, fingerprint: str,
+                      layout_fingerprint: str | None, reshard: bool,
+                      strategy: str) -> tuple[Found | None, TrainerState, list[dict]]:
+    """All ranks call: the checkpoint resumed (None: none matches), the run's state and its log so far (a
+    fresh state and an empty log when none matches); rank 0 says why it resumes or starts afresh."""
+    state, history = TrainerState(), []
+    if ctx.is_main:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    found, why = find_checkpoint(ckpt_dir, fingerprint, ctx.world_size, layout_fingerprint, reshard, strategy)
+    if found is not None:
+        state, history = load_checkpoint(found.path, ctx, model, opt, sched)
+        state.resharded_from = found.resharded_from
+    if ctx.is_main and (found is not None or why != "no checkpoint"):
+        print(f"checkpoints: {why}", flush=True)
+    return found, state, history

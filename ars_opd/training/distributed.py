@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ars_opd.config import launched_externally  # noqa: F401  (where workers ask it)
+from ars_opd.lm.precision import resolve_device
 from ars_opd.training import forkserver
 
 
@@ -68,14 +69,6 @@ class WorkerContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("ddp.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
-    return torch.device(device)
 
 
 def _free_port() -> int:

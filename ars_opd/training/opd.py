@@ -5,14 +5,14 @@ Each step, on each worker: take this worker's share of the training prompts; wit
 left-padded prompts), else take the teacher's cached completions; rebuild right-padded sequences that keep
 each completion up to and including its first EOS (``ars_opd.lm.batching.build_rollout_batch``); let the
 frozen teacher score them and train the
-student on the objective ``opd.loss`` chosen from ``ars_opd.lm.objectives``, from both models' last hidden
+student on the objective ``opd.loss`` chosen from ``ars_opd.lm.opd_objectives``, from both models' last hidden
 states one chunk of positions at a time (no (tokens × vocabulary) logits on either side). Rollouts use
 transformers' generate, or with ``opd.rollout_cache: static`` a preallocated KV cache and a decode loop of
 our own (compiled on CUDA). The λ draw depends only on (seed, step), so every worker makes the same choice,
 and the log records it (``gkd_source``). It runs on the shared engine (exact token normalisation, clipping,
 resume) with the consistency hook.
 
-The teacher (``ars_opd.training.teachers``) is ``opd.teacher: local``, the model in every worker (eval mode,
+The teacher (``ars_opd.training.opd_teachers``) is ``opd.teacher: local``, the model in every worker (eval mode,
 no grad; bf16 on CUDA by default, ``opd.teacher_dtype``), or ``endpoint``, a served teacher's vLLM-style
 ``prompt_logprobs`` (``opd.teacher_endpoint``; ``local`` there starts the bundled server for the pinned
 teacher): the trainer then never loads teacher weights, each step's sequences are scored at once with bounded
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import random
 import time
 from typing import Iterator
@@ -46,22 +45,22 @@ from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.lm.generation import generate_token_ids
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
-from ars_opd.lm.objectives import check_config, get_objective
+from ars_opd.lm.opd_objectives import check_config, get_objective
 from ars_opd.lm.precision import frozen_model_dtype
 from ars_opd.models.adapters import check_adapter
-from ars_opd.models.pinning import load_model, load_tokenizer, model_path, read_manifest
+from ars_opd.models.loading import load_model, load_tokenizer, model_path, read_manifest
 from ars_opd.models.tokenizer import check_shared_tokenizer
-from ars_opd.teacher.client import ClientSettings, EndpointError, make_client, preflight
-from ars_opd.teacher.generate import LOCAL_MODEL_NAME, local_teacher_server
-from ars_opd.teacher.score_client import check_tokenizer
+from ars_opd.teacher.client.endpoint import ClientSettings, api_key, make_client, preflight
+from ars_opd.teacher.client.local_server import LOCAL_MODEL_NAME, local_teacher_server
+from ars_opd.teacher.client.score import check_tokenizer
 from ars_opd.seeding import derive_seed
 from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.faults import Fault
-from ars_opd.training.geometry import BatchGeometry, step_indices
-from ars_opd.training.loop import MicroBatch
-from ars_opd.training.optim import autocast_context
+from ars_opd.training.batch_plan import BatchGeometry, step_indices
+from ars_opd.training.task import MicroBatch
+from ars_opd.lm.optim import autocast_context
 from ars_opd.training.sharding import is_sharded
-from ars_opd.training.teachers import EndpointTeacher, LocalTeacher
+from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
 
 __all__ = ["EndpointTeacher", "LocalTeacher", "OPDTask", "run_opd", "uses_student_rollouts"]
@@ -165,17 +164,6 @@ def _encode(tokenizer, rows: list[dict], cfg: OPDConfig):
             counts)
 
 
-def _api_key(cfg: OPDConfig) -> str:
-    name = cfg.teacher_endpoint.api_key_env
-    if name is None:
-        return "EMPTY"
-    key = os.environ.get(name)
-    if not key:
-        raise EndpointError(f"{ENDPOINT_SECTION}.api_key_env names {name}, but that environment variable is not "
-                            "set (or empty); export it before running the stage")
-    return key
-
-
 def _teacher_params_from_config(models_dir: str, trust_remote_code: bool) -> int:
     """The models-stage teacher's parameter count from its config alone (meta tensors, no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -190,7 +178,7 @@ def _teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[LocalTea
     ctx, cfg = setup.ctx, job.cfg
     if cfg.teacher == "endpoint":  # no teacher weights in the trainer, only the count from the teacher's config
         url, model = job.runtime["scoring_url"], job.runtime["scoring_model"]
-        teacher = EndpointTeacher(ClientSettings(url, _api_key(cfg), cfg.teacher_endpoint), model, vocab, cfg.topk)
+        teacher = EndpointTeacher(ClientSettings(url, api_key(cfg.teacher_endpoint.api_key_env, ENDPOINT_SECTION), cfg.teacher_endpoint), model, vocab, cfg.topk)
         return teacher, _teacher_params_from_config(job.paths.models_dir, job.trust_remote_code), {
             "teacher": "endpoint", "teacher_model": model,
             "teacher_endpoint": "local" if cfg.teacher_endpoint.endpoint == "local" else url}
@@ -254,7 +242,7 @@ def check_scoring_endpoint(url: str, model: str, cfg: OPDConfig, paths: PathsCon
     log-probabilities (not logits) for a probe scored with the run's k (so ``--max-logprobs`` is checked too)."""
     import asyncio
 
-    settings = ClientSettings(url, _api_key(cfg), cfg.teacher_endpoint)
+    settings = ClientSettings(url, api_key(cfg.teacher_endpoint.api_key_env, ENDPOINT_SECTION), cfg.teacher_endpoint)
 
     async def check() -> None:
         client = make_client(settings)

@@ -9,7 +9,7 @@ room for any completion token is dropped; all are counted in the stage manifest,
 Batches are right-padded, or with ``packing: true`` padding-free (``ars_opd.lm.batching.pack_sequences``,
 attended by ``ars_opd.lm.attention``'s varlen implementations without an (L × L) mask: tested to give the
 same logits as unpacked rows). The loss is taken from the student's last hidden states through its output
-head one chunk of positions at a time (``ars_opd.lm.losses.causal_lm_loss_from_hidden``), over the
+head one chunk of positions at a time (``ars_opd.lm.cross_entropy.causal_lm_loss_from_hidden``), over the
 tokenizer's ids only (embedding rows beyond it are padding).
 """
 
@@ -26,13 +26,13 @@ from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.lm.attention import packed_attention_implementation, packed_model_inputs, use_packed_attention
 from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels
 from ars_opd.lm.head import OutputHead, last_hidden_states
-from ars_opd.lm.losses import causal_lm_loss_from_hidden
+from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden
 from ars_opd.models.adapters import check_adapter
 from ars_opd.training.budget import matmul_parameters
-from ars_opd.training.distributed import resolve_device
-from ars_opd.training.geometry import BatchGeometry, step_indices
+from ars_opd.lm.precision import resolve_device
+from ars_opd.training.batch_plan import BatchGeometry, step_indices
 from ars_opd.training.faults import Fault
-from ars_opd.training.loop import MicroBatch
+from ars_opd.training.task import MicroBatch
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
 
 

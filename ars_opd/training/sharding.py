@@ -32,7 +32,8 @@ null every step); ``ddp.inject.kind: param_desync`` is refused with fsdp for the
 replaces it: a corrupted shard is a corrupted model on every worker alike, which the averaged loss shows.
 
 Checkpoints are sharded through ``torch.distributed.checkpoint`` (``ars_opd.training.checkpoint``), and the
-published model is the full state dict gathered to rank 0 (``full_state_dict``), a plain HF directory.
+published model (and each learning-curve snapshot) is the full state dict gathered to rank 0
+(``full_state_dict``) into rank 0's unsharded CPU copy of the student (``publishable``), a plain HF directory.
 The custom reduce-scatter interface (``_fsdp_api.ReduceScatter``) is under a private path of torch 2.13;
 ``tests/test_fsdp.py`` checks it against a brute force.
 """
@@ -185,3 +186,28 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def publishable(model: torch.nn.Module, copy_on_main: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The trained student as a whole module on rank 0: itself (DDP: every rank holds it whole), or, when
+    sharded, rank 0's unsharded CPU copy loaded with the gathered full state dict (every rank must call;
+    others get None)."""
+    if not is_sharded(model):
+        return model
+    state = full_state_dict(model)
+    if copy_on_main is None:
+        return None
+    missing, unexpected = copy_on_main.load_state_dict(state, strict=False)
+    tied = {k for k in missing if _is_tied(copy_on_main, k)}
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"the gathered state dict does not fit the student: missing {sorted(set(missing) - tied)}, "
+                           f"unexpected {sorted(unexpected)}")
+    return copy_on_main
+
+
+def _is_tied(model: torch.nn.Module, key: str) -> bool:
+    """Whether ``key`` names a parameter that shares its tensor with another (a tied head)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if key not in params:
+        return False
+    return any(other is not key and p is params[key] for other, p in params.items() if other != key)

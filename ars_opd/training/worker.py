@@ -1,7 +1,7 @@
 """What every training stage's worker does around the engine: join the world, seed, train, publish.
 
 ``run_worker(job, prepare)`` is the body of one data-parallel worker of a training stage (``sft``,
-``opd``): join the process group, derive this rank's seeds from the stage seed and the seed scenario,
+``opd``, ``sft_continued``): join the process group, derive this rank's seeds from the stage seed and the seed scenario,
 load the shared tokenizer, let the stage's ``prepare`` build the model and the task, train with
 ``ars_opd.training.loop.fit`` (resuming from a matching checkpoint), and on rank 0 write the stage's
 outputs: the model directory (``paths.<stage>_model``, the only output later stages read) and the run
@@ -22,20 +22,23 @@ import torch
 from ars_opd.artifacts import provenance, write_json
 from ars_opd.config import AdapterConfig, DDPConfig, PathsConfig, TrainLoopConfig, to_dict
 from ars_opd.models.adapters import adapter_of, attach, is_adapted, resume, save_trained, trainable_parameters
-from ars_opd.models.pinning import load_model, load_model_dir, load_tokenizer, read_manifest, sha256_of_files
+from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer, read_manifest, sha256_of_files
 from ars_opd.seeding import derive_seed, scenario_seeds, set_seeds
 from ars_opd.training.checkpoint import config_fingerprint, layout_free
 from ars_opd.training.distributed import WorkerContext, init_worker, launch, shutdown_worker
 from ars_opd.training.faults import Fault
-from ars_opd.training.geometry import BatchGeometry
+from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.budget import SNAPSHOTS, read_budget, write_budget
-from ars_opd.training.loop import TrainingTask, fit, snapshot_dir
+from ars_opd.training.loop import fit
+from ars_opd.training.snapshots import snapshot_dir
+from ars_opd.training.task import TrainingTask
+
 
 @dataclass(frozen=True)
 class TrainingJob:
     """Everything a worker needs (picklable: crosses into spawned processes)."""
 
-    stage: str  # "sft" | "opd": names the params section and the paths
+    stage: str  # "sft" | "opd" | "sft_continued": names the params section and the paths
     cfg: TrainLoopConfig
     ddp: DDPConfig  # ddp.seed is the training seed
     paths: PathsConfig
@@ -126,8 +129,7 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         # what a resharded resume must match: the same run in any worker layout (ars_opd.training.checkpoint)
         layout = config_fingerprint({job.stage: to_dict(job.cfg), "ddp": layout_free(ddp), **adapter,
                                      **run.fingerprint})
-        state, log, totals, trained = fit(ctx, run.model, run.task, job.cfg, job.ddp, fingerprint,
-                                          Path(out.checkpoints), Path(out.steps), Path(out.live), job.progress,
+        state, log, totals, trained = fit(ctx, run.model, run.task, job.cfg, job.ddp, fingerprint, out, job.progress,
                                           on_step=run.on_step, fault=fault, budget_start=run.budget_start,
                                           layout_fingerprint=layout)
         if ctx.is_main:

@@ -18,7 +18,7 @@ URL if it does not. The API key is read from the environment by the caller and o
 it is never logged or written anywhere.
 
 ``post_json`` and ``with_retries`` are the request and retry halves of ``ask_all``, shared with the OPD
-scoring client (``ars_opd.teacher.score_client``), so every endpoint client retries the same way.
+scoring client (``ars_opd.teacher.client.score``), so every endpoint client retries the same way.
 
 What this module leaves out: streaming (answers are short and wanted whole), logprobs, tool calls.
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ import openai
 from tqdm.auto import tqdm
 
 from ars_opd.config import EndpointConfig
-from ars_opd.teacher.cache import TeacherCache
+from ars_opd.teacher.client.cache import TeacherCache
 
 T = TypeVar("T")
 NON_RETRYABLE_STATUS = {400, 401, 403, 404, 413, 422}
@@ -111,13 +112,34 @@ def count_by_reason(reasons: Iterable[str]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-class _Retryable(Exception):
+class MissingAPIKeyError(EndpointError):
+    """The variable a params section's ``api_key_env`` names is not set."""
+
+
+def api_key(env_name: str | None, section: str, error: type[MissingAPIKeyError] = MissingAPIKeyError) -> str:
+    """The key in the environment variable ``env_name`` (``<section>.api_key_env``); "EMPTY" when none is
+    named (a local server takes any key). Read here and handed to the client only: written nowhere."""
+    if env_name is None:
+        return "EMPTY"
+    key = os.environ.get(env_name)
+    if not key:
+        raise error(f"{section}.api_key_env names {env_name}, but that environment variable is not set (or "
+                    "empty); export it before running the stage")
+    return key
+
+
+class RetryableError(Exception):
+    """A request that may succeed if asked again (see the module docstring: timeouts, dropped connections,
+    408/409/425/429, 5xx, malformed answers)."""
+
     def __init__(self, reason: str, wait_s: float | None = None):
         super().__init__(reason)
         self.reason, self.wait_s, self.attempts = reason, wait_s, 0
 
 
-class _Final(Exception):
+class FinalError(Exception):
+    """A request that asking again cannot change (any other 4xx)."""
+
     def __init__(self, reason: str, status: int | None = None):
         super().__init__(reason)
         self.reason, self.status, self.attempts = reason, status, 0
@@ -183,26 +205,26 @@ async def preflight(client: openai.AsyncOpenAI, model: str, timeout_s: float = 1
 
 
 async def post_json(client: openai.AsyncOpenAI, path: str, body: dict) -> dict:
-    """POST ``body`` to ``path`` and return the JSON object; errors mapped to ``_Retryable`` / ``_Final``."""
+    """POST ``body`` to ``path`` and return the JSON object; errors mapped to ``RetryableError`` / ``FinalError``."""
     # ``client.post`` with ``cast_to=object`` is the SDK's public route for a raw JSON body: it keeps the
     # client's transport and error mapping but skips the typed request transform and the response model,
-    # which cost ~2 ms of CPU per request and capped throughput at high concurrency (bench/teacher_gen.py).
+    # whose CPU cost per request limits throughput at high concurrency (bench/teacher_gen.py measures it).
     try:
         resp = await client.post(path, body=body, cast_to=object)
     except openai.APITimeoutError:
-        raise _Retryable("timeout") from None
+        raise RetryableError("timeout") from None
     except openai.APIConnectionError as e:
-        raise _Retryable(f"connection_error: {_short(e.__cause__ or e)}") from None
+        raise RetryableError(f"connection_error: {_short(e.__cause__ or e)}") from None
     except openai.APIStatusError as e:
         status = e.status_code
         detail = _short(getattr(e, "message", e))
         if status in NON_RETRYABLE_STATUS:
-            raise _Final(f"http_{status}: {detail}", status) from None
-        raise _Retryable(f"http_{status}: {detail}", _retry_after_s(e.response.headers)) from None
+            raise FinalError(f"http_{status}: {detail}", status) from None
+        raise RetryableError(f"http_{status}: {detail}", _retry_after_s(e.response.headers)) from None
     except (openai.APIResponseValidationError, ValueError) as e:
-        raise _Retryable(f"malformed_response: {_short(e)}") from None
+        raise RetryableError(f"malformed_response: {_short(e)}") from None
     if not isinstance(resp, dict):
-        raise _Retryable(f"malformed_response: body is {type(resp).__name__}, not a JSON object")
+        raise RetryableError(f"malformed_response: body is {type(resp).__name__}, not a JSON object")
     return resp
 
 
@@ -210,8 +232,8 @@ async def with_retries(call: Callable[[], Awaitable[T]], settings: ClientSetting
                        on_retry: Callable[[], None] | None = None) -> tuple[T, int]:
     """``await call()`` until it succeeds: (result, attempts). The one retry loop of every endpoint client.
 
-    ``_Retryable`` errors are retried with exponential backoff and jitter (honouring a capped retry-after)
-    up to ``settings.limits.max_attempts``, then re-raised with ``attempts`` set; ``_Final`` is re-raised at
+    ``RetryableError`` errors are retried with exponential backoff and jitter (honouring a capped retry-after)
+    up to ``settings.limits.max_attempts``, then re-raised with ``attempts`` set; ``FinalError`` is re-raised at
     once with ``attempts`` set. ``on_retry`` is called before each wait.
     """
     attempt = 0
@@ -219,10 +241,10 @@ async def with_retries(call: Callable[[], Awaitable[T]], settings: ClientSetting
         attempt += 1
         try:
             return await call(), attempt
-        except _Final as e:
+        except FinalError as e:
             e.attempts = attempt
             raise
-        except _Retryable as e:
+        except RetryableError as e:
             if attempt >= settings.limits.max_attempts:
                 e.attempts = attempt
                 raise
@@ -239,12 +261,12 @@ async def _ask_once(client: openai.AsyncOpenAI, body: dict) -> dict:
     resp = await post_json(client, "/chat/completions", body)
     choices = resp.get("choices")
     if not isinstance(choices, list) or not choices:
-        raise _Retryable("empty_choices")
+        raise RetryableError("empty_choices")
     first = choices[0] if isinstance(choices[0], dict) else {}
     message = first.get("message") if isinstance(first.get("message"), dict) else {}
     content = message.get("content")
     if not isinstance(content, str):
-        raise _Retryable("malformed_response: choices[0].message.content is not a string")
+        raise RetryableError("malformed_response: choices[0].message.content is not a string")
     usage = resp.get("usage") if isinstance(resp.get("usage"), dict) else None
     return {
         "content": content,
@@ -300,13 +322,13 @@ async def ask_all(
         while True:
             try:
                 answer, attempt = await with_retries(lambda: _ask_once(client, req.body), settings, count_retry)
-            except _Final as e:
+            except FinalError as e:
                 summary.failures.append(Failure(key, e.reason, e.attempts, e.status))
                 if e.status in AUTH_STATUS:
                     abort.append(EndpointError(f"the teacher endpoint rejected the request ({e.reason}); "
                                                "check the API key variable named by teacher_gen.api_key_env"))
                 break
-            except _Retryable as e:
+            except RetryableError as e:
                 summary.failures.append(Failure(key, e.reason, e.attempts))
                 break
             if not answer["content"].strip():  # not an answer: left out of the cache

@@ -5,7 +5,7 @@ request ``{"model", "prompt": [ids], "max_tokens": 1, "temperature": 1.0, "promp
 ``concurrency`` in flight (a fixed pool of workers pulling from one iterator), and reads each choice's
 ``prompt_logprobs``: a list whose first item is null, then per position a dict keyed by token id (a string
 in JSON) of ``{"logprob", "rank", "decoded_token"}`` holding the top-k and always the actual token. Every
-request goes through the teacher client's one retry loop (``ars_opd.teacher.client.with_retries``:
+request goes through the teacher client's one retry loop (``ars_opd.teacher.client.endpoint.with_retries``:
 timeouts, dropped connections, 429 and 5xx with backoff and retry-after). A response that is not exactly
 that shape (wrong length, a position without its actual token, a value that is not a finite number) is
 retried as malformed. All or nothing: if any sequence still fails, ``ScoringError`` names the endpoint and
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import openai
 
-from ars_opd.teacher.client import ClientSettings, EndpointError, _Final, _Retryable, post_json, with_retries
+from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError, FinalError, RetryableError, post_json, with_retries
 
 PROBE_TEXT = "Reverse the word 'distillation', then add 12 + 30 = 42.\nDone? Yes: <ok> {x} [1, 2]"
 
@@ -118,30 +118,30 @@ def _entry_logprob(value, where: str) -> float:
     lp = value.get("logprob") if isinstance(value, dict) else None
     # vLLM writes -inf as -9999.0; the sign and the sum are checked per position (check_logprobs)
     if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
-        raise _Retryable(f"malformed_response: {where} has logprob {lp!r}, not a finite number")
+        raise RetryableError(f"malformed_response: {where} has logprob {lp!r}, not a finite number")
     return float(lp)
 
 
 def parse_prompt_logprobs(prompt_logprobs, ids: list[int]) -> SequenceScores:
-    """Read one choice's vLLM ``prompt_logprobs`` for the sequence ``ids``; ``_Retryable`` if malformed,
+    """Read one choice's vLLM ``prompt_logprobs`` for the sequence ``ids``; ``RetryableError`` if malformed,
     ``NotLogprobsError`` if a position's values are not log-probabilities (``check_logprobs``)."""
     if not isinstance(prompt_logprobs, list) or len(prompt_logprobs) != len(ids):
         n = len(prompt_logprobs) if isinstance(prompt_logprobs, list) else None
-        raise _Retryable(f"malformed_response: prompt_logprobs has {n} positions for a {len(ids)}-token prompt "
+        raise RetryableError(f"malformed_response: prompt_logprobs has {n} positions for a {len(ids)}-token prompt "
                          "(is prompt_logprobs supported by this server?)")
     if prompt_logprobs[0] is not None:
-        raise _Retryable("malformed_response: prompt_logprobs[0] is not null")
+        raise RetryableError("malformed_response: prompt_logprobs[0] is not null")
     out = SequenceScores([], [], [])
     for i in range(1, len(ids)):
         entry = prompt_logprobs[i]
         if not isinstance(entry, dict):
-            raise _Retryable(f"malformed_response: prompt_logprobs[{i}] is {type(entry).__name__}, not an object")
+            raise RetryableError(f"malformed_response: prompt_logprobs[{i}] is {type(entry).__name__}, not an object")
         try:
             parsed = {int(t): _entry_logprob(v, f"prompt_logprobs[{i}][{t}]") for t, v in entry.items()}
         except ValueError:
-            raise _Retryable(f"malformed_response: prompt_logprobs[{i}] has a key that is not a token id") from None
+            raise RetryableError(f"malformed_response: prompt_logprobs[{i}] has a key that is not a token id") from None
         if ids[i] not in parsed:
-            raise _Retryable(f"malformed_response: prompt_logprobs[{i}] lacks the actual token {ids[i]}")
+            raise RetryableError(f"malformed_response: prompt_logprobs[{i}] lacks the actual token {ids[i]}")
         check_logprobs(list(parsed.values()), f"prompt_logprobs[{i}]")
         parsed = {t: min(v, 0.0) for t, v in parsed.items()}
         out.logprobs.append(parsed[ids[i]])
@@ -170,7 +170,7 @@ async def _score_one(client: openai.AsyncOpenAI, model: str, ids: list[int], k: 
     resp = await post_json(client, _completions_url(client), score_body(model, ids, k))
     choices = resp.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise _Retryable("malformed_response: expected exactly one choice")
+        raise RetryableError("malformed_response: expected exactly one choice")
     return parse_prompt_logprobs(choices[0].get("prompt_logprobs"), ids)
 
 
@@ -189,7 +189,7 @@ async def score_sequences(client: openai.AsyncOpenAI, model: str, sequences: lis
                 return
             try:
                 results[i], _ = await with_retries(lambda: _score_one(client, model, sequences[i], k), settings)
-            except (_Final, _Retryable) as e:
+            except (FinalError, RetryableError) as e:
                 failures.append(f"sequence {i}: {e.reason} after {e.attempts} attempt(s)")
             except NotLogprobsError as e:
                 failures.append(f"sequence {i}: not log-probabilities")
@@ -214,7 +214,7 @@ async def endpoint_tokens(client: openai.AsyncOpenAI, model: str, text: str, set
         tokens = resp.get("tokens")
         if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
             return tokens
-    except _Final as e:
+    except FinalError as e:
         if e.status != 404:
             raise
     # no /tokenize: the first token of an echoed text prompt is not returned, so the probe starts with a space
@@ -237,7 +237,7 @@ async def check_scores(client: openai.AsyncOpenAI, model: str, ids: list[int], s
         await with_retries(lambda: _score_one(client, model, ids, k), settings)
     except NotLogprobsError as e:
         raise _refusal(client, model, e, "Refused before training") from None
-    except (_Final, _Retryable) as e:
+    except (FinalError, RetryableError) as e:
         raise ScoringError(f"the teacher endpoint {client.base_url} (model {model!r}) could not score a probe "
                            f"sequence with prompt_logprobs: {e.reason} after {e.attempts} attempt(s)") from None
 
@@ -250,7 +250,7 @@ async def check_tokenizer(client: openai.AsyncOpenAI, model: str, tokenizer, set
     local = tokenizer(probe, add_special_tokens=False)["input_ids"]
     try:
         remote = await endpoint_tokens(client, model, probe, settings)
-    except (_Final, _Retryable) as e:
+    except (FinalError, RetryableError) as e:
         raise ScoringError(f"could not check the tokenizer of the teacher endpoint {client.base_url}: "
                            f"{e.reason}") from None
     compared = local if remote[:1] != [None] else [None] + local[1:]

@@ -25,7 +25,7 @@ from ars_opd.artifacts import atomic_outputs, provenance, write_json
 from ars_opd.config import BUILTIN, BaseConfig, ModelsConfig, SyntheticConfig, TeacherTrainingConfig, to_dict
 from ars_opd.data import synthetic
 from ars_opd.models.builtin import build_causal_lm, count_parameters, exact_match, task_spec, train_builtin_teacher
-from ars_opd.models.pinning import MANIFEST, ModelRef, builtin_ref, embedding_rows, resolve_pretrained, sha256_of_files
+from ars_opd.models.loading import MANIFEST, ModelRef, builtin_ref, embedding_rows, resolve_pretrained, sha256_of_files
 from ars_opd.models.tokenizer import build_char_word_tokenizer, check_shared_tokenizer, tokenizer_fingerprint
 from ars_opd.seeding import derive_seed
 

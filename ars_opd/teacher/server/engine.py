@@ -15,7 +15,7 @@ temperature, top_p, max_tokens, seed and stop strings:
   EOS, at a stop string or at its ``max_tokens``, and pushes the row's progress to its request, which is
   how streaming sends tokens while they are generated.
 
-Scoring rows (``/v1/completions`` with ``prompt_logprobs``, ``ars_opd.teacher.scoring``) wait in the same
+Scoring rows (``/v1/completions`` with ``prompt_logprobs``, ``ars_opd.teacher.server.scoring``) wait in the same
 queue and are taken into the same batches; a batch's scoring rows run as one right-padded forward before its
 chat rows generate.
 
@@ -57,8 +57,8 @@ from transformers import (
 
 from ars_opd.data.prompts import encode_prompt
 from ars_opd.lm.batching import pad_left
-from ars_opd.teacher.requests import ChatRequest, RequestError, parse_chat_request
-from ars_opd.teacher.scoring import DEFAULT_MAX_LOGPROBS, ScoreRequest, parse_score_request, score_rows
+from ars_opd.teacher.server.validation import ChatRequest, RequestError, parse_chat_request
+from ars_opd.teacher.server.scoring import DEFAULT_MAX_LOGPROBS, ScoreRequest, parse_score_request, score_rows
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,9 @@ class _Progress:
 
 
 @dataclass
-class _Failure:
+class Failure:
+    """A request the engine could not answer: the HTTP status and message its handler sends."""
+
     status: int
     message: str
 
@@ -99,7 +101,7 @@ class _Answered:
 
     def fail(self, status: int, message: str) -> None:
         self.done = True
-        self.post(_Failure(status, message))
+        self.post(Failure(status, message))
 
 
 @dataclass(eq=False)
@@ -115,7 +117,7 @@ class _ScoreJob(_Answered):
 
 
 @dataclass(eq=False)
-class _Job(_Answered):
+class Job(_Answered):
     """One request's row in a batch. The generation thread writes the token fields, the handler reads events."""
 
     prompt_ids: list[int]
@@ -136,7 +138,7 @@ class _Job(_Answered):
 class _RowSampler(LogitsProcessor):
     """Per-row temperature, top_p and seeded Gumbel noise; ``generate(do_sample=False)`` then takes the argmax."""
 
-    def __init__(self, jobs: Sequence[_Job], device: torch.device):
+    def __init__(self, jobs: Sequence[Job], device: torch.device):
         sampled = [i for i, j in enumerate(jobs) if j.temperature >= GREEDY_BELOW]
         self.rows = torch.tensor(sampled, dtype=torch.long, device=device)
         self.temperature = torch.tensor([[jobs[i].temperature] for i in sampled], device=device)  # (R, 1)
@@ -170,7 +172,7 @@ def _nucleus(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 class _RowProgress(StoppingCriteria):
     """Called by ``generate`` after every decoding step: advances each row and returns which rows are done."""
 
-    def __init__(self, jobs: Sequence[_Job], engine: "TeacherEngine"):
+    def __init__(self, jobs: Sequence[Job], engine: "TeacherEngine"):
         self.jobs, self.engine = jobs, engine
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
@@ -242,7 +244,7 @@ class TeacherEngine:
         self._token_text: dict[int, str] = {}
         self.stats = ServerStats()
         self.stopping = False
-        self._pending: asyncio.Queue[_Job] | None = None
+        self._pending: asyncio.Queue[Job] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._prepare_pool: ThreadPoolExecutor | None = None
         self._batcher: asyncio.Task | None = None
@@ -329,10 +331,10 @@ class TeacherEngine:
             self._pending.put_nowait(job)
         return jobs
 
-    def submit(self, chat: ChatRequest, prompt_ids: list[int], max_tokens: int) -> _Job:
+    def submit(self, chat: ChatRequest, prompt_ids: list[int], max_tokens: int) -> Job:
         if self.stopping or self._pending is None:
             raise RequestError(503, "the server is shutting down", "unavailable")
-        job = _Job(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=chat.temperature, top_p=chat.top_p,
+        job = Job(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=chat.temperature, top_p=chat.top_p,
                    # any integer is a valid seed; torch generators take 64 bits
                    seed=chat.seed % (1 << 64) if chat.seed is not None else secrets.randbits(63), stop=chat.stop,
                    stream=chat.stream, loop=asyncio.get_running_loop(), events=asyncio.Queue())
@@ -365,7 +367,7 @@ class TeacherEngine:
 
     # -- generation thread side -------------------------------------------------------------------------
 
-    def _generate_batch(self, jobs: list[_Job]) -> None:
+    def _generate_batch(self, jobs: list[Job]) -> None:
         stats = self.stats
         stats.generate_calls += 1
         stats.rows_generated += len(jobs)
@@ -421,7 +423,7 @@ class TeacherEngine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=True)
 
-    def advance(self, job: _Job, token: int) -> None:
+    def advance(self, job: Job, token: int) -> None:
         """Record ``token`` for ``job``, decide whether the row is finished, and post its progress."""
         job.completion_ids.append(token)
         n = len(job.completion_ids)

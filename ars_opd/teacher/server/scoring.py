@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from ars_opd.lm.head import OutputHead, last_hidden_states
-from ars_opd.teacher.requests import RequestError, UNSUPPORTED_FIELDS, check_model
+from ars_opd.teacher.server.validation import RequestError, UNSUPPORTED_FIELDS, check_model
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 

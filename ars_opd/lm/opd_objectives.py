@@ -5,7 +5,7 @@ per-row loss and logit gradient (``RowTerms``) from which ``Objective.loss`` com
 out of the student's last hidden states and output head, one chunk of positions at a time
 (``ars_opd.lm.head.chunked_head_loss``: no (tokens × vocabulary) tensor on either side). ``check_config``
 (run by the opd stage before it starts workers, and by ``ars-opd params``) and the OPD trainer read only
-this registry, so a new loss is one new entry here (its rules in ``ars_opd.lm.objective_rules``, which
+this registry, so a new loss is one new entry here (its rules in ``ars_opd.config.RULES``, which
 the params check reads without torch).
 
 The teacher's side is a ``TeacherScores``: what a teacher said about the M scored positions of a batch (the
@@ -29,15 +29,14 @@ plugs in at that one boundary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
-from ars_opd.config import OPDConfig
+from ars_opd.config import RULES, ObjectiveRules, OPDConfig
+from ars_opd.config import check_objective as check_rules
 from ars_opd.lm.divergences import divergence_terms, sampled_token_terms, topk_terms
 from ars_opd.lm.head import OutputHead, RowTerms, chunked_head_loss
-from ars_opd.lm.objective_rules import RULES, ObjectiveRules
-from ars_opd.lm.objective_rules import check_config as check_rules
 
 
 class TeacherLogits:
@@ -92,7 +91,7 @@ TermsFactory = Callable[[TeacherScores, torch.Tensor, float, float], RowTerms]
 
 @dataclass(frozen=True)
 class Objective(ObjectiveRules):
-    """A loss: its rules (``ars_opd.lm.objective_rules``) and how it computes."""
+    """A loss: its rules (``ars_opd.config.RULES``) and how it computes."""
 
     terms: TermsFactory | None = None
     """(teacher scores, targets (M,), beta, temperature) -> RowTerms: per-row loss and its gradient with
@@ -134,6 +133,6 @@ def get_objective(name: str) -> Objective:
 
 
 def check_config(cfg: OPDConfig) -> Objective:
-    """The objective ``cfg.loss`` names, if ``cfg`` lets it train correctly (``objective_rules.check_config``);
+    """The objective ``cfg.loss`` names, if ``cfg`` lets it train correctly (``config.check_objective``);
     else ``ConfigError`` naming the key."""
     return OBJECTIVES[check_rules(cfg).name]

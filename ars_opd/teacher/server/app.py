@@ -5,15 +5,15 @@ tokenizer, listens on 127.0.0.1, and writes ``{"host", "port", "pid", "model"}``
 answers. Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /stats`` (batching counters),
 ``POST /v1/chat/completions``, plain or streamed as Server-Sent Events in OpenAI's chunk format,
 ``POST /v1/completions`` for scoring only (token-id prompts, ``max_tokens`` 0 or 1, ``echo``,
-``prompt_logprobs: k``, answered in exactly vLLM's shape: ``ars_opd.teacher.scoring``), and vLLM's
+``prompt_logprobs: k``, answered in exactly vLLM's shape: ``ars_opd.teacher.server.scoring``), and vLLM's
 ``POST /tokenize``. Each chat request's messages go through the directory's chat template (generation
-prompt appended); requests are validated by ``ars_opd.teacher.requests`` and batched, chat and scoring
-rows alike, by ``ars_opd.teacher.batcher``.
+prompt appended); requests are validated by ``ars_opd.teacher.server.validation`` and batched, chat and scoring
+rows alike, by ``ars_opd.teacher.server.engine``.
 
 One client cannot stall the others: a body larger than ``body_limit`` (what the longest prompt that fits
 the context can take, JSON-escaped) is answered 413 without being decoded; decoding, validation, chat
 template and tokenization run in threads, off the event loop; a prompt with more characters than the
-context can hold is refused with 400 before it is tokenized (``ars_opd.teacher.batcher``).
+context can hold is refused with 400 before it is tokenized (``ars_opd.teacher.server.engine``).
 
 What it deliberately leaves out: authentication, TLS, tool/function calls, logprobs, ``n`` > 1,
 penalties and logit bias, response formats, text generation through ``/v1/completions``, continuous batching
@@ -41,9 +41,9 @@ from typing import Sequence
 import torch
 from aiohttp import web
 
-from ars_opd.teacher.batcher import DTYPES, TeacherEngine, _Failure, _Job
-from ars_opd.teacher.requests import ChatRequest, RequestError
-from ars_opd.teacher.scoring import DEFAULT_MAX_LOGPROBS, vllm_prompt_logprobs
+from ars_opd.teacher.server.engine import DTYPES, TeacherEngine, Failure, Job
+from ars_opd.teacher.server.validation import ChatRequest, RequestError
+from ars_opd.teacher.server.scoring import DEFAULT_MAX_LOGPROBS, vllm_prompt_logprobs
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 64 << 20  # the largest body any model gets (aiohttp's default of 1 MiB is too small)
@@ -142,7 +142,7 @@ async def _read_body(request: web.Request) -> bytes:
 
 
 async def _completions(request: web.Request) -> web.Response:
-    """Scoring: vLLM-shaped ``prompt_logprobs`` for token-id prompts (``ars_opd.teacher.scoring``)."""
+    """Scoring: vLLM-shaped ``prompt_logprobs`` for token-id prompts (``ars_opd.teacher.server.scoring``)."""
     engine = request.app[ENGINE_KEY]
     try:
         score = await engine.prepare_score_async(await _read_body(request))
@@ -154,7 +154,7 @@ async def _completions(request: web.Request) -> web.Response:
     finally:
         for job in jobs:
             job.cancelled = True  # no-op when finished; otherwise the batch drops the row
-    failed = next((r for r in rows if isinstance(r, _Failure)), None)
+    failed = next((r for r in rows if isinstance(r, Failure)), None)
     if failed is not None:
         return RequestError(failed.status, failed.message).response()
     # formatting k entries per position (and their JSON) is CPU work: off the event loop, as preparing is
@@ -205,10 +205,10 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def _whole_completion(job: _Job, meta: dict) -> web.Response:
+async def _whole_completion(job: Job, meta: dict) -> web.Response:
     while True:
         event = await job.events.get()
-        if isinstance(event, _Failure):
+        if isinstance(event, Failure):
             return RequestError(event.status, event.message).response()
         if event.finish_reason is not None:
             break
@@ -220,7 +220,7 @@ async def _whole_completion(job: _Job, meta: dict) -> web.Response:
     })
 
 
-async def _stream_completion(request: web.Request, chat: ChatRequest, job: _Job, meta: dict) -> web.StreamResponse:
+async def _stream_completion(request: web.Request, chat: ChatRequest, job: Job, meta: dict) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
 
@@ -237,7 +237,7 @@ async def _stream_completion(request: web.Request, chat: ChatRequest, job: _Job,
         sent = ""
         while True:
             event = await job.events.get()
-            if isinstance(event, _Failure):
+            if isinstance(event, Failure):
                 await send({"error": {"message": event.message, "type": "server_error", "code": event.status}})
                 break
             final = event.finish_reason is not None

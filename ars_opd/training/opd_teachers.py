@@ -1,6 +1,6 @@
 """The two teachers OPD can score its rollouts with: in this process, or behind a scoring endpoint.
 
-Both fill the ``TeacherScores`` that the objective's ``teacher_signal`` names (``ars_opd.lm.objectives``)
+Both fill the ``TeacherScores`` that the objective's ``teacher_signal`` names (``ars_opd.lm.opd_objectives``)
 for the M scored positions of a micro-batch (the True entries of its loss mask, row-major), through
 ``score(tensors, objective, temperature)``:
 
@@ -10,7 +10,7 @@ for the M scored positions of a micro-batch (the True entries of its loss mask, 
 - ``EndpointTeacher``: a served teacher (``opd.teacher: endpoint``; vLLM or the bundled server).
   The trainer never loads teacher weights. ``attach`` sends every sequence of the step's micro-batches
   (prompt + completion token ids, padding dropped) for scoring at once, with bounded concurrency and the
-  teacher client's retries (``ars_opd.teacher.score_client``), and stores the answers in each micro-batch's
+  teacher client's retries (``ars_opd.teacher.client.score``), and stores the answers in each micro-batch's
   tensors (``teacher_logprobs`` (M,), ``teacher_support_ids`` / ``teacher_support_logprobs`` (M, k+1)), so
   ``score`` only reads them. Scoring is all or nothing per step: a sequence that still fails after its
   retries raises ``ScoringError`` naming the endpoint before the step trains. The endpoint's numbers are
@@ -29,11 +29,11 @@ import torch
 
 from ars_opd.lm.divergences import topk_support
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows, target_logprobs, topk_logprobs
-from ars_opd.lm.objectives import Objective, TeacherLogits, TeacherScores
+from ars_opd.lm.opd_objectives import Objective, TeacherLogits, TeacherScores
 
 if TYPE_CHECKING:  # the HTTP client is imported where used: LocalTeacher needs only torch (bench/gpu.py)
-    from ars_opd.teacher.client import ClientSettings
-    from ars_opd.teacher.score_client import SequenceScores
+    from ars_opd.teacher.client.endpoint import ClientSettings
+    from ars_opd.teacher.client.score import SequenceScores
 
 ATTACHED = ("teacher_logprobs", "teacher_support_ids", "teacher_support_logprobs")
 
@@ -82,7 +82,7 @@ class EndpointTeacher:
     def _client_in_loop(self):
         """The run's client, made inside its event loop (its connection pool belongs to that loop)."""
         if self._client is None:
-            from ars_opd.teacher.client import make_client
+            from ars_opd.teacher.client.endpoint import make_client
 
             async def make():
                 return make_client(self.settings)
@@ -106,7 +106,7 @@ class EndpointTeacher:
             sequences += [t["input_ids"][b, :n].tolist() for b, n in enumerate(lengths)]
         # sampled_token needs only the actual tokens, but k >= 1 is what every vLLM version answers alike
         k = self.topk if objective.teacher_signal == "topk" else 1
-        from ars_opd.teacher.score_client import score_sequences
+        from ars_opd.teacher.client.score import score_sequences
 
         client = self._client_in_loop()
         scores = self._loop.run_until_complete(score_sequences(client, self.model, sequences, k, self.settings))

@@ -2,7 +2,7 @@
 
 Flow: read the subset splits; build one request per prompt (the configured system prompt prepended
 where a prompt has none) and its cache key; ask only for keys missing from the persistent cache
-(``ars_opd.teacher.client``); join answers back to the prompts in subset order. With ``endpoint: local``
+(``ars_opd.teacher.client.endpoint``); join answers back to the prompts in subset order. With ``endpoint: local``
 the stage starts the bundled server (``ars_opd.teacher.server``) on 127.0.0.1 for the teacher pinned by the
 models stage, and stops it afterwards, also on errors and Ctrl-C.
 
@@ -17,7 +17,7 @@ removed (the raw answer stays in the cache; a split not in ``teacher_gen.splits`
 ``failures.jsonl`` rows ``{id, split, key, reason, attempts}``; ``manifest.json`` (config, model,
 revision, versions). Metrics (counts, failures by reason, throughput) go to ``paths.teacher_metrics``.
 
-Failures (``ars_opd.teacher.failures``): every run past its setup writes ``paths.teacher_failure_report``,
+Failures (``ars_opd.teacher.client.failures``): every run past its setup writes ``paths.teacher_failure_report``,
 also when it then fails, grouped by reason with what a rerun will and will not change. Requests whose
 failure a rerun cannot change (refused with 400/413/422, an empty answer at temperature 0) are kept in
 ``paths.teacher_refusals`` and not asked again unless ``teacher_gen.retry_failed``; empty answers are
@@ -29,25 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import re
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
-from typing import Iterator
 
 from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
-from ars_opd.config import LOCAL_ENDPOINT, PathsConfig, TeacherGenConfig, TeacherServerConfig, to_dict
-from ars_opd.models.pinning import model_path, read_manifest
-from ars_opd.teacher.cache import TeacherCache, cache_key
-from ars_opd.teacher.client import AskSummary, ClientSettings, EndpointError, TeacherRequest, ask_all, count_by_reason
-from ars_opd.teacher.failures import deterministic_sampling, describe, group_failures, is_remembered, write_failure_report
+from ars_opd.config import LOCAL_ENDPOINT, PathsConfig, TeacherGenConfig, to_dict
+from ars_opd.models.loading import model_path, read_manifest
+from ars_opd.teacher.client.cache import TeacherCache, cache_key
+from ars_opd.teacher.client import endpoint
+from ars_opd.teacher.client.endpoint import AskSummary, ClientSettings, TeacherRequest, ask_all, count_by_reason
+from ars_opd.teacher.client.local_server import LOCAL_MODEL_NAME, local_teacher_server
+from ars_opd.teacher.client.failures import deterministic_sampling, describe, group_failures, is_remembered, write_failure_report
 
-LOCAL_MODEL_NAME = "ars-opd-teacher"
 SPLITS = ("train", "eval")
 FAILURES_FILE, MANIFEST_FILE = "failures.jsonl", "manifest.json"
 FAILURE_KEYS = ("id", "split", "key", "reason", "attempts")  # the rows of failures.jsonl
@@ -58,7 +52,7 @@ class TeacherGenerationError(RuntimeError):
     """Too many prompts ended without an answer, or the setup is wrong."""
 
 
-class MissingAPIKeyError(TeacherGenerationError, EndpointError):
+class MissingAPIKeyError(TeacherGenerationError, endpoint.MissingAPIKeyError):
     """``teacher_gen.api_key_env`` names a variable that is not set: a setup error of this stage, and one
     about the endpoint's key (an ``EndpointError``), so the stage prints its message alone."""
 
@@ -86,62 +80,6 @@ def build_requests(rows: list[dict], cfg: TeacherGenConfig, model: str, model_re
         identity = {"model": model, "model_revision": model_revision, "messages": messages, "sampling": sampling}
         out.append(TeacherRequest(cache_key(identity), {"model": model, "messages": messages, **sampling}, identity))
     return out
-
-
-@contextlib.contextmanager
-def local_teacher_server(model_dir: str, server: TeacherServerConfig, model_name: str = LOCAL_MODEL_NAME,
-                         log_requests: str | None = None, max_logprobs: int | None = None) -> Iterator[str]:
-    """Start the bundled server for ``model_dir`` on 127.0.0.1 (ephemeral port); yield its base URL.
-
-    ``max_logprobs``: the largest ``prompt_logprobs`` k it answers (OPD scoring; the server's default if None).
-    """
-    with tempfile.TemporaryDirectory(prefix="ars-opd-serve-") as tmp:
-        ready = Path(tmp) / "ready.json"
-        log = open(Path(tmp) / "server.log", "w+")
-        cmd = [sys.executable, "-m", "ars_opd.teacher.server", model_dir, "--model-name", model_name,
-               "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
-               "--max-batch-size", str(server.max_batch_size), "--max-wait-ms", str(server.max_wait_ms),
-               "--threads", str(server.threads)]
-        if log_requests:
-            cmd += ["--log-requests", log_requests]
-        if max_logprobs is not None:
-            cmd += ["--max-logprobs", str(max_logprobs)]
-        # the server runs this process's ars_opd (a worktree or checkout), not whichever one is installed
-        root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        try:
-            deadline = time.monotonic() + server.startup_timeout_s
-            while not ready.exists():
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise TeacherGenerationError(f"the local teacher server exited with {proc.returncode} "
-                                                 f"before it was ready:\n{log.read()[-2000:]}")
-                if time.monotonic() > deadline:
-                    raise TeacherGenerationError(f"the local teacher server was not ready after "
-                                                 f"{server.startup_timeout_s:.0f} s")
-                time.sleep(0.05)
-            info = json.loads(ready.read_text())
-            yield f"http://{info['host']}:{info['port']}/v1"
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            log.close()
-
-
-def _api_key(cfg: TeacherGenConfig) -> str:
-    if cfg.api_key_env is None:
-        return "EMPTY"
-    key = os.environ.get(cfg.api_key_env)
-    if not key:
-        raise MissingAPIKeyError(f"teacher_gen.api_key_env names {cfg.api_key_env}, but that environment "
-                                 "variable is not set (or empty); export it before running the stage")
-    return key
 
 
 def _join(rows: dict[str, list[dict]], requests: dict[str, list[TeacherRequest]], answers: dict[str, dict],
@@ -176,7 +114,7 @@ def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, prog
     Every run past its setup writes ``paths.teacher_failure_report`` (also when it then fails)."""
     split_paths = {"train": paths.subset_train, "eval": paths.subset_eval}  # teacher_gen reads the subset
     rows = {split: read_jsonl(split_paths[split]) if split in cfg.splits else [] for split in SPLITS}
-    api_key = _api_key(cfg)  # before any work: a missing key is an immediate, clear error
+    api_key = endpoint.api_key(cfg.api_key_env, "teacher_gen", MissingAPIKeyError)  # before any work: a missing key is an immediate, clear error
 
     if cfg.endpoint == LOCAL_ENDPOINT:
         # model_path verifies the teacher's files against the pin, so the revision in the keys is the truth
@@ -208,7 +146,7 @@ def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, prog
                 with server as base_url:
                     summary = asyncio.run(ask_all(to_ask, cache, ClientSettings(base_url, api_key, cfg),
                                                   progress=progress))
-            except EndpointError as e:  # stopped early: report what it saw, then fail with the cause
+            except endpoint.EndpointError as e:  # stopped early: report what it saw, then fail with the cause
                 if e.summary is not None:
                     _record(e.summary, refusals, {r.key: r for r in to_ask}, failed, deterministic)
                     _, failures = _join(rows, requests, {r.key: cache.get(r.key) for r in unique if r.key in cache},

@@ -1,0 +1,73 @@
+"""The bundled teacher server as a local subprocess, for the stages that ask a teacher (teacher_gen, opd).
+
+``local_teacher_server`` starts ``python -m ars_opd.teacher.server`` for a model directory on 127.0.0.1 (an
+ephemeral port, reported through a ready file), yields its base URL, and stops it afterwards, also on
+errors and Ctrl-C. The client side names the server only on that command line: nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from ars_opd.config import TeacherServerConfig
+
+LOCAL_MODEL_NAME = "ars-opd-teacher"
+
+
+class LocalServerError(RuntimeError):
+    """The bundled server exited, or was not ready in time."""
+
+
+@contextlib.contextmanager
+def local_teacher_server(model_dir: str, server: TeacherServerConfig, model_name: str = LOCAL_MODEL_NAME,
+                         log_requests: str | None = None, max_logprobs: int | None = None) -> Iterator[str]:
+    """Start the bundled server for ``model_dir`` on 127.0.0.1 (ephemeral port); yield its base URL.
+
+    ``max_logprobs``: the largest ``prompt_logprobs`` k it answers (OPD scoring; the server's default if None).
+    """
+    with tempfile.TemporaryDirectory(prefix="ars-opd-serve-") as tmp:
+        ready = Path(tmp) / "ready.json"
+        log = open(Path(tmp) / "server.log", "w+")
+        cmd = [sys.executable, "-m", "ars_opd.teacher.server", model_dir, "--model-name", model_name,
+               "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
+               "--max-batch-size", str(server.max_batch_size), "--max-wait-ms", str(server.max_wait_ms),
+               "--threads", str(server.threads)]
+        if log_requests:
+            cmd += ["--log-requests", log_requests]
+        if max_logprobs is not None:
+            cmd += ["--max-logprobs", str(max_logprobs)]
+        # the server runs this process's ars_opd (a worktree or checkout), not whichever one is installed
+        root = str(Path(__file__).resolve().parents[3])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            deadline = time.monotonic() + server.startup_timeout_s
+            while not ready.exists():
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise LocalServerError(f"the local teacher server exited with {proc.returncode} "
+                                                 f"before it was ready:\n{log.read()[-2000:]}")
+                if time.monotonic() > deadline:
+                    raise LocalServerError(f"the local teacher server was not ready after "
+                                                 f"{server.startup_timeout_s:.0f} s")
+                time.sleep(0.05)
+            info = json.loads(ready.read_text())
+            yield f"http://{info['host']}:{info['port']}/v1"
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            log.close()

@@ -1,0 +1,105 @@
+"""The library's layout, read from its imports: every import points down (or within its own package), the
+teacher's server and client sides never import each other, and no module imports another's private name.
+
+A floor lists the modules that may import one another and anything below; a package's floor holds all its
+modules. What is tested here is what ``import`` statements (at any depth in a file) say, as the dvc deps
+test reads them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# lowest first
+FLOORS = (
+    ("ars_opd", "ars_opd.config", "ars_opd.artifacts", "ars_opd.seeding"),
+    ("ars_opd.data",),
+    ("ars_opd.lm",),
+    ("ars_opd.models",),
+    ("ars_opd.teacher", "ars_opd.checks"),
+    ("ars_opd.training",),
+    ("ars_opd.evaluation",),
+    ("ars_opd.cli",),
+)
+SIDES = ("ars_opd.teacher.server", "ars_opd.teacher.client")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _floor(module: str) -> int:
+    best = None
+    for i, floor in enumerate(FLOORS):
+        for prefix in floor:
+            if (module == prefix or module.startswith(prefix + ".")) and prefix != "ars_opd":
+                best = i
+    if best is None and module == "ars_opd":
+        return 0
+    assert best is not None, f"{module} is on no floor: add it to FLOORS"
+    return best
+
+
+def _imports(path: Path):
+    """(imported module, names taken from it, line) for each ars_opd import of a file."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ars_opd"):
+            yield node.module, [a.name for a in node.names], node.lineno
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("ars_opd"):
+                    yield a.name, [], node.lineno
+
+
+def _library_files():
+    return sorted((REPO / "ars_opd").rglob("*.py"))
+
+
+def _side(module: str) -> str | None:
+    return next((s for s in SIDES if module == s or module.startswith(s + ".")), None)
+
+
+def test_every_import_points_down_or_within_its_package():
+    up = []
+    for path in _library_files():
+        here = _module_name(path)
+        for module, names, line in _imports(path):
+            # ``from ars_opd.pkg import mod`` imports the module pkg.mod
+            targets = [f"{module}.{n}" if (REPO / Path(*f"{module}.{n}".split("."))).with_suffix(".py").exists()
+                       or (REPO / Path(*f"{module}.{n}".split(".")) / "__init__.py").exists() else module
+                       for n in names] or [module]
+            for target in targets:
+                if _floor(target) > _floor(here):
+                    up.append(f"{path.relative_to(REPO)}:{line} imports {target}")
+    assert not up, "imports that run back up a floor:\n" + "\n".join(sorted(set(up)))
+
+
+def test_the_teachers_server_and_client_never_import_each_other():
+    crossing = []
+    for path in _library_files():
+        here = _side(_module_name(path))
+        for module, _, line in _imports(path):
+            there = _side(module)
+            if here and there and here != there:
+                crossing.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert not crossing, "\n".join(crossing)
+
+
+def test_no_module_imports_another_modules_private_name():
+    private = []
+    for path in _library_files() + sorted((REPO / "stages").glob("*.py")):
+        for module, names, line in _imports(path):
+            private += [f"{path.relative_to(REPO)}:{line} takes {n} from {module}" for n in names
+                        if n.startswith("_") and not n.startswith("__")]
+    assert not private, "\n".join(private)
+
+
+def test_the_floors_cover_every_library_module():
+    for path in _library_files():
+        _floor(_module_name(path))  # raises for a module on no floor
