@@ -116,8 +116,8 @@ def run_seed(job: dict) -> list[dict]:
         geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "bench")
         model = build_causal_lm(ArchConfig(**job["arch"]), tok, derive_seed(seed, "bench-init"))
         set_seeds(derive_seed(seed, "bench-rng"))
-        task = SFTTask(data, cfg, geometry, derive_seed(seed, "bench-sampler"), ctx.rank, ctx.device,
-                       tok.pad_token_id, None, len(tok))
+        task = SFTTask(data, cfg, geometry, sampler_seed=derive_seed(seed, "bench-sampler"), rank=ctx.rank,
+                       device=ctx.device, pad_id=tok.pad_token_id, vocab=len(tok))
         strategy = job.get("strategy", "ddp")
         ddp = wrap_model(model, ctx, DDPConfig(workers=ctx.world_size, strategy=strategy), cfg)
         hook = (ShardedConsistencyHook if strategy == "fsdp" else ConsistencyHook)(ctx.world_size, gram_every=0)

@@ -66,7 +66,8 @@ def worker(job: dict) -> dict:
         geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "bench")
         set_seeds(3)
         model = build_causal_lm(ArchConfig(**job["arch"]), tok, seed=5)
-        task = SFTTask(data, cfg, geometry, 17, ctx.rank, ctx.device, tok.pad_token_id)
+        task = SFTTask(data, cfg, geometry, sampler_seed=17, rank=ctx.rank, device=ctx.device,
+                       pad_id=tok.pad_token_id)
         ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size))
         hook = ConsistencyHook(ctx.world_size)
         hook.attach(ddp)

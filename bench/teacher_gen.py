@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ars_opd.config import EndpointConfig  # noqa: E402
 from ars_opd.teacher.client.cache import TeacherCache, cache_key  # noqa: E402
-from ars_opd.teacher.client.endpoint import ClientSettings, TeacherRequest, ask_all  # noqa: E402
+from ars_opd.teacher.client.chat import TeacherRequest, ask_all  # noqa: E402
+from ars_opd.teacher.client.endpoint import ClientSettings  # noqa: E402
 
 
 def start_endpoint(latency: float, tmp: Path) -> tuple[subprocess.Popen, str]:

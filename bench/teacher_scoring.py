@@ -154,7 +154,8 @@ def main() -> None:
             for name, scorer in (("local", LocalTeacher(teacher, len(tokenizer))),
                                  ("endpoint", endpoint(url, len(tokenizer), 8, a.topk))):
                 torch.manual_seed(0)
-                task = OPDTask(prompts, completions, scorer, tokenizer, cfg, geometry, 0, 0, 0, torch.device("cpu"))
+                task = OPDTask(prompts, completions, scorer, cfg, geometry, tokenizer=tokenizer, sampler_seed=0,
+                               seed=0, rank=0, device=torch.device("cpu"))
                 result[f"{name}_step_s"] = round(statistics.median(step_time(task, student, a.steps)), 4)
                 if isinstance(scorer, EndpointTeacher):
                     scorer.close()

@@ -12,8 +12,8 @@ import pytest
 
 from ars_opd.artifacts import read_jsonl
 from ars_opd.config import OPDConfig, SFTConfig, load_params
-from ars_opd.evaluation.distillation import (budget_note, collect, compare, headline, interpolate, regime_note,
-                                               render_study)
+from ars_opd.evaluation.distillation import collect, render_study
+from ars_opd.evaluation.equal_budget import budget_note, compare, headline, interpolate, regime_note
 from ars_opd.models.loading import load_model, sha256_of_files
 from ars_opd.training.budget import matmul_parameters, read_budget, write_budget
 from ars_opd.training.opd import run_opd

@@ -4,9 +4,9 @@ import pytest
 
 from ars_opd.config import DataConfig, SyntheticConfig
 from ars_opd.data.prompts import alpaca_user_message
-from ars_opd.data.subset import (
-    DataSourceError, MalformedDataError, RowError, make_subset, normalise_row,
-)
+from ars_opd.data.normalise import RowError, normalise_row
+from ars_opd.data.sources import DataSourceError
+from ars_opd.data.subset import MalformedDataError, make_subset
 
 SYNTH = SyntheticConfig()
 

@@ -10,7 +10,8 @@ import pytest
 
 from ars_opd.config import PathsConfig, ReportConfig
 from ars_opd.evaluation.detector import rate_interval
-from ars_opd.evaluation.report import build_report, detection_benchmark, noise_scale_summary, write_report
+from ars_opd.evaluation.consistency_report import detection_benchmark, noise_scale_summary
+from ars_opd.evaluation.report import build_report, write_report
 
 
 def _log(n=300, workers=4, seed=0, scale_rank=None, start=200, clip_every=0, drift_at=None):

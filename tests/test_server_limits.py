@@ -14,6 +14,7 @@ from ars_opd.config import ArchConfig
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.teacher.server import app as teacher_server
 from ars_opd.teacher.server.engine import CHARS_MARGIN
+from ars_opd.teacher.server.handlers import BODY_LIMIT_KEY, ENGINE_KEY
 from test_teacher_server import _ServerThread
 
 MODEL = "tiny"
@@ -56,10 +57,10 @@ def _post_one(url: str, body) -> tuple[int, dict, float]:
 
 
 def test_the_bounds_follow_the_context_and_the_tokenizer(small_context, char_tokenizer):
-    engine = small_context.app[teacher_server.ENGINE_KEY]
+    engine = small_context.app[ENGINE_KEY]
     longest = max(len(t) for t in char_tokenizer.get_vocab())
     assert engine.max_prompt_chars == 256 * longest * CHARS_MARGIN
-    assert small_context.app[teacher_server.BODY_LIMIT_KEY] == teacher_server.body_limit(engine.max_prompt_chars) \
+    assert small_context.app[BODY_LIMIT_KEY] == teacher_server.body_limit(engine.max_prompt_chars) \
         == teacher_server.BYTES_PER_CHAR * engine.max_prompt_chars + teacher_server.BODY_OVERHEAD
     # the premise of the bound: no token covers more than `longest` characters of the text (vocabulary words,
     # letters, spaces and characters the tokenizer does not know, in random order)
@@ -73,13 +74,13 @@ def test_the_bounds_follow_the_context_and_the_tokenizer(small_context, char_tok
 
 
 def test_a_body_over_the_limit_gets_413_without_being_decoded(small_context):
-    limit = small_context.app[teacher_server.BODY_LIMIT_KEY]
+    limit = small_context.app[BODY_LIMIT_KEY]
     status, out, _ = _post_one(small_context.url, json.dumps(_body("a" * limit)).encode())
     assert status == 413 and out["error"]["code"] == "request_too_large" and str(limit) in out["error"]["message"]
 
 
 def test_a_prompt_the_context_cannot_hold_is_refused_before_tokenizing(small_context, monkeypatch):
-    engine = small_context.app[teacher_server.ENGINE_KEY]
+    engine = small_context.app[ENGINE_KEY]
     encoded = []
     real = engine.encode
     monkeypatch.setattr(engine, "encode", lambda messages: encoded.append(1) or real(messages))

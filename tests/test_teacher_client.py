@@ -13,7 +13,8 @@ import pytest
 from fake_endpoint import FakeEndpoint, expected_answer
 from ars_opd.config import EndpointConfig
 from ars_opd.teacher.client.cache import TeacherCache, cache_key
-from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError, TeacherRequest, ask_all
+from ars_opd.teacher.client.chat import TeacherRequest, ask_all
+from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError
 
 
 def _requests(n: int, model: str = "fake-teacher", tag: str = "q") -> list[TeacherRequest]:
@@ -117,7 +118,8 @@ sys.path.insert(0, "tests")
 from fake_endpoint import FakeEndpoint
 from ars_opd.config import EndpointConfig
 from ars_opd.teacher.client.cache import TeacherCache, cache_key
-from ars_opd.teacher.client.endpoint import ClientSettings, TeacherRequest, ask_all
+from ars_opd.teacher.client.chat import TeacherRequest, ask_all
+from ars_opd.teacher.client.endpoint import ClientSettings
 reqs = []
 for i in range(600):
     ident = {"model": "fake-teacher", "messages": [{"role": "user", "content": f"u {i}"}]}

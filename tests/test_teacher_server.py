@@ -24,7 +24,7 @@ import torch
 from aiohttp import web
 
 from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server import engine
+from ars_opd.teacher.server import engine, handlers, sampling
 from ars_opd.config import ArchConfig
 from ars_opd.lm.generation import decode_completion, generate_token_ids
 from ars_opd.models.builtin import build_causal_lm
@@ -79,7 +79,7 @@ class _ServerThread:
 
     @property
     def stats(self) -> engine.ServerStats:
-        return self.app[teacher_server.ENGINE_KEY].stats
+        return self.app[handlers.ENGINE_KEY].stats
 
     def close(self):
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
@@ -292,10 +292,10 @@ def test_client_mistakes_get_openai_style_4xx(server, body, status, needle):
 
 
 def test_streamable_holds_back_possible_stop_starts():
-    assert teacher_server._streamable("abc<en", ["<end>"]) == "abc"
-    assert teacher_server._streamable("abc<", ["<end>", "zz"]) == "abc"
-    assert teacher_server._streamable("abc<x", ["<end>"]) == "abc<x"
-    assert teacher_server._streamable("ab\ufffd", []) == "ab"
+    assert handlers._streamable("abc<en", ["<end>"]) == "abc"
+    assert handlers._streamable("abc<", ["<end>", "zz"]) == "abc"
+    assert handlers._streamable("abc<x", ["<end>"]) == "abc<x"
+    assert handlers._streamable("ab\ufffd", []) == "ab"
 
 
 def test_row_sampler_draws_from_the_tempered_nucleus():
@@ -304,7 +304,7 @@ def test_row_sampler_draws_from_the_tempered_nucleus():
     rows = [SimpleNamespace(temperature=0.0, top_p=1.0, seed=0),   # greedy: no noise
             SimpleNamespace(temperature=0.7, top_p=1.0, seed=1),
             SimpleNamespace(temperature=1.3, top_p=0.8, seed=2)]
-    sampler = engine._RowSampler(rows, torch.device("cpu"))
+    sampler = sampling.RowSampler(rows, torch.device("cpu"))
     draws, counts = 2000, torch.zeros(3, 5)
     for _ in range(draws):
         picks = sampler(None, logits.expand(3, 5).clone()).argmax(dim=-1)

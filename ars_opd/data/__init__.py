@@ -1,1 +1,1 @@
-"""The ``subset`` stage and what renders data as text: synthetic tasks, dataset loading, prompts."""
+"""The ``subset`` stage and what renders data as text: synthetic tasks, dataset sources, row normalisation, prompts."""

@@ -1,20 +1,8 @@
-"""Instruction datasets: load, normalise to chat messages, take a seeded subset, split train/eval.
+"""Instruction datasets: take a seeded subset of normalised rows, split train/eval, write the subset stage.
 
-Sources (``data.source``):
-
-- ``synthetic``: the built-in checkable tasks (``ars_opd.data.synthetic``), generated with the subset seed;
-- a local file: ``.jsonl``/``.json`` (a JSON list or JSON Lines), ``.parquet``, ``.csv``;
-- a local directory: a dataset saved with ``save_to_disk``, else anything ``datasets.load_dataset`` reads;
-- anything else is a Hugging Face hub dataset id, read with ``datasets.load_dataset``.
-
-Row formats (``data.format``, or detected per row with ``auto``): Alpaca (instruction / input / output),
-chat ``messages`` (role / content, the last assistant turn is the reference), ``prompt`` with an optional
-``response``/``completion``/``output``, and ShareGPT ``conversations`` (from / value). Every row becomes
-``{"id", "messages", "reference", "task", "source_index"}``: ``messages`` is the prompt (everything
-before the reference answer), ``reference`` the dataset's answer or null, ``task`` the synthetic task
-name or null. A prompt-only row is valid, since the teacher writes the completion: an Alpaca row without
-``output`` (or with ``output: null``), a conversation that ends with a user turn, a ``prompt`` without a
-response. An answer that is present but empty is malformed (``empty_response``).
+Every selected row is ``{"id", "messages", "reference", "task", "source_index"}``: sources are read by
+``ars_opd.data.sources`` and rows normalised by ``ars_opd.data.normalise``; ``id`` is the hash of the
+normalised prompt and reference, so duplicates are found whatever the source format.
 
 Malformed rows are not fixed up: they are counted by reason, a few examples kept, and the stage fails
 when their fraction of the rows examined exceeds ``data.max_malformed_fraction``. Selection walks a
@@ -24,248 +12,24 @@ not normalised in full.
 
 from __future__ import annotations
 
-import csv
-import hashlib
 import json
 import random
 import statistics
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from ars_opd.data import synthetic
-from ars_opd.artifacts import (
-    JsonlLineError, atomic_outputs, dumps_canonical, file_sha256, files_sha256, iter_jsonl, provenance, write_json,
-    write_jsonl,
-)
-from ars_opd.config import LOCAL_DATA_SUFFIXES, BaseConfig, DataConfig, PathsConfig, SyntheticConfig, to_dict
+from ars_opd.artifacts import atomic_outputs, provenance, write_json, write_jsonl
+from ars_opd.config import BaseConfig, DataConfig, PathsConfig, SyntheticConfig, to_dict
 from ars_opd.seeding import derive_seed
-from ars_opd.data.prompts import alpaca_messages
-
-LOCAL_SUFFIXES = LOCAL_DATA_SUFFIXES
-ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-RESPONSE_KEYS = ("response", "completion", "output")
-
-
-class DataSourceError(RuntimeError):
-    """The configured dataset cannot be read."""
+from ars_opd.data.normalise import RowError, normalise_row, row_id
+from ars_opd.data.sources import DataSourceError, Malformed, load_source, source_sha256
 
 
 class MalformedDataError(ValueError):
     """Too many rows could not be normalised."""
-
-
-@dataclass(frozen=True)
-class Malformed:
-    """A source row that could not be read at all (e.g. a line of invalid JSON)."""
-
-    reason: str
-    detail: str
-
-
-def _read_json_file(path: Path) -> list[Any]:
-    data = path.read_bytes()
-    try:
-        whole = json.loads(data.decode("utf-8-sig"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        whole = None  # JSON Lines (possibly with a torn or invalid line), read line by line below
-    if whole is not None:
-        if isinstance(whole, list):
-            return whole
-        if isinstance(whole, dict):
-            for key in ("data", "rows", "train"):
-                if isinstance(whole.get(key), list):
-                    return whole[key]
-        raise DataSourceError(f"{path}: expected a JSON list of rows (or JSON Lines), got {type(whole).__name__}")
-    rows: list[Any] = []
-    for _, value in iter_jsonl(data):  # splits on "\n" only: U+2028 and friends stay inside their row
-        if isinstance(value, JsonlLineError):
-            reason = "invalid_utf8" if value.message.startswith("not valid UTF-8") else "invalid_json"
-            value = Malformed(reason, f"line {value.lineno}: {value.message}: {value.text!r}")
-        rows.append(value)
-    return rows
-
-
-def _read_local_file(path: Path) -> list[Any]:
-    suffix = path.suffix.lower()
-    if suffix in (".json", ".jsonl"):
-        return _read_json_file(path)
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as e:
-            raise DataSourceError(f"{path}: cannot read parquet ({type(e).__name__}: {e})") from None
-    if suffix == ".csv":
-        with open(path, encoding="utf-8", newline="") as f:
-            return list(csv.DictReader(f))
-    raise DataSourceError(f"{path}: unsupported file type {suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)}")
-
-
-def _read_dataset_dir(path: Path, cfg: DataConfig) -> Sequence[Any]:
-    import datasets
-
-    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            if cfg.hub_split not in ds:
-                raise DataSourceError(f"{path}: no split {cfg.hub_split!r}; splits: {list(ds)}")
-            ds = ds[cfg.hub_split]
-        return ds
-    try:
-        return datasets.load_dataset(str(path), name=cfg.hub_config, split=cfg.hub_split)
-    except Exception as e:
-        raise DataSourceError(f"{path}: datasets.load_dataset failed ({type(e).__name__}: {e})") from None
-
-
-def _read_hub(cfg: DataConfig) -> Sequence[Any]:
-    import datasets
-    from huggingface_hub import constants
-
-    try:
-        return datasets.load_dataset(cfg.source, name=cfg.hub_config, split=cfg.hub_split, revision=cfg.hub_revision)
-    except Exception as e:
-        offline = constants.HF_HUB_OFFLINE
-        hint = ("HF_HUB_OFFLINE is set and the dataset is not in the local datasets cache: download it on a "
-                "connected machine or point data.source at a local file" if offline else
-                "check the dataset id, data.hub_config / data.hub_split / data.hub_revision, and your network "
-                "(or point data.source at a local file)")
-        raise DataSourceError(
-            f"cannot load hub dataset {cfg.source!r} (split {cfg.hub_split!r}): {type(e).__name__}: "
-            f"{str(e)[:300]}. {hint}"
-        ) from None
-
-
-def load_source(cfg: DataConfig) -> Sequence[Any]:
-    """Random-access rows of a non-synthetic source (a list or a ``datasets.Dataset``)."""
-    path = Path(cfg.source).expanduser()
-    if path.is_file():
-        return _read_local_file(path)
-    if path.is_dir():
-        return _read_dataset_dir(path, cfg)
-    if path.suffix.lower() in LOCAL_SUFFIXES or cfg.source.startswith((".", "/", "~")):
-        raise DataSourceError(f"data.source {cfg.source!r}: no such file or directory")
-    return _read_hub(cfg)
-
-
-# --------------------------------------------------------------------------------------------------
-# normalisation
-
-
-class RowError(ValueError):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-def _text(row: Mapping, key: str, required: bool = True) -> str | None:
-    if key not in row or row[key] is None:
-        if required:
-            raise RowError(f"missing_field:{key}")
-        return None
-    value = row[key]
-    if not isinstance(value, str):
-        raise RowError(f"wrong_type:{key}")
-    return value
-
-
-def detect_format(row: Mapping) -> str:
-    if "messages" in row:
-        return "messages"
-    if "conversations" in row:
-        return "sharegpt"
-    if "instruction" in row:
-        return "alpaca"
-    if "prompt" in row:
-        return "prompt_response"
-    raise RowError("unknown_format")
-
-
-def _chat_turns(turns: Any, role_key: str, content_key: str, role_map: Mapping[str, str]) -> list[dict]:
-    if not isinstance(turns, list) or not turns:
-        raise RowError("empty_conversation")
-    out = []
-    for t in turns:
-        if not isinstance(t, Mapping) or role_key not in t or content_key not in t:
-            raise RowError("bad_turn")
-        role = role_map.get(t[role_key]) if isinstance(t[role_key], str) else None
-        if role is None:
-            raise RowError("bad_role")
-        if not isinstance(t[content_key], str):
-            raise RowError("wrong_type:content")
-        out.append({"role": role, "content": t[content_key]})
-    return out
-
-
-def _split_conversation(turns: list[dict]) -> tuple[list[dict], str | None]:
-    reference = None
-    if turns[-1]["role"] == "assistant":
-        reference = turns[-1]["content"]
-        turns = turns[:-1]
-    if not any(t["role"] == "user" for t in turns):
-        raise RowError("no_user_turn")
-    if turns[-1]["role"] != "user":
-        raise RowError("prompt_not_ending_with_user")
-    if any(t["role"] == "system" for t in turns[1:]):
-        raise RowError("system_not_first")
-    return turns, reference
-
-
-def normalise_row(row: Any, fmt: str, system_prompt: str | None = None) -> tuple[list[dict], str | None, str | None, str]:
-    """Normalise one raw row -> (prompt messages, reference or None, task or None, format).
-
-    Raises ``RowError(reason)`` for a malformed row.
-    """
-    if isinstance(row, Malformed):
-        raise RowError(row.reason)
-    if not isinstance(row, Mapping):
-        raise RowError("not_an_object")
-    fmt = detect_format(row) if fmt == "auto" else fmt
-    task = row.get("task") if isinstance(row.get("task"), str) else None
-    if fmt == "alpaca":
-        instruction = _text(row, "instruction")
-        inp = _text(row, "input", required=False)
-        reference = _text(row, "output", required=False)  # absent or null: a prompt-only row
-        if not instruction.strip():
-            raise RowError("empty_prompt")
-        messages = alpaca_messages(instruction, inp, None)
-    elif fmt == "messages":
-        messages, reference = _split_conversation(_chat_turns(row.get("messages"), "role", "content",
-                                                              {r: r for r in ROLES}))
-    elif fmt == "sharegpt":
-        messages, reference = _split_conversation(_chat_turns(row.get("conversations"), "from", "value",
-                                                              SHAREGPT_ROLES))
-    elif fmt == "prompt_response":
-        prompt = _text(row, "prompt")
-        if not prompt.strip():
-            raise RowError("empty_prompt")
-        reference = None
-        for key in RESPONSE_KEYS:
-            if key in row:
-                reference = _text(row, key, required=False)
-                break
-        messages = [{"role": "user", "content": prompt}]
-    else:
-        raise ValueError(f"unknown format {fmt!r}")
-    if any(not m["content"].strip() for m in messages):
-        raise RowError("empty_prompt")
-    if reference is not None and not reference.strip():
-        raise RowError("empty_response")
-    if system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}, *messages]
-    return messages, reference, task, fmt
-
-
-def row_id(messages: list[dict], reference: str | None) -> str:
-    return hashlib.sha256(dumps_canonical({"messages": messages, "reference": reference}).encode()).hexdigest()[:16]
-
-
-# --------------------------------------------------------------------------------------------------
-# subset
 
 
 @dataclass
@@ -374,19 +138,6 @@ def make_subset(cfg: DataConfig, synth: SyntheticConfig, seed: int) -> SubsetRes
         "reference_chars": _length_stats([len(r["reference"]) for r in selected if r["reference"] is not None]),
     }
     return SubsetResult(train=train_rows, eval=eval_rows, stats=stats)
-
-
-def source_sha256(cfg: DataConfig) -> str | None:
-    """sha256 of a local source (a file's bytes; a directory's files, names and bytes); None for synthetic
-    data and hub datasets (those are identified by their id and ``data.hub_revision``)."""
-    if cfg.source == "synthetic":
-        return None
-    path = Path(cfg.source).expanduser()
-    if path.is_file():
-        return file_sha256(path)
-    if path.is_dir():
-        return files_sha256(path, None)[0]
-    return None
 
 
 def write_subset(base: BaseConfig, cfg: DataConfig, synth: SyntheticConfig, paths: PathsConfig) -> dict:

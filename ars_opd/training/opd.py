@@ -73,12 +73,17 @@ def uses_student_rollouts(seed: int, step: int, on_policy_fraction: float) -> bo
 
 
 class OPDTask:
-    """Rollouts (or cached teacher completions) for this worker, scored by the teacher."""
+    """Rollouts (or cached teacher completions) for this worker, scored by the teacher.
+
+    The data, the scorer, the config and the batch geometry are positional; the worker's place (tokenizer,
+    seeds, rank, device, fault) and the budget's parameter counts are keyword-only, so that no call passes
+    a row of bare numbers whose order it could get wrong.
+    """
 
     def __init__(self, prompts: list[list[int]], teacher_completions: list[list[int]],
-                 teacher: LocalTeacher | EndpointTeacher,
-                 tokenizer, cfg: OPDConfig, geometry: BatchGeometry, sampler_seed: int, seed: int, rank: int,
-                 device: torch.device, fault: Fault | None = None, item_tasks: list[str | None] | None = None,
+                 teacher: LocalTeacher | EndpointTeacher, cfg: OPDConfig, geometry: BatchGeometry, *,
+                 tokenizer, sampler_seed: int, seed: int, rank: int, device: torch.device,
+                 fault: Fault | None = None, item_tasks: list[str | None] | None = None,
                  student_params: int = 0, teacher_params: int = 0):
         self.prompts, self.teacher_completions, self.teacher = prompts, teacher_completions, teacher
         self.tokenizer, self.cfg, self.geometry = tokenizer, cfg, geometry
@@ -178,7 +183,9 @@ def _teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[LocalTea
     ctx, cfg = setup.ctx, job.cfg
     if cfg.teacher == "endpoint":  # no teacher weights in the trainer, only the count from the teacher's config
         url, model = job.runtime["scoring_url"], job.runtime["scoring_model"]
-        teacher = EndpointTeacher(ClientSettings(url, api_key(cfg.teacher_endpoint.api_key_env, ENDPOINT_SECTION), cfg.teacher_endpoint), model, vocab, cfg.topk)
+        settings = ClientSettings(url, api_key(cfg.teacher_endpoint.api_key_env, ENDPOINT_SECTION),
+                                  cfg.teacher_endpoint)
+        teacher = EndpointTeacher(settings, model, vocab, cfg.topk)
         return teacher, _teacher_params_from_config(job.paths.models_dir, job.trust_remote_code), {
             "teacher": "endpoint", "teacher_model": model,
             "teacher_endpoint": "local" if cfg.teacher_endpoint.endpoint == "local" else url}
@@ -210,9 +217,10 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     prompts, completions, tasks, counts = _encode(tokenizer, rows, job.cfg)
     if not prompts:
         raise ValueError(f"no OPD prompts left after the budget: {counts}")
-    task = OPDTask(prompts, completions, teacher, tokenizer, job.cfg, setup.geometry, setup.sampler_seed,
-                   setup.stage_seed, ctx.rank, ctx.device, setup.fault, tasks, matmul_parameters(model),
-                   teacher_params)
+    task = OPDTask(prompts, completions, teacher, job.cfg, setup.geometry, tokenizer=tokenizer,
+                   sampler_seed=setup.sampler_seed, seed=setup.stage_seed, rank=ctx.rank, device=ctx.device,
+                   fault=setup.fault, item_tasks=tasks, student_params=matmul_parameters(model),
+                   teacher_params=teacher_params)
     fingerprint = {"init": student.init,
                    "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
                    "rows": len(rows), "data": file_sha256(train_path)}

@@ -70,9 +70,14 @@ def encode_sft_rows(tokenizer, rows: list[dict], cfg: SFTConfig) -> EncodedData:
 
 
 class SFTTask:
-    """Micro-batches of teacher completions for one worker; loss = summed token cross-entropy."""
+    """Micro-batches of teacher completions for one worker; loss = summed token cross-entropy.
 
-    def __init__(self, data: EncodedData, cfg: SFTConfig, geometry: BatchGeometry, sampler_seed: int,
+    The data, the config and the batch geometry are positional; the worker's place (seed, rank, device,
+    fault), the padding id, the vocabulary and the budget's FLOPs are keyword-only, so that no call passes
+    a row of bare numbers whose order it could get wrong.
+    """
+
+    def __init__(self, data: EncodedData, cfg: SFTConfig, geometry: BatchGeometry, *, sampler_seed: int,
                  rank: int, device: torch.device, pad_id: int, fault: Fault | None = None,
                  vocab: int | None = None, flops_per_token: float = 0.0):
         self.data, self.cfg, self.geometry = data, cfg, geometry
@@ -131,8 +136,9 @@ def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     manifest = {"adapter_start": student.adapter}
     if job.cfg.packing:
         manifest["packed_attention"] = use_packed_attention(model, job.cfg.packed_attention)
-    task = SFTTask(data, job.cfg, setup.geometry, setup.sampler_seed, setup.ctx.rank, setup.ctx.device,
-                   setup.tokenizer.pad_token_id, setup.fault, len(setup.tokenizer), 6.0 * matmul_parameters(model))
+    task = SFTTask(data, job.cfg, setup.geometry, sampler_seed=setup.sampler_seed, rank=setup.ctx.rank,
+                   device=setup.ctx.device, pad_id=setup.tokenizer.pad_token_id, fault=setup.fault,
+                   vocab=len(setup.tokenizer), flops_per_token=6.0 * matmul_parameters(model))
     fingerprint = {"init": init, "rows": len(rows), "data": file_sha256(train_path)}
     return PreparedRun(model, task, fingerprint, data.counts, manifest=manifest, budget_start=start)
 

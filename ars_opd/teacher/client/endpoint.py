@@ -1,26 +1,22 @@
-"""Asking a teacher through any OpenAI-compatible endpoint: bounded concurrency, retries, no lost work.
+"""The shared HTTP layer of every teacher endpoint client: settings, the client, the preflight, one request
+and the one retry loop, and the errors about the endpoint or the key.
 
-``ask_all`` sends every request whose key is not yet in the ``TeacherCache`` with ``openai.AsyncOpenAI``,
-at most ``concurrency`` in flight (a fixed pool of worker coroutines pulling from one iterator, so memory
-does not grow with the number of prompts). Each answer goes to the cache the moment it arrives.
+``make_client`` builds an ``openai.AsyncOpenAI`` whose connection pool matches the concurrency; retries are
+ours, not the SDK's. ``post_json`` sends one request and maps every failure to ``RetryableError`` or
+``FinalError``; ``with_retries`` asks again until it succeeds or cannot.
 
-Retries: timeouts, dropped connections, 408/409/425/429 and 5xx, malformed bodies and empty ``choices``
-are retried with exponential backoff and jitter, honouring ``retry-after`` / ``retry-after-ms`` (capped),
-up to ``max_attempts``. 400/401/403/404/413/422 cannot succeed by retrying and fail at once. An answer
-with no text (empty or whitespace content) is a failure (``empty_completion``), not an answer: it is never
-cached, so it cannot be served again as if it were one. Every final failure is returned with its reason
-and HTTP status. 401/403 abort the whole run (the key is wrong for every request),
-and so does a run whose first ``abort_after`` results are all failures: a misconfigured endpoint is
-reported in seconds, not after hours.
+Retries: timeouts, dropped connections, 408/409/425/429 and 5xx, and malformed bodies are retried with
+exponential backoff and jitter, honouring ``retry-after`` / ``retry-after-ms`` (capped), up to
+``max_attempts``. 400/401/403/404/413/422 cannot succeed by retrying and fail at once.
 
 Before the first request, ``preflight`` checks that the endpoint answers (``GET /models``) and names the
-URL if it does not. The API key is read from the environment by the caller and only passed to the client;
+URL if it does not. The API key is read from the environment (``api_key``) and only passed to the client;
 it is never logged or written anywhere.
 
-``post_json`` and ``with_retries`` are the request and retry halves of ``ask_all``, shared with the OPD
-scoring client (``ars_opd.teacher.client.score``), so every endpoint client retries the same way.
-
-What this module leaves out: streaming (answers are short and wanted whole), logprobs, tool calls.
+Its users are the chat-completion asking of ``teacher_gen`` (``ars_opd.teacher.client.chat``), the OPD
+scoring client (``ars_opd.teacher.client.score``) and OPD training, so every endpoint client retries the
+same way; this module imports none of them, so each loads only the layer and its own code.
+``stages.run_stage`` looks ``EndpointError`` up by this module's name (exit 4): it stays here.
 """
 
 from __future__ import annotations
@@ -30,15 +26,13 @@ import email.utils
 import os
 import random
 import time
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable, TypeVar
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, TypeVar
 
 import httpx2
 import openai
-from tqdm.auto import tqdm
 
 from ars_opd.config import EndpointConfig
-from ars_opd.teacher.client.cache import TeacherCache
 
 T = TypeVar("T")
 NON_RETRYABLE_STATUS = {400, 401, 403, 404, 413, 422}
@@ -47,14 +41,15 @@ AUTH_STATUS = {401, 403}
 
 class EndpointError(RuntimeError):
     """The endpoint is unreachable, rejects the key, serves another model or tokenizer, or fails every
-    request. ``summary``: what the run got before it stopped (set when requests were sent).
+    request. ``summary``: what the run got before it stopped (an ``AskSummary`` of
+    ``ars_opd.teacher.client.chat``, set by ``ask_all`` when requests were sent).
 
     The base class of every error about the endpoint or the key (``ScoringError`` included): its message
     is complete, naming the URL or the params key and what to do, so a stage prints it alone and exits 4
     (``stages.run_stage``) instead of a traceback. Raise it (or a subclass) only with such a message.
     """
 
-    summary: "AskSummary | None" = None
+    summary: Any = None  # an AskSummary, not imported: the shared layer does not depend on its users
 
 
 @dataclass(frozen=True)
@@ -70,46 +65,6 @@ class ClientSettings:
 
     def __repr__(self) -> str:  # never show the key
         return f"ClientSettings(base_url={self.base_url!r}, concurrency={self.limits.concurrency}, ...)"
-
-
-@dataclass(frozen=True)
-class TeacherRequest:
-    """One question: ``body`` goes to ``chat.completions.create``; ``identity`` is what was hashed into ``key``."""
-
-    key: str
-    body: dict
-    identity: dict
-
-
-@dataclass
-class Failure:
-    key: str
-    reason: str
-    attempts: int
-    status: int | None = None  # HTTP status of a final refusal, else None
-
-
-@dataclass
-class AskSummary:
-    requested: int = 0
-    already_cached: int = 0
-    completed: int = 0
-    failures: list[Failure] = field(default_factory=list)
-    retries: int = 0
-    seconds: float = 0.0
-
-    @property
-    def failed(self) -> int:
-        return len(self.failures)
-
-
-def count_by_reason(reasons: Iterable[str]) -> dict[str, int]:
-    """How many failures of each kind (the part of a reason before its first ':'), sorted by kind."""
-    out: dict[str, int] = {}
-    for reason in reasons:
-        kind = reason.split(":", 1)[0]
-        out[kind] = out.get(kind, 0) + 1
-    return dict(sorted(out.items()))
 
 
 class MissingAPIKeyError(EndpointError):
@@ -255,118 +210,3 @@ async def with_retries(call: Callable[[], Awaitable[T]], settings: ClientSetting
             if e.wait_s is not None:
                 wait = max(wait, min(e.wait_s, settings.max_retry_after_s))
             await asyncio.sleep(wait)
-
-
-async def _ask_once(client: openai.AsyncOpenAI, body: dict) -> dict:
-    resp = await post_json(client, "/chat/completions", body)
-    choices = resp.get("choices")
-    if not isinstance(choices, list) or not choices:
-        raise RetryableError("empty_choices")
-    first = choices[0] if isinstance(choices[0], dict) else {}
-    message = first.get("message") if isinstance(first.get("message"), dict) else {}
-    content = message.get("content")
-    if not isinstance(content, str):
-        raise RetryableError("malformed_response: choices[0].message.content is not a string")
-    usage = resp.get("usage") if isinstance(resp.get("usage"), dict) else None
-    return {
-        "content": content,
-        "finish_reason": first.get("finish_reason"),
-        "model": resp.get("model"),
-        "usage": {"prompt_tokens": usage.get("prompt_tokens"),
-                  "completion_tokens": usage.get("completion_tokens")} if usage else None,
-    }
-
-
-async def ask_all(
-    items: Iterable[TeacherRequest],
-    cache: TeacherCache,
-    settings: ClientSettings,
-    progress: bool = True,
-    client: openai.AsyncOpenAI | None = None,
-    check_endpoint: bool = True,
-) -> AskSummary:
-    """Ask for every request whose key is not in ``cache``; store answers as they arrive.
-
-    Each ``body`` is passed to ``chat.completions.create`` as is (model, messages, sampling params).
-    Requests sharing a key are asked once. Returns counts, retries and the final failures with reasons.
-    """
-    summary = AskSummary()
-    pending: list[TeacherRequest] = []
-    seen: set[str] = set()
-    for req in items:
-        if req.key in seen:
-            continue
-        seen.add(req.key)
-        summary.requested += 1
-        if req.key in cache:
-            summary.already_cached += 1
-        else:
-            pending.append(req)
-    if not pending:
-        return summary
-    own_client = client is None
-    client = client or make_client(settings)
-    t0 = time.perf_counter()
-    bar = None  # made after the preflight: an endpoint error is then the only thing printed
-    abort: list[EndpointError] = []
-    results_seen = 0
-    queue = iter(pending)
-
-    async def handle(req: TeacherRequest) -> None:
-        nonlocal results_seen
-        key = req.key
-
-        def count_retry() -> None:
-            summary.retries += 1
-
-        while True:
-            try:
-                answer, attempt = await with_retries(lambda: _ask_once(client, req.body), settings, count_retry)
-            except FinalError as e:
-                summary.failures.append(Failure(key, e.reason, e.attempts, e.status))
-                if e.status in AUTH_STATUS:
-                    abort.append(EndpointError(f"the teacher endpoint rejected the request ({e.reason}); "
-                                               "check the API key variable named by teacher_gen.api_key_env"))
-                break
-            except RetryableError as e:
-                summary.failures.append(Failure(key, e.reason, e.attempts))
-                break
-            if not answer["content"].strip():  # not an answer: left out of the cache
-                summary.failures.append(Failure(key, f"empty_completion: finish_reason "
-                                                     f"{answer['finish_reason']!r}", attempt))
-                break
-            cache.put(key, req.identity, answer)
-            summary.completed += 1
-            break
-        results_seen += 1
-        if results_seen == settings.abort_after and summary.completed == 0 and not abort:
-            reasons = sorted({f.reason for f in summary.failures})[:3]
-            abort.append(EndpointError(f"the first {results_seen} teacher requests all failed ({reasons}); "
-                                       "stopping instead of failing every prompt"))
-        bar.update(1)
-        if summary.failures:
-            bar.set_postfix(failed=summary.failed, retries=summary.retries, refresh=False)
-
-    async def worker() -> None:
-        for req in queue:
-            if abort:
-                return
-            await handle(req)
-
-    try:
-        if check_endpoint:
-            await preflight(client, pending[0].body["model"])
-        bar = tqdm(total=len(pending), desc="teacher", unit="req", disable=not progress, mininterval=0.5,
-                   smoothing=0.05, dynamic_ncols=True)
-        await asyncio.gather(*(worker() for _ in range(min(settings.limits.concurrency, len(pending)))))
-    finally:
-        if bar is not None:
-            bar.close()
-        summary.seconds = time.perf_counter() - t0
-        if own_client:
-            await client.close()
-    if abort:
-        abort[0].summary = summary
-        raise abort[0]
-    return summary
-

@@ -2,7 +2,7 @@
 
 Flow: read the subset splits; build one request per prompt (the configured system prompt prepended
 where a prompt has none) and its cache key; ask only for keys missing from the persistent cache
-(``ars_opd.teacher.client.endpoint``); join answers back to the prompts in subset order. With ``endpoint: local``
+(``ars_opd.teacher.client.chat``); join answers back to the prompts in subset order. With ``endpoint: local``
 the stage starts the bundled server (``ars_opd.teacher.server``) on 127.0.0.1 for the teacher pinned by the
 models stage, and stops it afterwards, also on errors and Ctrl-C.
 
@@ -37,8 +37,9 @@ from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json
 from ars_opd.config import LOCAL_ENDPOINT, PathsConfig, TeacherGenConfig, to_dict
 from ars_opd.models.loading import model_path, read_manifest
 from ars_opd.teacher.client.cache import TeacherCache, cache_key
+from ars_opd.teacher.client.chat import AskSummary, TeacherRequest, ask_all, count_by_reason
 from ars_opd.teacher.client import endpoint
-from ars_opd.teacher.client.endpoint import AskSummary, ClientSettings, TeacherRequest, ask_all, count_by_reason
+from ars_opd.teacher.client.endpoint import ClientSettings
 from ars_opd.teacher.client.local_server import LOCAL_MODEL_NAME, local_teacher_server
 from ars_opd.teacher.client.failures import deterministic_sampling, describe, group_failures, is_remembered, write_failure_report
 

@@ -5,17 +5,14 @@ A batcher task takes the first waiting request, waits ``max_wait_ms`` for others
 the event loop keeps accepting requests while the next batch gathers. Rows of one batch may differ in
 temperature, top_p, max_tokens, seed and stop strings:
 
-* sampling is a logits processor: per-row temperature and nucleus (top_p) filtering plus Gumbel noise
-  from a per-row ``torch.Generator`` seeded with the request's ``seed`` (random when absent), with
-  ``generate(do_sample=False)`` taking the argmax. argmax(logits / T + Gumbel) is a sample from
-  softmax(logits / T), and the noise a row sees depends only on its own seed, so a seeded request gives
-  the same text alone or batched (up to float rounding of the logits). Rows with temperature 0 (or
-  below 1e-5) get no noise: greedy.
+* sampling is a logits processor, ``ars_opd.teacher.server.sampling.RowSampler``: per-row temperature,
+  top_p and seeded Gumbel noise, so a seeded request gives the same text alone or batched.
 * a stopping criterion called after every decoding step records each row's new token, ends the row at
   EOS, at a stop string or at its ``max_tokens``, and pushes the row's progress to its request, which is
   how streaming sends tokens while they are generated.
 
-Scoring rows (``/v1/completions`` with ``prompt_logprobs``, ``ars_opd.teacher.server.scoring``) wait in the same
+The rows and the events that answer them are ``ars_opd.teacher.server.jobs``. Scoring rows
+(``/v1/completions`` with ``prompt_logprobs``, ``ars_opd.teacher.server.scoring``) wait in the same
 queue and are taken into the same batches; a batch's scoring rows run as one right-padded forward before its
 chat rows generate.
 
@@ -37,10 +34,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import secrets
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -49,7 +45,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
-    LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteria,
     StoppingCriteriaList,
@@ -57,116 +52,16 @@ from transformers import (
 
 from ars_opd.data.prompts import encode_prompt
 from ars_opd.lm.batching import pad_left
+from ars_opd.teacher.server.jobs import Job, Progress, ScoreJob
+from ars_opd.teacher.server.sampling import RowSampler
 from ars_opd.teacher.server.validation import ChatRequest, RequestError, parse_chat_request
 from ars_opd.teacher.server.scoring import DEFAULT_MAX_LOGPROBS, ScoreRequest, parse_score_request, score_rows
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-GREEDY_BELOW = 1e-5  # temperatures this small are greedy: dividing logits by them overflows (as in vLLM)
 CHARS_MARGIN = 2  # see the module docstring: max_prompt_chars
 PREPARE_THREADS = 4  # requests prepared at once: a few huge ones cannot hold up the small ones behind them
-
-
-@dataclass
-class _Progress:
-    """A row's completion so far (already cut at a stop string); ``finish_reason`` set on the last one."""
-
-    text: str
-    completion_tokens: int
-    finish_reason: str | None
-
-
-@dataclass
-class Failure:
-    """A request the engine could not answer: the HTTP status and message its handler sends."""
-
-    status: int
-    message: str
-
-
-class _Answered:
-    """A queued row whose request handler listens on ``events`` in its event loop ``loop``."""
-
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    done: bool
-
-    def post(self, event) -> None:
-        """Hand an event to the request's handler from any thread."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop has closed: nobody is listening any more
-            pass
-
-    def fail(self, status: int, message: str) -> None:
-        self.done = True
-        self.post(Failure(status, message))
-
-
-@dataclass(eq=False)
-class _ScoreJob(_Answered):
-    """One prompt of a scoring request: its row in a scoring batch, answered with one ``RowScores`` event."""
-
-    prompt_ids: list[int]
-    top_k: int
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    done: bool = False
-    cancelled: bool = False
-
-
-@dataclass(eq=False)
-class Job(_Answered):
-    """One request's row in a batch. The generation thread writes the token fields, the handler reads events."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    stop: tuple[str, ...]
-    stream: bool
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    completion_ids: list[int] = field(default_factory=list)
-    done: bool = False
-    cancelled: bool = False
-    """Set by the handler when it stops listening (client gone); the row is then dropped."""
-
-
-class _RowSampler(LogitsProcessor):
-    """Per-row temperature, top_p and seeded Gumbel noise; ``generate(do_sample=False)`` then takes the argmax."""
-
-    def __init__(self, jobs: Sequence[Job], device: torch.device):
-        sampled = [i for i, j in enumerate(jobs) if j.temperature >= GREEDY_BELOW]
-        self.rows = torch.tensor(sampled, dtype=torch.long, device=device)
-        self.temperature = torch.tensor([[jobs[i].temperature] for i in sampled], device=device)  # (R, 1)
-        self.top_p = torch.tensor([[jobs[i].top_p] for i in sampled], device=device)  # (R, 1)
-        self.use_top_p = any(jobs[i].top_p < 1.0 for i in sampled)
-        self.generators = [torch.Generator(device=device).manual_seed(jobs[i].seed) for i in sampled]
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if not self.generators:
-            return scores
-        logits = scores[self.rows].float() / self.temperature  # (R, V)
-        if self.use_top_p:
-            logits = _nucleus(logits, self.top_p)
-        # every row draws V uniforms per step from its own generator, whatever its batch-mates do
-        u = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device) for g in self.generators])
-        gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))  # (R, V)
-        out = scores.clone()
-        out[self.rows] = (logits + gumbel).to(out.dtype)
-        return out
-
-
-def _nucleus(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (-inf) tokens outside each row's smallest set whose probability reaches top_p. (R, V), (R, 1)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p  # mass before a token; the top token always stays
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, -math.inf)
 
 
 class _RowProgress(StoppingCriteria):
@@ -233,7 +128,7 @@ class TeacherEngine:
         self.eos_ids = frozenset(eos)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
         # a fresh config drops the checkpoint's sampling defaults (temperature, top_k, repetition penalty...):
-        # the request's parameters, applied by _RowSampler, are the only decoding policy
+        # the request's parameters, applied by RowSampler, are the only decoding policy
         self.model.generation_config = GenerationConfig(eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
         self.context_length = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         longest_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
@@ -294,7 +189,8 @@ class TeacherEngine:
         try:
             return encode_prompt(self.tokenizer, messages)
         except (TemplateError, ValueError, TypeError) as e:  # e.g. a template that requires alternating roles
-            raise RequestError(400, f"the chat template rejected the messages: {e}", "invalid_value", "messages") from None
+            raise RequestError(400, f"the chat template rejected the messages: {e}", "invalid_value",
+                               "messages") from None
 
     def resolve_max_tokens(self, max_tokens: int | None, prompt_tokens: int) -> int:
         """The request's max_tokens, or the rest of the context; 400 when prompt and completion do not fit."""
@@ -320,12 +216,12 @@ class TeacherEngine:
             raise RequestError(503, "the server is not serving", "unavailable")
         return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.prepare_score, body)
 
-    def submit_scores(self, request: ScoreRequest) -> list[_ScoreJob]:
+    def submit_scores(self, request: ScoreRequest) -> list[ScoreJob]:
         """One queued row per prompt; they join the same batches as chat requests' rows."""
         if self.stopping or self._pending is None:
             raise RequestError(503, "the server is shutting down", "unavailable")
         loop = asyncio.get_running_loop()
-        jobs = [_ScoreJob(ids, request.top_k or 0, loop, asyncio.Queue()) for ids in request.prompts]
+        jobs = [ScoreJob(ids, request.top_k or 0, loop, asyncio.Queue()) for ids in request.prompts]
         self.stats.scores += len(jobs)
         for job in jobs:
             self._pending.put_nowait(job)
@@ -353,8 +249,8 @@ class TeacherEngine:
                     batch.append(self._pending.get_nowait())
                 batch = [j for j in batch if not j.cancelled]
                 # requests arriving while these run wait in the queue and form the next batch
-                scoring = [j for j in batch if isinstance(j, _ScoreJob)]
-                generating = [j for j in batch if not isinstance(j, _ScoreJob)]
+                scoring = [j for j in batch if isinstance(j, ScoreJob)]
+                generating = [j for j in batch if not isinstance(j, ScoreJob)]
                 if scoring:
                     await loop.run_in_executor(self._executor, self._score_batch, scoring)
                 if generating:
@@ -380,7 +276,7 @@ class TeacherEngine:
                 self.model.generate(
                     input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
                     max_new_tokens=max(j.max_tokens for j in jobs),
-                    logits_processor=LogitsProcessorList([_RowSampler(jobs, self.device)]),
+                    logits_processor=LogitsProcessorList([RowSampler(jobs, self.device)]),
                     stopping_criteria=StoppingCriteriaList([_RowProgress(jobs, self)]),
                 )
         except Exception as e:  # a server fault: every waiting request learns it, the server keeps running
@@ -394,7 +290,7 @@ class TeacherEngine:
             if not job.done:  # cannot happen unless generate stops early on its own
                 job.fail(500, "generation ended before this request's completion was finished")
 
-    def _score_batch(self, jobs: list[_ScoreJob]) -> None:
+    def _score_batch(self, jobs: list[ScoreJob]) -> None:
         stats = self.stats
         stats.score_calls += 1
         stats.tokens_scored += sum(len(j.prompt_ids) for j in jobs)
@@ -435,7 +331,7 @@ class TeacherEngine:
             if cut is not None:
                 text, finish = text[:cut], "stop"
             if finish or job.stream:
-                job.post(_Progress(text, n, finish))
+                job.post(Progress(text, n, finish))
         job.done = finish is not None
 
 

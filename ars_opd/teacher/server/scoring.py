@@ -143,7 +143,8 @@ def score_rows(model: torch.nn.Module, rows: list[list[int]], k: int, vocab: int
             lp.append(ly.squeeze(-1))
             rank.append((z > ly).sum(-1) + 1)
             top = z.topk(k, dim=-1) if k > 0 else None
-            tid.append(top.indices if top is not None else torch.zeros((z.shape[0], 0), dtype=torch.long, device=device))
+            tid.append(top.indices if top is not None
+                       else torch.zeros((z.shape[0], 0), dtype=torch.long, device=device))
             tlp.append(top.values if top is not None else torch.zeros((z.shape[0], 0), device=device))
         cat = lambda xs, shape: torch.cat(xs).cpu() if xs else torch.zeros(shape)  # noqa: E731
         out.append(RowScores(cat(lp, (0,)), cat(rank, (0,)).long(), cat(tid, (0, k)).long(), cat(tlp, (0, k)),

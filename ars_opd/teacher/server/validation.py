@@ -110,7 +110,8 @@ def parse_chat_request(body, model_name: str) -> ChatRequest:
     messages = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
-            raise RequestError(400, f"messages[{i}] must be an object, got {type(m).__name__}", "invalid_type", "messages")
+            raise RequestError(400, f"messages[{i}] must be an object, got {type(m).__name__}", "invalid_type",
+                               "messages")
         if m.get("role") not in ROLES:
             raise RequestError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}",
                                "invalid_value", "messages")
