@@ -24,6 +24,8 @@ repro: setup
 	dvc repro
 
 test: setup
+	ruff check .
+	ruff format --check .
 	python -m pytest -q --durations=30
 
 test-fast: setup

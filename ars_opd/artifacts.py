@@ -61,8 +61,7 @@ def file_sha256(path: str | Path) -> str:
 
 def listed_files(directory: str | Path, suffixes: tuple[str, ...] | None) -> list[Path]:
     """The files under ``directory`` (recursively, sorted) whose suffix is in ``suffixes`` (None: every file)."""
-    return sorted(p for p in Path(directory).rglob("*")
-                  if p.is_file() and (suffixes is None or p.suffix in suffixes))
+    return sorted(p for p in Path(directory).rglob("*") if p.is_file() and (suffixes is None or p.suffix in suffixes))
 
 
 def files_sha256(directory: str | Path, suffixes: tuple[str, ...] | None) -> tuple[str, int]:
@@ -113,7 +112,10 @@ def iter_jsonl(data: bytes) -> Iterator[tuple[int, Any]]:
         try:
             text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
         except UnicodeDecodeError as e:
-            yield lineno, JsonlLineError(lineno, f"not valid UTF-8 (byte {e.start})", raw[:80].decode("utf-8", "replace"))
+            yield (
+                lineno,
+                JsonlLineError(lineno, f"not valid UTF-8 (byte {e.start})", raw[:80].decode("utf-8", "replace")),
+            )
             continue
         try:
             yield lineno, json.loads(text)

@@ -136,8 +136,11 @@ def _check_source(stats: dict, where: str, problems: Problems) -> None:
         return
     now = file_sha256(source) if source.is_file() else files_sha256(source, None)[0]
     if now != pinned:
-        problems.add(where, f"the data source {source} changed after the subset stage read it (sha256 "
-                            f"{pinned[:12]}… then, {now[:12]}… now): run `dvc repro`")
+        problems.add(
+            where,
+            f"the data source {source} changed after the subset stage read it (sha256 "
+            f"{pinned[:12]}… then, {now[:12]}… now): run `dvc repro`",
+        )
 
 
 SUBSET_KEYS = ("id", "messages", "reference", "task")
@@ -155,9 +158,16 @@ def check_subset(p: PathsConfig, problems: Problems) -> dict[str, list[dict]]:
         out[split] = rows
         for i, r in enumerate(rows, 1):
             msgs = r.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                    and isinstance(m.get("content"), str) for m in msgs):
+            if (
+                not isinstance(msgs, list)
+                or not msgs
+                or not all(
+                    isinstance(m, dict)
+                    and m.get("role") in ("system", "user", "assistant")
+                    and isinstance(m.get("content"), str)
+                    for m in msgs
+                )
+            ):
                 problems.add(f"{path}:{i}", "messages are not a list of {role, content}")
         if stats and stats.get(split) != len(rows):
             problems.add(path, f"{len(rows)} rows but stats.json says {stats.get(split)}")
@@ -182,8 +192,11 @@ def check_teacher(p: PathsConfig, problems: Problems, subset: dict[str, list[dic
             failed = {f["id"] for f in failures if f.get("split") == split}
             expected = [r["id"] for r in source if r["id"] not in failed]
             if [r.get("id") for r in rows] != expected:
-                problems.add(path, f"{len(rows)} rows do not match the {len(source)} subset rows "
-                                                   f"minus {len(failed)} failures (ids or order differ)")
+                problems.add(
+                    path,
+                    f"{len(rows)} rows do not match the {len(source)} subset rows "
+                    f"minus {len(failed)} failures (ids or order differ)",
+                )
     if Path(p.teacher_cache).exists():
         _read_jsonl(Path(p.teacher_cache), problems, ("key", "request", "response"))
     if Path(p.teacher_refusals).exists():

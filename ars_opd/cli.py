@@ -77,9 +77,11 @@ def _cmd_scenarios(args: argparse.Namespace) -> int:
     data = json.loads(Path(args.source).read_text()) if args.source else scenarios.exp_show_json()
     found = scenarios.collect(data)
     if not found:
-        print("ars-opd scenarios: no experiment with ddp.scenario (or ddp.inject.kind) and report metrics found; "
-              "run:\n"
-              + SCENARIO_COMMANDS, file=sys.stderr)
+        print(
+            "ars-opd scenarios: no experiment with ddp.scenario (or ddp.inject.kind) and report metrics found; "
+            "run:\n" + SCENARIO_COMMANDS,
+            file=sys.stderr,
+        )
         return 1
     notes = Path(args.notes).read_text() if args.notes else ""
     text = scenarios.render(found, SCENARIO_COMMANDS, notes)
@@ -130,22 +132,30 @@ def _cmd_distillation(args: argparse.Namespace) -> int:
         return 2
     runs = distillation.with_curves(distillation.collect(data, where))
     if len(runs) < 2:
-        print(f"ars-opd distillation: {len(runs)} training seed(s) with both arms evaluated; at least 2 are needed "
-              "for intervals. Run:\n" + DISTILLATION_COMMANDS, file=sys.stderr)
+        print(
+            f"ars-opd distillation: {len(runs)} training seed(s) with both arms evaluated; at least 2 are needed "
+            "for intervals. Run:\n" + DISTILLATION_COMMANDS,
+            file=sys.stderr,
+        )
         return 1
     regimes = {}
     for label, filters in regime_filters.items():
         regimes[label] = distillation.with_curves(distillation.collect(data, filters))
         if len(regimes[label]) < 2:
-            print(f"ars-opd distillation: regime {label!r} ({filters}) has {len(regimes[label])} seed(s) with both "
-                  "arms evaluated; at least 2 are needed", file=sys.stderr)
+            print(
+                f"ars-opd distillation: regime {label!r} ({filters}) has {len(regimes[label])} seed(s) with both "
+                "arms evaluated; at least 2 are needed",
+                file=sys.stderr,
+            )
             return 1
     missing = [r["name"] for rs in [runs, *regimes.values()] for r in rs if not distillation.has_curves(r["evaluate"])]
     if missing:
-        print(f"ars-opd distillation: no learning curves for {', '.join(map(str, missing))} (`dvc exp show --json` "
-              "drops them and their commits could not be read here): the equal-FLOPs tables, the positive control "
-              "and the figures leave those runs out. Run this inside the repository that holds the experiments.",
-              file=sys.stderr)
+        print(
+            f"ars-opd distillation: no learning curves for {', '.join(map(str, missing))} (`dvc exp show --json` "
+            "drops them and their commits could not be read here): the equal-FLOPs tables, the positive control "
+            "and the figures leave those runs out. Run this inside the repository that holds the experiments.",
+            file=sys.stderr,
+        )
     out = Path(args.out)
     fig_dir = out.parent / out.stem  # e.g. reports/distillation/ beside reports/distillation.md
     fig_dir.mkdir(parents=True, exist_ok=True)
@@ -186,13 +196,23 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--from", dest="source", default=None, help="saved `dvc exp show --json` output")
     d.add_argument("--out", default="reports/distillation.md", help="markdown to write (figures beside it)")
     d.add_argument("--notes", default=None, help="markdown appended after the tables (the interpretation)")
-    d.add_argument("--commands", default=None,
-                   help="file with the commands that made the sweep (default: the seed sweep of the README)")
-    d.add_argument("--where", action="append", metavar="KEY=VALUE",
-                   help="only experiments whose params have this value (repeatable), e.g. opd.steps=300")
-    d.add_argument("--regime", action="append", metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
-                   help="a further set of seeds, reported in its own section (repeatable), e.g. "
-                        "'longer horizon:opd.steps=1000'")
+    d.add_argument(
+        "--commands",
+        default=None,
+        help="file with the commands that made the sweep (default: the seed sweep of the README)",
+    )
+    d.add_argument(
+        "--where",
+        action="append",
+        metavar="KEY=VALUE",
+        help="only experiments whose params have this value (repeatable), e.g. opd.steps=300",
+    )
+    d.add_argument(
+        "--regime",
+        action="append",
+        metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+        help="a further set of seeds, reported in its own section (repeatable), e.g. 'longer horizon:opd.steps=1000'",
+    )
     d.set_defaults(func=_cmd_distillation)
     # parsed by the server itself (main() hands it the rest of the command line)
     sub.add_parser("serve", help="serve a local HF causal LM with an OpenAI-compatible API (serve --help)")

@@ -225,12 +225,21 @@ class ArchConfig:
     def __post_init__(self):
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
-        _require(self.hidden_size % self.num_heads == 0, "num_heads",
-                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
-                 f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
-        _require(16 <= self.max_position_embeddings <= 1 << 20, "max_position_embeddings",
-                 f"must be in 16..1048576, got {self.max_position_embeddings}")
+        _require(
+            self.hidden_size % self.num_heads == 0,
+            "num_heads",
+            f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}",
+        )
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}",
+        )
+        _require(
+            16 <= self.max_position_embeddings <= 1 << 20,
+            "max_position_embeddings",
+            f"must be in 16..1048576, got {self.max_position_embeddings}",
+        )
 
 
 @dataclass(frozen=True)
@@ -262,8 +271,11 @@ class OptimConfig:
         _require(0 <= self.adam_beta1 < 1, "adam_beta1", f"must be in [0, 1), got {self.adam_beta1}")
         _require(0 <= self.adam_beta2 < 1, "adam_beta2", f"must be in [0, 1), got {self.adam_beta2}")
         _require(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
-        _require(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm",
-                 f"must be > 0, or null for no clipping, got {self.max_grad_norm}")
+        _require(
+            self.max_grad_norm is None or self.max_grad_norm > 0,
+            "max_grad_norm",
+            f"must be > 0, or null for no clipping, got {self.max_grad_norm}",
+        )
 
 
 @dataclass(frozen=True)
@@ -284,9 +296,12 @@ class TeacherTrainingConfig(OptimConfig):
     def __post_init__(self):
         super().__post_init__()
         _require(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
-        _require(self.steps == 0 or self.warmup_steps <= self.steps, "warmup_steps",
-                 f"must be <= steps ({self.steps}), got {self.warmup_steps}: the learning rate would never reach "
-                 "its peak; lower warmup_steps or raise steps")
+        _require(
+            self.steps == 0 or self.warmup_steps <= self.steps,
+            "warmup_steps",
+            f"must be <= steps ({self.steps}), got {self.warmup_steps}: the learning rate would never reach "
+            "its peak; lower warmup_steps or raise steps",
+        )
         _require(self.batch_size > 0, "batch_size", f"must be > 0, got {self.batch_size}")
         _require(self.eval_examples > 0, "eval_examples", f"must be > 0, got {self.eval_examples}")
         _require(0 <= self.min_accuracy <= 1, "min_accuracy", f"must be in [0, 1], got {self.min_accuracy}")
@@ -317,8 +332,11 @@ class AdapterConfig:
         _require(self.r >= 1, "r", f"must be >= 1, got {self.r}")
         _require(self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
         _require(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
-        _require(len(self.target_modules) > 0 and all(t.strip() for t in self.target_modules), "target_modules",
-                 "must name at least one module")
+        _require(
+            len(self.target_modules) > 0 and all(t.strip() for t in self.target_modules),
+            "target_modules",
+            "must name at least one module",
+        )
 
     @property
     def enabled(self) -> bool:
@@ -342,8 +360,10 @@ class ModelsConfig:
     teacher_arch: ArchConfig = field(default_factory=ArchConfig)
     """Built-in teacher shape."""
     student_arch: ArchConfig = field(
-        default_factory=lambda: ArchConfig(hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=4,
-                                           intermediate_size=384))
+        default_factory=lambda: ArchConfig(
+            hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=384
+        )
+    )
     """Built-in student shape (smaller than the teacher)."""
     teacher_training: TeacherTrainingConfig = field(default_factory=TeacherTrainingConfig)
     """Training of the built-in teacher."""
@@ -354,9 +374,12 @@ class ModelsConfig:
     def __post_init__(self):
         for role in ("teacher", "student"):
             _require(bool(getattr(self, role).strip()), role, "must be 'builtin', a hub id or a local directory")
-        _require((self.teacher == BUILTIN) == (self.student == BUILTIN), "student",
-                 f"teacher is {self.teacher!r} and student is {self.student!r}: the built-in models share only "
-                 "the built-in tokenizer, so use 'builtin' for both or pretrained models for both")
+        _require(
+            (self.teacher == BUILTIN) == (self.student == BUILTIN),
+            "student",
+            f"teacher is {self.teacher!r} and student is {self.student!r}: the built-in models share only "
+            "the built-in tokenizer, so use 'builtin' for both or pretrained models for both",
+        )
 
 
 @dataclass(frozen=True)
@@ -389,10 +412,16 @@ class DataConfig:
         _require(self.subset_size >= 0, "subset_size", f"must be >= 0, got {self.subset_size}")
         _require(self.eval_size >= 0, "eval_size", f"must be >= 0, got {self.eval_size}")
         if self.subset_size:
-            _require(self.eval_size < self.subset_size, "eval_size",
-                     f"must be smaller than subset_size ({self.subset_size}), got {self.eval_size}")
-        _require(0 <= self.max_malformed_fraction <= 1, "max_malformed_fraction",
-                 f"must be in [0, 1], got {self.max_malformed_fraction}")
+            _require(
+                self.eval_size < self.subset_size,
+                "eval_size",
+                f"must be smaller than subset_size ({self.subset_size}), got {self.eval_size}",
+            )
+        _require(
+            0 <= self.max_malformed_fraction <= 1,
+            "max_malformed_fraction",
+            f"must be in [0, 1], got {self.max_malformed_fraction}",
+        )
         if self.source == "synthetic":
             _require(self.subset_size > 0, "subset_size", "must be > 0 for the synthetic source")
 
@@ -423,8 +452,11 @@ class InputsConfig:
         for role in ("data", "teacher", "student"):
             value = getattr(self, role)
             _require(bool(value.strip()), role, f"must be a local path or {INPUT_PLACEHOLDER!r}")
-            _require(not value.startswith("~"), role,
-                     f"DVC does not expand '~': write the full path {str(Path(value).expanduser())!r}")
+            _require(
+                not value.startswith("~"),
+                role,
+                f"DVC does not expand '~': write the full path {str(Path(value).expanduser())!r}",
+            )
 
 
 def _looks_local(value: str, path_like: bool, base: Path) -> Path | None:
@@ -434,8 +466,9 @@ def _looks_local(value: str, path_like: bool, base: Path) -> Path | None:
     return p if p.exists() or path_like else None
 
 
-def check_inputs(inputs: InputsConfig, data: DataConfig | None, models: ModelsConfig | None,
-                 base: str | Path = ".") -> None:
+def check_inputs(
+    inputs: InputsConfig, data: DataConfig | None, models: ModelsConfig | None, base: str | Path = "."
+) -> None:
     """Each local source is mirrored by its ``inputs`` key, and nothing else is; ``ConfigError`` names both
     keys and the line to write. ``base``: the directory relative paths start from (the repository root)."""
     base = Path(base).resolve()
@@ -453,16 +486,22 @@ def check_inputs(inputs: InputsConfig, data: DataConfig | None, models: ModelsCo
     for key, source_key, source, local, stage in pairs:
         value = getattr(inputs, key)
         if local is None:
-            _require(value == INPUT_PLACEHOLDER, f"inputs.{key}",
-                     f"{source_key} is {source!r}, not a local file or directory, so there is nothing for DVC to "
-                     f"hash: set inputs.{key}: {INPUT_PLACEHOLDER} (got {value!r})")
+            _require(
+                value == INPUT_PLACEHOLDER,
+                f"inputs.{key}",
+                f"{source_key} is {source!r}, not a local file or directory, so there is nothing for DVC to "
+                f"hash: set inputs.{key}: {INPUT_PLACEHOLDER} (got {value!r})",
+            )
             continue
         _require(local.exists(), source_key, f"no such file or directory: {source!r}")
         mirrored = Path(value) if Path(value).is_absolute() else base / value
-        _require(value != INPUT_PLACEHOLDER and mirrored.resolve() == local.resolve(), f"inputs.{key}",
-                 f"{source_key} is the local path {source!r}, which DVC must hash so that `dvc status` reports the "
-                 f"{stage} stage as changed when it changes: set inputs.{key}: {str(Path(source).expanduser())!r} "
-                 f"(got {value!r})")
+        _require(
+            value != INPUT_PLACEHOLDER and mirrored.resolve() == local.resolve(),
+            f"inputs.{key}",
+            f"{source_key} is the local path {source!r}, which DVC must hash so that `dvc status` reports the "
+            f"{stage} stage as changed when it changes: set inputs.{key}: {str(Path(source).expanduser())!r} "
+            f"(got {value!r})",
+        )
 
 
 LOCAL_ENDPOINT = "local"
@@ -511,8 +550,11 @@ class EndpointConfig:
 
     def __post_init__(self):
         local = self.endpoint == LOCAL_ENDPOINT
-        _require(local or self.endpoint.startswith(("http://", "https://")), "endpoint",
-                 f"must be 'local' or an http(s) base URL, got {self.endpoint!r}")
+        _require(
+            local or self.endpoint.startswith(("http://", "https://")),
+            "endpoint",
+            f"must be 'local' or an http(s) base URL, got {self.endpoint!r}",
+        )
         _require(local or bool(self.model), "model", "must name the model when endpoint is a URL")
         _require(1 <= self.concurrency <= 4096, "concurrency", f"must be in 1..4096, got {self.concurrency}")
         _require(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
@@ -520,8 +562,11 @@ class EndpointConfig:
         _require(self.backoff_base_s >= 0, "backoff_base_s", f"must be >= 0, got {self.backoff_base_s}")
         _require(self.backoff_max_s >= self.backoff_base_s, "backoff_max_s", "must be >= backoff_base_s")
         if self.api_key_env is not None:
-            _require(self.api_key_env.replace("_", "").isalnum(), "api_key_env",
-                     "must be the *name* of an environment variable (letters, digits, _), never the key itself")
+            _require(
+                self.api_key_env.replace("_", "").isalnum(),
+                "api_key_env",
+                "must be the *name* of an environment variable (letters, digits, _), never the key itself",
+            )
 
 
 @dataclass(frozen=True)
@@ -555,13 +600,19 @@ class TeacherGenConfig(EndpointConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        _require(len(self.splits) > 0 and len(set(self.splits)) == len(self.splits), "splits",
-                 "must list train and/or eval once each")
+        _require(
+            len(self.splits) > 0 and len(set(self.splits)) == len(self.splits),
+            "splits",
+            "must list train and/or eval once each",
+        )
         _require(0 <= self.temperature <= 5, "temperature", f"must be in [0, 5], got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.max_tokens > 0, "max_tokens", f"must be > 0, got {self.max_tokens}")
-        _require(0 <= self.max_failure_fraction <= 1, "max_failure_fraction",
-                 f"must be in [0, 1], got {self.max_failure_fraction}")
+        _require(
+            0 <= self.max_failure_fraction <= 1,
+            "max_failure_fraction",
+            f"must be in [0, 1], got {self.max_failure_fraction}",
+        )
 
 
 FAULT_KINDS = ("label_noise", "shard_skew", "loss_scale", "drop_microbatch", "param_desync")
@@ -595,12 +646,20 @@ class InjectConfig:
         _require(self.rank >= 0, "rank", f"must be >= 0, got {self.rank}")
         _require(self.start_step >= 0, "start_step", f"must be >= 0, got {self.start_step}")
         m = self.magnitude
-        ok = {"label_noise": 0 < m <= 1, "shard_skew": 0 < m <= 1, "loss_scale": m > 0 and m != 1,
-              "drop_microbatch": m >= 1 and m == int(m), "param_desync": m > 0}[self.kind]
+        ok = {
+            "label_noise": 0 < m <= 1,
+            "shard_skew": 0 < m <= 1,
+            "loss_scale": m > 0 and m != 1,
+            "drop_microbatch": m >= 1 and m == int(m),
+            "param_desync": m > 0,
+        }[self.kind]
         _require(ok, "magnitude", f"{m} is not a valid {self.kind} magnitude (see the key's description)")
         _require(len(self.stages) > 0, "stages", "must name sft and/or opd")
-        _require(self.kind != "label_noise" or self.stages == ("sft",), "stages", "label_noise corrupts SFT "
-                 "labels: set stages: [sft]")
+        _require(
+            self.kind != "label_noise" or self.stages == ("sft",),
+            "stages",
+            "label_noise corrupts SFT labels: set stages: [sft]",
+        )
 
 
 @dataclass(frozen=True)
@@ -649,15 +708,21 @@ class DDPConfig:
         _require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
         _require(0 <= self.noise_scale_ema < 1, "noise_scale_ema", f"must be in [0, 1), got {self.noise_scale_ema}")
         _require(self.drift_check_every >= 0, "drift_check_every", f"must be >= 0, got {self.drift_check_every}")
-        _require(self.inject.kind is None or self.inject.rank < self.workers, "inject.rank",
-                 f"must name one of the {self.workers} workers, got {self.inject.rank}")
+        _require(
+            self.inject.kind is None or self.inject.rank < self.workers,
+            "inject.rank",
+            f"must name one of the {self.workers} workers, got {self.inject.rank}",
+        )
         _require(self.threads_per_worker >= 0, "threads_per_worker", f"must be >= 0, got {self.threads_per_worker}")
         _require(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
         _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
         _require(self.gram_every >= 0, "gram_every", f"must be >= 0, got {self.gram_every}")
-        _require(not (self.strategy == "fsdp" and self.inject.kind == "param_desync"), "inject.kind",
-                 "param_desync perturbs one replica's weights, and under ddp.strategy: fsdp there are no replicas "
-                 "(each worker holds a shard and computes with the gathered whole); use ddp.strategy: ddp")
+        _require(
+            not (self.strategy == "fsdp" and self.inject.kind == "param_desync"),
+            "inject.kind",
+            "param_desync perturbs one replica's weights, and under ddp.strategy: fsdp there are no replicas "
+            "(each worker holds a shard and computes with the gathered whole); use ddp.strategy: ddp",
+        )
         _require(not (self.device == "cpu" and self.backend == "nccl"), "backend", "nccl needs device cuda")
 
 
@@ -688,12 +753,18 @@ class TrainLoopConfig(OptimConfig):
     def __post_init__(self):
         super().__post_init__()
         _require(self.steps > 0, "steps", f"must be > 0, got {self.steps}")
-        _require(self.warmup_steps <= self.steps, "warmup_steps",
-                 f"must be <= steps ({self.steps}), got {self.warmup_steps}: the learning rate would never reach "
-                 "its peak; lower warmup_steps or raise steps")
+        _require(
+            self.warmup_steps <= self.steps,
+            "warmup_steps",
+            f"must be <= steps ({self.steps}), got {self.warmup_steps}: the learning rate would never reach "
+            "its peak; lower warmup_steps or raise steps",
+        )
         _require(self.global_batch_size > 0, "global_batch_size", f"must be > 0, got {self.global_batch_size}")
-        _require(0 < self.micro_batch_size <= self.global_batch_size, "micro_batch_size",
-                 f"must be in 1..global_batch_size ({self.global_batch_size}), got {self.micro_batch_size}")
+        _require(
+            0 < self.micro_batch_size <= self.global_batch_size,
+            "micro_batch_size",
+            f"must be in 1..global_batch_size ({self.global_batch_size}), got {self.micro_batch_size}",
+        )
         _require(self.max_skipped_steps >= 0, "max_skipped_steps", f"must be >= 0, got {self.max_skipped_steps}")
         _require(self.checkpoint_every >= 0, "checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
@@ -732,11 +803,15 @@ class SFTConfig(TrainLoopConfig):
     def __post_init__(self):
         super().__post_init__()
         _require(self.max_prompt_tokens > 0, "max_prompt_tokens", f"must be > 0, got {self.max_prompt_tokens}")
-        _require(self.max_completion_tokens > 0, "max_completion_tokens",
-                 f"must be > 0, got {self.max_completion_tokens}")
+        _require(
+            self.max_completion_tokens > 0, "max_completion_tokens", f"must be > 0, got {self.max_completion_tokens}"
+        )
         _require(self.max_seq_len > 1, "max_seq_len", f"must be > 1, got {self.max_seq_len}")
-        _require(self.pack_length >= self.max_seq_len or not self.packing, "pack_length",
-                 f"must be >= max_seq_len ({self.max_seq_len}) so every sequence fits a packed row")
+        _require(
+            self.pack_length >= self.max_seq_len or not self.packing,
+            "pack_length",
+            f"must be >= max_seq_len ({self.max_seq_len}) so every sequence fits a packed row",
+        )
         _require(self.chunk_size > 0, "chunk_size", f"must be > 0, got {self.chunk_size}")
 
 
@@ -800,11 +875,14 @@ class OPDConfig(TrainLoopConfig):
         _require(0 <= self.beta <= 1, "beta", f"must be in [0, 1] (0 forward KL, 1 reverse KL), got {self.beta}")
         _require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         _require(self.chunk_size > 0, "chunk_size", f"must be > 0, got {self.chunk_size}")
-        _require(0 <= self.sample_temperature <= 5, "sample_temperature", f"must be in [0, 5], got {self.sample_temperature}")
+        _require(
+            0 <= self.sample_temperature <= 5, "sample_temperature", f"must be in [0, 5], got {self.sample_temperature}"
+        )
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
-        _require(0 <= self.on_policy_fraction <= 1, "on_policy_fraction",
-                 f"must be in [0, 1], got {self.on_policy_fraction}")
+        _require(
+            0 <= self.on_policy_fraction <= 1, "on_policy_fraction", f"must be in [0, 1], got {self.on_policy_fraction}"
+        )
         _require(self.max_prompt_tokens > 0, "max_prompt_tokens", f"must be > 0, got {self.max_prompt_tokens}")
 
 
@@ -868,10 +946,14 @@ class ReportConfig:
         _require(self.lag >= 0, "lag", f"must be >= 0, got {self.lag}")
         _require(self.k > 0, "k", f"must be > 0, got {self.k}")
         _require(self.clip_z > self.k, "clip_z", f"must be > k ({self.k}), got {self.clip_z}")
-        _require(self.false_alarms_per_1000 > 0, "false_alarms_per_1000",
-                 f"must be > 0, got {self.false_alarms_per_1000}")
-        _require(self.two_worker_false_alarms_per_1000 > 0, "two_worker_false_alarms_per_1000",
-                 f"must be > 0, got {self.two_worker_false_alarms_per_1000}")
+        _require(
+            self.false_alarms_per_1000 > 0, "false_alarms_per_1000", f"must be > 0, got {self.false_alarms_per_1000}"
+        )
+        _require(
+            self.two_worker_false_alarms_per_1000 > 0,
+            "two_worker_false_alarms_per_1000",
+            f"must be > 0, got {self.two_worker_false_alarms_per_1000}",
+        )
 
 
 SECTIONS: dict[str, type] = {
@@ -930,8 +1012,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         _require(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
         return value
     if tp is float:
-        _require(isinstance(value, (int, float)) and not isinstance(value, bool), key,
-                 f"must be a number, got {value!r}")
+        _require(
+            isinstance(value, (int, float)) and not isinstance(value, bool), key, f"must be a number, got {value!r}"
+        )
         return float(value)
     if tp is str:
         _require(isinstance(value, str), key, f"must be a string, got {value!r}")
@@ -947,8 +1030,7 @@ def parse_section(cls: type, raw: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}",
-                          f"unknown key (allowed in {where}: {', '.join(sorted(fields))})")
+        raise ConfigError(f"{where}.{unknown[0]}", f"unknown key (allowed in {where}: {', '.join(sorted(fields))})")
     hints = typing.get_type_hints(cls)
     kwargs = {name: _coerce(hints[name], raw[name], f"{where}.{name}") for name in fields if name in raw}
     try:
@@ -1016,11 +1098,14 @@ class ObjectiveRules:
     """The gradient is right only for pure student samples at the loss temperature (λ = 1, top_p = 1)."""
 
 
-RULES: dict[str, ObjectiveRules] = {r.name: r for r in (
-    ObjectiveRules("full_vocab", "logits", uses_beta=True, exact_on_policy=False),
-    ObjectiveRules("sampled_token", "token_logprobs", uses_beta=False, exact_on_policy=True),
-    ObjectiveRules("topk", "topk", uses_beta=True, exact_on_policy=False),
-)}
+RULES: dict[str, ObjectiveRules] = {
+    r.name: r
+    for r in (
+        ObjectiveRules("full_vocab", "logits", uses_beta=True, exact_on_policy=False),
+        ObjectiveRules("sampled_token", "token_logprobs", uses_beta=False, exact_on_policy=True),
+        ObjectiveRules("topk", "topk", uses_beta=True, exact_on_policy=False),
+    )
+}
 
 
 def check_objective(cfg: OPDConfig) -> ObjectiveRules:
@@ -1031,27 +1116,37 @@ def check_objective(cfg: OPDConfig) -> ObjectiveRules:
     rules = RULES[cfg.loss]
     if cfg.teacher == "endpoint":  # a served teacher returns log-probabilities at τ = 1, top-k at most
         if rules.teacher_signal == "logits":
-            raise ConfigError("opd.loss", f"the {cfg.loss} loss needs the teacher's full distribution, which a "
-                                          "scoring endpoint does not return; with opd.teacher: endpoint use "
-                                          "sampled_token (exact) or topk (top-k approximation)")
+            raise ConfigError(
+                "opd.loss",
+                f"the {cfg.loss} loss needs the teacher's full distribution, which a "
+                "scoring endpoint does not return; with opd.teacher: endpoint use "
+                "sampled_token (exact) or topk (top-k approximation)",
+            )
         if rules.teacher_signal == "token_logprobs" and cfg.temperature != 1.0:
-            raise ConfigError("opd.temperature", f"an endpoint's prompt_logprobs are log-softmax at temperature 1 "
-                                                 f"and log p_T(y) at τ = {cfg.temperature} needs the whole "
-                                                 f"distribution; set 1.0 with opd.teacher: endpoint (or use topk, "
-                                                 "which renormalises over the top-k at τ)")
+            raise ConfigError(
+                "opd.temperature",
+                f"an endpoint's prompt_logprobs are log-softmax at temperature 1 "
+                f"and log p_T(y) at τ = {cfg.temperature} needs the whole "
+                f"distribution; set 1.0 with opd.teacher: endpoint (or use topk, "
+                "which renormalises over the top-k at τ)",
+            )
     if not rules.uses_beta and cfg.beta != 1.0:
         raise ConfigError("opd.beta", f"the {cfg.loss} loss estimates reverse KL only; set beta: 1.0")
     if rules.exact_on_policy:  # its gradient is right only for tokens drawn from q at the temperature
         if cfg.on_policy_fraction != 1.0:
-            raise ConfigError("opd.on_policy_fraction",
-                              f"the {cfg.loss} loss needs tokens sampled from the student (teacher completions "
-                              f"would bias its gradient with no importance weight); set 1.0, got "
-                              f"{cfg.on_policy_fraction}")
+            raise ConfigError(
+                "opd.on_policy_fraction",
+                f"the {cfg.loss} loss needs tokens sampled from the student (teacher completions "
+                f"would bias its gradient with no importance weight); set 1.0, got "
+                f"{cfg.on_policy_fraction}",
+            )
         if cfg.sample_temperature != cfg.temperature or cfg.top_p != 1.0:
-            raise ConfigError("opd.sample_temperature",
-                              f"the {cfg.loss} loss needs rollouts from the distribution it differentiates: "
-                              f"sample_temperature == temperature ({cfg.temperature}) and top_p == 1.0, got "
-                              f"{cfg.sample_temperature} and {cfg.top_p}")
+            raise ConfigError(
+                "opd.sample_temperature",
+                f"the {cfg.loss} loss needs rollouts from the distribution it differentiates: "
+                f"sample_temperature == temperature ({cfg.temperature}) and top_p == 1.0, got "
+                f"{cfg.sample_temperature} and {cfg.top_p}",
+            )
     return rules
 
 
@@ -1074,10 +1169,17 @@ def check_params(params: Params, base: str | Path = ".") -> None:
         check_inputs(params.inputs, params.data, params.models, base)
     if params.opd is not None:
         check_objective(params.opd)
-    if params.ddp is not None and params.opd is not None and params.ddp.strategy == "fsdp" \
-            and params.opd.rollout_cache == "static":
-        raise ConfigError("opd.rollout_cache", "static rollouts stop each worker at its own EOS, and a sharded "
-                          "student (ddp.strategy: fsdp) needs every worker to run the same forwards; use dynamic")
+    if (
+        params.ddp is not None
+        and params.opd is not None
+        and params.ddp.strategy == "fsdp"
+        and params.opd.rollout_cache == "static"
+    ):
+        raise ConfigError(
+            "opd.rollout_cache",
+            "static rollouts stop each worker at its own EOS, and a sharded "
+            "student (ddp.strategy: fsdp) needs every worker to run the same forwards; use dynamic",
+        )
     loops = [(name, getattr(params, name)) for name in ("sft", "opd") if getattr(params, name) is not None]
     if params.ddp is not None and loops and not launched_externally():
         workers = params.ddp.workers
@@ -1099,8 +1201,10 @@ def batch_split_problem(global_batch: int, workers: int, micro_batch: int, secti
     if global_batch % workers:
         return f"{section}.global_batch_size = {global_batch} does not divide by ddp.workers = {workers}"
     if (global_batch // workers) % micro_batch:
-        return (f"{section}.global_batch_size / ddp.workers = {global_batch // workers} does not divide by "
-                f"{section}.micro_batch_size = {micro_batch}")
+        return (
+            f"{section}.global_batch_size / ddp.workers = {global_batch // workers} does not divide by "
+            f"{section}.micro_batch_size = {micro_batch}"
+        )
     return None
 
 

@@ -14,15 +14,15 @@ result is the median round ratio with its min and max; a quiet machine shows a n
 ``step_s_without`` far above ``cpu_step_s_without`` shows a machine busy with other work.
 
 Per part (``parts``: ms per step and % of the step without the monitor, on rank 0, from the engine's own
-timers, ``StepResult.monitor_s``): ``hook`` the comm hook's norms (and for K > 2 its clones and cross
-terms), not the all-reduce DDP does anyway (host time: on a GPU, its kernel launches only); ``stats`` the per-rank statistics (bucket sums; the Gram matrix
-on Gram steps), whose gather is the engine's own per-step gather, 16 bytes more per rank; ``metrics`` and
-``noise_scale`` the per-step formulas; ``drift`` this rank's fingerprint and ``drift_gather`` its
-all-gather (which also waits for the slower rank), both averaged over all steps. ``unattributed_ms`` is
-the measured overhead less the parts: calling a Python comm hook instead of DDP's built-in all-reduce, and
-noise. ``cpu_overhead_ratio`` is the same median in process CPU time. Both models' weights are compared at
-the end (``weights_identical``: the monitor only observes). Rank 0 prints a line per round on stderr and
-one JSON line on stdout.
+timers, ``StepResult.monitor_s``): ``hook`` the comm hook's norms (and for K > 2 its clones and cross terms),
+not the all-reduce DDP does anyway (host time: on a GPU, its kernel launches only); ``stats`` the per-rank
+statistics (bucket sums; the Gram matrix on Gram steps), whose gather is the engine's own per-step gather, 16
+bytes more per rank; ``metrics`` and ``noise_scale`` the per-step formulas; ``drift`` this rank's fingerprint
+and ``drift_gather`` its all-gather (which also waits for the slower rank), both averaged over all steps.
+``unattributed_ms`` is the measured overhead less the parts: calling a Python comm hook instead of DDP's
+built-in all-reduce, and noise. ``cpu_overhead_ratio`` is the same median in process CPU time. Both models'
+weights are compared at the end (``weights_identical``: the monitor only observes). Rank 0 prints a line per
+round on stderr and one JSON line on stdout.
 
     python bench/consistency_overhead.py        # CPU: 2 workers, 7.3M parameters, ~2.5 min on a quiet machine
     python bench/consistency_overhead.py --workers 1 --preset qwen3-0.6b   # GPU, world size 1
@@ -37,28 +37,49 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from ars_opd.config import DDPConfig, SFTConfig  # noqa: E402
-from ars_opd.training.checkpoint import TrainerState  # noqa: E402
-from ars_opd.training.consistency import ConsistencyHook  # noqa: E402
-from ars_opd.training.distributed import init_worker, launch, shutdown_worker  # noqa: E402
-from ars_opd.training.batch_plan import BatchGeometry  # noqa: E402
-from ars_opd.training.loop import train_step, wrap_ddp  # noqa: E402
-from ars_opd.lm.optim import make_optimizer, make_scheduler  # noqa: E402
-from ars_opd.training.sft import EncodedData, SFTTask  # noqa: E402
+from ars_opd.config import DDPConfig, SFTConfig
+from ars_opd.lm.optim import make_optimizer, make_scheduler
+from ars_opd.training.batch_plan import BatchGeometry
+from ars_opd.training.checkpoint import TrainerState
+from ars_opd.training.consistency import ConsistencyHook
+from ars_opd.training.distributed import init_worker, launch, shutdown_worker
+from ars_opd.training.loop import train_step, wrap_ddp
+from ars_opd.training.sft import EncodedData, SFTTask
 
 PRESETS = {
-    "cpu-6m": dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=6,
-                   num_attention_heads=4, num_key_value_heads=4, head_dim=64, family="llama"),
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, family="qwen3"),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,  # tests
-                 num_attention_heads=2, num_key_value_heads=2, head_dim=32, family="llama"),
+    "cpu-6m": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        family="llama",
+    ),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        family="qwen3",
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,  # tests
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        family="llama",
+    ),
 }
 PARTS = ("hook", "stats", "metrics", "noise_scale", "drift", "drift_gather")
 
@@ -70,8 +91,9 @@ def _model(preset: str, device):
     cls = Qwen3Config if spec.pop("family") == "qwen3" else LlamaConfig
     torch.manual_seed(0)
     attn = "sdpa" if device.type == "cuda" else "eager"
-    return AutoModelForCausalLM.from_config(cls(tie_word_embeddings=True, **spec), dtype=torch.float32,
-                                            attn_implementation=attn).to(device)
+    return AutoModelForCausalLM.from_config(
+        cls(tie_word_embeddings=True, **spec), dtype=torch.float32, attn_implementation=attn
+    ).to(device)
 
 
 def _summary(rounds: list[dict], parts: dict[str, float], timed: int) -> dict:
@@ -86,15 +108,20 @@ def _summary(rounds: list[dict], parts: dict[str, float], timed: int) -> dict:
     ratio = statistics.median(ratios)
     overhead_ms = (ratio - 1) * step_without * 1e3  # the overhead the reported ratio stands for
     return {
-        "step_s_without": round(step_without, 5), "step_s_with": round(step_with, 5),
-        "step_s_without_min": round(min(per_step), 5), "step_s_without_max": round(max(per_step), 5),
+        "step_s_without": round(step_without, 5),
+        "step_s_with": round(step_with, 5),
+        "step_s_without_min": round(min(per_step), 5),
+        "step_s_without_max": round(max(per_step), 5),
         "cpu_step_s_without": round(cpu_step, 5),
         "overhead_ratio": round(ratio, 4),
-        "overhead_ratio_min": round(min(ratios), 4), "overhead_ratio_max": round(max(ratios), 4),
+        "overhead_ratio_min": round(min(ratios), 4),
+        "overhead_ratio_max": round(max(ratios), 4),
         "round_ratios": [round(x, 4) for x in ratios],
         "cpu_overhead_ratio": round(statistics.median(cpu), 4),
-        "parts": {k: {"ms_per_step": round(v, 3), "pct_of_step": round(100 * v / (step_without * 1e3), 3)}
-                  for k, v in part_ms.items()},
+        "parts": {
+            k: {"ms_per_step": round(v, 3), "pct_of_step": round(100 * v / (step_without * 1e3), 3)}
+            for k, v in part_ms.items()
+        },
         "parts_ms_per_step": round(sum(part_ms.values()), 3),
         "unattributed_ms": round(overhead_ms - sum(part_ms.values()), 3),
     }
@@ -108,10 +135,19 @@ def worker(job: dict) -> dict:
         vocab = PRESETS[job["preset"]]["vocab_size"]
         total = job["warmup"] + job["rounds"] * job["round_steps"]
         n = job["micro"] * total
-        data = EncodedData([[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)],
-                           [[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)], {})
-        cfg = SFTConfig(steps=total, warmup_steps=0, global_batch_size=job["micro"] * ctx.world_size,
-                        micro_batch_size=job["micro"], precision="auto", max_seq_len=job["seq"])
+        data = EncodedData(
+            [[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)],
+            [[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)],
+            {},
+        )
+        cfg = SFTConfig(
+            steps=total,
+            warmup_steps=0,
+            global_batch_size=job["micro"] * ctx.world_size,
+            micro_batch_size=job["micro"],
+            precision="auto",
+            max_seq_len=job["seq"],
+        )
         geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "bench")
         runs = {}
         for name in ("with", "without"):
@@ -137,8 +173,9 @@ def worker(job: dict) -> dict:
                 if gpu:
                     torch.cuda.synchronize()
                 t0, c0 = time.perf_counter(), time.process_time()
-                result = train_step(ddp, task, opt, sched, ctx, cfg, state, hook, None,
-                                    job["drift_every"] if hook is not None else 0)
+                result = train_step(
+                    ddp, task, opt, sched, ctx, cfg, state, hook, None, job["drift_every"] if hook is not None else 0
+                )
                 state.step += 1
                 if gpu:
                     torch.cuda.synchronize()
@@ -152,18 +189,28 @@ def worker(job: dict) -> dict:
                 rounds[r]["steps"] += 1
                 if ctx.is_main and rounds[r]["steps"] == job["round_steps"]:
                     x = rounds[r]
-                    print(f"round {r + 1}/{job['rounds']}: step {x['without'] / x['steps']:.4f} s without, "
-                          f"{x['with'] / x['steps']:.4f} s with, ratio {x['with'] / x['without']:.4f}",
-                          file=sys.stderr, flush=True)
-        identical = all(torch.equal(a, b) for a, b in zip(runs["with"][0].parameters(),
-                                                          runs["without"][0].parameters()))
+                    print(
+                        f"round {r + 1}/{job['rounds']}: step {x['without'] / x['steps']:.4f} s without, "
+                        f"{x['with'] / x['steps']:.4f} s with, ratio {x['with'] / x['without']:.4f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        identical = all(
+            torch.equal(a, b) for a, b in zip(runs["with"][0].parameters(), runs["without"][0].parameters())
+        )
         for name in list(runs):
             del runs[name]
-        return {"workers": ctx.world_size, "device": str(ctx.device), "params": params,
-                "rounds": job["rounds"], "round_steps": job["round_steps"], "drift_every": job["drift_every"],
-                **_summary(rounds, parts, job["rounds"] * job["round_steps"]),
-                "weights_identical": identical,
-                "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+        return {
+            "workers": ctx.world_size,
+            "device": str(ctx.device),
+            "params": params,
+            "rounds": job["rounds"],
+            "round_steps": job["round_steps"],
+            "drift_every": job["drift_every"],
+            **_summary(rounds, parts, job["rounds"] * job["round_steps"]),
+            "weights_identical": identical,
+            "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        }
     finally:
         shutdown_worker()
 
@@ -173,8 +220,12 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-6m")
     p.add_argument("--rounds", type=int, default=8, help="timed rounds (the ratio is their median)")
-    p.add_argument("--round-steps", type=int, default=None,
-                   help="steps per round; a multiple of --drift-every (default: --drift-every, or 10)")
+    p.add_argument(
+        "--round-steps",
+        type=int,
+        default=None,
+        help="steps per round; a multiple of --drift-every (default: --drift-every, or 10)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (allocations, bucket rebuild)")
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
@@ -184,8 +235,16 @@ def main() -> None:
     round_steps = a.round_steps or a.drift_every or 10
     if a.rounds < 1 or round_steps < 1 or (a.drift_every and round_steps % a.drift_every):
         p.error("--rounds >= 1, and --round-steps a positive multiple of --drift-every")
-    job = {"preset": a.preset, "rounds": a.rounds, "round_steps": round_steps, "warmup": a.warmup,
-           "micro": a.micro, "seq": a.seq, "threads": a.threads, "drift_every": a.drift_every}
+    job = {
+        "preset": a.preset,
+        "rounds": a.rounds,
+        "round_steps": round_steps,
+        "warmup": a.warmup,
+        "micro": a.micro,
+        "seq": a.seq,
+        "threads": a.threads,
+        "drift_every": a.drift_every,
+    }
     print(json.dumps(launch(worker, job, a.workers, a.threads)))
 
 

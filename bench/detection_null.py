@@ -23,11 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import yaml
 
-import yaml  # noqa: E402
-
-from ars_opd.config import DDPConfig, OPDConfig, PathsConfig, SFTConfig, parse_section  # noqa: E402
+from ars_opd.config import DDPConfig, OPDConfig, PathsConfig, SFTConfig, parse_section
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("sft", "opd")
@@ -79,23 +77,32 @@ def run_null(pipeline: Path, params: dict, workers: int, seed: int, rows_dir: Pa
             shutil.copytree(paths.sft_model, student)
         shutil.copyfile(Path(getattr(paths, f"{stage}_log")) / "steps.jsonl", out / f"seed{seed}_{stage}.jsonl")
         cfg = sft if stage == "sft" else opd
-        return {"workers": workers, "seed": seed, "stage": stage, "seconds": seconds,
-                "micro_batch_size": cfg.micro_batch_size}
+        return {
+            "workers": workers,
+            "seed": seed,
+            "stage": stage,
+            "seconds": seconds,
+            "micro_batch_size": cfg.micro_batch_size,
+        }
     finally:
         os.chdir(cwd)
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run_missing(pipeline: Path, workers: list[int], seeds: list[int], rows_dir: Path,
-                stages: tuple[str, ...] = STAGES) -> None:
+def run_missing(
+    pipeline: Path, workers: list[int], seeds: list[int], rows_dir: Path, stages: tuple[str, ...] = STAGES
+) -> None:
     """Every (stage, K, seed) whose step log is not kept yet, stage by stage (each opd needs its sft)."""
     params = yaml.safe_load((pipeline / "params.yaml").read_text())
     for stage in stages:
         for k in workers:
             for seed in seeds:
                 if not (rows_dir / f"k{k}" / f"seed{seed}_{stage}.jsonl").exists():
-                    print(json.dumps(run_null(pipeline.resolve(), params, k, seed, rows_dir, stage)),
-                          file=sys.stderr, flush=True)
+                    print(
+                        json.dumps(run_null(pipeline.resolve(), params, k, seed, rows_dir, stage)),
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
 
 def main() -> None:

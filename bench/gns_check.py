@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+import yaml
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import yaml  # noqa: E402
-
-from ars_opd.config import ArchConfig, SFTConfig  # noqa: E402
+from ars_opd.config import ArchConfig, SFTConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,29 +42,30 @@ def worker(job: dict) -> dict:
     from ars_opd.data.prompts import alpaca_messages
     from ars_opd.lm.batching import pad_right_with_labels
     from ars_opd.lm.cross_entropy import causal_lm_token_loss_sum
+    from ars_opd.lm.optim import make_optimizer, make_scheduler
     from ars_opd.models.builtin import build_causal_lm
     from ars_opd.models.tokenizer import build_char_word_tokenizer
     from ars_opd.seeding import set_seeds
+    from ars_opd.training.batch_plan import BatchGeometry
     from ars_opd.training.checkpoint import TrainerState
     from ars_opd.training.consistency import ConsistencyHook, noise_scale_terms
     from ars_opd.training.distributed import gather_floats, init_worker, shutdown_worker
-    from ars_opd.training.batch_plan import BatchGeometry
     from ars_opd.training.loop import accumulate_gradients, train_step, wrap_ddp
-    from ars_opd.lm.optim import make_optimizer, make_scheduler
     from ars_opd.training.sft import SFTTask, encode_sft_rows
 
     ctx = init_worker("cpu", "gloo", threads=1)
     try:
         tok = build_char_word_tokenizer(synthetic.instruction_words())
-        rows = [{"messages": alpaca_messages(r["instruction"], r["input"]), "completion": r["output"],
-                 "task": r["task"]} for r in synthetic.generate(job["rows"], seed=11)]
+        rows = [
+            {"messages": alpaca_messages(r["instruction"], r["input"]), "completion": r["output"], "task": r["task"]}
+            for r in synthetic.generate(job["rows"], seed=11)
+        ]
         cfg = SFTConfig(**job["sft"])
         data = encode_sft_rows(tok, rows, cfg)
         geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "bench")
         set_seeds(3)
         model = build_causal_lm(ArchConfig(**job["arch"]), tok, seed=5)
-        task = SFTTask(data, cfg, geometry, sampler_seed=17, rank=ctx.rank, device=ctx.device,
-                       pad_id=tok.pad_token_id)
+        task = SFTTask(data, cfg, geometry, sampler_seed=17, rank=ctx.rank, device=ctx.device, pad_id=tok.pad_token_id)
         ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size))
         hook = ConsistencyHook(ctx.world_size)
         hook.attach(ddp)
@@ -83,8 +81,10 @@ def worker(job: dict) -> dict:
             micro = task.micro_batches(step, model)
             hook.begin_step(step)
             _, local_tokens, global_tokens, *_ = accumulate_gradients(ddp, task, micro, ctx, cfg)
-            g = gather_floats(torch.cat([torch.tensor([float(local_tokens)], dtype=torch.float64),
-                                         hook.local_stats(ctx.device)]), ctx.device)
+            g = gather_floats(
+                torch.cat([torch.tensor([float(local_tokens)], dtype=torch.float64), hook.local_stats(ctx.device)]),
+                ctx.device,
+            )
             mean_sq = float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
             g2, trace = noise_scale_terms(g[:, 1].tolist(), [int(t) for t in g[:, 0].tolist()], mean_sq)
             g2_sum, trace_sum, tokens = g2_sum + g2, trace_sum + trace, tokens + global_tokens
@@ -117,11 +117,20 @@ def worker(job: dict) -> dict:
         brute = trace_bf / float(G.pow(2).sum())
         estimate = trace_sum / g2_sum
         del ddp
-        return {"estimate": round(estimate, 1), "brute_force": round(brute, 1), "ratio": round(estimate / brute, 4),
-                "frozen_steps": job["steps"], "rows": len(data.prompts), "tokens_per_step": round(tokens / job["steps"], 1),
-                "g2_estimate": g2_sum / job["steps"], "g2_brute_force": float(G.pow(2).sum()),
-                "trace_estimate": trace_sum / job["steps"], "trace_brute_force": trace_bf,
-                "workers": ctx.world_size, "train_steps": job["train_steps"]}
+        return {
+            "estimate": round(estimate, 1),
+            "brute_force": round(brute, 1),
+            "ratio": round(estimate / brute, 4),
+            "frozen_steps": job["steps"],
+            "rows": len(data.prompts),
+            "tokens_per_step": round(tokens / job["steps"], 1),
+            "g2_estimate": g2_sum / job["steps"],
+            "g2_brute_force": float(G.pow(2).sum()),
+            "trace_estimate": trace_sum / job["steps"],
+            "trace_brute_force": trace_bf,
+            "workers": ctx.world_size,
+            "train_steps": job["train_steps"],
+        }
     finally:
         shutdown_worker()
 
@@ -136,11 +145,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120, help="frozen steps the estimate averages over")
     a = p.parse_args()
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    sft = {**params["sft"], "global_batch_size": 32, "micro_batch_size": 8, "checkpoint_every": 0,
-           "steps": a.train_steps}
+    sft = {
+        **params["sft"],
+        "global_batch_size": 32,
+        "micro_batch_size": 8,
+        "checkpoint_every": 0,
+        "steps": a.train_steps,
+    }
     SFTConfig(**sft)  # validate early
-    job = {"rows": a.rows, "sft": sft, "arch": params["models"]["student_arch"], "train_steps": a.train_steps,
-           "steps": a.steps}
+    job = {
+        "rows": a.rows,
+        "sft": sft,
+        "arch": params["models"]["student_arch"],
+        "train_steps": a.train_steps,
+        "steps": a.steps,
+    }
     ArchConfig(**job["arch"])
     print(json.dumps(launch(worker, job, a.workers, 1)))
 

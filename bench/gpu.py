@@ -1,8 +1,11 @@
 """The GPU path in one command: SFT tokens/s and MFU, static-cache rollouts, the OPD step, and peak memory.
 
-    python bench/gpu.py                       # CUDA: Qwen3-0.6B-shaped student (Qwen3-1.7B-shaped teacher)
-    python bench/gpu.py --device cpu --tiny   # the same code paths on tiny shapes, in seconds (CI smoke test)
-    python bench/gpu.py --device cpu --tiny --compile on --attention flex   # ... compiled, as on CUDA (minutes)
+    python -m bench.gpu                       # CUDA: Qwen3-0.6B-shaped student (Qwen3-1.7B-shaped teacher)
+    python -m bench.gpu --device cpu --tiny   # the same code paths on tiny shapes, in seconds (CI smoke test)
+    python -m bench.gpu --device cpu --tiny --compile on --attention flex   # ... compiled, as on CUDA (minutes)
+
+Run from the repository root: ``-m`` puts the checkout on the path, so a machine needs nothing installed but
+torch and transformers (not even this package).
 
 Every workload runs the pipeline's own code: packing (``ars_opd.lm.batching``), the packed attention
 (``ars_opd.lm.attention``: flash varlen where installed, else FlexAttention on CUDA, else per-sequence SDPA),
@@ -45,24 +48,20 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 import traceback
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from ars_opd.config import OPDConfig, SFTConfig  # noqa: E402
-from ars_opd.lm.attention import packed_model_inputs, use_packed_attention  # noqa: E402
-from ars_opd.lm.batching import pack_sequences  # noqa: E402
-from ars_opd.lm.decoding import generate_static  # noqa: E402
-from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows  # noqa: E402
-from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden  # noqa: E402
-from ars_opd.lm.opd_objectives import TeacherLogits, TeacherScores, get_objective  # noqa: E402
-from ars_opd.training.opd_teachers import LocalTeacher  # noqa: E402
-from ars_opd.lm.optim import autocast_context, clip_gradients, make_optimizer  # noqa: E402
+from ars_opd.config import OPDConfig, SFTConfig
+from ars_opd.lm.attention import packed_model_inputs, use_packed_attention
+from ars_opd.lm.batching import pack_sequences
+from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden
+from ars_opd.lm.decoding import generate_static
+from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
+from ars_opd.lm.opd_objectives import TeacherLogits, TeacherScores, get_objective
+from ars_opd.lm.optim import autocast_context, clip_gradients, make_optimizer
+from ars_opd.training.opd_teachers import LocalTeacher
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 SHAPES = {  # Qwen3 configurations (hidden, intermediate, layers, heads, kv heads, head_dim)
@@ -77,9 +76,19 @@ def build(shape: str, vocab: int, device: torch.device, dtype: torch.dtype, seed
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     hidden, inter, layers, heads, kv, head_dim = SHAPES[shape]
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, tie_word_embeddings=True,
-                      max_position_embeddings=8192, eos_token_id=1, pad_token_id=0)
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").to(device)
 
@@ -122,8 +131,10 @@ class Memory:
             self.peak = torch.cuda.max_memory_allocated() - self.base
             return
         self.prof.__exit__(*exc)
-        events = sorted((e for e in self.prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns())
+        events = sorted(
+            (e for e in self.prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+            key=lambda e: e.start_ns(),
+        )
         live = 0
         for e in events:
             live += e.nbytes()
@@ -163,8 +174,12 @@ def _state_bytes(model, opt) -> int:
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
     weights = sum(t.numel() * t.element_size() for t in local)
     grads = sum(t.numel() * t.element_size() for t, p in zip(local, params) if p.requires_grad)
-    state = [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()
-             if isinstance(v, torch.Tensor) and v.numel() > 1]
+    state = [
+        v.to_local() if hasattr(v, "to_local") else v
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.numel() > 1
+    ]
     return weights + grads + sum(t.numel() * t.element_size() for t in state)
 
 
@@ -172,13 +187,24 @@ def _world_of_one(device) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
 
 
 def bench_sft(a, device, vocab, shape, variant: str = "plain") -> dict:
-    cfg = SFTConfig(steps=1, warmup_steps=0, global_batch_size=1, micro_batch_size=1, precision="auto", max_grad_norm=1.0,
-                    packing=True, pack_length=a.pack_length, max_seq_len=a.pack_length, chunk_size=a.chunk)
+    cfg = SFTConfig(
+        steps=1,
+        warmup_steps=0,
+        global_batch_size=1,
+        micro_batch_size=1,
+        precision="auto",
+        max_grad_norm=1.0,
+        packing=True,
+        pack_length=a.pack_length,
+        max_seq_len=a.pack_length,
+        chunk_size=a.chunk,
+    )
     name = "sft" if variant == "plain" else f"sft_{variant}"
     model = build(shape, vocab, device, torch.float32, seed=0).train()
     attention = use_packed_attention(model, a.attention)
@@ -187,7 +213,7 @@ def bench_sft(a, device, vocab, shape, variant: str = "plain") -> dict:
 
         if importlib.util.find_spec("peft") is None:
             return {"bench": name, "skipped": "peft is not installed here"}
-        from ars_opd.config import AdapterConfig, LORA_TARGETS
+        from ars_opd.config import LORA_TARGETS, AdapterConfig
         from ars_opd.models.adapters import attach
 
         model = attach(model, AdapterConfig(kind="lora", r=16, alpha=32.0, target_modules=LORA_TARGETS))
@@ -235,13 +261,24 @@ def bench_sft(a, device, vocab, shape, variant: str = "plain") -> dict:
             flops += model_flops(model, lengths)
     with memory:  # one more step, untimed: the profiler (CPU) would slow it down
         step(next_batch()[1])
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()),
-                None)
-    return {"bench": name, "model": shape, "attention": attention, "compiled": compiled, "rows": a.rows,
-            "pack_length": a.pack_length, "lengths": a.lengths, "tokens_per_s": round(real / elapsed, 1),
-            "mfu": round(flops / elapsed / peak, 4) if peak else None, "padding_fraction": round(1 - real / padded, 4),
-            "peak_bytes": memory.peak, "state_bytes": _state_bytes(model, opt),
-            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    peak = next(
+        (v for k, v in PEAK_BF16_FLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()), None
+    )
+    return {
+        "bench": name,
+        "model": shape,
+        "attention": attention,
+        "compiled": compiled,
+        "rows": a.rows,
+        "pack_length": a.pack_length,
+        "lengths": a.lengths,
+        "tokens_per_s": round(real / elapsed, 1),
+        "mfu": round(flops / elapsed / peak, 4) if peak else None,
+        "padding_fraction": round(1 - real / padded, 4),
+        "peak_bytes": memory.peak,
+        "state_bytes": _state_bytes(model, opt),
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
 
 
 def bench_rollout(a, device, vocab, shape) -> dict:
@@ -259,13 +296,22 @@ def bench_rollout(a, device, vocab, shape) -> dict:
             _sync(device)
             times.append(time.perf_counter() - t0)
     generated = sum(len(r) for r in out)
-    return {"bench": "rollout", "model": shape, "batch": a.rollout_batch, "prompt_tokens": a.prompt_tokens,
-            "new_tokens": a.new_tokens, "cache": "static", "compiled": a.compile,
-            "tokens_per_s": round(generated / statistics.median(times), 1)}
+    return {
+        "bench": "rollout",
+        "model": shape,
+        "batch": a.rollout_batch,
+        "prompt_tokens": a.prompt_tokens,
+        "new_tokens": a.new_tokens,
+        "cache": "static",
+        "compiled": a.compile,
+        "tokens_per_s": round(generated / statistics.median(times), 1),
+    }
 
 
 def bench_opd(a, device, vocab, student_shape, teacher_shape) -> list[dict]:
-    cfg = OPDConfig(steps=1, warmup_steps=0, global_batch_size=1, micro_batch_size=1, chunk_size=a.chunk, precision="auto")
+    cfg = OPDConfig(
+        steps=1, warmup_steps=0, global_batch_size=1, micro_batch_size=1, chunk_size=a.chunk, precision="auto"
+    )
     student = build(student_shape, vocab, device, torch.float32, seed=0).train()
     teacher = build(teacher_shape, vocab, device, torch.bfloat16 if device.type == "cuda" else torch.float32, seed=1)
     if a.compile:
@@ -278,19 +324,27 @@ def bench_opd(a, device, vocab, student_shape, teacher_shape) -> list[dict]:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(2, vocab, (B, T), generator=g)
     mask = torch.zeros(B, T, dtype=torch.bool)
-    mask[:, T // 4 - 1:T - 1] = True  # completions: the last three quarters of each row
+    mask[:, T // 4 - 1 : T - 1] = True  # completions: the last three quarters of each row
     targets = torch.full_like(ids, -100)
     targets[:, :-1] = ids[:, 1:]
     targets[~mask] = -100
-    t = {k: v.to(device) for k, v in {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask,
-                                      "targets": targets}.items()}
+    t = {
+        k: v.to(device)
+        for k, v in {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "loss_mask": mask,
+            "targets": targets,
+        }.items()
+    }
 
     def step():
         with autocast_context("auto", device):
             hidden = select_rows(last_hidden_states(student, t["input_ids"], t["attention_mask"]), t["loss_mask"])
             scores = local.score(t, objective, 1.0)
-            loss, n = objective.loss(hidden, OutputHead.of(student, vocab), scores, t["targets"][t["loss_mask"]],
-                                     1.0, 1.0, a.chunk)
+            loss, n = objective.loss(
+                hidden, OutputHead.of(student, vocab), scores, t["targets"][t["loss_mask"]], 1.0, 1.0, a.chunk
+            )
         (loss / n).backward()
         clip_gradients([p for p in student.parameters() if p.grad is not None], 1.0)
         opt.step()
@@ -308,9 +362,19 @@ def bench_opd(a, device, vocab, student_shape, teacher_shape) -> list[dict]:
         step()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    out = [{"bench": "opd_step", "student": student_shape, "teacher": teacher_shape, "tokens": B * T,
-            "loss_tokens": int(mask.sum()), "vocab": vocab, "compiled": a.compile,
-            "step_ms": round(statistics.median(times) * 1000, 1), "peak_bytes": memory.peak}]
+    out = [
+        {
+            "bench": "opd_step",
+            "student": student_shape,
+            "teacher": teacher_shape,
+            "tokens": B * T,
+            "loss_tokens": int(mask.sum()),
+            "vocab": vocab,
+            "compiled": a.compile,
+            "step_ms": round(statistics.median(times) * 1000, 1),
+            "peak_bytes": memory.peak,
+        }
+    ]
     opt.state.clear()  # frees the Adam moments before the loss bench
     out.append(bench_opd_loss(a, device, vocab, student, teacher))
     return out
@@ -328,6 +392,7 @@ def bench_opd_loss(a, device, vocab, student, teacher) -> dict:
     objective = get_objective("full_vocab")
     result = {"bench": "opd_loss", "tokens": M, "vocab": vocab}
     for variant, chunk in (("naive", M), ("chunked", a.chunk)):
+
         def run(chunk=chunk):
             student.zero_grad(set_to_none=True)
             h = hs.detach().requires_grad_(True)
@@ -360,8 +425,12 @@ def main() -> None:
     names = ["sft", "sft_fsdp", "sft_lora", "rollout", "opd"]
     p.add_argument("--only", nargs="+", choices=names, default=names)
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on CUDA only")
-    p.add_argument("--attention", choices=["auto", "flash", "flex", "sdpa"], default="auto",
-                   help="packed attention for SFT (as sft.packed_attention)")
+    p.add_argument(
+        "--attention",
+        choices=["auto", "flash", "flex", "sdpa"],
+        default="auto",
+        help="packed attention for SFT (as sft.packed_attention)",
+    )
     a = p.parse_args()
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
     if device.type == "cuda":
@@ -379,11 +448,13 @@ def main() -> None:
         a.opd_batch, a.opd_seq, a.loss_tokens = 16, 512, 8192
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     info = {"device": dev, "torch": torch.__version__, "transformers": __import__("transformers").__version__}
-    workloads = {"sft": lambda: [bench_sft(a, device, vocab, student)],
-                 "sft_fsdp": lambda: [bench_sft(a, device, vocab, student, "fsdp")],
-                 "sft_lora": lambda: [bench_sft(a, device, vocab, student, "lora")],
-                 "rollout": lambda: [bench_rollout(a, device, vocab, student)],
-                 "opd": lambda: bench_opd(a, device, vocab, student, teacher)}
+    workloads = {
+        "sft": lambda: [bench_sft(a, device, vocab, student)],
+        "sft_fsdp": lambda: [bench_sft(a, device, vocab, student, "fsdp")],
+        "sft_lora": lambda: [bench_sft(a, device, vocab, student, "lora")],
+        "rollout": lambda: [bench_rollout(a, device, vocab, student)],
+        "opd": lambda: bench_opd(a, device, vocab, student, teacher),
+    }
     failed = []
     for name in a.only:  # one failing workload (e.g. a compiler error) must not cost the others' figures
         try:

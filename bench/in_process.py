@@ -54,8 +54,14 @@ def run_once(work: Path, how: str) -> dict:
     shutil.rmtree(work / "data/checkpoints", ignore_errors=True)  # never resume: every run trains all steps
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, how], cwd=work, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, how],
+        cwd=work,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     watched, peak = psutil.Process(proc.pid), 0
     while proc.poll() is None:
         try:
@@ -95,12 +101,16 @@ def main() -> None:
     summary = {"bench": "in_process", "summary": True, "steps": args.steps, "rounds": args.rounds}
     for how in ("spawned", "here"):
         mine = [r for r in rows if r["launch"] == how]
-        summary[how] = {"wall_s_median": statistics.median(r["wall_s"] for r in mine),
-                        "peak_rss_mib_median": statistics.median(r["peak_rss_mib"] for r in mine)}
-    summary["wall_ratio_here_over_spawned"] = round(summary["here"]["wall_s_median"]
-                                                    / summary["spawned"]["wall_s_median"], 3)
-    summary["rss_ratio_here_over_spawned"] = round(summary["here"]["peak_rss_mib_median"]
-                                                   / summary["spawned"]["peak_rss_mib_median"], 3)
+        summary[how] = {
+            "wall_s_median": statistics.median(r["wall_s"] for r in mine),
+            "peak_rss_mib_median": statistics.median(r["peak_rss_mib"] for r in mine),
+        }
+    summary["wall_ratio_here_over_spawned"] = round(
+        summary["here"]["wall_s_median"] / summary["spawned"]["wall_s_median"], 3
+    )
+    summary["rss_ratio_here_over_spawned"] = round(
+        summary["here"]["peak_rss_mib_median"] / summary["spawned"]["peak_rss_mib_median"], 3
+    )
     print(json.dumps(summary), flush=True)
 
 

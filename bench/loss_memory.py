@@ -4,9 +4,9 @@ Each step is forward + loss + backward of a Qwen3-shaped student (hidden 256, on
 a real vocabulary (V = 151,936 by default) on 16 × 512 tokens; the OPD step adds a no-grad teacher of the
 same width (two layers) and reverse KL over the full vocabulary. Variants:
 
-- ``naive``: the logits path: ``model(...).logits`` (B, T, V) for the student and the teacher, then
-  ``causal_lm_token_loss_sum`` (SFT) or the teacher's fp32 ``logsumexp`` + reverse KL over the whole tensors
-  with autograd (OPD: ``divergence_sum`` of ``tests/oracles.py``, the tests' reference);
+- ``naive``: every position's logits at once. SFT: ``model(...).logits`` (B, T, V), then
+  ``causal_lm_token_loss_sum``; OPD: the ``full_vocab`` objective and the teacher's scores with all M scored
+  positions in one chunk, so (M × V) logits of the student and of the teacher exist together;
 - ``chunked``: the current one: last hidden states, then ``causal_lm_loss_from_hidden`` (SFT) or
   ``LocalTeacher.score`` + the ``full_vocab`` objective (OPD), one chunk of positions at a time.
 
@@ -40,18 +40,23 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # oracles.py: the naive OPD loss
-
 
 def _models(vocab: int, hidden: int, step: str, device):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     def build(layers: int, seed: int, dtype):
-        cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, tie_word_embeddings=True,
-                          max_position_embeddings=4096)
+        cfg = Qwen3Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=3 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden // 4,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+        )
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").to(device)
 
@@ -72,23 +77,27 @@ def _batch(batch: int, seq: int, vocab: int, device):
     labels = ids.clone()
     labels[:, :prompt] = -100
     loss_mask = torch.zeros(batch, seq, dtype=torch.bool)
-    loss_mask[:, prompt - 1:seq - 1] = True
+    loss_mask[:, prompt - 1 : seq - 1] = True
     targets = torch.full_like(ids, -100)
     targets[:, :-1] = ids[:, 1:]
     targets[~loss_mask] = -100
-    t = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels, "loss_mask": loss_mask,
-         "targets": targets}
+    t = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "targets": targets,
+    }
     return {k: v.to(device) for k, v in t.items()}
 
 
 def _step_fn(step: str, variant: str, student, teacher, t: dict, vocab: int, chunk: int):
     import torch
 
-    from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
     from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden, causal_lm_token_loss_sum
+    from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
     from ars_opd.lm.opd_objectives import get_objective
     from ars_opd.training.opd_teachers import LocalTeacher
-    from oracles import divergence_sum
 
     local_teacher = LocalTeacher(teacher, vocab, chunk) if teacher is not None else None
     objective = get_objective("full_vocab")
@@ -101,14 +110,13 @@ def _step_fn(step: str, variant: str, student, teacher, t: dict, vocab: int, chu
         hidden = last_hidden_states(student, t["input_ids"], t["attention_mask"])
         return causal_lm_loss_from_hidden(hidden, OutputHead.of(student, vocab), t["labels"], chunk)[0]
 
-    def opd_naive():
-        logits = student(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[..., :vocab]
-        with torch.no_grad():
-            t_logits = teacher(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[..., :vocab]
-            y = t["targets"].clamp(min=0).unsqueeze(-1)
-            logged = t_logits.gather(-1, y).squeeze(-1).float() - torch.logsumexp(t_logits.float(), -1)
-        loss, _ = divergence_sum(logits, t_logits, t["loss_mask"], 1.0, 1.0)
-        del logged
+    def opd_naive():  # the same objective with every scored position in one chunk: (M x V) at once
+        mask = t["loss_mask"]
+        rows = int(mask.sum())
+        hidden = select_rows(last_hidden_states(student, t["input_ids"], t["attention_mask"]), mask)
+        scores = LocalTeacher(teacher, vocab, rows).score(t, objective, 1.0)
+        loss, _ = objective.loss(hidden, OutputHead.of(student, vocab), scores, t["targets"][mask], 1.0, 1.0, rows)
+        scores.target_logprobs().sum().item()
         return loss
 
     def opd_chunked():
@@ -119,8 +127,12 @@ def _step_fn(step: str, variant: str, student, teacher, t: dict, vocab: int, chu
         scores.target_logprobs().sum().item()  # the logged teacher log-probability, as the task reads it
         return loss
 
-    fn = {("sft", "naive"): sft_naive, ("sft", "chunked"): sft_chunked,
-          ("opd", "naive"): opd_naive, ("opd", "chunked"): opd_chunked}[(step, variant)]
+    fn = {
+        ("sft", "naive"): sft_naive,
+        ("sft", "chunked"): sft_chunked,
+        ("opd", "naive"): opd_naive,
+        ("opd", "chunked"): opd_chunked,
+    }[(step, variant)]
 
     def run():
         for p in student.parameters():
@@ -183,12 +195,17 @@ def measure_memory(step: str, variant: str, batch: int, seq: int, vocab: int, hi
     else:
         loss = None
         extra = _cpu_extra_peak(run)
-    return {"extra_bytes": int(extra), "loss": loss, "device": _device_name(device),
-            "method": "cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler allocation events"}
+    return {
+        "extra_bytes": int(extra),
+        "loss": loss,
+        "device": _device_name(device),
+        "method": "cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler allocation events",
+    }
 
 
-def measure_time(step: str, variants: list[str], batch: int, seq: int, vocab: int, hidden: int, chunk: int,
-                 repeats: int) -> dict:
+def measure_time(
+    step: str, variants: list[str], batch: int, seq: int, vocab: int, hidden: int, chunk: int, repeats: int
+) -> dict:
     """Median ms per step of each variant, the variants alternating (one warm-up each), in this process."""
     import torch
 
@@ -238,8 +255,20 @@ def main() -> None:
         print(json.dumps(measure_time(a._time[0], a._time[1:], *shape, a.repeats)))
         return
     tokens = a.batch * a.seq
-    common = ["--batch", str(a.batch), "--seq", str(a.seq), "--vocab", str(a.vocab), "--hidden", str(a.hidden),
-              "--chunk", str(a.chunk), "--repeats", str(a.repeats)]
+    common = [
+        "--batch",
+        str(a.batch),
+        "--seq",
+        str(a.seq),
+        "--vocab",
+        str(a.vocab),
+        "--hidden",
+        str(a.hidden),
+        "--chunk",
+        str(a.chunk),
+        "--repeats",
+        str(a.repeats),
+    ]
 
     def child(*args) -> dict:
         r = subprocess.run([sys.executable, __file__, *common, *args], capture_output=True, text=True)
@@ -258,9 +287,14 @@ def main() -> None:
         variants = ["naive", "chunked"]
         if free is not None and need > 0.85 * free:
             variants = ["chunked"]
-            out.update({"extra_bytes_naive": None, "ms_naive": None,
-                        "note_naive": f"not run: needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB "
-                                      "available (rerun with a smaller --batch)"})
+            out.update(
+                {
+                    "extra_bytes_naive": None,
+                    "ms_naive": None,
+                    "note_naive": f"not run: needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB "
+                    "available (rerun with a smaller --batch)",
+                }
+            )
         for variant in variants:
             m = child("--_memory", step, variant)
             out.update({f"extra_bytes_{variant}": m["extra_bytes"], "device": m["device"], "method": m["method"]})
@@ -271,6 +305,7 @@ def main() -> None:
             out["extra_ratio"] = round(out["extra_bytes_chunked"] / out["extra_bytes_naive"], 4)
             out["time_ratio"] = round(out["ms_chunked"] / out["ms_naive"], 3)
         print(json.dumps(out), flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -32,31 +32,41 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from loss_memory import _cpu_extra_peak  # (the allocator-event peak, as bench/loss_memory.py)
 
-import torch  # noqa: E402
-
-from ars_opd.config import AdapterConfig, DDPConfig, SFTConfig  # noqa: E402
-from ars_opd.models.adapters import attach  # noqa: E402
-from ars_opd.training.checkpoint import TrainerState  # noqa: E402
-from ars_opd.training.consistency import ConsistencyHook  # noqa: E402
-from ars_opd.training.distributed import init_worker, launch, shutdown_worker  # noqa: E402
-from ars_opd.training.batch_plan import BatchGeometry  # noqa: E402
-from ars_opd.training.loop import train_step, unwrapped, wrap_model  # noqa: E402
-from ars_opd.lm.optim import make_optimizer, make_scheduler  # noqa: E402
-from ars_opd.training.sft import EncodedData, SFTTask  # noqa: E402
-from ars_opd.training.sharding import ShardedConsistencyHook  # noqa: E402
-from loss_memory import _cpu_extra_peak  # noqa: E402  (the allocator-event peak, as bench/loss_memory.py)
+from ars_opd.config import AdapterConfig, DDPConfig, SFTConfig
+from ars_opd.lm.optim import make_optimizer, make_scheduler
+from ars_opd.models.adapters import attach
+from ars_opd.training.batch_plan import BatchGeometry
+from ars_opd.training.checkpoint import TrainerState
+from ars_opd.training.consistency import ConsistencyHook
+from ars_opd.training.distributed import init_worker, launch, shutdown_worker
+from ars_opd.training.loop import train_step, unwrapped, wrap_model
+from ars_opd.training.sft import EncodedData, SFTTask
+from ars_opd.training.sharding import ShardedConsistencyHook
 
 PRESETS = {
-    "cpu-50m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=10,
-                    num_attention_heads=8, num_key_value_heads=8, head_dim=64),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=2, head_dim=32),
+    "cpu-50m": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=10,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
 }
 STRATEGIES = ("ddp", "fsdp", "ddp+lora")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -66,8 +76,9 @@ def _model(preset: str, strategy: str, lora_r: int):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(tie_word_embeddings=True, **PRESETS[preset]),
-                                             dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(tie_word_embeddings=True, **PRESETS[preset]), dtype=torch.float32, attn_implementation="eager"
+    )
     if strategy == "ddp+lora":
         model = attach(model, AdapterConfig(kind="lora", r=lora_r, alpha=2.0 * lora_r, target_modules=TARGETS))
     return model
@@ -92,8 +103,9 @@ def _state_bytes(model, opt) -> dict:
     params = list({id(p): p for p in model.parameters()}.values())
     weights = _storage_bytes(params)
     grads = sum(_local(p).numel() * _local(p).element_size() for p in params if p.requires_grad)
-    optim = _storage_bytes(v for s in opt.state.values() for v in s.values()
-                           if isinstance(v, torch.Tensor) and v.numel() > 1)
+    optim = _storage_bytes(
+        v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1
+    )
     return {"weights": weights, "grads": grads, "optimizer": optim, "state": weights + grads + optim}
 
 
@@ -102,10 +114,19 @@ def _run_strategy(job: dict, strategy: str, ctx) -> dict:
     vocab = PRESETS[job["preset"]]["vocab_size"]
     total = 2 + job["rounds"] * job["round_steps"]
     n = job["micro"] * total
-    data = EncodedData([[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)],
-                       [[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)], {})
-    cfg = SFTConfig(steps=total, warmup_steps=0, global_batch_size=job["micro"] * ctx.world_size,
-                    micro_batch_size=job["micro"], max_seq_len=job["seq"], max_grad_norm=1.0)
+    data = EncodedData(
+        [[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)],
+        [[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)],
+        {},
+    )
+    cfg = SFTConfig(
+        steps=total,
+        warmup_steps=0,
+        global_batch_size=job["micro"] * ctx.world_size,
+        micro_batch_size=job["micro"],
+        max_seq_len=job["seq"],
+        max_grad_norm=1.0,
+    )
     geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "bench")
     task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0)
     ddp_cfg = DDPConfig(workers=ctx.world_size, strategy="fsdp" if strategy == "fsdp" else "ddp")
@@ -139,16 +160,23 @@ def _run_strategy(job: dict, strategy: str, ctx) -> dict:
     for r in range(job["rounds"]):
         spent = {"with": 0.0, "without": 0.0}
         for i in range(job["round_steps"]):
-            for name in (("with", "without") if i % 2 == 0 else ("without", "with")):
+            for name in ("with", "without") if i % 2 == 0 else ("without", "with"):
                 s = step(name)
                 spent[name] += s
                 if name == "without":
                     times.append(s)
         rounds.append(spent["with"] / spent["without"])
-    return {"strategy": strategy, "workers": ctx.world_size, "parameters": total_params, "trainable": trainable,
-            **{f"{k}_bytes": v for k, v in memory.items()}, "step_extra_peak_bytes": peak,
-            "step_s": round(statistics.median(times), 4), "overhead_ratio": round(statistics.median(rounds), 4),
-            "overhead_ratio_rounds": [round(x, 4) for x in rounds]}
+    return {
+        "strategy": strategy,
+        "workers": ctx.world_size,
+        "parameters": total_params,
+        "trainable": trainable,
+        **{f"{k}_bytes": v for k, v in memory.items()},
+        "step_extra_peak_bytes": peak,
+        "step_s": round(statistics.median(times), 4),
+        "overhead_ratio": round(statistics.median(rounds), 4),
+        "overhead_ratio_rounds": [round(x, 4) for x in rounds],
+    }
 
 
 def worker(job: dict) -> list[dict]:
@@ -179,8 +207,9 @@ def main() -> None:
     summary = {"bench": "scale", "summary": True, "preset": args.preset, "workers": args.workers}
     if "ddp" in by and "fsdp" in by:
         summary["fsdp_over_ddp_state"] = round(by["fsdp"]["state_bytes"] / by["ddp"]["state_bytes"], 4)
-        summary["fsdp_over_ddp_step_extra_peak"] = round(by["fsdp"]["step_extra_peak_bytes"]
-                                                         / by["ddp"]["step_extra_peak_bytes"], 4)
+        summary["fsdp_over_ddp_step_extra_peak"] = round(
+            by["fsdp"]["step_extra_peak_bytes"] / by["ddp"]["step_extra_peak_bytes"], 4
+        )
         summary["fsdp_over_ddp_step_s"] = round(by["fsdp"]["step_s"] / by["ddp"]["step_s"], 4)
     if "ddp" in by and "ddp+lora" in by:
         summary["lora_over_full_optimizer"] = round(by["ddp+lora"]["optimizer_bytes"] / by["ddp"]["optimizer_bytes"], 5)

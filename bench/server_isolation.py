@@ -28,12 +28,10 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ars_opd.config import ArchConfig  # noqa: E402
-from ars_opd.data import synthetic  # noqa: E402
-from ars_opd.models.builtin import build_causal_lm  # noqa: E402
-from ars_opd.models.tokenizer import build_char_word_tokenizer  # noqa: E402
+from ars_opd.config import ArchConfig
+from ars_opd.data import synthetic
+from ars_opd.models.builtin import build_causal_lm
+from ars_opd.models.tokenizer import build_char_word_tokenizer
 
 SCENARIOS = ((256, 8_000_000), (256, 50_000), (200_000, 1_500_000))
 
@@ -41,13 +39,38 @@ SCENARIOS = ((256, 8_000_000), (256, 50_000), (200_000, 1_500_000))
 def start_server(context: int, tmp: Path) -> tuple[subprocess.Popen, str]:
     tok = build_char_word_tokenizer(synthetic.instruction_words())
     model_dir = tmp / f"ctx{context}"
-    build_causal_lm(ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32,
-                               max_position_embeddings=context), tok, seed=0).save_pretrained(model_dir)
+    build_causal_lm(
+        ArchConfig(
+            hidden_size=16,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=context,
+        ),
+        tok,
+        seed=0,
+    ).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     ready = tmp / f"ready{context}.json"
-    proc = subprocess.Popen([sys.executable, "-m", "ars_opd.teacher.server", str(model_dir), "--model-name", "m",
-                             "--ready-file", str(ready), "--threads", "1", "--max-wait-ms", "1"],
-                            cwd=Path(__file__).resolve().parents[1], stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ars_opd.teacher.server",
+            str(model_dir),
+            "--model-name",
+            "m",
+            "--ready-file",
+            str(ready),
+            "--threads",
+            "1",
+            "--max-wait-ms",
+            "1",
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -82,10 +105,15 @@ async def scenario(url: str, chars: int, small: int, burst: int) -> dict:
                 await asyncio.sleep(0.02)
         status, huge_s = await huge
     lat = [t for code, t in results if code == 200]
-    return {"huge_status": status, "huge_s": round(huge_s, 3), "small_n": len(results),
-            "small_failed": sum(code != 200 for code, _ in results),
-            "small_p50_s": round(statistics.median(lat), 4) if lat else None,
-            "small_max_s": round(max(lat), 4) if lat else None, "baseline_p50_s": round(statistics.median(baseline), 4)}
+    return {
+        "huge_status": status,
+        "huge_s": round(huge_s, 3),
+        "small_n": len(results),
+        "small_failed": sum(code != 200 for code, _ in results),
+        "small_p50_s": round(statistics.median(lat), 4) if lat else None,
+        "small_max_s": round(max(lat), 4) if lat else None,
+        "baseline_p50_s": round(statistics.median(baseline), 4),
+    }
 
 
 def main() -> None:

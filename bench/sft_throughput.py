@@ -17,29 +17,41 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from ars_opd.config import DDPConfig, SFTConfig  # noqa: E402
-from ars_opd.lm.attention import use_packed_attention  # noqa: E402
-from ars_opd.training.distributed import init_worker, shutdown_worker  # noqa: E402
-from ars_opd.training.checkpoint import TrainerState  # noqa: E402
-from ars_opd.training.batch_plan import BatchGeometry  # noqa: E402
-from ars_opd.training.loop import accumulate_gradients, optimizer_step, wrap_ddp  # noqa: E402
-from ars_opd.lm.optim import make_optimizer  # noqa: E402
-from ars_opd.training.sft import EncodedData, SFTTask  # noqa: E402
+from ars_opd.config import DDPConfig, SFTConfig
+from ars_opd.lm.attention import use_packed_attention
+from ars_opd.lm.optim import make_optimizer
+from ars_opd.training.batch_plan import BatchGeometry
+from ars_opd.training.checkpoint import TrainerState
+from ars_opd.training.distributed import init_worker, shutdown_worker
+from ars_opd.training.loop import accumulate_gradients, optimizer_step, wrap_ddp
+from ars_opd.training.sft import EncodedData, SFTTask
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 PRESETS = {
-    "cpu-small": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=4, head_dim=64, family="llama"),
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, family="qwen3"),
+    "cpu-small": dict(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        family="llama",
+    ),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        family="qwen3",
+    ),
 }
 
 
@@ -93,10 +105,17 @@ def main() -> None:
         attention = use_packed_attention(model, "auto") if packing else plain
         if not packing:
             model.set_attn_implementation(plain)
-        cfg = SFTConfig(steps=steps + 2, warmup_steps=0, global_batch_size=micro, micro_batch_size=micro,
-                        packing=packing,
-                        pack_length=max(hi, 2048 if gpu else 512), max_seq_len=hi, max_grad_norm=1.0,
-                        precision="auto")
+        cfg = SFTConfig(
+            steps=steps + 2,
+            warmup_steps=0,
+            global_batch_size=micro,
+            micro_batch_size=micro,
+            packing=packing,
+            pack_length=max(hi, 2048 if gpu else 512),
+            max_seq_len=hi,
+            max_grad_norm=1.0,
+            precision="auto",
+        )
         geometry = BatchGeometry.check(micro, ctx.world_size, micro, "sft")
         task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0, vocab=vocab)
         ddp = wrap_ddp(model, ctx, DDPConfig(workers=1))
@@ -117,13 +136,23 @@ def main() -> None:
                 real += sum(b.n_real_tokens for b in mb)
                 total += sum(b.tensors["input_ids"].numel() for b in mb)
         tps = real / elapsed
-        print(json.dumps({
-            "device": torch.cuda.get_device_name() if gpu else "cpu", "preset": preset, "params": n_params,
-            "batching": "packed" if packing else "padded", "attention": attention, "lengths": [lo, hi],
-            "micro_batch": micro,
-            "tokens_per_s": round(tps, 1), "mfu": round(6 * n_params * tps / peak, 4) if peak else None,
-            "padding_fraction": round(1 - real / total, 4),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name() if gpu else "cpu",
+                    "preset": preset,
+                    "params": n_params,
+                    "batching": "packed" if packing else "padded",
+                    "attention": attention,
+                    "lengths": [lo, hi],
+                    "micro_batch": micro,
+                    "tokens_per_s": round(tps, 1),
+                    "mfu": round(6 * n_params * tps / peak, 4) if peak else None,
+                    "padding_fraction": round(1 - real / total, 4),
+                }
+            ),
+            flush=True,
+        )
         del ddp
     shutdown_worker()
 

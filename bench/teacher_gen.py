@@ -21,19 +21,26 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ars_opd.config import EndpointConfig  # noqa: E402
-from ars_opd.teacher.client.cache import TeacherCache, cache_key  # noqa: E402
-from ars_opd.teacher.client.chat import TeacherRequest, ask_all  # noqa: E402
-from ars_opd.teacher.client.endpoint import ClientSettings  # noqa: E402
+from ars_opd.config import EndpointConfig
+from ars_opd.teacher.client.cache import TeacherCache, cache_key
+from ars_opd.teacher.client.chat import TeacherRequest, ask_all
+from ars_opd.teacher.client.endpoint import ClientSettings
 
 
 def start_endpoint(latency: float, tmp: Path) -> tuple[subprocess.Popen, str]:
     ready = tmp / "ready.json"
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, str(repo / "tests" / "fake_endpoint.py"), "--latency", str(latency),
-                             "--ready-file", str(ready)], cwd=repo)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(repo / "tests" / "fake_endpoint.py"),
+            "--latency",
+            str(latency),
+            "--ready-file",
+            str(ready),
+        ],
+        cwd=repo,
+    )
     deadline = time.monotonic() + 60
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -46,8 +53,11 @@ def start_endpoint(latency: float, tmp: Path) -> tuple[subprocess.Popen, str]:
 def requests_for(n: int, tag: str) -> list[TeacherRequest]:
     out = []
     for i in range(n):
-        identity = {"model": "fake-teacher", "messages": [{"role": "user", "content": f"{tag} prompt {i}"}],
-                    "sampling": {"temperature": 0.0, "max_tokens": 32}}
+        identity = {
+            "model": "fake-teacher",
+            "messages": [{"role": "user", "content": f"{tag} prompt {i}"}],
+            "sampling": {"temperature": 0.0, "max_tokens": 32},
+        }
         body = {"model": "fake-teacher", "messages": identity["messages"], "temperature": 0.0, "max_tokens": 32}
         out.append(TeacherRequest(cache_key(identity), body, identity))
     return out
@@ -65,19 +75,32 @@ def main() -> None:
         try:
             for c in args.concurrency:
                 reqs = requests_for(args.per_c * c, f"c{c}")
-                settings = ClientSettings(url, limits=EndpointConfig(concurrency=c, request_timeout_s=60),
-                                          transport=args.transport)
+                settings = ClientSettings(
+                    url, limits=EndpointConfig(concurrency=c, request_timeout_s=60), transport=args.transport
+                )
                 with TeacherCache(Path(tmp) / f"cache-{c}.jsonl") as cache:
                     t0 = time.perf_counter()
                     summary = asyncio.run(ask_all(reqs, cache, settings, progress=False))
                     elapsed = time.perf_counter() - t0
                 rps = summary.completed / elapsed
                 ideal = c / args.latency
-                print(json.dumps({"concurrency": c, "latency_s": args.latency, "requests": len(reqs),
-                                  "completed": summary.completed, "failed": summary.failed,
-                                  "transport": args.transport, "seconds": round(elapsed, 2),
-                                  "requests_per_s": round(rps, 1), "ideal_requests_per_s": round(ideal, 1),
-                                  "efficiency": round(rps / ideal, 3)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "concurrency": c,
+                            "latency_s": args.latency,
+                            "requests": len(reqs),
+                            "completed": summary.completed,
+                            "failed": summary.failed,
+                            "transport": args.transport,
+                            "seconds": round(elapsed, 2),
+                            "requests_per_s": round(rps, 1),
+                            "ideal_requests_per_s": round(ideal, 1),
+                            "efficiency": round(rps / ideal, 3),
+                        }
+                    ),
+                    flush=True,
+                )
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(10)

@@ -24,27 +24,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ars_opd.config import EndpointConfig, OPDConfig, TeacherServerConfig, load_params  # noqa: E402
-from ars_opd.data import synthetic  # noqa: E402
-from ars_opd.data.prompts import alpaca_messages, encode_completions, encode_prompts  # noqa: E402
-from ars_opd.lm.batching import build_rollout_batch  # noqa: E402
-from ars_opd.lm.opd_objectives import get_objective  # noqa: E402
-from ars_opd.models.builtin import build_causal_lm  # noqa: E402
-from ars_opd.models.tokenizer import build_char_word_tokenizer  # noqa: E402
-from ars_opd.teacher.client.endpoint import ClientSettings  # noqa: E402
-from ars_opd.teacher.client.generate import local_teacher_server  # noqa: E402
-from ars_opd.training.batch_plan import BatchGeometry  # noqa: E402
-from ars_opd.training.opd import OPDTask  # noqa: E402
-from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher  # noqa: E402
+from ars_opd.config import EndpointConfig, OPDConfig, TeacherServerConfig, load_params
+from ars_opd.data import synthetic
+from ars_opd.data.prompts import alpaca_messages, encode_completions, encode_prompts
+from ars_opd.lm.batching import build_rollout_batch
+from ars_opd.lm.opd_objectives import get_objective
+from ars_opd.models.builtin import build_causal_lm
+from ars_opd.models.tokenizer import build_char_word_tokenizer
+from ars_opd.teacher.client.endpoint import ClientSettings
+from ars_opd.teacher.client.generate import local_teacher_server
+from ars_opd.training.batch_plan import BatchGeometry
+from ars_opd.training.opd import OPDTask
+from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
 
 MODEL = "ars-opd-teacher"
 
@@ -67,8 +64,12 @@ def endpoint(url: str, vocab: int, concurrency: int, k: int) -> EndpointTeacher:
 def agreement(url: str, teacher: torch.nn.Module, tokenizer, prompts, completions, k: int) -> dict:
     vocab = len(tokenizer)
     local = LocalTeacher(teacher, vocab, topk=k)
-    batches = [build_rollout_batch(prompts[i:i + 16], completions[i:i + 16], tokenizer.pad_token_id,
-                                   tokenizer.eos_token_id) for i in range(0, len(prompts), 16)]
+    batches = [
+        build_rollout_batch(
+            prompts[i : i + 16], completions[i : i + 16], tokenizer.pad_token_id, tokenizer.eos_token_id
+        )
+        for i in range(0, len(prompts), 16)
+    ]
     worst = {"sampled_token": 0.0, "topk": 0.0}
     remote = endpoint(url, vocab, 8, k)
     tokens = 0
@@ -89,8 +90,14 @@ def agreement(url: str, teacher: torch.nn.Module, tokenizer, prompts, completion
                     la = {i: v for i, v in la.items() if i in le}
                 worst[name] = max(worst[name], max(abs(v - le[i]) for i, v in la.items()))
     remote.close()
-    return {"bench": "agreement", "sequences": len(prompts), "trained_positions": tokens, "k": k,
-            "max_abs_logprob_diff": worst["sampled_token"], "max_abs_topk_logprob_diff": worst["topk"]}
+    return {
+        "bench": "agreement",
+        "sequences": len(prompts),
+        "trained_positions": tokens,
+        "k": k,
+        "max_abs_logprob_diff": worst["sampled_token"],
+        "max_abs_topk_logprob_diff": worst["topk"],
+    }
 
 
 def throughput(url: str, tokenizer, prompts, completions, concurrency: int, k: int) -> dict:
@@ -103,9 +110,16 @@ def throughput(url: str, tokenizer, prompts, completions, concurrency: int, k: i
     seconds = time.perf_counter() - t0
     remote.close()
     tokens = int(batch["attention_mask"].sum())
-    return {"bench": "throughput", "concurrency": concurrency, "sequences": len(sequences), "tokens": tokens,
-            "seconds": round(seconds, 3), "scored_tokens_per_s": round(tokens / seconds, 1),
-            "sequences_per_s": round(len(sequences) / seconds, 1), "k": k}
+    return {
+        "bench": "throughput",
+        "concurrency": concurrency,
+        "sequences": len(sequences),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "scored_tokens_per_s": round(tokens / seconds, 1),
+        "sequences_per_s": round(len(sequences) / seconds, 1),
+        "k": k,
+    }
 
 
 def step_time(task: OPDTask, student: torch.nn.Module, steps: int) -> list[float]:
@@ -145,17 +159,42 @@ def main() -> None:
             emit(agreement(url, teacher, tokenizer, prompts, completions, a.topk))
             for c in a.concurrency:
                 emit(throughput(url, tokenizer, prompts, completions, c, a.topk))
-            cfg = OPDConfig(loss="sampled_token", max_new_tokens=16, global_batch_size=a.batch,
-                            micro_batch_size=a.micro, steps=a.steps + 1, warmup_steps=0)
+            cfg = OPDConfig(
+                loss="sampled_token",
+                max_new_tokens=16,
+                global_batch_size=a.batch,
+                micro_batch_size=a.micro,
+                steps=a.steps + 1,
+                warmup_steps=0,
+            )
             geometry = BatchGeometry.check(a.batch, 1, a.micro, "opd")
-            result = {"bench": "opd_step", "loss": cfg.loss, "global_batch": a.batch, "micro_batch": a.micro,
-                      "max_new_tokens": cfg.max_new_tokens, "steps": a.steps,
-                      "server_threads": a.server_threads, "trainer_threads": a.trainer_threads}
-            for name, scorer in (("local", LocalTeacher(teacher, len(tokenizer))),
-                                 ("endpoint", endpoint(url, len(tokenizer), 8, a.topk))):
+            result = {
+                "bench": "opd_step",
+                "loss": cfg.loss,
+                "global_batch": a.batch,
+                "micro_batch": a.micro,
+                "max_new_tokens": cfg.max_new_tokens,
+                "steps": a.steps,
+                "server_threads": a.server_threads,
+                "trainer_threads": a.trainer_threads,
+            }
+            for name, scorer in (
+                ("local", LocalTeacher(teacher, len(tokenizer))),
+                ("endpoint", endpoint(url, len(tokenizer), 8, a.topk)),
+            ):
                 torch.manual_seed(0)
-                task = OPDTask(prompts, completions, scorer, cfg, geometry, tokenizer=tokenizer, sampler_seed=0,
-                               seed=0, rank=0, device=torch.device("cpu"))
+                task = OPDTask(
+                    prompts,
+                    completions,
+                    scorer,
+                    cfg,
+                    geometry,
+                    tokenizer=tokenizer,
+                    sampler_seed=0,
+                    seed=0,
+                    rank=0,
+                    device=torch.device("cpu"),
+                )
                 result[f"{name}_step_s"] = round(statistics.median(step_time(task, student, a.steps)), 4)
                 if isinstance(scorer, EndpointTeacher):
                     scorer.close()

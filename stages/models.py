@@ -9,8 +9,10 @@ def main() -> None:
     p = load_params(sections=("base", "paths", "synthetic", "models", "inputs"))
     metrics = prepare_models(p.base, p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics)
     if "teacher_exact_match" in metrics:
-        print(f"teacher held-out exact match {metrics['teacher_exact_match']:.1%} "
-              f"(student base {metrics['student_base_exact_match']:.1%})")
+        print(
+            f"teacher held-out exact match {metrics['teacher_exact_match']:.1%} "
+            f"(student base {metrics['student_base_exact_match']:.1%})"
+        )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ from stages import run_stage
 def main() -> None:
     p = load_params(sections=("base", "paths", "synthetic", "data", "inputs"))
     stats = write_subset(p.base, p.data, p.synthetic, p.paths)
-    print(f"subset: {stats['train']} train, {stats['eval']} eval rows "
-          f"({stats['malformed']} malformed, {stats['duplicates_dropped']} duplicates dropped)")
+    print(
+        f"subset: {stats['train']} train, {stats['eval']} eval rows "
+        f"({stats['malformed']} malformed, {stats['duplicates_dropped']} duplicates dropped)"
+    )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ from stages import run_stage
 def main() -> None:
     p = load_params(sections=("paths", "teacher_gen"))
     m = generate_teacher_completions(p.teacher_gen, p.paths)
-    print(f"teacher_gen: {m['prompts']} prompts, {m['cached_before_run']} cached, {m['answered']} answered now, "
-          f"{m['failed']} without an answer {m['failures_by_reason'] or ''}")
+    print(
+        f"teacher_gen: {m['prompts']} prompts, {m['cached_before_run']} cached, {m['answered']} answered now, "
+        f"{m['failed']} without an answer {m['failures_by_reason'] or ''}"
+    )
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 
 from ars_opd.config import ArchConfig, DDPConfig, SFTConfig
-from ars_opd.training.distributed import init_worker, shutdown_worker
-from ars_opd.training.batch_plan import BatchGeometry
-from ars_opd.training.loop import accumulate_gradients, wrap_ddp, wrap_model
 from ars_opd.models.builtin import build_causal_lm
+from ars_opd.training.batch_plan import BatchGeometry
+from ars_opd.training.distributed import init_worker, shutdown_worker
+from ars_opd.training.loop import accumulate_gradients, wrap_ddp, wrap_model
 from ars_opd.training.sft import EncodedData, SFTTask
 
 ARCH = ArchConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -42,14 +42,24 @@ def _grad_probe(job: dict, ctx) -> dict:
 
         use_packed_attention(model, job.get("packed_attention", "auto"))
     data = EncodedData(job["prompts"], job["completions"], {})
-    cfg = SFTConfig(steps=1, warmup_steps=0, global_batch_size=len(job["prompts"]), micro_batch_size=job["micro"],
-                    packing=job.get("packing", False), pack_length=job.get("pack_length", 512),
-                    max_seq_len=job.get("pack_length", 512))
+    cfg = SFTConfig(
+        steps=1,
+        warmup_steps=0,
+        global_batch_size=len(job["prompts"]),
+        micro_batch_size=job["micro"],
+        packing=job.get("packing", False),
+        pack_length=job.get("pack_length", 512),
+        max_seq_len=job.get("pack_length", 512),
+    )
     geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "sft")
-    task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=tok.pad_token_id,
-                   vocab=len(tok))
-    ddp_cfg = DDPConfig(workers=ctx.world_size, gradient_as_bucket_view=job.get("bucket_view", True),
-                        strategy=job.get("strategy", "ddp"))
+    task = SFTTask(
+        data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=tok.pad_token_id, vocab=len(tok)
+    )
+    ddp_cfg = DDPConfig(
+        workers=ctx.world_size,
+        gradient_as_bucket_view=job.get("bucket_view", True),
+        strategy=job.get("strategy", "ddp"),
+    )
     ddp = wrap_model(model, ctx, ddp_cfg, cfg)  # DDP, or the model itself sharded in place (fsdp)
     micro = task.micro_batches(0, model)
     local_sum, _, global_tokens, *_ = accumulate_gradients(ddp, task, micro, ctx, cfg)
@@ -57,17 +67,15 @@ def _grad_probe(job: dict, ctx) -> dict:
     dist.all_reduce(total)
     full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731  (sharded: gathered)
     grads = {n: full(p.grad).detach().clone() for n, p in model.named_parameters()}
-    return {"loss": total.item() / global_tokens, "tokens": global_tokens, "grads": grads,
-            "n_micro": len(micro)}
+    return {"loss": total.item() / global_tokens, "tokens": global_tokens, "grads": grads, "n_micro": len(micro)}
 
 
 class FixedTask:
     """Per-rank micro-batches given explicitly (for consistency tests): job['batches'][rank][micro]."""
 
     def __init__(self, batches, ctx, pad_id, identical: bool):
+        from ars_opd.lm.batching import count_loss_tokens, pad_right_with_labels
         from ars_opd.training.task import MicroBatch
-        from ars_opd.lm.batching import pad_right_with_labels
-        from ars_opd.lm.batching import count_loss_tokens
 
         mine = batches[0] if identical else batches[ctx.rank]
         self.micro = []
@@ -83,8 +91,8 @@ class FixedTask:
 
     def loss_sum(self, model, batch):
         # the pipeline's loss path: last hidden states through DDP's forward, the head in chunks
-        from ars_opd.lm.head import OutputHead, last_hidden_states
         from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden
+        from ars_opd.lm.head import OutputHead, last_hidden_states
 
         t = batch.tensors
         hidden = last_hidden_states(model, t["input_ids"], t["attention_mask"])
@@ -123,7 +131,7 @@ def brute_force_statistics(G: torch.Tensor, wl: list[float]) -> dict:
         "grad_norm_dispersion": float(norms.std(unbiased=False)),
         "worker_grad_norm": norms.tolist(),
         "worker_cos_to_mean": [float(torch.dot(G[k], mean) / (norms[k] * mean.norm())) for k in range(K)],
-        "gradient_diversity": float((norms ** 2).sum() / G.sum(0).pow(2).sum()),
+        "gradient_diversity": float((norms**2).sum() / G.sum(0).pow(2).sum()),
         "grad_direction_consistency": sum(cos) / len(cos) if cos else float("nan"),
         "mean": mean,
         "abs_mean": G.abs().mean(0),
@@ -140,17 +148,24 @@ def consistency_probe(job: dict) -> list:
 
 def _consistency_probe(job: dict, ctx) -> list:
     from ars_opd.data import synthetic
+    from ars_opd.models.tokenizer import build_char_word_tokenizer
     from ars_opd.training.consistency import ConsistencyHook, consistency_metrics
     from ars_opd.training.distributed import gather_floats
     from ars_opd.training.loop import accumulate_gradients
-    from ars_opd.models.tokenizer import build_char_word_tokenizer
 
     tok = build_char_word_tokenizer(synthetic.instruction_words())
     model = tiny_model(tok)
     cfg = SFTConfig(steps=job["steps"], warmup_steps=0, global_batch_size=8, micro_batch_size=1)
     task = FixedTask(job["batches"], ctx, tok.pad_token_id, job.get("identical", False))
-    ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size, bucket_cap_mb=job.get("bucket_cap_mb", 0.002),
-                                         gradient_as_bucket_view=job.get("bucket_view", True)))
+    ddp = wrap_ddp(
+        model,
+        ctx,
+        DDPConfig(
+            workers=ctx.world_size,
+            bucket_cap_mb=job.get("bucket_cap_mb", 0.002),
+            gradient_as_bucket_view=job.get("bucket_view", True),
+        ),
+    )
     hook = ConsistencyHook(ctx.world_size, gram_every=job.get("gram_every", 0))
     hook.attach(ddp)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -159,18 +174,32 @@ def _consistency_probe(job: dict, ctx) -> list:
         brute = _brute_force(ddp, task, ctx, cfg)
         hook.begin_step(step)
         local_sum, local_tokens, *_ = accumulate_gradients(ddp, task, task.micro, ctx, cfg)
-        g = gather_floats(torch.cat([torch.tensor([local_sum / local_tokens], dtype=torch.float64),
-                                     hook.local_stats(ctx.device)]), ctx.device)
+        g = gather_floats(
+            torch.cat([torch.tensor([local_sum / local_tokens], dtype=torch.float64), hook.local_stats(ctx.device)]),
+            ctx.device,
+        )
         gram = hook.gram()
         reduced = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
-        inputs = {"worker_loss": g[:, 0].tolist(), "sq": g[:, 1].tolist(), "dot": g[:, 2].tolist(),
-                  "mean_sq": float(reduced.pow(2).sum()), "gram": None if gram is None else gram.tolist()}
+        inputs = {
+            "worker_loss": g[:, 0].tolist(),
+            "sq": g[:, 1].tolist(),
+            "dot": g[:, 2].tolist(),
+            "mean_sq": float(reduced.pow(2).sum()),
+            "gram": None if gram is None else gram.tolist(),
+        }
         stats = consistency_metrics(*(inputs[k] for k in ("worker_loss", "sq", "dot", "mean_sq")), gram)
         # the reduced gradient's error relative to Σ_k |g_k| / K, entry by entry (0 where every g_k is 0)
         rel = ((reduced - brute["mean"]).abs() / brute["abs_mean"]).nan_to_num(0.0)
-        out.append({"hook": stats, "brute": {k: v for k, v in brute.items() if k not in ("mean", "abs_mean")},
-                    "inputs": inputs, "params": reduced.numel(), "reduced_rel": float(rel.max()),
-                    "buckets": len(hook._sq)})
+        out.append(
+            {
+                "hook": stats,
+                "brute": {k: v for k, v in brute.items() if k not in ("mean", "abs_mean")},
+                "inputs": inputs,
+                "params": reduced.numel(),
+                "reduced_rel": float(rel.max()),
+                "buckets": len(hook._sq),
+            }
+        )
         opt.step()
         opt.zero_grad(set_to_none=True)
     return out
@@ -181,8 +210,8 @@ def bitwise_probe(job: dict) -> bool:
     ctx = init_worker("cpu", "gloo", threads=1, timeout_s=120)
     try:
         from ars_opd.data import synthetic
-        from ars_opd.training.consistency import ConsistencyHook
         from ars_opd.models.tokenizer import build_char_word_tokenizer
+        from ars_opd.training.consistency import ConsistencyHook
 
         tok = build_char_word_tokenizer(synthetic.instruction_words())
         cfg = SFTConfig(steps=1, warmup_steps=0, global_batch_size=8, micro_batch_size=1)
@@ -190,8 +219,11 @@ def bitwise_probe(job: dict) -> bool:
         for with_hook in (True, False):
             model = tiny_model(tok)
             task = FixedTask(job["batches"], ctx, tok.pad_token_id, False)
-            ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size, bucket_cap_mb=0.002,
-                                                 gradient_as_bucket_view=job["bucket_view"]))
+            ddp = wrap_ddp(
+                model,
+                ctx,
+                DDPConfig(workers=ctx.world_size, bucket_cap_mb=0.002, gradient_as_bucket_view=job["bucket_view"]),
+            )
             if with_hook:
                 hook = ConsistencyHook(ctx.world_size)
                 hook.attach(ddp)
@@ -262,11 +294,19 @@ def fault_probe(job: dict) -> dict:
             inject = InjectConfig(kind=job["kind"], rank=job["rank"], start_step=0, magnitude=job["magnitude"])
             fault = Fault(inject, "sft", ctx.rank, 0) if mode == "fault" else None
             local_sum, local_tokens, *_ = accumulate_gradients(ddp, task, task.micro, ctx, cfg, fault, 0)
-            g = gather_floats(torch.cat([torch.tensor([local_sum, float(local_tokens)], dtype=torch.float64),
-                                         hook.local_stats(ctx.device)]), ctx.device)
+            g = gather_floats(
+                torch.cat(
+                    [torch.tensor([local_sum, float(local_tokens)], dtype=torch.float64), hook.local_stats(ctx.device)]
+                ),
+                ctx.device,
+            )
             reduced = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
-            out[mode] = {"loss_sum": g[:, 0].tolist(), "tokens": g[:, 1].tolist(), "sq": g[:, 2].tolist(),
-                         "reduced": reduced.tolist()}
+            out[mode] = {
+                "loss_sum": g[:, 0].tolist(),
+                "tokens": g[:, 1].tolist(),
+                "sq": g[:, 2].tolist(),
+                "reduced": reduced.tolist(),
+            }
             del ddp
         return out
     finally:
@@ -316,8 +356,10 @@ def noise_scale_probe(job: dict) -> dict:
         for b in task.micro:  # one sequence at a time: its summed token-loss gradient
             t = b.tensors
             for i in range(t["input_ids"].shape[0]):
-                logits = model(input_ids=t["input_ids"][i:i + 1], attention_mask=t["attention_mask"][i:i + 1]).logits
-                ls, n = causal_lm_token_loss_sum(logits, t["labels"][i:i + 1])
+                logits = model(
+                    input_ids=t["input_ids"][i : i + 1], attention_mask=t["attention_mask"][i : i + 1]
+                ).logits
+                ls, n = causal_lm_token_loss_sum(logits, t["labels"][i : i + 1])
                 ls.backward()
                 per_seq.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double())
                 counts.append(int(n))
@@ -327,24 +369,30 @@ def noise_scale_probe(job: dict) -> dict:
         hook.attach(ddp)
         hook.begin_step(0)
         _, local_tokens, *_ = accumulate_gradients(ddp, task, task.micro, ctx, cfg)
-        g = gather_floats(torch.cat([torch.tensor([float(local_tokens)], dtype=torch.float64),
-                                     hook.local_stats(ctx.device)]), ctx.device)
+        g = gather_floats(
+            torch.cat([torch.tensor([float(local_tokens)], dtype=torch.float64), hook.local_stats(ctx.device)]),
+            ctx.device,
+        )
         reduced = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
         mine = torch.stack(per_seq)
         sizes = [torch.zeros(1, dtype=torch.long) for _ in range(ctx.world_size)]
         dist.all_gather(sizes, torch.tensor([mine.shape[0]]))
         width = max(int(s) for s in sizes)
         padded = torch.zeros(width, mine.shape[1], dtype=torch.float64)
-        padded[:mine.shape[0]] = mine
+        padded[: mine.shape[0]] = mine
         parts = [torch.empty_like(padded) for _ in range(ctx.world_size)]
         dist.all_gather(parts, padded)
         cnt = torch.zeros(width, dtype=torch.long)
-        cnt[:len(counts)] = torch.tensor(counts)
+        cnt[: len(counts)] = torch.tensor(counts)
         cparts = [torch.empty_like(cnt) for _ in range(ctx.world_size)]
         dist.all_gather(cparts, cnt)
-        return {"tokens": g[:, 0].tolist(), "sq": g[:, 1].tolist(), "mean_sq": float(reduced.pow(2).sum()),
-                "per_seq": [p[:int(s)].tolist() for p, s in zip(parts, sizes)],
-                "counts": [c[:int(s)].tolist() for c, s in zip(cparts, sizes)]}
+        return {
+            "tokens": g[:, 0].tolist(),
+            "sq": g[:, 1].tolist(),
+            "mean_sq": float(reduced.pow(2).sum()),
+            "per_seq": [p[: int(s)].tolist() for p, s in zip(parts, sizes)],
+            "counts": [c[: int(s)].tolist() for c, s in zip(cparts, sizes)],
+        }
     finally:
         shutdown_worker()
 
@@ -357,6 +405,10 @@ def start_probe(job: dict) -> dict:
     import huggingface_hub.constants
 
     out = grad_probe(job)
-    out.update(mark=os.environ.get("ARS_OPD_TEST_MARK"), hub_offline=huggingface_hub.constants.HF_HUB_OFFLINE,
-               threads=torch.get_num_threads(), cwd=os.getcwd())
+    out.update(
+        mark=os.environ.get("ARS_OPD_TEST_MARK"),
+        hub_offline=huggingface_hub.constants.HF_HUB_OFFLINE,
+        threads=torch.get_num_threads(),
+        cwd=os.getcwd(),
+    )
     return out

@@ -81,8 +81,13 @@ class FakeEndpoint:
         return None
 
     def _record(self, prompt: str, attempt: int, outcome: str, body: dict) -> None:
-        entry = {"prompt": prompt, "attempt": attempt, "outcome": outcome, "time": time.time(),
-                 "messages": body.get("messages")}
+        entry = {
+            "prompt": prompt,
+            "attempt": attempt,
+            "outcome": outcome,
+            "time": time.time(),
+            "messages": body.get("messages"),
+        }
         with self._lock:
             self.log.append(entry)
             if self._log_file:
@@ -108,11 +113,15 @@ class FakeEndpoint:
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
         if fault == "400":
-            return web.json_response({"error": {"message": "bad request (injected)", "type": "invalid_request_error"}},
-                                     status=400)
+            return web.json_response(
+                {"error": {"message": "bad request (injected)", "type": "invalid_request_error"}}, status=400
+            )
         if fault == "429":
-            return web.json_response({"error": {"message": "slow down (injected)", "type": "rate_limit"}}, status=429,
-                                     headers={"Retry-After": str(self.retry_after_s)})
+            return web.json_response(
+                {"error": {"message": "slow down (injected)", "type": "rate_limit"}},
+                status=429,
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
         if fault == "500":
             return web.json_response({"error": {"message": "boom (injected)", "type": "server_error"}}, status=500)
         if fault == "hang":
@@ -123,19 +132,34 @@ class FakeEndpoint:
             request.transport.close()
             return web.Response()
         content = "" if _bucket(prompt, "empty") < self.always_empty else expected_answer(prompt)
-        choices = [] if fault == "empty_choices" else [{
-            "index": 0, "finish_reason": "stop",
-            "message": {"role": "assistant", "content": content},
-        }]
-        return web.json_response({
-            "id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()), "model": self.model,
-            "choices": choices, "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        })
+        choices = (
+            []
+            if fault == "empty_choices"
+            else [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": content},
+                }
+            ]
+        )
+        return web.json_response(
+            {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": choices,
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
         if (denied := self._unauthorized(request)) is not None:
             return denied
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]}
+        )
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -264,13 +288,18 @@ class FaultyProxy(FakeEndpoint):
                 self.log.append({"path": request.path, "attempt": attempt, "outcome": fault or "ok"})
         if fault in ("429", "500", "503"):
             headers = {"Retry-After": str(self.retry_after_s)} if fault == "429" else None
-            return web.json_response({"error": {"message": f"injected {fault}", "type": "server_error"}},
-                                     status=int(fault), headers=headers)
+            return web.json_response(
+                {"error": {"message": f"injected {fault}", "type": "server_error"}}, status=int(fault), headers=headers
+            )
         if fault == "hang":
             await asyncio.sleep(self.hang_s)
         async with aiohttp.ClientSession() as s:
-            async with s.request(request.method, self.upstream + request.path_qs, data=body or None,
-                                 headers={"Content-Type": request.headers.get("Content-Type", "application/json")}) as r:
+            async with s.request(
+                request.method,
+                self.upstream + request.path_qs,
+                data=body or None,
+                headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
+            ) as r:
                 return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
 
 
@@ -326,8 +355,13 @@ class FakeScorer(FakeEndpoint):
         z, out = self.logits(ids[i - 1], i), self.values(ids[i - 1], i)
         order = sorted(range(self.vocab), key=lambda v: (-z[v], v))
         actual = ids[i]
-        entry = {str(actual): {"logprob": out[actual], "rank": 1 + sum(x > z[actual] for x in z),
-                               "decoded_token": chr(actual)}}
+        entry = {
+            str(actual): {
+                "logprob": out[actual],
+                "rank": 1 + sum(x > z[actual] for x in z),
+                "decoded_token": chr(actual),
+            }
+        }
         for j, v in enumerate(order[:k]):
             if v != actual:
                 entry[str(v)] = {"logprob": out[v], "rank": j + 1, "decoded_token": chr(v)}
@@ -335,8 +369,10 @@ class FakeScorer(FakeEndpoint):
 
     @staticmethod
     def _error(status: int, message: str) -> web.Response:
-        return web.json_response({"object": "error", "message": message, "type": "BadRequestError",
-                                  "param": None, "code": status}, status=status)
+        return web.json_response(
+            {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": status},
+            status=status,
+        )
 
     async def _completions(self, request: web.Request) -> web.Response:
         if (denied := self._unauthorized(request)) is not None:
@@ -353,13 +389,25 @@ class FakeScorer(FakeEndpoint):
             return self._error(400, "prompt_logprobs must be an integer >= 0")
         prompt_logprobs = [None] + [self._position(ids, i, k) for i in range(1, len(ids))]
         last = self.logits(ids[-1], len(ids))
-        return web.json_response({
-            "id": "cmpl-fake", "object": "text_completion", "created": int(time.time()), "model": self.model,
-            "choices": [{"index": 0, "text": chr(max(range(self.vocab), key=lambda v: (last[v], -v))),
-                         "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                         "prompt_logprobs": prompt_logprobs}],
-            "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids) + 1, "completion_tokens": 1},
-        })
+        return web.json_response(
+            {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": chr(max(range(self.vocab), key=lambda v: (last[v], -v))),
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                        "prompt_logprobs": prompt_logprobs,
+                    }
+                ],
+                "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids) + 1, "completion_tokens": 1},
+            }
+        )
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -58,17 +58,33 @@ def fsdp_consistency_probe(job: dict) -> list:
             brute = _brute_force(plain, task, ctx)
             hook.begin_step(step)
             local_sum, local_tokens, *_ = accumulate_gradients(model, task, task.micro, ctx, cfg)
-            g = gather_floats(torch.cat([torch.tensor([local_sum / local_tokens], dtype=torch.float64),
-                                         hook.local_stats(ctx.device)]), ctx.device)
+            g = gather_floats(
+                torch.cat(
+                    [torch.tensor([local_sum / local_tokens], dtype=torch.float64), hook.local_stats(ctx.device)]
+                ),
+                ctx.device,
+            )
             gram = hook.gram()
             reduced = torch.cat([_full(p.grad).reshape(-1) for p in model.parameters() if p.grad is not None]).double()
-            inputs = {"worker_loss": g[:, 0].tolist(), "sq": g[:, 1].tolist(), "dot": g[:, 2].tolist(),
-                      "mean_sq": float(reduced.pow(2).sum()), "gram": None if gram is None else gram.tolist()}
+            inputs = {
+                "worker_loss": g[:, 0].tolist(),
+                "sq": g[:, 1].tolist(),
+                "dot": g[:, 2].tolist(),
+                "mean_sq": float(reduced.pow(2).sum()),
+                "gram": None if gram is None else gram.tolist(),
+            }
             stats = consistency_metrics(*(inputs[k] for k in ("worker_loss", "sq", "dot", "mean_sq")), gram)
             rel = ((reduced - brute["mean"]).abs() / brute["abs_mean"]).nan_to_num(0.0)
-            out.append({"hook": stats, "brute": {k: v for k, v in brute.items() if k not in ("mean", "abs_mean")},
-                        "inputs": inputs, "params": reduced.numel(), "reduced_rel": float(rel.max()),
-                        "buckets": len(hook._sq)})
+            out.append(
+                {
+                    "hook": stats,
+                    "brute": {k: v for k, v in brute.items() if k not in ("mean", "abs_mean")},
+                    "inputs": inputs,
+                    "params": reduced.numel(),
+                    "reduced_rel": float(rel.max()),
+                    "buckets": len(hook._sq),
+                }
+            )
             opt.step()
             opt.zero_grad(set_to_none=True)
         return out

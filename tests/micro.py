@@ -9,22 +9,50 @@ import yaml
 
 MICRO_OVERRIDES = {
     "models": {
-        "teacher_arch": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2,
-                         "intermediate_size": 64},
-        "student_arch": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2,
-                         "intermediate_size": 32},
+        "teacher_arch": {
+            "hidden_size": 32,
+            "num_layers": 1,
+            "num_heads": 2,
+            "num_kv_heads": 2,
+            "intermediate_size": 64,
+        },
+        "student_arch": {
+            "hidden_size": 16,
+            "num_layers": 1,
+            "num_heads": 2,
+            "num_kv_heads": 2,
+            "intermediate_size": 32,
+        },
         # enough steps that the micro teacher answers with something (an empty answer is a failure)
-        "teacher_training": {"steps": 100, "batch_size": 16, "lr": 0.01, "warmup_steps": 5, "eval_examples": 16,
-                             "min_accuracy": 0.0},
+        "teacher_training": {
+            "steps": 100,
+            "batch_size": 16,
+            "lr": 0.01,
+            "warmup_steps": 5,
+            "eval_examples": 16,
+            "min_accuracy": 0.0,
+        },
     },
     "data": {"subset_size": 60, "eval_size": 10},
     "teacher_gen": {"max_tokens": 8, "concurrency": 8, "server": {"threads": 1}},
     "ddp": {"workers": 2, "threads_per_worker": 1},
-    "sft": {"steps": 6, "global_batch_size": 8, "micro_batch_size": 2, "warmup_steps": 1, "checkpoint_every": 3,
-            "snapshot_every": 3},
-    "opd": {"steps": 4, "global_batch_size": 8, "micro_batch_size": 4, "warmup_steps": 1, "checkpoint_every": 2,
-            "snapshot_every": 2,
-            "max_new_tokens": 6},
+    "sft": {
+        "steps": 6,
+        "global_batch_size": 8,
+        "micro_batch_size": 2,
+        "warmup_steps": 1,
+        "checkpoint_every": 3,
+        "snapshot_every": 3,
+    },
+    "opd": {
+        "steps": 4,
+        "global_batch_size": 8,
+        "micro_batch_size": 4,
+        "warmup_steps": 1,
+        "checkpoint_every": 2,
+        "snapshot_every": 2,
+        "max_new_tokens": 6,
+    },
     "evaluate": {"max_examples": 10, "curve_examples": 4, "max_new_tokens": 8, "threads": 1},
     "report": {"window": 4},
 }
@@ -53,9 +81,18 @@ def teacher_rows(n: int, seed: int) -> list[dict]:
     from ars_opd.data import synthetic
     from ars_opd.data.prompts import alpaca_messages
 
-    return [{"id": str(i), "messages": alpaca_messages(r["instruction"], r["input"]), "reference": r["output"],
-             "task": r["task"], "completion": r["output"], "finish_reason": "stop", "key": str(i)}
-            for i, r in enumerate(synthetic.generate(n, seed=seed))]
+    return [
+        {
+            "id": str(i),
+            "messages": alpaca_messages(r["instruction"], r["input"]),
+            "reference": r["output"],
+            "task": r["task"],
+            "completion": r["output"],
+            "finish_reason": "stop",
+            "key": str(i),
+        }
+        for i, r in enumerate(synthetic.generate(n, seed=seed))
+    ]
 
 
 def distill_workspace(repo_root: Path, root: Path, opd: dict, workers: int = 2) -> None:
@@ -70,16 +107,36 @@ def distill_workspace(repo_root: Path, root: Path, opd: dict, workers: int = 2) 
     from ars_opd.models.prepare import prepare_models
 
     root.mkdir(parents=True, exist_ok=True)
-    write_micro_params(repo_root, root / "params.yaml",
-                       {"opd": opd, "ddp": {"workers": workers, "threads_per_worker": 1}})
+    write_micro_params(
+        repo_root, root / "params.yaml", {"opd": opd, "ddp": {"workers": workers, "threads_per_worker": 1}}
+    )
     cwd = os.getcwd()
     os.chdir(root)
     try:
         p = load_params("params.yaml")
-        prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
-                       progress=False)
+        prepare_models(
+            BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics, progress=False
+        )
         Path(p.paths.teacher_dir).mkdir(parents=True, exist_ok=True)
         write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", teacher_rows(64, seed=5))
         load_model(p.paths.models_dir, "student").save_pretrained(Path(p.paths.sft_model))
+    finally:
+        os.chdir(cwd)
+
+
+def run_stage_here(root: Path, stage: str) -> None:
+    """Run ``python -m stages.<stage>`` in ``root`` as this process: the stage's ``main`` here, its workers
+    forked from this process's forkserver (started once for the session, instead of a fresh interpreter and
+    forkserver that import torch and transformers for every run). Raises what the stage raises. For tests
+    that need the stage's outputs; the ones about the command itself (exit codes, messages, kill -9) start
+    it as a subprocess."""
+    import importlib
+    import os
+
+    module = importlib.import_module(f"stages.{stage}")
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        module.main()
     finally:
         os.chdir(cwd)

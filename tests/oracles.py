@@ -54,8 +54,9 @@ def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempe
     return (log_q.exp() * (log_q - log_p)).sum(-1)
 
 
-def generalised_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
-                    temperature: float = 1.0) -> torch.Tensor:
+def generalised_jsd(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float, temperature: float = 1.0
+) -> torch.Tensor:
     """β·KL(p ‖ m) + (1 − β)·KL(q ‖ m), m = βp + (1 − β)q, per position, for 0 < β < 1."""
     if not 0.0 < beta < 1.0:
         raise ValueError(f"the generalised JSD takes 0 < beta < 1, got {beta}")
@@ -64,8 +65,9 @@ def generalised_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     return beta * (log_p.exp() * (log_p - log_m)).sum(-1) + (1 - beta) * (log_q.exp() * (log_q - log_m)).sum(-1)
 
 
-def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 1.0,
-               temperature: float = 1.0) -> torch.Tensor:
+def divergence(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 1.0, temperature: float = 1.0
+) -> torch.Tensor:
     """Per position: β = 0 forward KL, β = 1 reverse KL (the KLs themselves, not the JSD's limits), else JSD_β."""
     if beta == 0.0:
         return forward_kl(student_logits, teacher_logits, temperature)
@@ -74,8 +76,13 @@ def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta:
     return generalised_jsd(student_logits, teacher_logits, beta, temperature)
 
 
-def divergence_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
-                   beta: float = 1.0, temperature: float = 1.0) -> tuple[torch.Tensor, int]:
+def divergence_sum(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float = 1.0,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, int]:
     """Σ of ``divergence`` over the positions where ``mask`` (...) is True, and their count.
 
     student_logits, teacher_logits: (..., V); the sum has autograd's gradient in the student's logits.
@@ -83,8 +90,13 @@ def divergence_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, m
     return divergence(student_logits[mask], teacher_logits[mask], beta, temperature).sum(), int(mask.sum())
 
 
-def sampled_token_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, tokens: torch.Tensor,
-                       mask: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, int]:
+def sampled_token_loss(
+    student_logits: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The policy-gradient surrogate of the sampled tokens, the reverse-KL estimate, and the token count.
 
     student_logits (..., V) predicting ``tokens`` (...) at the same positions; teacher_logprobs (...):

@@ -15,13 +15,13 @@ import yaml
 from safetensors.torch import load_file
 
 from ars_opd.config import AdapterConfig, ArchConfig, ConfigError, ModelsConfig, OptimConfig, load_params
+from ars_opd.lm.optim import make_optimizer
 from ars_opd.models import adapters
 from ars_opd.models.builtin import build_causal_lm
-from ars_opd.lm.optim import make_optimizer
 from tolerances import U32, gamma
 
 REPO = Path(__file__).resolve().parents[1]
-U64 = 2.0 ** -53
+U64 = 2.0**-53
 ARCH = ArchConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=48)
 LORA = AdapterConfig(kind="lora", r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
 
@@ -156,17 +156,24 @@ def test_stages_refuse_a_bad_adapter_before_any_worker_starts(monkeypatch):
         monkeypatch.setattr(module, "launch_stage", lambda *a, **k: started.append(a))
         monkeypatch.setattr(module, "check_adapter", lambda *a, **k: (_ for _ in ()).throw(ConfigError("k", "bad")))
     p = load_params(REPO / "params.yaml")
-    for run in (lambda: sft.run_sft(p.sft, p.ddp, p.paths, adapter=LORA),
-                lambda: sft.run_sft_continued(p.sft, p.opd, p.ddp, p.paths, adapter=LORA),
-                lambda: opd.run_opd(p.opd, p.ddp, p.paths, adapter=LORA)):
+    for run in (
+        lambda: sft.run_sft(p.sft, p.ddp, p.paths, adapter=LORA),
+        lambda: sft.run_sft_continued(p.sft, p.opd, p.ddp, p.paths, adapter=LORA),
+        lambda: opd.run_opd(p.opd, p.ddp, p.paths, adapter=LORA),
+    ):
         with pytest.raises(ConfigError):
             run()
     assert started == []
 
 
 def test_adapter_params_are_checked():
-    for bad, key in (({"r": 0}, "r"), ({"alpha": 0}, "alpha"), ({"dropout": 1.0}, "dropout"),
-                     ({"target_modules": []}, "target_modules"), ({"kind": "ia3"}, "kind")):
+    for bad, key in (
+        ({"r": 0}, "r"),
+        ({"alpha": 0}, "alpha"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"target_modules": []}, "target_modules"),
+        ({"kind": "ia3"}, "kind"),
+    ):
         from ars_opd.config import parse_section
 
         with pytest.raises(ConfigError) as e:
@@ -192,8 +199,8 @@ def test_sft_then_opd_train_publish_and_continue_the_adapter(tmp_path):
     import subprocess
     import sys
 
-    from micro import distill_workspace
     from ars_opd.models.loading import load_model
+    from micro import distill_workspace
 
     root = tmp_path / "w"
     adapter = {"kind": "lora", "r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
@@ -205,8 +212,9 @@ def test_sft_then_opd_train_publish_and_continue_the_adapter(tmp_path):
 
     shutil.rmtree(root / "data/sft/model")  # distill_workspace's stand-in; the sft stage makes the real one
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "stages.sft"], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "stages.sft"], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     sft_dir = root / "data/sft/model"
     manifest = json.loads((root / "data/sft/log/manifest.json").read_text())
@@ -234,8 +242,9 @@ def test_sft_then_opd_train_publish_and_continue_the_adapter(tmp_path):
         shutil.rmtree(sharded / out, ignore_errors=True)
     fsdp_params = {**params, "ddp": {**params["ddp"], "strategy": "fsdp"}}
     (sharded / "params.yaml").write_text(yaml.safe_dump(fsdp_params, sort_keys=False))
-    out = subprocess.run([sys.executable, "-m", "stages.sft"], cwd=sharded, env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "stages.sft"], cwd=sharded, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     fsdp_merged = load_file(str(sharded / "data/sft/model/model.safetensors"))
     # the bound the FSDP tests hold the two strategies to (tests/test_fsdp.py), per tensor's largest entry
@@ -245,8 +254,9 @@ def test_sft_then_opd_train_publish_and_continue_the_adapter(tmp_path):
 
     params["ddp"]["workers"] = 1
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    out = subprocess.run([sys.executable, "-m", "stages.opd"], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "stages.opd"], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     opd_manifest = json.loads((root / "data/opd/log/manifest.json").read_text())
     assert opd_manifest["adapter_start"] == "continued" and opd_manifest["workers"] == 1

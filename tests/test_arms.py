@@ -25,19 +25,39 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_control_arm_runs_opds_loop_with_sfts_data_budgets():
     sft = SFTConfig(steps=1000, lr=3e-3, max_completion_tokens=33, packing=True, pack_length=600)
-    opd = OPDConfig(steps=300, lr=1e-3, warmup_steps=7, global_batch_size=48, micro_batch_size=12,
-                    max_grad_norm=None, snapshot_every=25)
+    opd = OPDConfig(
+        steps=300,
+        lr=1e-3,
+        warmup_steps=7,
+        global_batch_size=48,
+        micro_batch_size=12,
+        max_grad_norm=None,
+        snapshot_every=25,
+    )
     cfg = continued_sft_config(sft, opd)
-    assert (cfg.steps, cfg.lr, cfg.warmup_steps, cfg.global_batch_size, cfg.micro_batch_size, cfg.max_grad_norm,
-            cfg.snapshot_every) == (300, 1e-3, 7, 48, 12, None, 25)
+    assert (
+        cfg.steps,
+        cfg.lr,
+        cfg.warmup_steps,
+        cfg.global_batch_size,
+        cfg.micro_batch_size,
+        cfg.max_grad_norm,
+        cfg.snapshot_every,
+    ) == (300, 1e-3, 7, 48, 12, None, 25)
     assert (cfg.max_completion_tokens, cfg.packing, cfg.pack_length) == (33, True, 600)
 
 
 def test_matmul_parameters_counts_an_untied_embedding_out():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    common = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=2)
+    common = dict(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     tied = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
     untied = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
     n_tied = sum(p.numel() for p in tied.parameters())  # the shared matrix once: the output projection
@@ -48,8 +68,12 @@ def test_matmul_parameters_counts_an_untied_embedding_out():
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_arms_start_from_the_same_student_and_their_budgets_add_up(tmp_path):
-    distill_workspace(REPO, tmp_path, {"steps": 4, "global_batch_size": 8, "micro_batch_size": 4,
-                                       "snapshot_every": 2, "max_new_tokens": 5}, workers=2)
+    distill_workspace(
+        REPO,
+        tmp_path,
+        {"steps": 4, "global_batch_size": 8, "micro_batch_size": 4, "snapshot_every": 2, "max_new_tokens": 5},
+        workers=2,
+    )
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
@@ -61,8 +85,9 @@ def test_arms_start_from_the_same_student_and_their_budgets_add_up(tmp_path):
         run_opd(p.opd, p.ddp, p.paths, progress=False)
         run_sft_continued(p.sft, p.opd, p.ddp, p.paths, progress=False)
         logs = {arm: read_jsonl(p.paths.training(arm).steps) for arm in ("opd", "sft_continued")}
-        manifests = {arm: json.loads(Path(p.paths.training(arm).manifest).read_text())
-                     for arm in ("opd", "sft_continued")}
+        manifests = {
+            arm: json.loads(Path(p.paths.training(arm).manifest).read_text()) for arm in ("opd", "sft_continued")
+        }
         models = {arm: tmp_path / p.paths.training(arm).model for arm in ("opd", "sft_continued")}
         teacher = load_model(p.paths.models_dir, "teacher")
         student = load_model(p.paths.models_dir, "student")
@@ -102,20 +127,32 @@ def test_arms_start_from_the_same_student_and_their_budgets_add_up(tmp_path):
 
 
 def _curve(steps, flops, rkl, em):
-    return [{"steps": s, "flops": f, "reverse_kl": r, "exact_match": e, "teacher_nll": 1.0}
-            for s, f, r, e in zip(steps, flops, rkl, em)]
+    return [
+        {"steps": s, "flops": f, "reverse_kl": r, "exact_match": e, "teacher_nll": 1.0}
+        for s, f, r, e in zip(steps, flops, rkl, em)
+    ]
 
 
 def _evaluate(opd_rkl, ctl_rkl, opd_em=0.6, ctl_em=0.6):
     return {
-        "opd": {"reverse_kl": opd_rkl, "exact_match": opd_em, "teacher_nll": 0.5,
-                "budget": {"steps": 1300, "flops": 3e12, "tokens_generated": 9000}},
-        "sft_continued": {"reverse_kl": ctl_rkl, "exact_match": ctl_em, "teacher_nll": 0.4,
-                          "budget": {"steps": 1300, "flops": 2e12, "tokens_generated": 0}},
-        "curves": {"opd": _curve([1000, 1150, 1300], [1e12, 2e12, 3e12], [2.0, 1.5, opd_rkl], [0.5, 0.55, opd_em]),
-                   "sft_continued": _curve([1000, 1150, 1300], [1e12, 1.5e12, 2e12], [2.0, 1.8, ctl_rkl],
-                                           [0.5, 0.55, ctl_em]),
-                   "sft": _curve([0, 1000], [0, 1e12], [9.0, 2.0], [0.0, 0.5])}}
+        "opd": {
+            "reverse_kl": opd_rkl,
+            "exact_match": opd_em,
+            "teacher_nll": 0.5,
+            "budget": {"steps": 1300, "flops": 3e12, "tokens_generated": 9000},
+        },
+        "sft_continued": {
+            "reverse_kl": ctl_rkl,
+            "exact_match": ctl_em,
+            "teacher_nll": 0.4,
+            "budget": {"steps": 1300, "flops": 2e12, "tokens_generated": 0},
+        },
+        "curves": {
+            "opd": _curve([1000, 1150, 1300], [1e12, 2e12, 3e12], [2.0, 1.5, opd_rkl], [0.5, 0.55, opd_em]),
+            "sft_continued": _curve([1000, 1150, 1300], [1e12, 1.5e12, 2e12], [2.0, 1.8, ctl_rkl], [0.5, 0.55, ctl_em]),
+            "sft": _curve([0, 1000], [0, 1e12], [9.0, 2.0], [0.0, 0.5]),
+        },
+    }
 
 
 def test_interpolation_and_the_equal_budget_comparison():
@@ -145,17 +182,27 @@ def test_the_budget_note_states_the_budget_and_whether_the_curves_still_fall():
     assert "had 1000 steps; each arm adds 300." in text
     assert "95.0% against the arms' 60.0% and 60.0%, so neither student is near the ceiling" in text
     assert "OPD's reverse KL was still falling over its last 150 steps (1.5 → 1 on the curve prompts)" in text
-    flat = {**ev, "curves": {**ev["curves"], "sft_continued": _curve([1000, 1300], [1e12, 2e12], [1.0, 1.2],
-                                                                      [0.5, 0.6])}}
+    flat = {
+        **ev,
+        "curves": {**ev["curves"], "sft_continued": _curve([1000, 1300], [1e12, 2e12], [1.0, 1.2], [0.5, 0.6])},
+    }
     assert "continued SFT (control)'s reverse KL was flat or rising over its last 300 steps" in " ".join(
-        budget_note(flat))
+        budget_note(flat)
+    )
 
 
 def _show(evals: list[tuple[int, dict]], others: list[tuple[int, dict, dict]] = (), base_params: dict | None = None):
     def rev(name, seed, ev, extra=None, params=None):
         ddp = {"seed": seed, **(extra or {})}
-        return {"rev": name, "name": name, "data": {"params": {"params.yaml": {"data": {"ddp": ddp, **(params or {})}}},
-                                                     "metrics": {"data/metrics/evaluate.json": {"data": ev}}}}
+        return {
+            "rev": name,
+            "name": name,
+            "data": {
+                "params": {"params.yaml": {"data": {"ddp": ddp, **(params or {})}}},
+                "metrics": {"data/metrics/evaluate.json": {"data": ev}},
+            },
+        }
+
     base = rev("workspace", 0, evals[0][1], params=base_params)
     base["experiments"] = [{"name": f"s{s}", "revs": [rev(f"s{s}", s, ev)]} for s, ev in evals[1:]]
     base["experiments"] += [{"name": f"o{s}", "revs": [rev(f"o{s}", s, ev, extra)]} for s, ev, extra in others]
@@ -193,8 +240,14 @@ def test_the_distillation_command_selects_seeds_by_params_and_reports_regimes(tm
 
     def rev(name, seed, steps, ev):
         params = {"ddp": {"seed": seed}, "opd": {"steps": steps}}
-        return {"rev": name, "name": name, "data": {"params": {"params.yaml": {"data": params}},
-                                                     "metrics": {"data/metrics/evaluate.json": {"data": ev}}}}
+        return {
+            "rev": name,
+            "name": name,
+            "data": {
+                "params": {"params.yaml": {"data": params}},
+                "metrics": {"data/metrics/evaluate.json": {"data": ev}},
+            },
+        }
 
     rng = np.random.default_rng(1)
     base = rev("workspace", 0, 300, _evaluate(1.0, 1.3))
@@ -203,8 +256,22 @@ def test_the_distillation_command_selects_seeds_by_params_and_reports_regimes(tm
     base["experiments"] = [{"name": f"e{i}", "revs": [rev(f"e{i}", s, n, ev)]} for i, (s, n, ev) in enumerate(exps)]
     src, out = tmp_path / "exps.json", tmp_path / "reports" / "distillation.md"
     src.write_text(json.dumps([base]))
-    assert main(["distillation", "--from", str(src), "--out", str(out), "--where", "opd.steps=300",
-                 "--regime", "longer horizon:opd.steps=1000"]) == 0
+    assert (
+        main(
+            [
+                "distillation",
+                "--from",
+                str(src),
+                "--out",
+                str(out),
+                "--where",
+                "opd.steps=300",
+                "--regime",
+                "longer horizon:opd.steps=1000",
+            ]
+        )
+        == 0
+    )
     text = out.read_text()
     main_part, regime_part = text.split("## Regime: longer horizon")
     # the baseline revision (seed 0, same params) is a seed of the main study; the regime has its own four
@@ -254,7 +321,8 @@ def test_learning_curves_dropped_by_dvc_exp_show_are_read_from_the_experiment_co
     assert d == pytest.approx(np.mean([1.5 - ev["sft_continued"]["reverse_kl"] for _, ev in evals]))
     assert git_metrics_reader(revs[0], "no/such.json") is None and git_metrics_reader("0" * 40, "x") is None
     assert json.loads(git_metrics_reader("workspace", "data/metrics/evaluate.json")) == json.loads(
-        json.dumps(evals[-1][1]))
+        json.dumps(evals[-1][1])
+    )
 
 
 def test_a_zero_width_interval_is_not_a_verdict():

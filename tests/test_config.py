@@ -4,7 +4,14 @@ import pytest
 import yaml
 
 from ars_opd.config import (
-    SECTIONS, ArchConfig, ConfigError, DataConfig, ModelsConfig, load_params, parse_section, to_dict,
+    SECTIONS,
+    ArchConfig,
+    ConfigError,
+    DataConfig,
+    ModelsConfig,
+    load_params,
+    parse_section,
+    to_dict,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +56,12 @@ def test_unknown_section_rejected(tmp_path):
         ("data", {"format": "xml"}, "data.format", "one of"),
         ("data", {"subset_size": "many"}, "data.subset_size", "integer"),
         ("data", {"drop_duplicates": "yes"}, "data.drop_duplicates", "true or false"),
-        ("models", {"teacher_arch": {"hidden_size": 100, "num_heads": 3}}, "models.teacher_arch.num_heads", "divisible"),
+        (
+            "models",
+            {"teacher_arch": {"hidden_size": 100, "num_heads": 3}},
+            "models.teacher_arch.num_heads",
+            "divisible",
+        ),
         ("models", {"teacher": "Qwen/Qwen3-1.7B"}, "models.student", "builtin"),
         ("models", {"teacher_training": {"lr": 0}}, "models.teacher_training.lr", "(0, 1)"),
         ("synthetic", {"tasks": ["add", "divide"]}, "synthetic.tasks", "divide"),
@@ -58,8 +70,12 @@ def test_unknown_section_rejected(tmp_path):
         ("base", {"seed": True}, "base.seed", "integer"),
         ("sft", {"steps": 10, "warmup_steps": 30}, "sft.warmup_steps", "must be <= steps (10)"),
         ("opd", {"steps": 5, "warmup_steps": 6}, "opd.warmup_steps", "must be <= steps (5)"),
-        ("models", {"teacher_training": {"steps": 50, "warmup_steps": 100}}, "models.teacher_training.warmup_steps",
-         "lower warmup_steps or raise steps"),
+        (
+            "models",
+            {"teacher_training": {"steps": 50, "warmup_steps": 100}},
+            "models.teacher_training.warmup_steps",
+            "lower warmup_steps or raise steps",
+        ),
         ("inputs", {"data": "~/alpaca.jsonl"}, "inputs.data", "DVC does not expand"),
     ],
 )
@@ -124,10 +140,18 @@ def test_warmup_up_to_steps_is_accepted():
     assert parse_section(ModelsConfig, {"teacher_training": {"steps": 0}}, "models").teacher_training.steps == 0
 
 
-@pytest.mark.parametrize("section, raw, stage, needle", [
-    ("sft", {"steps": 10, "warmup_steps": 30}, "sft", "sft.warmup_steps: must be <= steps (10)"),
-    ("opd", {"loss": "sampled_token", "on_policy_fraction": 0.5}, "opd", "opd.on_policy_fraction: the sampled_token"),
-])
+@pytest.mark.parametrize(
+    "section, raw, stage, needle",
+    [
+        ("sft", {"steps": 10, "warmup_steps": 30}, "sft", "sft.warmup_steps: must be <= steps (10)"),
+        (
+            "opd",
+            {"loss": "sampled_token", "on_policy_fraction": 0.5},
+            "opd",
+            "opd.on_policy_fraction: the sampled_token",
+        ),
+    ],
+)
 def test_a_stage_prints_a_params_error_alone_and_exits_2(tmp_path, section, raw, stage, needle):
     """The message, not a traceback, as argparse does (also for the OPD objective's check, raised later)."""
     import subprocess
@@ -137,8 +161,9 @@ def test_a_stage_prints_a_params_error_alone_and_exits_2(tmp_path, section, raw,
     params[section].update(raw)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", f"stages.{stage}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith(f"ars-opd {stage}: invalid params: {needle}") and out.stderr.count("\n") == 1
 
@@ -149,8 +174,9 @@ def _differences_from_defaults(raw: dict, cfg, where: str) -> list[str]:
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(cfg)}
-    problems = [f"{where}.{name}: not in params.yaml (default {getattr(cfg, name)!r})"
-                for name in sorted(fields - set(raw))]
+    problems = [
+        f"{where}.{name}: not in params.yaml (default {getattr(cfg, name)!r})" for name in sorted(fields - set(raw))
+    ]
     for name, value in raw.items():
         if name not in fields:
             problems.append(f"{where}.{name}: no such field")
@@ -169,25 +195,49 @@ def test_every_params_yaml_value_is_its_dataclass_default(repo_root):
     a default (each section builds with no arguments), and paths and inputs are held to it too (dvc.yaml reads
     the same paths from params.yaml: a different default would write elsewhere than DVC tracks)."""
     raw = yaml.safe_load((repo_root / "params.yaml").read_text())
-    problems = [p for name, cls in SECTIONS.items() for p in _differences_from_defaults(raw.get(name) or {}, cls(),
-                                                                                        name)]
+    problems = [
+        p for name, cls in SECTIONS.items() for p in _differences_from_defaults(raw.get(name) or {}, cls(), name)
+    ]
     assert problems == [], "\n".join(problems)
 
 
-@pytest.mark.parametrize("over, sections, key, fragment", [
-    # the OPD objective's rules (ars_opd.lm.opd_objectives.check_config), as the opd stage loads its sections
-    ({"opd": {"loss": "sampled_token", "on_policy_fraction": 0.5}}, ("paths", "models", "ddp", "opd"),
-     "opd.on_policy_fraction", "sampled from the student"),
-    ({"opd": {"teacher": "endpoint", "loss": "full_vocab"}}, ("paths", "models", "ddp", "opd"), "opd.loss",
-     "full distribution"),
-    # the batch split over ddp.workers that every training worker checks (ars_opd.training.batch_plan)
-    ({"sft": {"global_batch_size": 6, "micro_batch_size": 2}}, ("paths", "ddp", "sft"), "sft.micro_batch_size",
-     "does not divide by sft.micro_batch_size = 2"),
-    ({"ddp": {"workers": 3}}, ("paths", "ddp", "sft", "opd"), "sft.global_batch_size",
-     "does not divide by ddp.workers = 3"),
-    ({"opd": {"global_batch_size": 30}}, ("paths", "ddp", "sft", "opd"), "opd.micro_batch_size",
-     "opd.global_batch_size / ddp.workers = 15"),
-])
+@pytest.mark.parametrize(
+    "over, sections, key, fragment",
+    [
+        # the OPD objective's rules (ars_opd.lm.opd_objectives.check_config), as the opd stage loads its sections
+        (
+            {"opd": {"loss": "sampled_token", "on_policy_fraction": 0.5}},
+            ("paths", "models", "ddp", "opd"),
+            "opd.on_policy_fraction",
+            "sampled from the student",
+        ),
+        (
+            {"opd": {"teacher": "endpoint", "loss": "full_vocab"}},
+            ("paths", "models", "ddp", "opd"),
+            "opd.loss",
+            "full distribution",
+        ),
+        # the batch split over ddp.workers that every training worker checks (ars_opd.training.batch_plan)
+        (
+            {"sft": {"global_batch_size": 6, "micro_batch_size": 2}},
+            ("paths", "ddp", "sft"),
+            "sft.micro_batch_size",
+            "does not divide by sft.micro_batch_size = 2",
+        ),
+        (
+            {"ddp": {"workers": 3}},
+            ("paths", "ddp", "sft", "opd"),
+            "sft.global_batch_size",
+            "does not divide by ddp.workers = 3",
+        ),
+        (
+            {"opd": {"global_batch_size": 30}},
+            ("paths", "ddp", "sft", "opd"),
+            "opd.micro_batch_size",
+            "opd.global_batch_size / ddp.workers = 15",
+        ),
+    ],
+)
 def test_load_params_refuses_what_the_stages_refuse(tmp_path, capsys, over, sections, key, fragment):
     """A stage's checks beyond each section's own run in load_params, so `ars-opd params` and every stage
     refuse the same file, naming the key, before any work starts."""

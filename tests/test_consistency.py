@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from ars_opd.training.consistency import consistency_metrics
-from ars_opd.training.distributed import launch
 from ars_opd.seeding import scenario_seeds, set_seeds
 from ars_opd.training.batch_plan import epoch_shard
+from ars_opd.training.consistency import consistency_metrics
+from ars_opd.training.distributed import launch
 from ddp_probe import bitwise_probe, consistency_probe
 from tolerances import U64, consistency_bounds, consistency_inputs, gamma, propagate
 
@@ -66,8 +66,12 @@ def test_hook_statistics_equal_brute_force_with_accumulation_and_bucket_rebuild(
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_three_workers_between_gram_steps_estimate_within_its_bound(char_tokenizer):
-    job = {"batches": _batches(len(char_tokenizer), 3, micro=1, seed=4), "steps": 3, "gram_every": 2,
-           "bucket_view": False}
+    job = {
+        "batches": _batches(len(char_tokenizer), 3, micro=1, seed=4),
+        "steps": 3,
+        "gram_every": 2,
+        "bucket_view": False,
+    }
     steps = launch(consistency_probe, job, workers=3)
     for i, s in enumerate(steps):
         h, b = s["hook"], s["brute"]
@@ -110,8 +114,9 @@ def test_world_size_one(char_tokenizer):
 @pytest.mark.slow
 @pytest.mark.parametrize("bucket_view", [True, False])
 def test_reduced_gradients_bit_identical_to_plain_ddp(char_tokenizer, bucket_view):
-    assert launch(bitwise_probe, {"batches": _batches(len(char_tokenizer), 2, micro=2), "bucket_view": bucket_view},
-                  workers=2)
+    assert launch(
+        bitwise_probe, {"batches": _batches(len(char_tokenizer), 2, micro=2), "bucket_view": bucket_view}, workers=2
+    )
 
 
 def test_weighted_estimate_bound_on_random_gradients():
@@ -121,7 +126,7 @@ def test_weighted_estimate_bound_on_random_gradients():
         K = random.Random(trial).randint(3, 6)
         G = torch.randn(K, 50, dtype=torch.float64) * torch.rand(K, 1, dtype=torch.float64) * 5 + torch.randn(50) * 0.5
         mean = G.mean(0)
-        sq, dot = (G ** 2).sum(1).tolist(), (G @ mean).tolist()
+        sq, dot = (G**2).sum(1).tolist(), (G @ mean).tolist()
         est = consistency_metrics([0.0] * K, sq, dot, float(mean @ mean))
         exact = consistency_metrics([0.0] * K, sq, dot, float(mean @ mean), gram=G @ G.T)
         assert exact["gdc_exact"] and not est["gdc_exact"]
@@ -133,16 +138,18 @@ def test_weighted_estimate_bound_on_random_gradients():
     # equal norms: the estimate is exact
     G = torch.nn.functional.normalize(torch.randn(4, 30, dtype=torch.float64), dim=1)
     mean = G.mean(0)
-    est = consistency_metrics([0.0] * 4, (G ** 2).sum(1).tolist(), (G @ mean).tolist(), float(mean @ mean))
-    exact = consistency_metrics([0.0] * 4, (G ** 2).sum(1).tolist(), (G @ mean).tolist(), float(mean @ mean), G @ G.T)
+    est = consistency_metrics([0.0] * 4, (G**2).sum(1).tolist(), (G @ mean).tolist(), float(mean @ mean))
+    exact = consistency_metrics([0.0] * 4, (G**2).sum(1).tolist(), (G @ mean).tolist(), float(mean @ mean), G @ G.T)
     # 0 at exactly equal norms; here the norms are 1 within float64 rounding (normalize's 2·γ_32, the sum's)
-    sq, dot, mean_sq = (G ** 2).sum(1).tolist(), (G @ mean).tolist(), float(mean @ mean)
+    sq, dot, mean_sq = (G**2).sum(1).tolist(), (G @ mean).tolist(), float(mean @ mean)
     xs, bs = consistency_inputs(sq, dot, mean_sq, 30, U64)
     bs[:4] = [b + 2 * gamma(32, U64) * x for b, x in zip(bs[:4], xs[:4])]
     bound = propagate(lambda v: consistency_metrics([0.0] * 4, v[:4], v[4:8], v[8])["gdc_error_bound"], xs, bs)[0]
     assert est["gdc_error_bound"] <= bound
-    rounding = sum(consistency_bounds([0.0] * 4, sq, dot, mean_sq, 30, gram, U64)["grad_direction_consistency"]
-                   for gram in (None, G @ G.T))
+    rounding = sum(
+        consistency_bounds([0.0] * 4, sq, dot, mean_sq, 30, gram, U64)["grad_direction_consistency"]
+        for gram in (None, G @ G.T)
+    )
     assert abs(est["grad_direction_consistency"] - exact["grad_direction_consistency"]) <= bound + rounding
 
 

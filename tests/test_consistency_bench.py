@@ -23,8 +23,10 @@ def _bench():
 
 def test_summary_takes_the_median_round_ratio_and_splits_the_overhead_into_parts():
     bench = _bench()
-    rounds = [{"steps": 10, "with": w, "without": 10.0, "cpu_with": w / 2, "cpu_without": 5.0}
-              for w in (10.1, 10.4, 10.2, 13.0, 10.3)]  # one round hit by a load spike
+    rounds = [
+        {"steps": 10, "with": w, "without": 10.0, "cpu_with": w / 2, "cpu_without": 5.0}
+        for w in (10.1, 10.4, 10.2, 13.0, 10.3)
+    ]  # one round hit by a load spike
     parts = dict.fromkeys(bench.PARTS, 0.0) | {"hook": 0.5, "drift": 1.0}  # seconds over the 50 steps
     out = bench._summary(rounds, parts, 50)
     assert out["overhead_ratio"] == 1.03 and out["overhead_ratio_min"] == 1.01 and out["overhead_ratio_max"] == 1.3
@@ -37,8 +39,22 @@ def test_summary_takes_the_median_round_ratio_and_splits_the_overhead_into_parts
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_tiny_run_prints_one_json_line_with_every_part_and_identical_weights():
-    args = ["--preset", "tiny", "--rounds", "2", "--round-steps", "4", "--drift-every", "2", "--warmup", "1",
-            "--micro", "2", "--seq", "16"]
+    args = [
+        "--preset",
+        "tiny",
+        "--rounds",
+        "2",
+        "--round-steps",
+        "4",
+        "--drift-every",
+        "2",
+        "--warmup",
+        "1",
+        "--micro",
+        "2",
+        "--seq",
+        "16",
+    ]
     r = subprocess.run([sys.executable, str(BENCH), *args], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
@@ -51,6 +67,7 @@ def test_tiny_run_prints_one_json_line_with_every_part_and_identical_weights():
     assert all(p["ms_per_step"] > 0 for p in out["parts"].values())  # every part ran and was timed
     assert out["weights_identical"] is True  # the monitor only observes
     assert r.stderr.count("round ") >= 2
-    bad = subprocess.run([sys.executable, str(BENCH), "--round-steps", "3"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, str(BENCH), "--round-steps", "3"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and "--drift-every" in bad.stderr

@@ -21,8 +21,18 @@ def _model(family: str, seed: int = 0):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     cls = Qwen3Config if family == "qwen3" else LlamaConfig
-    cfg = cls(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=128, eos_token_id=EOS, pad_token_id=PAD)
+    cfg = cls(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -42,8 +52,9 @@ def test_static_cache_greedy_equals_generate(family):
     # the cache is kept across calls: a longer call grows it, a shorter one reuses it after a reset
     for width in (70, 3):
         more = [[rng.randrange(3, 40) for _ in range(rng.randint(1, width))] for _ in range(9)]
-        assert generate_token_ids(model, _Tok, more, 14, batch_size=9, cache="static") == \
-            generate_token_ids(model, _Tok, more, 14, batch_size=9)
+        assert generate_token_ids(model, _Tok, more, 14, batch_size=9, cache="static") == generate_token_ids(
+            model, _Tok, more, 14, batch_size=9
+        )
 
 
 def test_rows_that_ended_decode_padding():
@@ -52,9 +63,9 @@ def test_rows_that_ended_decode_padding():
     full = generate_static(model, prompts, PAD, EOS, 10)
     cut = generate_token_ids(model, _Tok, prompts, 10, cache="static")
     for row, kept in zip(full, cut):
-        assert row[:len(kept)] == kept and len(row) == 10
+        assert row[: len(kept)] == kept and len(row) == 10
         if kept and kept[-1] == EOS:
-            assert row[len(kept):] == [PAD] * (10 - len(kept))
+            assert row[len(kept) :] == [PAD] * (10 - len(kept))
 
 
 def test_sampler_follows_temperature_and_nucleus():

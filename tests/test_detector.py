@@ -9,7 +9,14 @@ import pytest
 
 from ars_opd.config import ReportConfig
 from ars_opd.evaluation.detector import (
-    STATISTICS, cusum, cusum_threshold, detect, rank_residuals, rate_interval, siegmund_arl, standardise,
+    STATISTICS,
+    cusum,
+    cusum_threshold,
+    detect,
+    rank_residuals,
+    rate_interval,
+    siegmund_arl,
+    standardise,
     threshold_for,
 )
 
@@ -104,7 +111,7 @@ def test_standardise_scores_ranks_in_the_trailing_pooled_window_only():
     z = standardise(x, cfg)
     assert np.isnan(z[:10]).all() and np.isfinite(z[10:]).all()
     t = 250
-    w = x[t - 20:t].ravel()
+    w = x[t - 20 : t].ravel()
     u = ((w < x[t, 2]).sum() + 0.5 * (w == x[t, 2]).sum() + 0.5) / (len(w) + 1)
     assert z[t, 2] == pytest.approx(NormalDist().inv_cdf(u))
     ok = z[50:1900].ravel()
@@ -125,8 +132,9 @@ def test_residuals_compare_each_rank_with_the_median_worker():
     assert r["direction"][1] == pytest.approx([-0.15, -0.05, 0.05, 0.15])
 
 
-def _rows(steps: int, workers: int, seed: int, shift_rank: int | None = None, start: int = 0,
-          factor: float = 1.0) -> list[dict]:
+def _rows(
+    steps: int, workers: int, seed: int, shift_rank: int | None = None, start: int = 0, factor: float = 1.0
+) -> list[dict]:
     """Per-step rows with iid noisy per-worker statistics and a shared downward trend."""
     rng = np.random.default_rng(seed)
     rows = []
@@ -137,9 +145,16 @@ def _rows(steps: int, workers: int, seed: int, shift_rank: int | None = None, st
         cos = np.clip(rng.normal(0.6, 0.05, workers), -1, 1)
         if shift_rank is not None and t >= start:
             norm[shift_rank] *= factor
-        rows.append({"step": t, "loss": float(loss.mean()), "worker_loss": loss.tolist(),
-                     "consistency/worker_grad_norm": norm.tolist(), "consistency/worker_cos_to_mean": cos.tolist(),
-                     "drift_mismatch": [] if t % 10 == 0 else None})
+        rows.append(
+            {
+                "step": t,
+                "loss": float(loss.mean()),
+                "worker_loss": loss.tolist(),
+                "consistency/worker_grad_norm": norm.tolist(),
+                "consistency/worker_cos_to_mean": cos.tolist(),
+                "drift_mismatch": [] if t % 10 == 0 else None,
+            }
+        )
     return rows
 
 
@@ -159,12 +174,20 @@ def test_detect_is_quiet_on_healthy_series_and_names_a_scaled_rank():
 def test_crossings_of_one_rank_close_together_are_one_alarm():
     from ars_opd.evaluation.detector import merge_crossings
 
-    alarms = merge_crossings([(100, 2, "grad_norm", "up", 9.0, 97, False), (100, 2, "direction", "up", 8.5, 98, False),
-                              (106, 2, "grad_norm", "up", 8.4, 101, True), (130, 2, "loss", "down", 8.8, 125, False),
-                              (104, 1, "loss", "up", 8.3, 96, False)])
+    alarms = merge_crossings(
+        [
+            (100, 2, "grad_norm", "up", 9.0, 97, False),
+            (100, 2, "direction", "up", 8.5, 98, False),
+            (106, 2, "grad_norm", "up", 8.4, 101, True),
+            (130, 2, "loss", "down", 8.8, 125, False),
+            (104, 1, "loss", "up", 8.3, 96, False),
+        ]
+    )
     assert [(a.step, a.rank, a.statistic, a.direction, a.last_step, a.crossings) for a in alarms] == [
-        (100, 2, "direction+grad_norm", "up+up", 106, 3), (104, 1, "loss", "up", 104, 1),
-        (130, 2, "loss", "down", 130, 1)]
+        (100, 2, "direction+grad_norm", "up+up", 106, 3),
+        (104, 1, "loss", "up", 104, 1),
+        (130, 2, "loss", "down", 130, 1),
+    ]
     assert alarms[0].value == 9.0 and alarms[0].onset == 97 and alarms[0].visible
 
 

@@ -25,8 +25,8 @@ from ars_opd.lm.head import OutputHead, chunked_head_loss
 
 M, H, V, K = 16, 64, 3001, 32  # scored rows, hidden size, vocabulary, teacher's top-k
 CHUNK = 5  # uneven chunks (5, 5, 5, 1)
-U = 2.0 ** -24  # fp32 unit roundoff
-U64 = 2.0 ** -53  # float64's
+U = 2.0**-24  # fp32 unit roundoff
+U64 = 2.0**-53  # float64's
 BETAS = (0.0, 0.1, 0.5, 0.9, 1.0)
 TAUS = (0.5, 1.0, 2.0)
 
@@ -79,10 +79,15 @@ def _topk(ids: torch.Tensor, lp: torch.Tensor, tau: float) -> LogProbs:
     """Both distributions renormalised over each row's valid slots: all K + 1, or the K of the top-k when the
     target is among them (its repeat in the last slot has log-prob −inf)."""
     used = torch.isfinite(lp[:, -1])
-    groups = [(rows, ids[rows, :n], lp[rows, :n])
-              for rows, n in ((used.nonzero()[:, 0], K + 1), ((~used).nonzero()[:, 0], K)) if rows.numel()]
-    return lambda z: [(rows, torch.log_softmax(z[rows[:, None], s] / tau, -1),
-                       torch.log_softmax(l.to(z.dtype) / tau, -1)) for rows, s, l in groups]
+    groups = [
+        (rows, ids[rows, :n], lp[rows, :n])
+        for rows, n in ((used.nonzero()[:, 0], K + 1), ((~used).nonzero()[:, 0], K))
+        if rows.numel()
+    ]
+    return lambda z: [
+        (rows, torch.log_softmax(z[rows[:, None], s] / tau, -1), torch.log_softmax(lp.to(z.dtype) / tau, -1))
+        for rows, s, lp in groups
+    ]
 
 
 def _autograd(h, w, log_probs: LogProbs, beta: float, dtype):

@@ -15,7 +15,14 @@ from ars_opd.lm.divergences import DivergenceInputError, divergence_terms, sampl
 from ars_opd.lm.head import OutputHead, chunked_head_loss
 from oracles import divergence_sum, sampled_token_loss
 from tolerances import (
-    FN_ULPS, U32, gamma, log_softmax_bound, loss_bound, loss_grad_bound, two_computations, vs_oracle,
+    FN_ULPS,
+    U32,
+    gamma,
+    log_softmax_bound,
+    loss_bound,
+    loss_grad_bound,
+    two_computations,
+    vs_oracle,
 )
 
 
@@ -97,8 +104,7 @@ def test_identical_logits_give_zero(beta):
 def test_chunked_equals_unchunked_and_autograd_values_and_gradients(beta, temperature):
     t, m = _logits(seed=9), _mask(seed=2)
     grads, vals = [], []
-    for fn, kwargs in ((_divergence, {"chunk_size": 1}), (_divergence, {"chunk_size": 10**6}),
-                       (divergence_sum, {})):
+    for fn, kwargs in ((_divergence, {"chunk_size": 1}), (_divergence, {"chunk_size": 10**6}), (divergence_sum, {})):
         s = _logits(seed=8).requires_grad_(True)
         val, _ = fn(s, t, m, beta=beta, temperature=temperature, **kwargs)
         val.backward()
@@ -186,8 +192,12 @@ def test_sampled_token_estimator_matches_reverse_kl_gradient_in_expectation():
     q, rel_q, logp_bound = lq.exp(), log_softmax_bound(s[0, 0]) + FN_ULPS * U32, log_softmax_bound(t[0, 0])
     e = torch.eye(V, dtype=torch.float64)
     surrogate = torch.stack([(logp[y].double() - lq[y]) * (q - e[y]) for y in range(V)])  # (y, V)
-    bounds = torch.stack([loss_grad_bound("sampled_token", s[0], targets=torch.tensor([y]),
-                                          teacher_logprobs=logp[y].view(1))[0] for y in range(V)])
+    bounds = torch.stack(
+        [
+            loss_grad_bound("sampled_token", s[0], targets=torch.tensor([y]), teacher_logprobs=logp[y].view(1))[0]
+            for y in range(V)
+        ]
+    )
     bounds = bounds + logp_bound[:, None] * (q - e).abs()
     sampled_bound = (q[:, None] * bounds + (rel_q[:, None] + gamma(V + 1)) * q[:, None] * surrogate.abs()).sum(0)
     assert ((expected - exact.grad[0, 0]).abs() <= two_computations(exact_bound, sampled_bound)).all()

@@ -39,11 +39,16 @@ def _definition(tensors) -> torch.Tensor:
 def _cases() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     sizes = (1, 7, P // 2, P // 2 + 1, P, P + 3, 3 * P - 1, 200_003)  # floats: 2 words each
-    return ([torch.randn(n, generator=g) for n in sizes]
-            + [torch.randn(33, 77, generator=g).t(),  # not contiguous
-               torch.randn(5, generator=g).double(), torch.randn(P + 9, generator=g).bfloat16(),
-               torch.tensor([True, False, True]), torch.randint(-128, 127, (10,), dtype=torch.int8, generator=g),
-               torch.tensor(3.0), torch.full((4 * P,), -1.0), torch.empty(0)])
+    return [torch.randn(n, generator=g) for n in sizes] + [
+        torch.randn(33, 77, generator=g).t(),  # not contiguous
+        torch.randn(5, generator=g).double(),
+        torch.randn(P + 9, generator=g).bfloat16(),
+        torch.tensor([True, False, True]),
+        torch.randint(-128, 127, (10,), dtype=torch.int8, generator=g),
+        torch.tensor(3.0),
+        torch.full((4 * P,), -1.0),
+        torch.empty(0),
+    ]
 
 
 def test_fingerprint_is_its_definition_on_every_shape_and_dtype(monkeypatch):
@@ -58,10 +63,10 @@ def test_fingerprint_is_its_definition_on_every_shape_and_dtype(monkeypatch):
 
 def test_cpu_column_sums_equal_the_accelerator_reduction():
     g = torch.Generator().manual_seed(1)
-    grid = torch.randint(-2 ** 15, 2 ** 15, (37, P), dtype=torch.int16, generator=g)
+    grid = torch.randint(-(2**15), 2**15, (37, P), dtype=torch.int16, generator=g)
     assert torch.equal(drift._column_sums(grid), grid.sum(0, dtype=torch.int32))
-    extreme = torch.full((2 ** 15, 8), -2 ** 15, dtype=torch.int16)  # the block's worst case: no overflow
-    assert int(extreme.sum(0, dtype=torch.int64)[0]) == -2 ** 30
+    extreme = torch.full((2**15, 8), -(2**15), dtype=torch.int16)  # the block's worst case: no overflow
+    assert int(extreme.sum(0, dtype=torch.int64)[0]) == -(2**30)
     assert torch.equal(drift._column_sums(extreme).to(torch.int64), extreme.sum(0, dtype=torch.int64))
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -69,8 +69,9 @@ def test_stage_files_run_nothing_on_import():
     for entry in sorted(p for p in (REPO / "stages").glob("*.py") if p.name != "__init__.py"):
         tree = ast.parse(entry.read_text())
         for node in tree.body:
-            assert isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.If, ast.Expr)), \
+            assert isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.If, ast.Expr)), (
                 f"{entry.name}: top-level {type(node).__name__} runs on import"
+            )
 
 
 def test_paths_are_written_once():
@@ -84,8 +85,13 @@ def test_paths_are_written_once():
 
 
 def _repo_copy(dest: Path) -> Path:
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     for f in files:
         if f.startswith("data/") or not (REPO / f).is_file():
             continue
@@ -105,8 +111,11 @@ def test_dvc_repro_whole_pipeline_then_noop_then_check(tmp_path):
     """The real stages through `dvc repro` on the micro config, in a temporary git copy of the repo."""
     work = _repo_copy(tmp_path / "repo")
     write_micro_params(REPO, work / "params.yaml")
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "micro"]):
+    for cmd in (
+        ["git", "init", "-q"],
+        ["git", "add", "-A"],
+        ["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "micro"],
+    ):
         assert _run(cmd, work).returncode == 0
     dvc = str(Path(sys.executable).parent / "dvc")
     first = _run([dvc, "repro"], work)

@@ -76,13 +76,19 @@ def _stage(template: Path, root: Path, stage: str, endpoint: dict) -> subprocess
     if stage == "teacher_gen":
         extra = {"teacher_gen": {"request_timeout_s": 2.0, **endpoint}}
     else:
-        extra = {"opd": {"teacher": "endpoint", "loss": "sampled_token",
-                         "teacher_endpoint": {"request_timeout_s": 2.0, **endpoint}}}
+        extra = {
+            "opd": {
+                "teacher": "endpoint",
+                "loss": "sampled_token",
+                "teacher_endpoint": {"request_timeout_s": 2.0, **endpoint},
+            }
+        }
     write_micro_params(REPO, root / "params.yaml", extra)
     env = {k: v for k, v in os.environ.items() if k != MISSING_KEY}
     env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", f"stages.{stage}"], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def _assert_one_clean_message(out: subprocess.CompletedProcess, stage: str, *needles: str) -> str:
@@ -103,8 +109,9 @@ SECTION = {"teacher_gen": "teacher_gen", "opd": "opd.teacher_endpoint"}
 def test_unreachable_endpoint(template, tmp_path, stage):
     url = _free_url()
     out = _stage(template, tmp_path / "w", stage, {"endpoint": url, "model": "teacher"})
-    _assert_one_clean_message(out, stage, f"cannot reach the teacher endpoint {url}", "start the server",
-                              f"set {SECTION[stage]}.endpoint")
+    _assert_one_clean_message(
+        out, stage, f"cannot reach the teacher endpoint {url}", "start the server", f"set {SECTION[stage]}.endpoint"
+    )
 
 
 @pytest.mark.slow
@@ -115,8 +122,13 @@ def test_wrong_model_name(template, tmp_path, stage):
     with FakeEndpoint(model="fault-teacher") as ep:
         out = _stage(template, tmp_path / "w", stage, {"endpoint": ep.base_url, "model": "no-such-model"})
         assert ep.log == []  # not one completion asked for
-    _assert_one_clean_message(out, stage, f"model 'no-such-model' is not served at {ep.base_url}",
-                              "['fault-teacher']", f"set {SECTION[stage]}.model")
+    _assert_one_clean_message(
+        out,
+        stage,
+        f"model 'no-such-model' is not served at {ep.base_url}",
+        "['fault-teacher']",
+        f"set {SECTION[stage]}.model",
+    )
 
 
 @pytest.mark.slow
@@ -125,11 +137,11 @@ def test_missing_api_key_variable(template, tmp_path, stage):
     from fake_endpoint import FakeEndpoint
 
     with FakeEndpoint() as ep:
-        out = _stage(template, tmp_path / "w", stage, {"endpoint": ep.base_url, "model": ep.model,
-                                                       "api_key_env": MISSING_KEY})
+        out = _stage(
+            template, tmp_path / "w", stage, {"endpoint": ep.base_url, "model": ep.model, "api_key_env": MISSING_KEY}
+        )
         assert ep.log == []
-    _assert_one_clean_message(out, stage, f"{SECTION[stage]}.api_key_env names {MISSING_KEY}", "not set",
-                              "export it")
+    _assert_one_clean_message(out, stage, f"{SECTION[stage]}.api_key_env names {MISSING_KEY}", "not set", "export it")
 
 
 @pytest.mark.slow
@@ -162,8 +174,7 @@ def stage_main() -> None:
 def test_an_endpoint_error_in_a_worker_reaches_the_stage_as_itself():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     code = "from stages import run_stage; from test_endpoint_errors import stage_main; run_stage(stage_main)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     _assert_one_clean_message(out, "test_endpoint_errors", "http://127.0.0.1:9/v1 stopped answering")
 
 
@@ -183,7 +194,8 @@ def test_an_unexpected_error_in_a_worker_keeps_its_traceback():
 
 def test_run_stage_prints_an_endpoint_error_alone_and_lets_others_through(capsys):
     from ars_opd.teacher.client.endpoint import EndpointError
-    from stages import EXIT_ENDPOINT as code, run_stage
+    from stages import EXIT_ENDPOINT as code
+    from stages import run_stage
 
     def main() -> None:
         raise EndpointError("the teacher endpoint http://x/v1 is gone: start it")
@@ -191,7 +203,9 @@ def test_run_stage_prints_an_endpoint_error_alone_and_lets_others_through(capsys
     with pytest.raises(SystemExit) as e:
         run_stage(main)
     assert e.value.code == code == EXIT_ENDPOINT
-    assert capsys.readouterr().err == "ars-opd test_endpoint_errors: the teacher endpoint http://x/v1 is gone: start it\n"
+    assert (
+        capsys.readouterr().err == "ars-opd test_endpoint_errors: the teacher endpoint http://x/v1 is gone: start it\n"
+    )
 
     def broken() -> None:
         raise KeyError("a bug")

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from ars_opd.config import SFTConfig, TrainLoopConfig, parse_section
-from ars_opd.training.distributed import launch
 from ars_opd.lm.batching import IGNORE_INDEX, pack_sequences, pad_right_with_labels
 from ars_opd.lm.cross_entropy import causal_lm_token_loss_sum
-from ars_opd.training.checkpoint import TrainerState
 from ars_opd.training.batch_plan import BatchConfigError, BatchGeometry, epoch_shard, step_indices
+from ars_opd.training.checkpoint import TrainerState
+from ars_opd.training.distributed import launch
 from ars_opd.training.loop import NonFiniteError, optimizer_step
 from ars_opd.training.sft import encode_sft_rows
 from ddp_probe import grad_probe, tiny_model
@@ -37,7 +37,7 @@ def _oracle(tokenizer, prompts, completions):
     total, n_tok, top = 0.0, 0, 0.0
     for p, c in zip(prompts, completions):
         ids = torch.tensor([p + c])
-        logits = model(input_ids=ids).logits[0, len(p) - 1:-1]  # positions predicting the completion
+        logits = model(input_ids=ids).logits[0, len(p) - 1 : -1]  # positions predicting the completion
         total = total + torch.nn.functional.cross_entropy(logits.float(), torch.tensor(c), reduction="sum")
         n_tok += len(c)
         top = max(top, logits.abs().max().item())
@@ -84,16 +84,16 @@ def test_prompt_positions_never_change_the_loss_completion_positions_do(char_tok
     batch = pad_right_with_labels(prompts, completions, char_tokenizer.pad_token_id)
     labels = batch["labels"]
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        assert (labels[i, :len(p)] == IGNORE_INDEX).all() and labels[i, len(p):len(p) + len(c)].tolist() == c
-        assert (labels[i, len(p) + len(c):] == IGNORE_INDEX).all()
+        assert (labels[i, : len(p)] == IGNORE_INDEX).all() and labels[i, len(p) : len(p) + len(c)].tolist() == c
+        assert (labels[i, len(p) + len(c) :] == IGNORE_INDEX).all()
     torch.manual_seed(0)
     logits = torch.randn(*labels.shape, len(char_tokenizer))
     base, n = causal_lm_token_loss_sum(logits, labels)
     assert n == sum(len(c) for c in completions)
     prompt_pred = logits.clone()
     for i, p in enumerate(prompts):  # positions whose next token is a prompt token (or padding)
-        prompt_pred[i, :len(p) - 1] = torch.randn(len(p) - 1, logits.shape[-1]) * 10
-        prompt_pred[i, len(p) + len(completions[i]) - 1:] = 7.0
+        prompt_pred[i, : len(p) - 1] = torch.randn(len(p) - 1, logits.shape[-1]) * 10
+        prompt_pred[i, len(p) + len(completions[i]) - 1 :] = 7.0
     assert torch.equal(causal_lm_token_loss_sum(prompt_pred, labels)[0], base)
     completion_pred = logits.clone()
     completion_pred[0, len(prompts[0]) - 1] += torch.randn(logits.shape[-1]) * 3
@@ -123,7 +123,7 @@ def _packed_vs_alone(tokenizer, implementation: str, seed: int = 2):
         n = len(p) + len(c)
         if t + n > 40:
             r, t = r + 1, 0
-        err = max(err, (out[r, t:t + n] - ref).abs().max().item())
+        err = max(err, (out[r, t : t + n] - ref).abs().max().item())
         t += n
     return err, packed, out, model
 
@@ -134,8 +134,8 @@ def test_packed_logits_equal_per_sequence_logits_with_per_sequence_sdpa(char_tok
     assert err <= two_computations(forward_bound(model.config, 40, out.abs().max().item()))
     # the loss over packed rows, from hidden states, equals the loss over padded rows from logits
     from ars_opd.lm.attention import packed_model_inputs
-    from ars_opd.lm.head import OutputHead, last_hidden_states
     from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden
+    from ars_opd.lm.head import OutputHead, last_hidden_states
 
     prompts, completions = _ragged_batch(char_tokenizer, n=5, seed=2)
     padded = pad_right_with_labels(prompts, completions, char_tokenizer.pad_token_id)
@@ -143,8 +143,9 @@ def test_packed_logits_equal_per_sequence_logits_with_per_sequence_sdpa(char_tok
         hidden = last_hidden_states(model, **packed_model_inputs(packed))
         lp = causal_lm_loss_from_hidden(hidden, OutputHead.of(model), packed["labels"], chunk_size=8)
         model.set_attn_implementation("eager")
-        lq = causal_lm_token_loss_sum(model(**{k: padded[k] for k in ("input_ids", "attention_mask")}).logits,
-                                      padded["labels"])
+        lq = causal_lm_token_loss_sum(
+            model(**{k: padded[k] for k in ("input_ids", "attention_mask")}).logits, padded["labels"]
+        )
     # the same chain, then the log-softmax and the sum over the tokens, on the summed loss's size
     V, A = len(char_tokenizer), out.abs().max().item()
     lengths = decoder_lengths(model.config, 40) + [model.config.hidden_size, softmax_length(V, A), int(lq[1])]
@@ -204,12 +205,19 @@ def test_pack_sequences_boundaries(char_tokenizer):
 
 
 def test_budgets_drop_and_truncate_with_counts(char_tokenizer):
-    rows = [{"messages": [{"role": "user", "content": "x" * n}], "completion": "y" * m}
-            for n, m in [(5, 3), (80, 3), (5, 40), (20, 3)]]
+    rows = [
+        {"messages": [{"role": "user", "content": "x" * n}], "completion": "y" * m}
+        for n, m in [(5, 3), (80, 3), (5, 40), (20, 3)]
+    ]
     cfg = parse_section(SFTConfig, {"max_prompt_tokens": 30, "max_completion_tokens": 10, "max_seq_len": 28}, "sft")
     data = encode_sft_rows(char_tokenizer, rows, cfg)
-    assert data.counts == {"rows": 4, "kept": 2, "dropped_prompt_over_budget": 1,
-                           "dropped_no_room_for_completion": 1, "completion_truncated": 1}
+    assert data.counts == {
+        "rows": 4,
+        "kept": 2,
+        "dropped_prompt_over_budget": 1,
+        "dropped_no_room_for_completion": 1,
+        "completion_truncated": 1,
+    }
     assert [len(c) for c in data.completions] == [4, 10]
 
 
@@ -307,8 +315,12 @@ def _fit_in_process(tmp_path, char_tokenizer, scale, **cfg_kw):
         prompts, completions = _ragged_batch(char_tokenizer, n=4, seed=3)
         task = _ScaledTask(FixedTask([[(prompts, completions)]], ctx, char_tokenizer.pad_token_id, True), scale)
         cfg = TrainLoopConfig(steps=6, global_batch_size=4, micro_batch_size=4, warmup_steps=1, lr=1e-3, **cfg_kw)
-        out = TrainingPaths(model=str(tmp_path / "model"), log=str(tmp_path / "out"), live=str(tmp_path / "live"),
-                            checkpoints=str(tmp_path / "ckpt"))
+        out = TrainingPaths(
+            model=str(tmp_path / "model"),
+            log=str(tmp_path / "out"),
+            live=str(tmp_path / "live"),
+            checkpoints=str(tmp_path / "ckpt"),
+        )
         fit(ctx, model, task, cfg, DDPConfig(workers=1), "fp", out, progress=False)
         return [json.loads(line) for line in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
     finally:
@@ -369,8 +381,19 @@ def test_step_logger_without_studio_writes_what_next_step_writes(tmp_path, monke
     for var in ("DVC_STUDIO_TOKEN", "STUDIO_TOKEN", "DVC_STUDIO_URL", "STUDIO_ENDPOINT", "DVC_STUDIO_REPO_URL"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
-    rows = [{"step": s, "loss": 3.0 / (s + 1), "lr": 1e-3, "grad_norm": 1.0 + s % 3, "tokens": 10 + s,
-             "consistency/loss_dispersion": 0.01 * s, "worker_loss": [1.0, 2.0], "fault": None} for s in range(30)]
+    rows = [
+        {
+            "step": s,
+            "loss": 3.0 / (s + 1),
+            "lr": 1e-3,
+            "grad_norm": 1.0 + s % 3,
+            "tokens": 10 + s,
+            "consistency/loss_dispersion": 0.01 * s,
+            "worker_loss": [1.0, 2.0],
+            "fault": None,
+        }
+        for s in range(30)
+    ]
     out = {}
     for name, studio in (("fast", False), ("reference", True)):
         logger = StepLogger(tmp_path / name / "steps.jsonl", tmp_path / name / "live", enabled=True)
@@ -382,9 +405,15 @@ def test_step_logger_without_studio_writes_what_next_step_writes(tmp_path, monke
         logger.summary({"final_loss": rows[-1]["loss"], "steps": 30})
         logger.close()
         plots = tmp_path / name / "live" / "plots" / "metrics" / "train"
-        out[name] = ({p.relative_to(plots).as_posix(): [(r["step"], r[p.stem]) for r in csv.DictReader(
-            p.open(), delimiter="\t")] for p in sorted(plots.rglob("*.tsv"))},
-            json.loads((tmp_path / name / "live" / "metrics.json").read_text()))
+        out[name] = (
+            {
+                p.relative_to(plots).as_posix(): [
+                    (r["step"], r[p.stem]) for r in csv.DictReader(p.open(), delimiter="\t")
+                ]
+                for p in sorted(plots.rglob("*.tsv"))
+            },
+            json.loads((tmp_path / name / "live" / "metrics.json").read_text()),
+        )
     fast_plots, fast_summary = out["fast"]
     assert fast_plots == out["reference"][0]
     assert [int(s) for s, _ in fast_plots["loss.tsv"]] == list(range(30))

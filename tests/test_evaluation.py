@@ -11,8 +11,8 @@ import pytest
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import BaseConfig, load_params
 from ars_opd.evaluation.evaluate import evaluate_models
-from ars_opd.models.prepare import prepare_models
 from ars_opd.models.loading import load_model
+from ars_opd.models.prepare import prepare_models
 from ars_opd.training.budget import write_budget
 from micro import teacher_rows, write_micro_params
 
@@ -24,8 +24,9 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     write_micro_params(REPO, tmp_path / "params.yaml")
     monkeypatch.chdir(tmp_path)
     p = load_params("params.yaml")
-    prepare_models(BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics,
-                   progress=False)
+    prepare_models(
+        BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics, progress=False
+    )
     Path(p.paths.teacher_dir).mkdir(parents=True)
     rows = teacher_rows(12, seed=9)
     write_jsonl(Path(p.paths.teacher_dir) / "eval.jsonl", rows)
@@ -35,8 +36,10 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     for stage, (steps, flops) in budgets.items():
         model_dir = Path(p.paths.training(stage).model)
         load_model(p.paths.models_dir, "teacher" if stage == "opd" else "student").save_pretrained(model_dir)
-        write_budget(model_dir, {"steps": steps, "flops": flops, "tokens_trained": 1,
-                                 "tokens_processed": 1, "tokens_generated": 0})
+        write_budget(
+            model_dir,
+            {"steps": steps, "flops": flops, "tokens_trained": 1, "tokens_processed": 1, "tokens_generated": 0},
+        )
     snap = Path(p.paths.training("opd").model) / "snapshots" / "step_0000007"  # a learning-curve point: the base
     load_model(p.paths.models_dir, "student").save_pretrained(snap)
     write_budget(snap, {"steps": 7, "flops": 2e9, "tokens_trained": 1, "tokens_processed": 1, "tokens_generated": 0})
@@ -78,7 +81,8 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
             rows = list(csv.DictReader(tsv.open(), delimiter="\t"))
             # exact: the csv module writes a float's repr, which reads back to the same float
             assert [(int(r["step"]), float(r[key])) for r in rows] == [
-                (c["steps"], float(c[key])) for c in curves[stage]], (stage, key)
+                (c["steps"], float(c[key])) for c in curves[stage]
+            ], (stage, key)
     assert not list(Path(p.paths.eval_live).glob("*.json"))  # plot files only: the numbers are in the metrics
     # a start elsewhere (a pinned copy, as a study uses) is scored itself: here the teacher stands in for it;
     # a snapshot taken at the final step is the final model and is scored once
@@ -87,8 +91,9 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     write_budget(init, {"steps": 5, "flops": 1e9, "tokens_trained": 1, "tokens_processed": 1, "tokens_generated": 0})
     final_snap = Path(p.paths.training("sft_continued").model) / "snapshots" / "step_0000010"
     load_model(p.paths.models_dir, "student").save_pretrained(final_snap)
-    write_budget(final_snap, {"steps": 10, "flops": 2e9, "tokens_trained": 1, "tokens_processed": 1,
-                              "tokens_generated": 0})
+    write_budget(
+        final_snap, {"steps": 10, "flops": 2e9, "tokens_trained": 1, "tokens_processed": 1, "tokens_generated": 0}
+    )
     again = evaluate_models(p.evaluate, dataclasses.replace(p.paths, distill_init=str(init)))["curves"]
     assert again["opd"][0]["reverse_kl"] < 1e-4 < again["sft"][0]["reverse_kl"]
     assert [c["steps"] for c in again["sft_continued"]] == [5, 10]
@@ -103,9 +108,9 @@ def test_evaluation_losses_from_hidden_equal_the_logits_formulas(char_tokenizer)
     from ars_opd.config import EvaluateConfig
     from ars_opd.evaluation.evaluate import _reverse_kl_on_own_samples, _teacher_nll
     from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
+    from ars_opd.lm.cross_entropy import causal_lm_token_loss_sum
     from ars_opd.lm.generation import generate_token_ids
     from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
-    from ars_opd.lm.cross_entropy import causal_lm_token_loss_sum
     from ddp_probe import tiny_model
     from oracles import divergence_sum
     from tolerances import chain_bound, decoder_lengths, linear_bound, loss_bound, softmax_length, two_computations
@@ -125,14 +130,18 @@ def test_evaluation_losses_from_hidden_equal_the_logits_formulas(char_tokenizer)
         # forward, the head, the log-softmax and the sum over the tokens, on the mean NLL's size
         nll = s.item() / n.item()
         lengths = decoder_lengths(model.config, b["input_ids"].shape[1]) + [
-            model.config.hidden_size, softmax_length(vocab, logits.abs().max().item()), n.item()]
-        assert abs(_teacher_nll(model, char_tokenizer, prompts, completions, cfg, vocab, cpu) - nll) <= \
-            two_computations(chain_bound(lengths, nll))
+            model.config.hidden_size,
+            softmax_length(vocab, logits.abs().max().item()),
+            n.item(),
+        ]
+        assert abs(
+            _teacher_nll(model, char_tokenizer, prompts, completions, cfg, vocab, cpu) - nll
+        ) <= two_computations(chain_bound(lengths, nll))
         torch.manual_seed(cfg.seed)  # the samples the function draws
         samples = generate_token_ids(model, char_tokenizer, prompts, 6, batch_size=3, do_sample=True)
         total, count, bound = 0.0, 0, 0.0
         for i in range(0, 7, 3):
-            r = build_rollout_batch(prompts[i:i + 3], samples[i:i + 3], pad, eos)
+            r = build_rollout_batch(prompts[i : i + 3], samples[i : i + 3], pad, eos)
             kw = {"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]}
             v, k = divergence_sum(model(**kw).logits, teacher(**kw).logits, r["loss_mask"])
             total, count = total + v.item(), count + k

@@ -24,11 +24,13 @@ def _fault(kind, magnitude, rank=1, start=5, task=None, me=1):
 
 def test_inject_config_validates_each_kind():
     assert parse_section(DDPConfig, {"inject": {"kind": "loss_scale", "magnitude": 2}}, "ddp").inject.magnitude == 2.0
-    for raw, key in (({"kind": "loss_scale", "magnitude": 1.0}, "ddp.inject.magnitude"),
-                     ({"kind": "label_noise", "magnitude": 1.5}, "ddp.inject.magnitude"),
-                     ({"kind": "drop_microbatch", "magnitude": 1.5}, "ddp.inject.magnitude"),
-                     ({"kind": "label_noise", "magnitude": 0.1, "stages": ["opd"]}, "ddp.inject.stages"),
-                     ({"kind": "bitflip", "magnitude": 1}, "ddp.inject.kind")):
+    for raw, key in (
+        ({"kind": "loss_scale", "magnitude": 1.0}, "ddp.inject.magnitude"),
+        ({"kind": "label_noise", "magnitude": 1.5}, "ddp.inject.magnitude"),
+        ({"kind": "drop_microbatch", "magnitude": 1.5}, "ddp.inject.magnitude"),
+        ({"kind": "label_noise", "magnitude": 0.1, "stages": ["opd"]}, "ddp.inject.stages"),
+        ({"kind": "bitflip", "magnitude": 1}, "ddp.inject.kind"),
+    ):
         with pytest.raises(ConfigError) as e:
             parse_section(DDPConfig, {"inject": raw}, "ddp")
         assert e.value.key == key
@@ -104,16 +106,26 @@ def test_param_desync_perturbs_once_by_the_asked_relative_size():
 
 def _batches(vocab: int, workers: int, micro: int, seed: int):
     rng = random.Random(seed)
-    return [[([[rng.randrange(4, vocab) for _ in range(rng.randint(3, 8))] for _ in range(2)],
-              [[rng.randrange(4, vocab) for _ in range(rng.randint(1, 5))] for _ in range(2)])
-             for _ in range(micro)] for _ in range(workers)]
+    return [
+        [
+            (
+                [[rng.randrange(4, vocab) for _ in range(rng.randint(3, 8))] for _ in range(2)],
+                [[rng.randrange(4, vocab) for _ in range(rng.randint(1, 5))] for _ in range(2)],
+            )
+            for _ in range(micro)
+        ]
+        for _ in range(workers)
+    ]
 
 
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_loss_scale_multiplies_only_that_ranks_local_gradient(char_tokenizer):
-    res = launch(fault_probe, {"batches": _batches(len(char_tokenizer), 3, 2, 1), "kind": "loss_scale",
-                               "magnitude": 4.0, "rank": 1}, workers=3)
+    res = launch(
+        fault_probe,
+        {"batches": _batches(len(char_tokenizer), 3, 2, 1), "kind": "loss_scale", "magnitude": 4.0, "rank": 1},
+        workers=3,
+    )
     G = np.array(res["micro_grads"]).sum(axis=1)  # (K, P) healthy local gradients
     h, f = res["healthy"], res["fault"]
     assert f["loss_sum"] == h["loss_sum"] and f["tokens"] == h["tokens"]  # the logged loss is the true one
@@ -131,8 +143,11 @@ def test_loss_scale_multiplies_only_that_ranks_local_gradient(char_tokenizer):
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_drop_microbatch_drops_one_gradient_but_counts_its_tokens(char_tokenizer):
-    res = launch(fault_probe, {"batches": _batches(len(char_tokenizer), 3, 2, 2), "kind": "drop_microbatch",
-                               "magnitude": 1.0, "rank": 2}, workers=3)
+    res = launch(
+        fault_probe,
+        {"batches": _batches(len(char_tokenizer), 3, 2, 2), "kind": "drop_microbatch", "magnitude": 1.0, "rank": 2},
+        workers=3,
+    )
     micro = np.array(res["micro_grads"])  # (K, 2, P)
     h, f = res["healthy"], res["fault"]
     assert f["tokens"] == h["tokens"]  # the dropped micro-batch's tokens still count
@@ -185,8 +200,9 @@ def test_mismatched_ranks_names_the_minority():
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_drift_check_catches_one_ulp_on_one_rank_in_ddp(char_tokenizer):
-    before, after = launch(drift_probe, {"rank": 1, "param": "model.layers.0.mlp.up_proj.weight", "index": 17},
-                           workers=3)
+    before, after = launch(
+        drift_probe, {"rank": 1, "param": "model.layers.0.mlp.up_proj.weight", "index": 17}, workers=3
+    )
     assert before == [] and after == [1]
 
 
@@ -202,13 +218,13 @@ def test_noise_scale_estimates_are_unbiased_on_gaussian_gradients():
         N = K * n
         local = tokens.sum(1) * K / N  # the engine's scale: K / N times each worker's summed gradient
         mean = local.mean(0)
-        g2, tr = noise_scale_terms((local ** 2).sum(1).tolist(), [n] * K, float((mean ** 2).sum()))
+        g2, tr = noise_scale_terms((local**2).sum(1).tolist(), [n] * K, float((mean**2).sum()))
         g2s.append(g2)
         traces.append(tr)
     # statistical, not rounding: the means of 4,000 estimates have relative standard errors of 0.33% (|G|²) and
     # 0.24% (tr Σ) here, so 5% and 3% are 15 and 12 of them
-    assert np.mean(g2s) == pytest.approx((G ** 2).sum(), rel=0.05)
-    assert np.mean(traces) == pytest.approx((sigma ** 2).sum(), rel=0.03)
+    assert np.mean(g2s) == pytest.approx((G**2).sum(), rel=0.05)
+    assert np.mean(traces) == pytest.approx((sigma**2).sum(), rel=0.03)
     assert np.isnan(noise_scale_terms([1.0], [10], 1.0)[0])
 
 
@@ -223,10 +239,10 @@ def test_noise_scale_terms_equal_brute_force_on_per_sequence_gradients(char_toke
     assert [c.sum() for c in counts] == res["tokens"]
     worker_means = [s.sum(0) / c.sum() for s, c in zip(seqs, counts)]  # each worker's token-mean gradient
     big = sum(s.sum(0) for s in seqs) / N
-    small_sq = np.mean([(w ** 2).sum() for w in worker_means])
+    small_sq = np.mean([(w**2).sum() for w in worker_means])
     b_small, b_big = N / K, N
-    g2 = (b_big * (big ** 2).sum() - b_small * small_sq) / (b_big - b_small)
-    trace = (small_sq - (big ** 2).sum()) / (1 / b_small - 1 / b_big)
+    g2 = (b_big * (big**2).sum() - b_small * small_sq) / (b_big - b_small)
+    trace = (small_sq - (big**2).sum()) / (1 / b_small - 1 / b_big)
     est = noise_scale_terms(res["sq"], [int(t) for t in res["tokens"]], res["mean_sq"])
     # two fp32 computations of each gradient (the engine's padded micro-batches and chunked head, one sequence
     # at a time through full logits): the chain of the decoder's forward and backward, the head, the
@@ -238,11 +254,15 @@ def test_noise_scale_terms_equal_brute_force_on_per_sequence_gradients(char_toke
     with torch.no_grad():
         top = max(model(input_ids=torch.tensor([ids])).logits.abs().max().item() for ids in seqs_flat)
     T = max(map(len, seqs_flat))
-    lengths = decoder_lengths(cfg, T) + [cfg.hidden_size, softmax_length(V, top)] + decoder_lengths(cfg, T) + [
-        sum(map(len, seqs_flat)), len(seqs_flat), K]
+    lengths = (
+        decoder_lengths(cfg, T)
+        + [cfg.hidden_size, softmax_length(V, top)]
+        + decoder_lengths(cfg, T)
+        + [sum(map(len, seqs_flat)), len(seqs_flat), K]
+    )
     c = two_computations(chain_bound(lengths))
     rel = 2 * c + c * c
-    assert abs(res["mean_sq"] - (big ** 2).sum()) <= rel * (big ** 2).sum()
+    assert abs(res["mean_sq"] - (big**2).sum()) <= rel * (big**2).sum()
     bounds = [(rel + gamma(P + 3)) * s for s in res["sq"]] + [rel * res["mean_sq"]]
     tokens = [int(t) for t in res["tokens"]]
     est_bound = propagate(lambda v: noise_scale_terms(v[:K], tokens, v[K]), res["sq"] + [res["mean_sq"]], bounds)

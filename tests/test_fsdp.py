@@ -21,7 +21,7 @@ from ars_opd.artifacts import read_jsonl
 from ars_opd.config import ConfigError, DDPConfig, InjectConfig, load_params
 from ars_opd.training.distributed import launch
 from fsdp_probe import fsdp_consistency_probe
-from micro import distill_workspace
+from micro import distill_workspace, run_stage_here
 from test_consistency import _batches, _compare
 from test_sft_stage import _workspace
 
@@ -40,8 +40,9 @@ def _set(root: Path, **sections) -> None:
 
 def _run(root: Path, stage: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-m", f"stages.{stage}"], cwd=root, env=env, capture_output=True, text=True, timeout=900
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout + out.stderr
 
@@ -72,14 +73,16 @@ def test_sharded_statistics_equal_brute_force_on_gathered_local_gradients(char_t
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_fsdp_trains_as_ddp_resumes_after_kill_and_reshards(tmp_path):
-    base = _workspace(tmp_path / "ddp", {"steps": 20, "checkpoint_every": 5, "snapshot_every": 10, "keep_checkpoints": 4})
-    _run(base, "sft")
+    base = _workspace(
+        tmp_path / "ddp", {"steps": 20, "checkpoint_every": 5, "snapshot_every": 10, "keep_checkpoints": 4}
+    )
+    run_stage_here(base, "sft")
     fsdp = tmp_path / "fsdp"
     shutil.copytree(base / "data/models", fsdp / "data/models")
     shutil.copytree(base / "data/teacher", fsdp / "data/teacher")
     shutil.copy(base / "params.yaml", fsdp / "params.yaml")
     _set(fsdp, ddp={"strategy": "fsdp"})
-    out = _run(fsdp, "sft")
+    run_stage_here(fsdp, "sft")
     manifest = json.loads((fsdp / "data/sft/log/manifest.json").read_text())
     assert manifest["strategy"] == "fsdp" and manifest["workers"] == 2
     a, b = _losses(base / "data/sft/log/steps.jsonl"), _losses(fsdp / "data/sft/log/steps.jsonl")
@@ -99,8 +102,14 @@ def test_fsdp_trains_as_ddp_resumes_after_kill_and_reshards(tmp_path):
         shutil.rmtree(killed / out)
     latest = killed / "data/checkpoints/sft/latest.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "stages.sft"], cwd=killed, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stages.sft"],
+        cwd=killed,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
         if latest.exists() and json.loads(latest.read_text())["step"] >= 5:
@@ -110,8 +119,8 @@ def test_fsdp_trains_as_ddp_resumes_after_kill_and_reshards(tmp_path):
     proc.wait()
     killed_at = json.loads(latest.read_text())["step"]
     assert killed_at < 20, "the run finished before it could be killed"
-    out = _run(killed, "sft")
-    assert "resuming from step" in out
+    run_stage_here(killed, "sft")
+    assert json.loads((killed / "data/sft/log/manifest.json").read_text())["resumed_from"] == killed_at
     again = load_file(str(killed / "data/sft/model/model.safetensors"))
     assert all(torch.equal(weights[k], again[k]) for k in weights)
     assert _losses(killed / "data/sft/log/steps.jsonl") == b
@@ -120,9 +129,15 @@ def test_fsdp_trains_as_ddp_resumes_after_kill_and_reshards(tmp_path):
     def from_step_10(root: Path) -> None:
         shutil.rmtree(root / "data/checkpoints", ignore_errors=True)
         shutil.copytree(fsdp / "data/checkpoints", root / "data/checkpoints")
-        (root / "data/checkpoints/sft/latest.json").write_text(json.dumps(
-            {**json.loads((fsdp / "data/checkpoints/sft/latest.json").read_text()), "step": 10,
-             "dir": "step_0000010"}))
+        (root / "data/checkpoints/sft/latest.json").write_text(
+            json.dumps(
+                {
+                    **json.loads((fsdp / "data/checkpoints/sft/latest.json").read_text()),
+                    "step": 10,
+                    "dir": "step_0000010",
+                }
+            )
+        )
 
     for name, ddp in (("one", {"workers": 1}), ("as_ddp", {"strategy": "ddp"})):
         other = tmp_path / name
@@ -132,8 +147,11 @@ def test_fsdp_trains_as_ddp_resumes_after_kill_and_reshards(tmp_path):
         _set(other, ddp=ddp)
         from_step_10(other)
         _set(other, ddp={**ddp, "reshard_resume": True})
-        out = _run(other, "sft")
-        assert "resharded from 2 fsdp worker(s)" in out, out[-2000:]
+        if name == "one":
+            run_stage_here(other, "sft")
+        else:  # the command as a user runs it, and what it says
+            out = _run(other, "sft")
+            assert "resharded from 2 fsdp worker(s)" in out, out[-2000:]
         resumed = _losses(other / "data/sft/log/steps.jsonl")
         assert resumed[:10] == b[:10]  # the replayed log
         # the next step: the same weights and global batch, summed over another split of workers
@@ -151,9 +169,11 @@ def test_fsdp_opd_steps_equal_ddp_opd_steps(tmp_path):
         root = tmp_path / strategy
         distill_workspace(REPO, root, opd, workers=2)
         _set(root, ddp={"strategy": strategy})
-        _run(root, "opd")
-        runs[strategy] = (read_jsonl(root / "data/opd/log/steps.jsonl"),
-                          load_file(str(root / "data/opd/model/model.safetensors")))
+        run_stage_here(root, "opd")
+        runs[strategy] = (
+            read_jsonl(root / "data/opd/log/steps.jsonl"),
+            load_file(str(root / "data/opd/model/model.safetensors")),
+        )
     (a, wa), (b, wb) = runs["ddp"], runs["fsdp"]
     assert [r["task/response_length"] for r in a] == [r["task/response_length"] for r in b]  # same rollouts
     assert max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)) <= SAME_TRAINING
@@ -165,8 +185,9 @@ def test_a_checkpoint_of_another_layout_resumes_only_when_asked(tmp_path):
 
     step = tmp_path / "step_0000010"
     step.mkdir()
-    (step / "state.json").write_text(json.dumps({"world_size": 2, "strategy": "fsdp", "format": "dcp",
-                                                  "layout_fingerprint": "same-run"}))
+    (step / "state.json").write_text(
+        json.dumps({"world_size": 2, "strategy": "fsdp", "format": "dcp", "layout_fingerprint": "same-run"})
+    )
     (tmp_path / "latest.json").write_text(json.dumps({"step": 10, "dir": step.name, "fingerprint": "2-fsdp"}))
     found, why = find_checkpoint(tmp_path, "2-fsdp", 2, "same-run")  # its own layout
     assert found.path == step and found.resharded_from is None and why == "resuming from step 10"
@@ -176,8 +197,9 @@ def test_a_checkpoint_of_another_layout_resumes_only_when_asked(tmp_path):
     assert found.resharded_from == {"workers": 2, "strategy": "fsdp"} and "resharded from 2 fsdp" in why
     found, why = find_checkpoint(tmp_path, "1-ddp", 1, "another-run", reshard=True, strategy="ddp")
     assert found is None and "another configuration" in why  # resharding never crosses runs
-    (step / "state.json").write_text(json.dumps({"world_size": 2, "strategy": "ddp", "format": "safetensors",
-                                                  "layout_fingerprint": "same-run"}))
+    (step / "state.json").write_text(
+        json.dumps({"world_size": 2, "strategy": "ddp", "format": "safetensors", "layout_fingerprint": "same-run"})
+    )
     found, why = find_checkpoint(tmp_path, "2-fsdp-other", 2, "same-run", reshard=True, strategy="fsdp")
     assert found is None and "do not load into a sharded student" in why
 

@@ -17,10 +17,12 @@ ABSENT = ("dvc", "dvclive", "datasets", "openai", "aiohttp", "pandas", "matplotl
 
 @pytest.mark.slow
 def test_gpu_bench_tiny_runs_every_workload_without_the_pipelines_other_dependencies():
-    code = ("import runpy, sys\n"
-            f"for name in {ABSENT!r}: sys.modules[name] = None\n"
-            "sys.argv = ['bench/gpu.py', '--device', 'cpu', '--tiny']\n"
-            "runpy.run_path('bench/gpu.py', run_name='__main__')\n")
+    code = (
+        "import runpy, sys\n"
+        f"for name in {ABSENT!r}: sys.modules[name] = None\n"
+        "sys.argv = ['bench/gpu.py', '--device', 'cpu', '--tiny']\n"
+        "runpy.run_path('bench/gpu.py', run_name='__main__')\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]

@@ -16,15 +16,28 @@ import random
 import pytest
 import torch
 
-from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows, target_logprobs
 from ars_opd.lm.cross_entropy import (
-    causal_lm_loss_from_hidden, causal_lm_token_loss_sum, cross_entropy_terms, shifted_targets,
+    causal_lm_loss_from_hidden,
+    causal_lm_token_loss_sum,
+    cross_entropy_terms,
+    shifted_targets,
 )
+from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows, target_logprobs
 from ars_opd.lm.opd_objectives import TeacherLogits, TeacherScores, get_objective
 from oracles import divergence_sum, sampled_token_loss
 from tolerances import (
-    U32, U_BF16, chain_bound, cross_entropy_grad_bound, decoder_lengths, head_grad_bound, linear_bound,
-    log_softmax_bound, loss_bound, softmax_length, two_computations, vs_oracle,
+    U32,
+    U_BF16,
+    chain_bound,
+    cross_entropy_grad_bound,
+    decoder_lengths,
+    head_grad_bound,
+    linear_bound,
+    log_softmax_bound,
+    loss_bound,
+    softmax_length,
+    two_computations,
+    vs_oracle,
 )
 
 V, ROWS = 53, 58  # scored vocabulary; output rows (5 padding rows beyond the tokenizer, as Qwen3 has)
@@ -34,9 +47,17 @@ def _model(family="llama", tied=True, seed=0, hidden=32, rows=ROWS, dtype=torch.
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     cls = Qwen3Config if family == "qwen3" else LlamaConfig
-    cfg = cls(vocab_size=rows, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, tie_word_embeddings=tied,
-              max_position_embeddings=128)
+    cfg = cls(
+        vocab_size=rows,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        tie_word_embeddings=tied,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():  # a larger logit scale than the init's, so distributions are far from uniform
@@ -55,10 +76,10 @@ def _batch(n=4, seed=0):
     labels = torch.full_like(ids, -100)
     mask = torch.zeros(n, width, dtype=torch.bool)  # positions predicting a completion token
     for i, (p, c) in enumerate(lens):
-        ids[i, :p + c] = torch.tensor([rng.randrange(V) for _ in range(p + c)])
-        attn[i, :p + c] = 1
-        labels[i, p:p + c] = ids[i, p:p + c]
-        mask[i, p - 1:p + c - 1] = True
+        ids[i, : p + c] = torch.tensor([rng.randrange(V) for _ in range(p + c)])
+        attn[i, : p + c] = 1
+        labels[i, p : p + c] = ids[i, p : p + c]
+        mask[i, p - 1 : p + c - 1] = True
     targets = torch.roll(ids, -1, dims=1)
     return ids, attn, labels, mask, targets
 
@@ -146,8 +167,10 @@ def _opd_chunked(student, teacher, ids, attn, mask, targets, loss, beta, tau, ch
     return value, n, scores
 
 
-@pytest.mark.parametrize("loss, beta", [("full_vocab", 0.0), ("full_vocab", 1.0), ("full_vocab", 0.3),
-                                        ("full_vocab", 0.5), ("sampled_token", 1.0)])
+@pytest.mark.parametrize(
+    "loss, beta",
+    [("full_vocab", 0.0), ("full_vocab", 1.0), ("full_vocab", 0.3), ("full_vocab", 0.5), ("sampled_token", 1.0)],
+)
 @pytest.mark.parametrize("tau", [1.0, 0.7])
 @pytest.mark.parametrize("tied", [True, False])
 def test_opd_losses_from_hidden_equal_logits_path(loss, beta, tau, tied):
@@ -200,7 +223,7 @@ def test_bf16_weights_accumulate_in_fp32():
     mask, y = shifted_targets(labels)
     rows = select_rows(hidden.detach(), mask)
     with torch.no_grad():  # the bf16 logits the loss formed: the same products of the same chunks of rows
-        zb = torch.cat([head.logits(rows[i:i + 4]) for i in range(0, len(rows), 4)]).double()
+        zb = torch.cat([head.logits(rows[i : i + 4]) for i in range(0, len(rows), 4)]).double()
     # the loss is the fp32 evaluation of those logits (a bf16 sum would be off by ~2^-8 of it)
     at_zb, bound = loss_bound("cross_entropy", zb, targets=y)
     assert abs(loss.item() - at_zb.item()) <= vs_oracle(bound)
@@ -304,7 +327,7 @@ def test_bf16_teacher_scores_a_fp32_student():
     zs = torch.nn.functional.linear(hs.double(), s_head.weight.double())
     ht, y = scores.logits.hidden, targets[mask]
     with torch.no_grad():
-        zt = torch.cat([scores.logits.head.logits(ht[i:i + 4]) for i in range(0, len(ht), 4)])
+        zt = torch.cat([scores.logits.head.logits(ht[i : i + 4]) for i in range(0, len(ht), 4)])
     a, bound_a = loss_bound("divergence", zs, linear_bound(hs, s_head.weight), zt, None, y, 0.5)
     b, bound_b = loss_bound("divergence", zs, linear_bound(hs, s_head.weight), t_logits[mask], None, y, 0.5)
     assert abs(value.item() - ref.item()) <= abs(a - b).item() + two_computations(bound_a, bound_b)

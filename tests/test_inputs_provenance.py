@@ -9,7 +9,14 @@ import torch
 import yaml
 
 from ars_opd.config import (
-    INPUT_PLACEHOLDER, ArchConfig, BaseConfig, ConfigError, ModelsConfig, SyntheticConfig, load_params, parse_section,
+    INPUT_PLACEHOLDER,
+    ArchConfig,
+    BaseConfig,
+    ConfigError,
+    ModelsConfig,
+    SyntheticConfig,
+    load_params,
+    parse_section,
 )
 from ars_opd.models import loading
 from ars_opd.models.builtin import build_causal_lm
@@ -75,8 +82,14 @@ def local_pair(tmp_path, char_tokenizer):
     """A local teacher directory pinned by the models stage, in tmp_path/models."""
     teacher = save_tiny_model(tmp_path / "teacher_dir", char_tokenizer)
     cfg = parse_section(ModelsConfig, {"teacher": str(teacher), "student": str(teacher)}, "models")
-    prepare_models(BaseConfig(threads=1), cfg, SyntheticConfig(), str(tmp_path / "models"), str(tmp_path / "m.json"),
-                   progress=False)
+    prepare_models(
+        BaseConfig(threads=1),
+        cfg,
+        SyntheticConfig(),
+        str(tmp_path / "models"),
+        str(tmp_path / "m.json"),
+        progress=False,
+    )
     return tmp_path / "models", teacher
 
 
@@ -101,9 +114,13 @@ def test_a_changed_local_model_is_refused_at_load(local_pair, monkeypatch):
     with torch.no_grad():
         reference.model.embed_tokens.weight.add_(1.0)
     reference.save_pretrained(teacher)
-    with pytest.raises(ModelPinError, match=r"teacher model directory .* changed after the models stage pinned it") as e:
+    with pytest.raises(
+        ModelPinError, match=r"teacher model directory .* changed after the models stage pinned it"
+    ) as e:
         load_model(models_dir, "teacher")
-    assert re.search(r"; size or time changed: [^;]*model.safetensors", str(e.value)) and "Run `dvc repro`" in str(e.value)
+    assert re.search(r"; size or time changed: [^;]*model.safetensors", str(e.value)) and "Run `dvc repro`" in str(
+        e.value
+    )
 
 
 def test_teacher_gen_refuses_a_changed_teacher_before_asking(tmp_path, local_pair, monkeypatch):
@@ -123,10 +140,18 @@ def test_teacher_gen_refuses_a_changed_teacher_before_asking(tmp_path, local_pai
 
 
 def test_a_changed_builtin_model_is_refused(tmp_path):
-    over = {**MICRO_OVERRIDES["models"], "teacher_training": {**MICRO_OVERRIDES["models"]["teacher_training"],
-                                                              "steps": 0}}
-    prepare_models(BaseConfig(threads=1), parse_section(ModelsConfig, over, "models"), SyntheticConfig(),
-                   str(tmp_path / "models"), str(tmp_path / "m.json"), progress=False)
+    over = {
+        **MICRO_OVERRIDES["models"],
+        "teacher_training": {**MICRO_OVERRIDES["models"]["teacher_training"], "steps": 0},
+    }
+    prepare_models(
+        BaseConfig(threads=1),
+        parse_section(ModelsConfig, over, "models"),
+        SyntheticConfig(),
+        str(tmp_path / "models"),
+        str(tmp_path / "m.json"),
+        progress=False,
+    )
     load_model(tmp_path / "models", "student")
     cfg = tmp_path / "models" / "student" / "config.json"
     cfg.write_text(cfg.read_text().replace("}", ',"x": 1}', 1))

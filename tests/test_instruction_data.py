@@ -3,8 +3,8 @@ import json
 import pytest
 
 from ars_opd.config import DataConfig, SyntheticConfig
-from ars_opd.data.prompts import alpaca_user_message
 from ars_opd.data.normalise import RowError, normalise_row
+from ars_opd.data.prompts import alpaca_user_message
 from ars_opd.data.sources import DataSourceError
 from ars_opd.data.subset import MalformedDataError, make_subset
 
@@ -31,8 +31,13 @@ def test_alpaca_rendering():
 
 
 def test_messages_sharegpt_and_prompt_rows():
-    row = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                        {"role": "assistant", "content": "a"}]}
+    row = {
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+        ]
+    }
     msgs, ref, _, fmt = normalise_row(row, "auto")
     assert fmt == "messages" and ref == "a" and [m["role"] for m in msgs] == ["system", "user"]
     row = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
@@ -150,13 +155,22 @@ def test_missing_file_and_hub_unreachable_are_clear(tmp_path, monkeypatch):
 
 # JSON writes these raw inside strings (ensure_ascii=False), and str.splitlines() breaks lines at them
 LINE_BREAKERS = "\u2028\u2029\u0085\x1c\x1d\x1e\x0b\x0c"
-ISSUE_ROW = {"instruction": "Join these lines:\u2028first\u2028second", "input": "caf\u00e9\u0085next",
-             "output": "first second"}
+ISSUE_ROW = {
+    "instruction": "Join these lines:\u2028first\u2028second",
+    "input": "caf\u00e9\u0085next",
+    "output": "first second",
+}
 
 
 def _unicode_rows() -> list[dict]:
-    rows = [ISSUE_ROW] + [{"instruction": f"Say {i}{LINE_BREAKERS[i % len(LINE_BREAKERS)]}now.",
-                           "input": f"x{LINE_BREAKERS}y" if i % 2 else "", "output": f"a\u2029{i}"} for i in range(12)]
+    rows = [ISSUE_ROW] + [
+        {
+            "instruction": f"Say {i}{LINE_BREAKERS[i % len(LINE_BREAKERS)]}now.",
+            "input": f"x{LINE_BREAKERS}y" if i % 2 else "",
+            "output": f"a\u2029{i}",
+        }
+        for i in range(12)
+    ]
     assert "\n".join(json.dumps(r, ensure_ascii=False) for r in rows).count("\n") == len(rows) - 1
     return rows
 
@@ -165,8 +179,11 @@ def _unicode_rows() -> list[dict]:
 def test_local_files_with_unicode_line_separators_load_with_no_malformed_rows(tmp_path, suffix):
     rows = _unicode_rows()
     p = tmp_path / f"alpaca{suffix}"
-    text = (json.dumps(rows, ensure_ascii=False) if suffix == ".json"
-            else "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    text = (
+        json.dumps(rows, ensure_ascii=False)
+        if suffix == ".json"
+        else "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    )
     p.write_text(text, encoding="utf-8")
     res = make_subset(_cfg(p), SYNTH, seed=0)
     assert res.stats["malformed"] == 0 and res.stats["rows_in_source"] == len(rows) == res.stats["selected"]
@@ -179,8 +196,10 @@ def test_local_files_with_unicode_line_separators_load_with_no_malformed_rows(tm
 def test_jsonl_line_numbers_count_newlines_only(tmp_path):
     p = tmp_path / "rows.jsonl"
     lines = [json.dumps(r, ensure_ascii=False) for r in _unicode_rows()[:3]]
-    p.write_bytes(("\ufeff" + lines[0] + "\r\n" + lines[1] + "\n\n" + '{"instruction": "tor' + "\n" + lines[2]
-                   + "\n").encode() + b'{"instruction": "\xff"}\n')
+    p.write_bytes(
+        ("\ufeff" + lines[0] + "\r\n" + lines[1] + "\n\n" + '{"instruction": "tor' + "\n" + lines[2] + "\n").encode()
+        + b'{"instruction": "\xff"}\n'
+    )
     res = make_subset(_cfg(p, eval_size=1, max_malformed_fraction=0.5), SYNTH, seed=0)
     assert res.stats["malformed_by_reason"] == {"invalid_json": 1, "invalid_utf8": 1}
     assert res.stats["malformed_examples"]["invalid_json"][0]["row"].startswith("line 4: not valid JSON")

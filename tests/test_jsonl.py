@@ -9,8 +9,15 @@ from ars_opd.artifacts import JsonlLineError, iter_jsonl, read_jsonl, write_json
 
 # every character str.splitlines() treats as a line boundary besides \n and \r (which JSON always escapes)
 SPLITLINES_ONLY = "\u2028\u2029\u0085\x1c\x1d\x1e"
-ROWS = [{"step": i, "text": f"row{i}{SPLITLINES_ONLY[i % len(SPLITLINES_ONLY)]}end", "all": SPLITLINES_ONLY,
-         "loss": 0.5 + i} for i in range(7)]
+ROWS = [
+    {
+        "step": i,
+        "text": f"row{i}{SPLITLINES_ONLY[i % len(SPLITLINES_ONLY)]}end",
+        "all": SPLITLINES_ONLY,
+        "loss": 0.5 + i,
+    }
+    for i in range(7)
+]
 
 
 def test_these_characters_really_break_str_splitlines():
@@ -28,8 +35,15 @@ def test_iter_jsonl_splits_on_newline_only(tmp_path):
 
 
 def test_iter_jsonl_reports_bad_lines_by_number_and_accepts_bom_and_crlf():
-    data = (b"\xef\xbb\xbf" + json.dumps(ROWS[0], ensure_ascii=False).encode() + b"\r\n\n  \n"
-            + b'{"torn": ' + b"\n" + b'{"bad": "\xff"}\n' + json.dumps(ROWS[1], ensure_ascii=False).encode())
+    data = (
+        b"\xef\xbb\xbf"
+        + json.dumps(ROWS[0], ensure_ascii=False).encode()
+        + b"\r\n\n  \n"
+        + b'{"torn": '
+        + b"\n"
+        + b'{"bad": "\xff"}\n'
+        + json.dumps(ROWS[1], ensure_ascii=False).encode()
+    )
     out = list(iter_jsonl(data))
     assert [n for n, _ in out] == [1, 4, 5, 6]
     assert out[0][1] == ROWS[0] and out[3][1] == ROWS[1]  # a last line without "\n" is still read
@@ -84,15 +98,26 @@ def test_rows_with_line_separators_go_through_subset_and_teacher_gen_and_pass_th
     from ars_opd.teacher.client.generate import generate_teacher_completions
     from fake_endpoint import FakeEndpoint
 
-    rows = [{"instruction": f"Join these lines:\u2028first {i}\u2028second", "input": f"caf\u00e9\u0085next {i}",
-             "output": f"first second {i}\u2029"} for i in range(30)]
+    rows = [
+        {
+            "instruction": f"Join these lines:\u2028first {i}\u2028second",
+            "input": f"caf\u00e9\u0085next {i}",
+            "output": f"first second {i}\u2029",
+        }
+        for i in range(30)
+    ]
     source = tmp_path / f"alpaca{suffix}"
-    source.write_text(json.dumps(rows, ensure_ascii=False) if suffix == ".json"
-                      else "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    source.write_text(
+        json.dumps(rows, ensure_ascii=False)
+        if suffix == ".json"
+        else "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+        encoding="utf-8",
+    )
     monkeypatch.chdir(tmp_path)
     paths = PathsConfig()
-    stats = write_subset(BaseConfig(), DataConfig(source=str(source), subset_size=0, eval_size=5), SyntheticConfig(),
-                         paths)
+    stats = write_subset(
+        BaseConfig(), DataConfig(source=str(source), subset_size=0, eval_size=5), SyntheticConfig(), paths
+    )
     assert stats["malformed"] == 0 and stats["selected"] == 30
     with FakeEndpoint() as ep:
         cfg = parse_section(TeacherGenConfig, {"endpoint": ep.base_url, "model": "fake-teacher"}, "teacher_gen")

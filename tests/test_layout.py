@@ -71,9 +71,13 @@ def test_every_import_points_down_or_within_its_package():
         here = _module_name(path)
         for module, names, line in _imports(path):
             # ``from ars_opd.pkg import mod`` imports the module pkg.mod
-            targets = [f"{module}.{n}" if (REPO / Path(*f"{module}.{n}".split("."))).with_suffix(".py").exists()
-                       or (REPO / Path(*f"{module}.{n}".split(".")) / "__init__.py").exists() else module
-                       for n in names] or [module]
+            targets = [
+                f"{module}.{n}"
+                if (REPO / Path(*f"{module}.{n}".split("."))).with_suffix(".py").exists()
+                or (REPO / Path(*f"{module}.{n}".split(".")) / "__init__.py").exists()
+                else module
+                for n in names
+            ] or [module]
             for target in targets:
                 if _floor(target) > _floor(here):
                     up.append(f"{path.relative_to(REPO)}:{line} imports {target}")
@@ -95,8 +99,11 @@ def test_no_module_imports_another_modules_private_name():
     private = []
     for path in _library_files() + sorted((REPO / "stages").glob("*.py")):
         for module, names, line in _imports(path):
-            private += [f"{path.relative_to(REPO)}:{line} takes {n} from {module}" for n in names
-                        if n.startswith("_") and not n.startswith("__")]
+            private += [
+                f"{path.relative_to(REPO)}:{line} takes {n} from {module}"
+                for n in names
+                if n.startswith("_") and not n.startswith("__")
+            ]
     assert not private, "\n".join(private)
 
 

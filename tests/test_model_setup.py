@@ -5,12 +5,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ars_opd.data import synthetic
 from ars_opd.config import BaseConfig, ModelsConfig, SyntheticConfig, parse_section
-from ars_opd.lm.generation import generate_token_ids
-from ars_opd.models.prepare import TeacherTooWeakError, prepare_models
-from ars_opd.models.loading import ModelSourceError, load_model, load_tokenizer, read_manifest, resolve_pretrained
+from ars_opd.data import synthetic
 from ars_opd.data.prompts import alpaca_messages, encode_prompts
+from ars_opd.lm.generation import generate_token_ids
+from ars_opd.models.loading import ModelSourceError, load_model, load_tokenizer, read_manifest, resolve_pretrained
+from ars_opd.models.prepare import TeacherTooWeakError, prepare_models
 from micro import MICRO_OVERRIDES
 
 
@@ -24,8 +24,14 @@ def _micro_models(**over) -> ModelsConfig:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    metrics = prepare_models(BaseConfig(seed=0, threads=1), _micro_models(), SyntheticConfig(),
-                             str(root / "models"), str(root / "metrics" / "models.json"), progress=False)
+    metrics = prepare_models(
+        BaseConfig(seed=0, threads=1),
+        _micro_models(),
+        SyntheticConfig(),
+        str(root / "models"),
+        str(root / "metrics" / "models.json"),
+        progress=False,
+    )
     return root, metrics
 
 
@@ -34,7 +40,12 @@ def test_models_stage_writes_loadable_pinned_models(built):
     root, metrics = built
     d = root / "models"
     assert sorted(p.name for p in d.iterdir()) == [
-        "manifest.json", "student", "teacher", "teacher_train_log.json", "tokenizer"]
+        "manifest.json",
+        "student",
+        "teacher",
+        "teacher_train_log.json",
+        "tokenizer",
+    ]
     manifest = read_manifest(d)
     assert manifest["teacher"]["source"] == "builtin" and len(manifest["teacher"]["revision"]) == 64
     assert manifest["tokenizer"]["vocab_size"] == metrics["tokenizer_vocab_size"]
@@ -54,8 +65,14 @@ def test_models_stage_writes_loadable_pinned_models(built):
 @pytest.mark.slow
 def test_models_stage_is_deterministic(built, tmp_path):
     root, metrics = built
-    again = prepare_models(BaseConfig(seed=0, threads=1), _micro_models(), SyntheticConfig(),
-                           str(tmp_path / "models"), str(tmp_path / "m.json"), progress=False)
+    again = prepare_models(
+        BaseConfig(seed=0, threads=1),
+        _micro_models(),
+        SyntheticConfig(),
+        str(tmp_path / "models"),
+        str(tmp_path / "m.json"),
+        progress=False,
+    )
     first, second = read_manifest(root / "models"), read_manifest(tmp_path / "models")
     assert first["teacher"]["revision"] == second["teacher"]["revision"]
     assert first["student"]["revision"] == second["student"]["revision"]
@@ -66,8 +83,14 @@ def test_models_stage_is_deterministic(built, tmp_path):
 def test_weak_teacher_gate_fails_and_writes_nothing(tmp_path):
     cfg = _micro_models(teacher_training={"min_accuracy": 0.99})
     with pytest.raises(TeacherTooWeakError, match="min_accuracy"):
-        prepare_models(BaseConfig(threads=1), cfg, SyntheticConfig(), str(tmp_path / "models"),
-                       str(tmp_path / "m.json"), progress=False)
+        prepare_models(
+            BaseConfig(threads=1),
+            cfg,
+            SyntheticConfig(),
+            str(tmp_path / "models"),
+            str(tmp_path / "m.json"),
+            progress=False,
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -87,8 +110,11 @@ def test_local_model_directory_is_pinned_by_file_hash(tmp_path, char_tokenizer):
     from ars_opd.config import ArchConfig
     from ars_opd.models.builtin import build_causal_lm
 
-    m = build_causal_lm(ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2,
-                                   intermediate_size=32), char_tokenizer, seed=0)
+    m = build_causal_lm(
+        ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32),
+        char_tokenizer,
+        seed=0,
+    )
     m.save_pretrained(tmp_path / "m")
     char_tokenizer.save_pretrained(tmp_path / "m")
     ref = resolve_pretrained(str(tmp_path / "m"))
@@ -110,14 +136,21 @@ def test_pretrained_pair_with_different_tokenizers_is_refused(tmp_path, char_tok
         tok.save_pretrained(tmp_path / name)
     cfg = parse_section(ModelsConfig, {"teacher": str(tmp_path / "t"), "student": str(tmp_path / "s")}, "models")
     with pytest.raises(TokenizerMismatchError, match="do not share a tokenizer"):
-        prepare_models(BaseConfig(threads=1), cfg, SyntheticConfig(), str(tmp_path / "out"),
-                       str(tmp_path / "m.json"), progress=False)
+        prepare_models(
+            BaseConfig(threads=1),
+            cfg,
+            SyntheticConfig(),
+            str(tmp_path / "out"),
+            str(tmp_path / "m.json"),
+            progress=False,
+        )
     assert not (tmp_path / "out").exists()
 
     # the same tokenizer on both sides passes and pins both local directories
     cfg = parse_section(ModelsConfig, {"teacher": str(tmp_path / "t"), "student": str(tmp_path / "t")}, "models")
-    prepare_models(BaseConfig(threads=1), cfg, SyntheticConfig(), str(tmp_path / "out"), str(tmp_path / "m.json"),
-                   progress=False)
+    prepare_models(
+        BaseConfig(threads=1), cfg, SyntheticConfig(), str(tmp_path / "out"), str(tmp_path / "m.json"), progress=False
+    )
     manifest = read_manifest(tmp_path / "out")
     assert manifest["teacher"]["source"] == "local" and manifest["teacher"]["path"] == str((tmp_path / "t").resolve())
     assert load_model(tmp_path / "out", "student").config.vocab_size == len(char_tokenizer)
@@ -130,11 +163,19 @@ def _resolve_in_fresh_process(tmp_path, **env) -> str:
     import sys
 
     full_env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), **env}
-    code = ("from ars_opd.models.loading import resolve_pretrained, ModelSourceError\n"
-            "try:\n    resolve_pretrained('Qwen/Qwen3-0.6B')\n"
-            "except ModelSourceError as e:\n    print('ModelSourceError:', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "from ars_opd.models.loading import resolve_pretrained, ModelSourceError\n"
+        "try:\n    resolve_pretrained('Qwen/Qwen3-0.6B')\n"
+        "except ModelSourceError as e:\n    print('ModelSourceError:', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     return out.stdout + out.stderr
 
 
@@ -145,10 +186,17 @@ def test_hub_id_offline_and_absent_is_a_clear_error(tmp_path):
 
 def test_hub_unreachable_is_a_clear_error(tmp_path):
     # online mode, but the endpoint is a closed port on loopback: no traffic leaves the machine
-    out = _resolve_in_fresh_process(tmp_path, HF_HUB_OFFLINE="0", HF_ENDPOINT="http://127.0.0.1:9",
-                                    HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
-    assert "ModelSourceError: cannot load Qwen/Qwen3-0.6B: not in the local Hugging Face cache and the hub " \
-           "could not be reached" in out
+    out = _resolve_in_fresh_process(
+        tmp_path,
+        HF_HUB_OFFLINE="0",
+        HF_ENDPOINT="http://127.0.0.1:9",
+        HF_HUB_ETAG_TIMEOUT="2",
+        HF_HUB_DOWNLOAD_TIMEOUT="2",
+    )
+    assert (
+        "ModelSourceError: cannot load Qwen/Qwen3-0.6B: not in the local Hugging Face cache and the hub "
+        "could not be reached" in out
+    )
     assert "Connect" in out  # the underlying cause is named
 
 
@@ -161,8 +209,14 @@ def test_weak_teacher_error_names_the_params_that_fix_it(tmp_path):
     # steps 0: no training at all, so the gate must fail, and the message must say which params to change
     cfg = _micro_models(teacher_training={"steps": 0, "min_accuracy": 0.5})
     with pytest.raises(TeacherTooWeakError) as e:
-        prepare_models(BaseConfig(threads=1), cfg, SyntheticConfig(), str(tmp_path / "models"),
-                       str(tmp_path / "m.json"), progress=False)
+        prepare_models(
+            BaseConfig(threads=1),
+            cfg,
+            SyntheticConfig(),
+            str(tmp_path / "models"),
+            str(tmp_path / "m.json"),
+            progress=False,
+        )
     message = str(e.value)
     assert "after models.teacher_training.steps = 0 steps" in message
     assert "below models.teacher_training.min_accuracy = 50.0%" in message

@@ -36,12 +36,38 @@ def _torchrun_nodes(root: Path, timeout: float = 300) -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    procs = [subprocess.Popen([str(torchrun), "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
-                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-                               "--local-addr", "127.0.0.1", "--max-restarts", "0", "-m", "stages.sft"],
-                              cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-             for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                str(torchrun),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                run_id,
+                "--local-addr",
+                "127.0.0.1",
+                "--max-restarts",
+                "0",
+                "-m",
+                "stages.sft",
+            ],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
     outs = []
     try:
         for p in procs:
@@ -64,8 +90,14 @@ def test_multinode_sft_two_torchrun_nodes_bit_identical_to_single_launcher(tmp_p
     nodes = tmp_path / "nodes"
     # the same models and data (not rebuilt): only the launch differs
     shutil.copytree(single, nodes)
-    proc = subprocess.run([sys.executable, "-m", "stages.sft"], cwd=single, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.sft"],
+        cwd=single,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _torchrun_nodes(nodes)
 

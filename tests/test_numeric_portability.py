@@ -22,14 +22,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from ars_opd.lm.cross_entropy import cross_entropy_terms
 from ars_opd.lm.divergences import divergence_terms, sampled_token_terms
 from ars_opd.lm.head import OutputHead, chunked_head_loss
-from ars_opd.lm.cross_entropy import cross_entropy_terms
 from ars_opd.training.consistency import consistency_metrics
 from oracles import divergence_sum, sampled_token_loss
 from tolerances import (
-    U32, consistency_bounds, head_grad_bound, linear_bound, log_softmax_bound, loss_bound, loss_grad_bound,
-    sum_bound, two_computations, vs_oracle,
+    U32,
+    consistency_bounds,
+    head_grad_bound,
+    linear_bound,
+    log_softmax_bound,
+    loss_bound,
+    loss_grad_bound,
+    sum_bound,
+    two_computations,
+    vs_oracle,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,18 +58,26 @@ def _orders(x: torch.Tensor) -> dict[str, torch.Tensor]:
     for v in x:  # one rounding per term, in order
         acc = acc + v
     perm = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))
-    return {"left_to_right": acc, "torch": x.sum(), "ascending": x.sort().values.sum(),
-            "descending": x.sort(descending=True).values.sum(), "by_magnitude": x[x.abs().argsort()].sum(),
-            "random": x[perm].sum(), "blocks_of_7": torch.stack([c.sum() for c in x.split(7)]).sum()}
+    return {
+        "left_to_right": acc,
+        "torch": x.sum(),
+        "ascending": x.sort().values.sum(),
+        "descending": x.sort(descending=True).values.sum(),
+        "by_magnitude": x[x.abs().argsort()].sum(),
+        "random": x[perm].sum(),
+        "blocks_of_7": torch.stack([c.sum() for c in x.split(7)]).sum(),
+    }
 
 
 @pytest.mark.parametrize("kind", ["positive", "cancelling", "wide_range"])
 def test_sum_bound_holds_for_every_order(kind):
     g = torch.Generator().manual_seed(1)
     n = 2000
-    x = {"positive": torch.rand(n, generator=g),
-         "cancelling": torch.randn(n, generator=g) + 1e-3,
-         "wide_range": torch.randn(n, generator=g) * torch.logspace(-6, 6, n)}[kind]
+    x = {
+        "positive": torch.rand(n, generator=g),
+        "cancelling": torch.randn(n, generator=g) + 1e-3,
+        "wide_range": torch.randn(n, generator=g) * torch.logspace(-6, 6, n),
+    }[kind]
     exact = x.double().sum()
     bound = sum_bound(n, x.double().abs().sum().item())
     for name, total in _orders(x).items():
@@ -121,8 +137,13 @@ def _logits_path(kind, z, zt, y, beta, tau):
     return divergence_sum(z, zt, mask, beta, tau)[0], 0.0
 
 
-CASES = [("cross_entropy", 1.0, 1.0), ("divergence", 0.0, 0.7), ("divergence", 1.0, 1.0),
-         ("divergence", 0.5, 2.0), ("sampled_token", 1.0, 0.7)]
+CASES = [
+    ("cross_entropy", 1.0, 1.0),
+    ("divergence", 0.0, 0.7),
+    ("divergence", 1.0, 1.0),
+    ("divergence", 0.5, 2.0),
+    ("sampled_token", 1.0, 0.7),
+]
 
 
 @pytest.mark.parametrize("kind, beta, tau", CASES, ids=["ce", "fwd_kl", "rev_kl", "jsd", "sampled"])
@@ -179,8 +200,12 @@ def test_consistency_statistics_do_not_depend_on_the_parameter_order():
     K, P = 3, 20_000
     shared = torch.randn(P, generator=g)
     G = shared + 0.8 * torch.randn(K, P, generator=g) * torch.rand(K, 1, generator=g)
-    orders = {"original": (torch.arange(P), 500), "reversed": (torch.arange(P).flip(0), 500),
-              "permuted": (torch.randperm(P, generator=g), 777), "one_bucket": (torch.arange(P), P)}
+    orders = {
+        "original": (torch.arange(P), 500),
+        "reversed": (torch.arange(P).flip(0), 500),
+        "permuted": (torch.randperm(P, generator=g), 777),
+        "one_bucket": (torch.arange(P), P),
+    }
     inputs = {name: _stats(G, order, bucket) for name, (order, bucket) in orders.items()}
     base = consistency_metrics(**inputs["original"])
     bound = consistency_bounds(**inputs["original"], n_params=P)
@@ -189,13 +214,18 @@ def test_consistency_statistics_do_not_depend_on_the_parameter_order():
         other, other_bound = consistency_metrics(**x), consistency_bounds(**x, n_params=P)
         for k in keys:
             assert abs(other[k] - base[k]) <= two_computations(bound[k], other_bound[k]), (name, k)
-        for a, b, e, f in zip(other["worker_cos_to_mean"], base["worker_cos_to_mean"], bound["worker_cos_to_mean"],
-                              other_bound["worker_cos_to_mean"]):
+        for a, b, e, f in zip(
+            other["worker_cos_to_mean"],
+            base["worker_cos_to_mean"],
+            bound["worker_cos_to_mean"],
+            other_bound["worker_cos_to_mean"],
+        ):
             assert abs(a - b) <= two_computations(e, f), name
     # and each within its bound of the float64 statistics of the same gradients
     G64 = G.double()
-    exact = consistency_metrics([1.0, 1.5, 0.5], G64.pow(2).sum(1).tolist(), (G64 @ G64.mean(0)).tolist(),
-                                float(G64.mean(0).pow(2).sum()))
+    exact = consistency_metrics(
+        [1.0, 1.5, 0.5], G64.pow(2).sum(1).tolist(), (G64 @ G64.mean(0)).tolist(), float(G64.mean(0).pow(2).sum())
+    )
     for k in keys:
         assert abs(base[k] - exact[k]) <= vs_oracle(bound[k]), k
 
@@ -212,20 +242,27 @@ def test_the_reported_case_holds_at_1_and_2_threads(threads):
 # (the ones through a transformer cost an import of transformers per process; the in-process tests above run
 # the head path and the reported case at both thread counts), and this file's quick tests. test_consistency.py
 # is left out: its quick tests are float64 Python, and its DDP workers run one thread each by design.
-NUMERIC_TESTS = ["tests/test_divergences.py", "tests/test_topk_loss.py", "tests/test_head_losses.py",
-                 "tests/test_numeric_portability.py"]
-SELECTION = ("not converge and not thread_counts and not reported_case and not logits_path and not bf16_weights "
-             "and not bf16_teacher and not hidden_states and not heads_that")
+NUMERIC_TESTS = [
+    "tests/test_divergences.py",
+    "tests/test_topk_loss.py",
+    "tests/test_head_losses.py",
+    "tests/test_numeric_portability.py",
+]
+SELECTION = (
+    "not converge and not thread_counts and not reported_case and not logits_path and not bf16_weights "
+    "and not bf16_teacher and not hidden_states and not heads_that"
+)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2])
 def test_the_numeric_tests_pass_at_other_thread_counts(n):
     env = {**os.environ, "OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
-    code = (f"import sys, torch, pytest; assert torch.get_num_threads() == {n}, torch.get_num_threads(); "
-            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-m', 'not slow', '-k', {SELECTION!r}, "
-            f"*{NUMERIC_TESTS!r}]))")
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600)
+    code = (
+        f"import sys, torch, pytest; assert torch.get_num_threads() == {n}, torch.get_num_threads(); "
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-m', 'not slow', '-k', {SELECTION!r}, "
+        f"*{NUMERIC_TESTS!r}]))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert " passed" in run.stdout, run.stdout[-3000:]

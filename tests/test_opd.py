@@ -11,9 +11,9 @@ import torch
 
 from ars_opd.artifacts import read_jsonl
 from ars_opd.config import load_params
-from ars_opd.training.distributed import launch
-from ars_opd.models.loading import load_model, load_tokenizer
 from ars_opd.lm.batching import build_rollout_batch
+from ars_opd.models.loading import load_model, load_tokenizer
+from ars_opd.training.distributed import launch
 from ars_opd.training.opd import run_opd, uses_student_rollouts
 from ddp_probe import gkd_probe
 from micro import distill_workspace
@@ -64,8 +64,17 @@ def _workspace(root: Path, opd: dict) -> None:
 @pytest.mark.ddp
 @pytest.mark.parametrize("loss, lam", [("full_vocab", 0.5), ("sampled_token", 1.0)])
 def test_opd_stage_end_to_end_on_micro_config(tmp_path, loss, lam):
-    opd = {"steps": 6, "global_batch_size": 8, "micro_batch_size": 2, "max_new_tokens": 6, "loss": loss,
-           "on_policy_fraction": lam, "checkpoint_every": 3, "warmup_steps": 1, "lr": 0.005}
+    opd = {
+        "steps": 6,
+        "global_batch_size": 8,
+        "micro_batch_size": 2,
+        "max_new_tokens": 6,
+        "loss": loss,
+        "on_policy_fraction": lam,
+        "checkpoint_every": 3,
+        "warmup_steps": 1,
+        "lr": 0.005,
+    }
     _workspace(tmp_path, opd)
     cwd = os.getcwd()
     os.chdir(tmp_path)
@@ -81,8 +90,14 @@ def test_opd_stage_end_to_end_on_micro_config(tmp_path, loss, lam):
     sources = [r["gkd_source"] for r in steps]
     assert sources == ["student" if uses_student_rollouts_for(s, lam, p) else "teacher" for s in range(6)]
     for r in steps:
-        for key in ("task/teacher_logprob", "task/response_length", "task/eos_rate",
-                    "consistency/grad_direction_consistency", "grad_norm", "worker_loss"):
+        for key in (
+            "task/teacher_logprob",
+            "task/response_length",
+            "task/eos_rate",
+            "consistency/grad_direction_consistency",
+            "grad_norm",
+            "worker_loss",
+        ):
             assert key in r, key
         assert "task/gen_s" not in r and "task/teacher_s" not in r  # wall-clock columns: DVCLive only
         assert r["task/teacher_logprob"] <= 0 and 0 <= r["task/eos_rate"] <= 1

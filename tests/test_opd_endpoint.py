@@ -53,14 +53,26 @@ def _batches(tokenizer, n: int = 12, micro_batch: int = 4) -> list[dict]:
     rows = teacher_rows(n, seed=9)
     prompts = encode_prompts(tokenizer, [r["messages"] for r in rows])
     completions = encode_completions(tokenizer, [r["completion"] for r in rows])
-    return [build_rollout_batch(prompts[i:i + micro_batch], completions[i:i + micro_batch],
-                                tokenizer.pad_token_id, tokenizer.eos_token_id) for i in range(0, n, micro_batch)]
+    return [
+        build_rollout_batch(
+            prompts[i : i + micro_batch],
+            completions[i : i + micro_batch],
+            tokenizer.pad_token_id,
+            tokenizer.eos_token_id,
+        )
+        for i in range(0, n, micro_batch)
+    ]
 
 
 def _endpoint(url: str, vocab: int, concurrency: int = 4, **limits) -> EndpointTeacher:
-    return EndpointTeacher(ClientSettings(url, limits=EndpointConfig(endpoint=url, model=LOCAL_MODEL_NAME,
-                                                                     concurrency=concurrency, **limits)),
-                           LOCAL_MODEL_NAME, vocab, topk=5)
+    return EndpointTeacher(
+        ClientSettings(
+            url, limits=EndpointConfig(endpoint=url, model=LOCAL_MODEL_NAME, concurrency=concurrency, **limits)
+        ),
+        LOCAL_MODEL_NAME,
+        vocab,
+        topk=5,
+    )
 
 
 def test_endpoint_scores_equal_the_local_forward(micro):
@@ -78,12 +90,22 @@ def test_endpoint_scores_equal_the_local_forward(micro):
                 remote.attach(cpu, objective)
                 for b in cpu:
                     mine, theirs = local.score(b, objective, 1.0), remote.score(b, objective, 1.0)
-                    worst["token"] = max(worst["token"], float((mine.target_logprobs() - theirs.target_logprobs()).abs().max()))
+                    worst["token"] = max(
+                        worst["token"], float((mine.target_logprobs() - theirs.target_logprobs()).abs().max())
+                    )
                     if name == "topk":
                         # same support sets; log-probs aligned by id
                         for r in range(mine.support_ids.shape[0]):
-                            a = {int(i): float(v) for i, v in zip(mine.support_ids[r], mine.support_logprobs[r]) if v > -1e30}
-                            c = {int(i): float(v) for i, v in zip(theirs.support_ids[r], theirs.support_logprobs[r]) if v > -1e30}
+                            a = {
+                                int(i): float(v)
+                                for i, v in zip(mine.support_ids[r], mine.support_logprobs[r])
+                                if v > -1e30
+                            }
+                            c = {
+                                int(i): float(v)
+                                for i, v in zip(theirs.support_ids[r], theirs.support_logprobs[r])
+                                if v > -1e30
+                            }
                             assert set(a) == set(c)
                             worst["topk"] = max(worst["topk"], max(abs(a[i] - c[i]) for i in a))
         finally:
@@ -91,8 +113,10 @@ def test_endpoint_scores_equal_the_local_forward(micro):
     print(f"max |endpoint - local| log p_T: targets {worst['token']:.2e}, top-k {worst['topk']:.2e}")
     # two fp32 forwards of the same weights at other batch shapes (the server pads its own batches)
     with torch.no_grad():
-        top = max(local.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.abs().max().item()
-                  for b in batches)
+        top = max(
+            local.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.abs().max().item()
+            for b in batches
+        )
     width = max(b["input_ids"].shape[1] for b in batches)
     tol = two_computations(forward_bound(local.model.config, width, top, len(tokenizer)))
     assert worst["token"] <= tol and worst["topk"] <= tol
@@ -113,7 +137,9 @@ def test_faults_on_the_endpoint_leave_the_scores_identical(micro):
         clean.close()
         proxy = FaultyProxy(fault_rate=0.2, retry_after_s=0.05, hang_s=5.0, upstream=url.removesuffix("/v1"))
         with proxy:
-            retrying = _endpoint(proxy.base_url, len(tokenizer), request_timeout_s=1.0, backoff_base_s=0.05, backoff_max_s=0.2)
+            retrying = _endpoint(
+                proxy.base_url, len(tokenizer), request_timeout_s=1.0, backoff_base_s=0.05, backoff_max_s=0.2
+            )
             retrying.attach(faulty, objective)
             retrying.close()
     first = [e["outcome"] for e in proxy.log if e["attempt"] == 1]
@@ -163,9 +189,18 @@ def _run(root: Path) -> tuple[list[dict], dict]:
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_sampled_token_opd_with_endpoint_scoring_matches_the_local_teacher(tmp_path):
-    opd = {"steps": 20, "global_batch_size": 8, "micro_batch_size": 4, "max_new_tokens": 6, "loss": "sampled_token",
-           "checkpoint_every": 0, "snapshot_every": 0, "warmup_steps": 1, "lr": 0.005,
-           "teacher_server": {"threads": 1}}
+    opd = {
+        "steps": 20,
+        "global_batch_size": 8,
+        "micro_batch_size": 4,
+        "max_new_tokens": 6,
+        "loss": "sampled_token",
+        "checkpoint_every": 0,
+        "snapshot_every": 0,
+        "warmup_steps": 1,
+        "lr": 0.005,
+        "teacher_server": {"threads": 1},
+    }
     _workspace(tmp_path / "local", {**opd, "teacher": "local"})
     _workspace(tmp_path / "endpoint", {**opd, "teacher": "endpoint"})
     local_steps, _ = _run(tmp_path / "local")
@@ -190,8 +225,14 @@ def test_unreachable_endpoint_fails_before_step_zero_naming_the_url(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/v1"
-    _workspace(tmp_path, {"loss": "sampled_token", "teacher": "endpoint",
-                          "teacher_endpoint": {"endpoint": url, "model": "teacher", "request_timeout_s": 2.0}})
+    _workspace(
+        tmp_path,
+        {
+            "loss": "sampled_token",
+            "teacher": "endpoint",
+            "teacher_endpoint": {"endpoint": url, "model": "teacher", "request_timeout_s": 2.0},
+        },
+    )
     with pytest.raises(EndpointError, match=f"cannot reach the teacher endpoint {url}.*opd.teacher_endpoint.endpoint"):
         _run(tmp_path)
     assert not (tmp_path / load_params(tmp_path / "params.yaml").paths.training("opd").steps).exists()
@@ -205,8 +246,17 @@ def test_endpoint_opd_worker_never_loads_teacher_weights(tmp_path, monkeypatch):
     from ars_opd.training.opd import opd_worker
     from ars_opd.training.worker import TrainingJob
 
-    _workspace(tmp_path, {"loss": "sampled_token", "teacher": "endpoint", "steps": 2, "warmup_steps": 0,
-                          "checkpoint_every": 0, "snapshot_every": 0})
+    _workspace(
+        tmp_path,
+        {
+            "loss": "sampled_token",
+            "teacher": "endpoint",
+            "steps": 2,
+            "warmup_steps": 0,
+            "checkpoint_every": 0,
+            "snapshot_every": 0,
+        },
+    )
     loaded: list[str] = []
     original = AutoModelForCausalLM.from_pretrained.__func__
 
@@ -219,8 +269,14 @@ def test_endpoint_opd_worker_never_loads_teacher_weights(tmp_path, monkeypatch):
     p = load_params("params.yaml")
     teacher_dir = str(Path(model_path(p.paths.models_dir, "teacher")).resolve())
     with local_teacher_server(teacher_dir, SERVER, max_logprobs=1) as url:
-        job = TrainingJob("opd", p.opd, p.ddp, p.paths, progress=False,
-                          runtime={"scoring_url": url, "scoring_model": LOCAL_MODEL_NAME})
+        job = TrainingJob(
+            "opd",
+            p.opd,
+            p.ddp,
+            p.paths,
+            progress=False,
+            runtime={"scoring_url": url, "scoring_model": LOCAL_MODEL_NAME},
+        )
         summary = opd_worker(job)
     assert summary["steps"] == 2
     assert loaded and teacher_dir not in loaded, loaded  # the student was loaded, the teacher never

@@ -35,8 +35,11 @@ def _source_modules() -> list[str]:
 
 def _subpackages() -> list[str]:
     """Every package of the source tree by module name, found on disk: a new subpackage is covered as is."""
-    return sorted(".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "ars_opd").rglob("__init__.py")
-                  if "__pycache__" not in p.parts)
+    return sorted(
+        ".".join(p.parent.relative_to(REPO).parts)
+        for p in (REPO / "ars_opd").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    )
 
 
 def _run(cmd: list[str], cwd: Path, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -67,8 +70,12 @@ def test_wheel_installs_a_complete_working_package(tmp_path):
     env["PYTHONNOUSERSITE"] = "1"
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     pip = [sys.executable, "-m", "pip"]
-    _run(pip + ["wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(tmp_path / "dist"),
-                str(src)], tmp_path, env)
+    _run(
+        pip
+        + ["wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(tmp_path / "dist"), str(src)],
+        tmp_path,
+        env,
+    )
     (wheel,) = (tmp_path / "dist").glob("ars_opd-*.whl")
     with zipfile.ZipFile(wheel) as z:
         packaged = sorted(n for n in z.namelist() if n.startswith("ars_opd/") and n.endswith(".py"))
@@ -77,16 +84,24 @@ def test_wheel_installs_a_complete_working_package(tmp_path):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path, env)
     python = venv / "bin" / "python"
-    _run(pip + ["--python", str(python), "install", "--no-deps", "--no-index", "--no-compile", "-q", str(wheel)],
-         tmp_path, env)
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path,
-                     env).stdout.strip())
+    _run(
+        pip + ["--python", str(python), "install", "--no-deps", "--no-index", "--no-compile", "-q", str(wheel)],
+        tmp_path,
+        env,
+    )
+    site = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path, env
+        ).stdout.strip()
+    )
     deps = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))  # this environment's
     (site / "ars_opd_test_deps.pth").write_text("".join(f"{d}\n" for d in deps))
 
     # -P: the working directory is not put on sys.path (run from tmp_path anyway)
-    probe = ("import importlib, json, sys; mods = {n: importlib.import_module(n).__file__ for n in sys.argv[1:]}; "
-             "print(json.dumps({'files': mods, 'editable': [m for m in sys.modules if m.startswith('__editable__')]}))")
+    probe = (
+        "import importlib, json, sys; mods = {n: importlib.import_module(n).__file__ for n in sys.argv[1:]}; "
+        "print(json.dumps({'files': mods, 'editable': [m for m in sys.modules if m.startswith('__editable__')]}))"
+    )
     found = json.loads(_run([str(python), "-P", "-c", probe, *_subpackages()], tmp_path, env).stdout)
     assert found["editable"] == []
     assert set(found["files"]) == set(_subpackages()) and "ars_opd.training" in found["files"]

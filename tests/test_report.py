@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from ars_opd.config import PathsConfig, ReportConfig
-from ars_opd.evaluation.detector import rate_interval
 from ars_opd.evaluation.consistency_report import detection_benchmark, noise_scale_summary
+from ars_opd.evaluation.detector import rate_interval
 from ars_opd.evaluation.report import build_report, write_report
 
 
@@ -24,16 +24,30 @@ def _log(n=300, workers=4, seed=0, scale_rank=None, start=200, clip_every=0, dri
         if scale_rank is not None and t >= start:
             wn[scale_rank] *= 2.0
         cos = np.clip(rng.normal(0.6, 0.05, workers), -1, 1)
-        rows.append({"step": t, "loss": float(wl.mean()), "grad_norm": float(wn.mean() * 0.7), "tokens": 400,
-                     "scenario": "S1-1", "clipped": bool(clip_every and t % clip_every == 0),
-                     "worker_loss": wl.tolist(), "worker_tokens": [100] * workers,
-                     "consistency/loss_dispersion": float(wl.std()), "consistency/loss_range": float(np.ptp(wl)),
-                     "consistency/grad_norm_dispersion": float(wn.std()),
-                     "consistency/grad_direction_consistency": float(cos.mean()),
-                     "consistency/gradient_diversity": 0.6, "consistency/worker_grad_norm": wn.tolist(),
-                     "consistency/worker_cos_to_mean": cos.tolist(),
-                     "drift_mismatch": ([1] if t == drift_at else []) if t % 10 == 0 else None,
-                     "fault": None, "gns/b_simple": 1000.0 + t, "gns/g2": 1.0, "gns/trace": 1000.0 + t})
+        rows.append(
+            {
+                "step": t,
+                "loss": float(wl.mean()),
+                "grad_norm": float(wn.mean() * 0.7),
+                "tokens": 400,
+                "scenario": "S1-1",
+                "clipped": bool(clip_every and t % clip_every == 0),
+                "worker_loss": wl.tolist(),
+                "worker_tokens": [100] * workers,
+                "consistency/loss_dispersion": float(wl.std()),
+                "consistency/loss_range": float(np.ptp(wl)),
+                "consistency/grad_norm_dispersion": float(wn.std()),
+                "consistency/grad_direction_consistency": float(cos.mean()),
+                "consistency/gradient_diversity": 0.6,
+                "consistency/worker_grad_norm": wn.tolist(),
+                "consistency/worker_cos_to_mean": cos.tolist(),
+                "drift_mismatch": ([1] if t == drift_at else []) if t % 10 == 0 else None,
+                "fault": None,
+                "gns/b_simple": 1000.0 + t,
+                "gns/g2": 1.0,
+                "gns/trace": 1000.0 + t,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -83,14 +97,52 @@ def test_clipping_noise_scale_and_drift_are_reported():
 def test_detection_benchmark_summary(tmp_path):
     """The run's own K is quoted: its held-out null with the exact interval, its fault table; at K = 2 the
     fault table counts any alarm (no rank is named) and the text says an alarm cannot name the worker."""
-    rows = [{"null": stage, "workers": k, "seed": s, "steps": 1000, "judged_steps": 1000,
-             "false_alarms": s * (k // 2), "alarms": []} for k in (2, 4) for s in range(3) for stage in ("sft",)]
-    rows += [{"case": "loss_scale", "workers": 4, "magnitude": 2.0, "default": True, "seed": s, "rank": 2,
-              "detected": True, "delay_steps": 3 + s, "named_rank": 2 if s else 1, "false_alarms": 0,
-              "judged_steps": 60} for s in range(3)]
-    rows += [{"case": "loss_scale", "workers": 2, "magnitude": 2.0, "default": True, "seed": s, "rank": 1,
-              "detected": s > 0, "delay_steps": 4 + s if s else None, "named_rank": None, "false_alarms": 0,
-              "judged_steps": 60} for s in range(3)]
+    rows = [
+        {
+            "null": stage,
+            "workers": k,
+            "seed": s,
+            "steps": 1000,
+            "judged_steps": 1000,
+            "false_alarms": s * (k // 2),
+            "alarms": [],
+        }
+        for k in (2, 4)
+        for s in range(3)
+        for stage in ("sft",)
+    ]
+    rows += [
+        {
+            "case": "loss_scale",
+            "workers": 4,
+            "magnitude": 2.0,
+            "default": True,
+            "seed": s,
+            "rank": 2,
+            "detected": True,
+            "delay_steps": 3 + s,
+            "named_rank": 2 if s else 1,
+            "false_alarms": 0,
+            "judged_steps": 60,
+        }
+        for s in range(3)
+    ]
+    rows += [
+        {
+            "case": "loss_scale",
+            "workers": 2,
+            "magnitude": 2.0,
+            "default": True,
+            "seed": s,
+            "rank": 1,
+            "detected": s > 0,
+            "delay_steps": 4 + s if s else None,
+            "named_rank": None,
+            "false_alarms": 0,
+            "judged_steps": 60,
+        }
+        for s in range(3)
+    ]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + json.dumps({"summary": "x"}) + "\n")
     lines, flat = detection_benchmark(path, workers=4)

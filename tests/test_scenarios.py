@@ -11,7 +11,14 @@ import pytest
 
 from ars_opd.cli import main
 from ars_opd.evaluation.scenarios import (
-    collect, detectable_difference, jonckheere, mean_ci, render, student_t_cdf, student_t_quantile, welch_diff,
+    collect,
+    detectable_difference,
+    jonckheere,
+    mean_ci,
+    render,
+    student_t_cdf,
+    student_t_quantile,
+    welch_diff,
 )
 
 
@@ -53,13 +60,31 @@ def test_jonckheere_statistic_and_p_value():
 
 
 def _exp(name, scenario, seed, ld, gnd, gdc, fault=None):
-    metrics = {f"{stage}/{k}": v for stage in ("sft", "opd") for k, v in (
-        ("loss_dispersion_mean", ld), ("grad_norm_dispersion_mean", gnd), ("grad_direction_consistency_mean", gdc),
-        ("alarms", 0))}
+    metrics = {
+        f"{stage}/{k}": v
+        for stage in ("sft", "opd")
+        for k, v in (
+            ("loss_dispersion_mean", ld),
+            ("grad_norm_dispersion_mean", gnd),
+            ("grad_direction_consistency_mean", gdc),
+            ("alarms", 0),
+        )
+    }
     ddp = {"scenario": scenario, "workers": 4, "seed": seed, "inject": {"kind": fault}}
-    return {"rev": name, "name": name, "error": None, "experiments": None, "data": {
-        "rev": name, "params": {"params.yaml": {"data": {"ddp": ddp}}},
-        "metrics": {"reports/metrics.json": {"data": metrics}, "data/live/sft/metrics.json": {"data": {"steps": 9}}}}}
+    return {
+        "rev": name,
+        "name": name,
+        "error": None,
+        "experiments": None,
+        "data": {
+            "rev": name,
+            "params": {"params.yaml": {"data": {"ddp": ddp}}},
+            "metrics": {
+                "reports/metrics.json": {"data": metrics},
+                "data/live/sft/metrics.json": {"data": {"steps": 9}},
+            },
+        },
+    }
 
 
 def _show(runs):
@@ -73,8 +98,16 @@ def _grid(shift: float, seeds=range(1, 6), control=True):
     runs = []
     for seed in seeds:
         for i, sc in enumerate(("S1-1", "S1-2", "S1-3")):
-            runs.append((f"{sc}-{seed}", sc, seed, 0.1 + shift * i + rng.normal(0, 0.01), 0.5 + rng.normal(0, 0.02),
-                         0.8 - shift * i + rng.normal(0, 0.01)))
+            runs.append(
+                (
+                    f"{sc}-{seed}",
+                    sc,
+                    seed,
+                    0.1 + shift * i + rng.normal(0, 0.01),
+                    0.5 + rng.normal(0, 0.02),
+                    0.8 - shift * i + rng.normal(0, 0.01),
+                )
+            )
         if control:
             runs.append((f"c-{seed}", "S1-1", seed, 0.3 + rng.normal(0, 0.01), 0.9, 0.4, "shard_skew"))
     return _show(runs)

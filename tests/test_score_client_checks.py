@@ -18,9 +18,17 @@ import pytest
 
 from ars_opd.config import EndpointConfig
 from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError, make_client
-from ars_opd.teacher.client.score import (PROBE_TEXT, NotLogprobsError, ScoringError, check_logprobs,
-                                          check_tokenizer, logsumexp_tolerance, parse_prompt_logprobs,
-                                          score_body, score_sequences)
+from ars_opd.teacher.client.score import (
+    PROBE_TEXT,
+    NotLogprobsError,
+    ScoringError,
+    check_logprobs,
+    check_tokenizer,
+    logsumexp_tolerance,
+    parse_prompt_logprobs,
+    score_body,
+    score_sequences,
+)
 from fake_endpoint import ByteTokenizer, FakeScorer, byte_ids
 
 MODEL = "fake-teacher"
@@ -53,7 +61,7 @@ def test_log_probabilities_pass_and_a_hair_above_zero_is_rounding():
 @pytest.mark.parametrize("n", [2, 3, 21])
 def test_the_tolerance_boundary_is_n_bf16_eps(n):
     tol = logsumexp_tolerance(n)
-    assert tol == n * 2.0 ** -7
+    assert tol == n * 2.0**-7
     for inside in (0.0, 0.5 * tol, tol * (1 - 1e-9)):
         check_logprobs(_at_lse(n, inside), "p")
     for outside in (tol * (1 + 1e-6), 1.5 * tol):
@@ -63,21 +71,27 @@ def test_the_tolerance_boundary_is_n_bf16_eps(n):
 
 def test_the_fake_answers_in_vllm_field_names():
     with FakeScorer(model=MODEL) as ep:
+
         async def go():
             async with aiohttp.ClientSession() as s:
                 root = ep.base_url.removesuffix("/v1")
-                async with s.post(f"{root}/tokenize", json={"model": MODEL, "prompt": "ab",
-                                                            "add_special_tokens": False}) as r:
+                async with s.post(
+                    f"{root}/tokenize", json={"model": MODEL, "prompt": "ab", "add_special_tokens": False}
+                ) as r:
                     tok = await r.json()
                 async with s.post(f"{root}/v1/tokenize", json={"model": MODEL, "prompt": "ab"}) as r:
                     not_under_v1 = r.status
                 async with s.post(f"{root}/v1/completions", json=score_body(MODEL, [97, 98, 99], 2)) as r:
                     return tok, not_under_v1, await r.json()
+
         tok, not_under_v1, body = asyncio.run(go())
     assert tok == {"count": 2, "max_model_len": 4096, "tokens": [97, 98]} and not_under_v1 == 404
     choice = body["choices"][0]
-    assert body["object"] == "text_completion" and set(body["usage"]) == {"prompt_tokens", "total_tokens",
-                                                                           "completion_tokens"}
+    assert body["object"] == "text_completion" and set(body["usage"]) == {
+        "prompt_tokens",
+        "total_tokens",
+        "completion_tokens",
+    }
     plp = choice["prompt_logprobs"]
     assert plp[0] is None and len(plp) == 3
     for i, entry in enumerate(plp[1:], 1):
@@ -100,6 +114,7 @@ def _check_and_score(url: str, rows: list[list[int]], k: int, **limits):
             return await score_sequences(client, MODEL, rows, k, settings)
         finally:
             await client.close()
+
     return asyncio.run(go())
 
 
@@ -144,6 +159,7 @@ def test_logits_in_a_step_are_refused_and_not_retried():
                 return await score_sequences(client, MODEL, rows, 3, settings)
             finally:
                 await client.close()
+
         with pytest.raises(NotLogprobsError, match="sequence 0: prompt_logprobs.*step was not trained") as refused:
             asyncio.run(go())
     assert all(flag in str(refused.value) for flag in FLAGS)

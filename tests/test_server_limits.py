@@ -22,30 +22,39 @@ MODEL = "tiny"
 
 def _model_dir(tmp_path_factory, tokenizer, context: int):
     d = tmp_path_factory.mktemp(f"ctx{context}")
-    build_causal_lm(ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32,
-                               max_position_embeddings=context), tokenizer, seed=0).save_pretrained(d)
+    build_causal_lm(
+        ArchConfig(
+            hidden_size=16,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=context,
+        ),
+        tokenizer,
+        seed=0,
+    ).save_pretrained(d)
     tokenizer.save_pretrained(d)
     return d
 
 
 @pytest.fixture(scope="module")
 def small_context(tmp_path_factory, char_tokenizer):
-    srv = _ServerThread(teacher_server.create_app(str(_model_dir(tmp_path_factory, char_tokenizer, 256)), MODEL,
-                                                  max_wait_ms=1))
+    srv = _ServerThread(
+        teacher_server.create_app(str(_model_dir(tmp_path_factory, char_tokenizer, 256)), MODEL, max_wait_ms=1)
+    )
     yield srv
     srv.close()
 
 
 def _body(content: str, **kw) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2, "temperature": 0,
-            **kw}
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2, "temperature": 0, **kw}
 
 
 async def _post(session, url: str, body) -> tuple[int, dict, float]:
     t0 = time.perf_counter()
     data = body if isinstance(body, bytes) else json.dumps(body)
-    async with session.post(f"{url}/v1/chat/completions", data=data,
-                            headers={"Content-Type": "application/json"}) as r:
+    async with session.post(f"{url}/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}) as r:
         return r.status, await r.json(), time.perf_counter() - t0
 
 
@@ -53,6 +62,7 @@ def _post_one(url: str, body) -> tuple[int, dict, float]:
     async def go():
         async with aiohttp.ClientSession() as s:
             return await _post(s, url, body)
+
     return asyncio.run(go())
 
 
@@ -60,8 +70,11 @@ def test_the_bounds_follow_the_context_and_the_tokenizer(small_context, char_tok
     engine = small_context.app[ENGINE_KEY]
     longest = max(len(t) for t in char_tokenizer.get_vocab())
     assert engine.max_prompt_chars == 256 * longest * CHARS_MARGIN
-    assert small_context.app[BODY_LIMIT_KEY] == teacher_server.body_limit(engine.max_prompt_chars) \
+    assert (
+        small_context.app[BODY_LIMIT_KEY]
+        == teacher_server.body_limit(engine.max_prompt_chars)
         == teacher_server.BYTES_PER_CHAR * engine.max_prompt_chars + teacher_server.BODY_OVERHEAD
+    )
     # the premise of the bound: no token covers more than `longest` characters of the text (vocabulary words,
     # letters, spaces and characters the tokenizer does not know, in random order)
     import random
@@ -98,9 +111,11 @@ def test_a_prompt_the_context_cannot_hold_is_refused_before_tokenizing(small_con
 def test_small_requests_stay_fast_while_a_huge_prompt_is_tokenized(tmp_path_factory, char_tokenizer):
     """A context of 200k tokens admits a 1.5M-character prompt to tokenization (seconds of CPU); meanwhile
     small requests are served as usual. Before tokenization left the event loop, each waited for all of it."""
-    srv = _ServerThread(teacher_server.create_app(str(_model_dir(tmp_path_factory, char_tokenizer, 200_000)), MODEL,
-                                                  max_wait_ms=1))
+    srv = _ServerThread(
+        teacher_server.create_app(str(_model_dir(tmp_path_factory, char_tokenizer, 200_000)), MODEL, max_wait_ms=1)
+    )
     try:
+
         async def go():
             async with aiohttp.ClientSession() as s:
                 baseline = [(await _post(s, srv.url, _body("hi")))[2] for _ in range(5)]
@@ -113,6 +128,7 @@ def test_small_requests_stay_fast_while_a_huge_prompt_is_tokenized(tmp_path_fact
                     small.append(seconds)
                     await asyncio.sleep(0.02)
                 return baseline, await huge, small
+
         baseline, (status, out, huge_s), small = asyncio.run(go())
     finally:
         srv.close()

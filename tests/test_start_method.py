@@ -72,22 +72,26 @@ def _started_early(root, stage: str, ddp: dict) -> dict:
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "params.yaml").write_text(yaml.safe_dump({"ddp": ddp}))
-    probe = ("import sys, json; sys.orig_argv[:] = [sys.executable, '-m', %r]; import stages; "
-             "from multiprocessing import forkserver as f; "
-             "print(json.dumps({'running': f._forkserver._forkserver_pid is not None, "
-             "'torch': 'torch' in sys.modules}))" % stage)
+    probe = (
+        "import sys, json; sys.orig_argv[:] = [sys.executable, '-m', %r]; import stages; "
+        "from multiprocessing import forkserver as f; "
+        "print(json.dumps({'running': f._forkserver._forkserver_pid is not None, "
+        "'torch': 'torch' in sys.modules}))" % stage
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "CUDA_VISIBLE_DEVICES")}
     env["PYTHONPATH"] = str(REPO)
-    out = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=root, env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
-
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="CUDA in sight: workers are spawned, nothing to start")
 def test_a_training_stage_with_local_cpu_workers_starts_their_forkserver_before_importing_torch(tmp_path):
-    assert _started_early(tmp_path / "sft", "stages.sft", {"workers": 2, "device": "cpu"}) == \
-        {"running": True, "torch": False}
+    assert _started_early(tmp_path / "sft", "stages.sft", {"workers": 2, "device": "cpu"}) == {
+        "running": True,
+        "torch": False,
+    }
     # one worker trains in the stage's process; evaluate never launches workers
     assert not _started_early(tmp_path / "one", "stages.opd", {"workers": 1, "device": "cpu"})["running"]
     assert not _started_early(tmp_path / "eval", "stages.evaluate", {"workers": 2, "device": "cpu"})["running"]

@@ -11,8 +11,11 @@ def test_key_is_canonical_and_sensitive_to_every_field():
     b = {"sampling": {"top_p": 1.0, "temperature": 0.0}, "messages": [{"content": "hi", "role": "user"}], "model": "m"}
     assert cache_key(a) == cache_key(b)
     assert len(cache_key(a)) == 64
-    for changed in ({**a, "model": "m2"}, {**a, "sampling": {"temperature": 0.5, "top_p": 1.0}},
-                    {**a, "messages": [{"role": "user", "content": "hi "}]}):
+    for changed in (
+        {**a, "model": "m2"},
+        {**a, "sampling": {"temperature": 0.5, "top_p": 1.0}},
+        {**a, "messages": [{"role": "user", "content": "hi "}]},
+    ):
         assert cache_key(changed) != cache_key(a)
 
 
@@ -52,7 +55,9 @@ def test_invalid_final_line_with_newline_is_treated_as_torn(tmp_path):
 
 def test_damage_in_the_middle_is_an_error_naming_the_line(tmp_path):
     p = tmp_path / "c.jsonl"
-    p.write_text('{"key": "k1", "request": {}, "response": {}}\nnot json\n{"key": "k2", "request": {}, "response": {}}\n')
+    p.write_text(
+        '{"key": "k1", "request": {}, "response": {}}\nnot json\n{"key": "k2", "request": {}, "response": {}}\n'
+    )
     with pytest.raises(CacheCorruptError, match=r"c.jsonl:2"):
         TeacherCache(p).open()
 

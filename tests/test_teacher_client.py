@@ -10,17 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from fake_endpoint import FakeEndpoint, expected_answer
 from ars_opd.config import EndpointConfig
 from ars_opd.teacher.client.cache import TeacherCache, cache_key
 from ars_opd.teacher.client.chat import TeacherRequest, ask_all
 from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError
+from fake_endpoint import FakeEndpoint, expected_answer
 
 
 def _requests(n: int, model: str = "fake-teacher", tag: str = "q") -> list[TeacherRequest]:
     out = []
     for i in range(n):
-        identity = {"model": model, "messages": [{"role": "user", "content": f"{tag} {i}"}], "sampling": {"max_tokens": 8}}
+        identity = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"{tag} {i}"}],
+            "sampling": {"max_tokens": 8},
+        }
         body = {"model": model, "messages": identity["messages"], "max_tokens": 8}
         out.append(TeacherRequest(cache_key(identity), body, identity))
     return out
@@ -34,8 +38,7 @@ def _settings(url: str, api_key: str = "EMPTY", **kw) -> ClientSettings:
 @pytest.mark.slow
 def test_faults_end_completed_or_failed_with_reason_and_no_duplicates(tmp_path):
     reqs = _requests(1000)
-    with FakeEndpoint(fault_rate=0.2, always_fail_400=0.01, always_fail_500=0.01, retry_after_s=0.3,
-                      hang_s=3.0) as ep:
+    with FakeEndpoint(fault_rate=0.2, always_fail_400=0.01, always_fail_500=0.01, retry_after_s=0.3, hang_s=3.0) as ep:
         with TeacherCache(tmp_path / "c.jsonl") as cache:
             summary = asyncio.run(ask_all(reqs, cache, _settings(ep.base_url), progress=False))
         log = list(ep.log)
@@ -133,7 +136,12 @@ print(json.dumps({"completed": s.completed, "failed": s.failed,
 
 
 def test_concurrency_64_under_ulimit_256(tmp_path):
-    out = subprocess.run([sys.executable, "-c", _ULIMIT_SCRIPT, str(tmp_path / "c.jsonl")], capture_output=True,
-                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", _ULIMIT_SCRIPT, str(tmp_path / "c.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"completed": 600, "failed": 0, "limit": 256}

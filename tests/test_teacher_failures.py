@@ -22,8 +22,11 @@ def in_tmp(tmp_path):
 
 
 def _prompts(paths) -> list[str]:
-    return [r["messages"][-1]["content"] for split in ("train", "eval")
-            for r in read_jsonl(getattr(paths, f"subset_{split}"))]
+    return [
+        r["messages"][-1]["content"]
+        for split in ("train", "eval")
+        for r in read_jsonl(getattr(paths, f"subset_{split}"))
+    ]
 
 
 def test_failed_run_reports_every_reason_and_does_not_re_ask_refusals(in_tmp):
@@ -49,24 +52,30 @@ def test_failed_run_reports_every_reason_and_does_not_re_ask_refusals(in_tmp):
         assert report["by_kind"]["http_400"]["rerun"].startswith("not asked again")
         assert report["by_kind"]["http_500"]["rerun"] == "asked again"
         assert Counter(f["reason"].split(":")[0] for f in report["failures"]) == {
-            "http_400": len(refused), "http_500": len(broken)}
+            "http_400": len(refused),
+            "http_500": len(broken),
+        }
 
         # a rerun asks the 500s again, never the 400s
         n = len(ep.log)
-        m = generate_teacher_completions(_cfg(ep.base_url, max_attempts=2, max_failure_fraction=0.5), paths,
-                                         progress=False)
+        m = generate_teacher_completions(
+            _cfg(ep.base_url, max_attempts=2, max_failure_fraction=0.5), paths, progress=False
+        )
         again = {e["prompt"] for e in ep.log[n:]}
         assert again == broken
         assert m["remembered_failures"] == len(refused) and m["failed"] == len(refused) + len(broken)
         failures = read_jsonl(Path(paths.teacher_dir) / "failures.jsonl")
-        assert Counter(f["reason"].split(":")[0] for f in failures) == {"http_400": len(refused),
-                                                                         "http_500": len(broken)}
+        assert Counter(f["reason"].split(":")[0] for f in failures) == {
+            "http_400": len(refused),
+            "http_500": len(broken),
+        }
         assert set(failures[0]) == {"id", "split", "key", "reason", "attempts"}
 
         # ... unless asked to
         n = len(ep.log)
-        generate_teacher_completions(_cfg(ep.base_url, max_attempts=2, max_failure_fraction=0.5, retry_failed=True),
-                                     paths, progress=False)
+        generate_teacher_completions(
+            _cfg(ep.base_url, max_attempts=2, max_failure_fraction=0.5, retry_failed=True), paths, progress=False
+        )
         assert {e["prompt"] for e in ep.log[n:]} == broken | refused
 
 

@@ -14,11 +14,14 @@ import yaml
 
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import DataConfig, PathsConfig, SyntheticConfig, TeacherGenConfig, parse_section
-from fake_endpoint import FakeEndpoint, expected_answer
 from ars_opd.data.subset import make_subset
 from ars_opd.teacher.client.generate import (
-    TeacherGenerationError, build_requests, generate_teacher_completions, strip_thinking,
+    TeacherGenerationError,
+    build_requests,
+    generate_teacher_completions,
+    strip_thinking,
 )
+from fake_endpoint import FakeEndpoint, expected_answer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,8 +38,14 @@ def _workspace(root: Path, n: int = 40, eval_size: int = 8) -> PathsConfig:
 
 
 def _cfg(url: str, **kw) -> TeacherGenConfig:
-    raw = {"endpoint": url, "model": "fake-teacher", "request_timeout_s": 1.0, "backoff_base_s": 0.02,
-           "backoff_max_s": 0.1, **kw}
+    raw = {
+        "endpoint": url,
+        "model": "fake-teacher",
+        "request_timeout_s": 1.0,
+        "backoff_base_s": 0.02,
+        "backoff_max_s": 0.1,
+        **kw,
+    }
     return parse_section(TeacherGenConfig, raw, "teacher_gen")
 
 
@@ -57,13 +66,20 @@ def test_strip_thinking():
 def test_requests_keyed_by_everything_that_determines_the_answer():
     rows = [{"messages": [{"role": "user", "content": "hi"}]}]
     base = build_requests(rows, _cfg("http://x/v1"), "m", "rev1")[0]
-    assert base.body == {"model": "m", "messages": rows[0]["messages"], "temperature": 0.0, "top_p": 1.0,
-                         "max_tokens": 32}
-    variants = [build_requests(rows, _cfg("http://x/v1", temperature=0.7), "m", "rev1")[0],
-                build_requests(rows, _cfg("http://x/v1"), "m", "rev2")[0],
-                build_requests(rows, _cfg("http://x/v1"), "m2", "rev1")[0],
-                build_requests(rows, _cfg("http://x/v1", system_prompt="Be terse."), "m", "rev1")[0],
-                build_requests(rows, _cfg("http://x/v1", max_tokens=8), "m", "rev1")[0]]
+    assert base.body == {
+        "model": "m",
+        "messages": rows[0]["messages"],
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "max_tokens": 32,
+    }
+    variants = [
+        build_requests(rows, _cfg("http://x/v1", temperature=0.7), "m", "rev1")[0],
+        build_requests(rows, _cfg("http://x/v1"), "m", "rev2")[0],
+        build_requests(rows, _cfg("http://x/v1"), "m2", "rev1")[0],
+        build_requests(rows, _cfg("http://x/v1", system_prompt="Be terse."), "m", "rev1")[0],
+        build_requests(rows, _cfg("http://x/v1", max_tokens=8), "m", "rev1")[0],
+    ]
     assert len({base.key, *(v.key for v in variants)}) == 6
     assert variants[3].body["messages"][0] == {"role": "system", "content": "Be terse."}
     # the endpoint URL and API key never enter the key or the cached request
@@ -78,8 +94,9 @@ def test_stage_against_faulty_endpoint_writes_ordered_outputs_and_lists_failures
             generate_teacher_completions(_cfg(ep.base_url, max_attempts=3), paths, progress=False)
         assert not Path(paths.teacher_dir).exists()  # nothing half-done
         asked_first = Counter(e["prompt"] for e in ep.log)
-        m = generate_teacher_completions(_cfg(ep.base_url, max_attempts=3, max_failure_fraction=0.2), paths,
-                                         progress=False)
+        m = generate_teacher_completions(
+            _cfg(ep.base_url, max_attempts=3, max_failure_fraction=0.2), paths, progress=False
+        )
         # the second run asked only for the prompts that had failed
         asked_second = Counter(e["prompt"] for e in ep.log) - asked_first
         assert set(asked_second) and all(asked_first[p] == 3 for p in asked_second)
@@ -135,9 +152,11 @@ def test_kill_9_mid_run_then_resume_asks_nothing_twice(in_tmp):
         proc.wait()
         assert not Path(paths.teacher_dir).exists()
         raw = cache.read_bytes()
-        done_before = {json.dumps(json.loads(line)["request"]["messages"], sort_keys=True)
-                       for line in raw.split(b"\n") if line.strip() and line.endswith(b"}")
-                       and _valid(line)}
+        done_before = {
+            json.dumps(json.loads(line)["request"]["messages"], sort_keys=True)
+            for line in raw.split(b"\n")
+            if line.strip() and line.endswith(b"}") and _valid(line)
+        }
         assert 60 <= len(done_before) < 400
         n_first = len(ep.log)
 
@@ -163,15 +182,21 @@ def _valid(line: bytes) -> bool:
 @pytest.mark.slow
 def test_stage_end_to_end_with_the_bundled_server_on_micro_models(in_tmp):
     from ars_opd.config import BaseConfig, ModelsConfig
-    from ars_opd.lm.generation import decode_completion, generate_token_ids
-    from ars_opd.models.prepare import prepare_models
-    from ars_opd.models.loading import load_model, load_tokenizer
     from ars_opd.data.prompts import encode_prompts
+    from ars_opd.lm.generation import decode_completion, generate_token_ids
+    from ars_opd.models.loading import load_model, load_tokenizer
+    from ars_opd.models.prepare import prepare_models
     from micro import MICRO_OVERRIDES
 
     paths = _workspace(in_tmp, n=30, eval_size=6)
-    prepare_models(BaseConfig(threads=1), parse_section(ModelsConfig, MICRO_OVERRIDES["models"], "models"),
-                   SyntheticConfig(), paths.models_dir, paths.models_metrics, progress=False)
+    prepare_models(
+        BaseConfig(threads=1),
+        parse_section(ModelsConfig, MICRO_OVERRIDES["models"], "models"),
+        SyntheticConfig(),
+        paths.models_dir,
+        paths.models_metrics,
+        progress=False,
+    )
     cfg = parse_section(TeacherGenConfig, {"max_tokens": 6, "concurrency": 8, "server": {"threads": 1}}, "teacher_gen")
     log = in_tmp / "requests.jsonl"
     m = generate_teacher_completions(cfg, paths, progress=False, log_requests=str(log))

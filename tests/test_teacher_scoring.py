@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from ars_opd.config import EndpointConfig
-from ars_opd.teacher.server import app as teacher_server
 from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make_client
 from ars_opd.teacher.client.score import ScoringError, check_tokenizer, parse_prompt_logprobs, score_sequences
+from ars_opd.teacher.server import app as teacher_server
 from test_teacher_server import _ServerThread, save_scaled_model
 from tolerances import forward_bound, two_computations, vs_oracle
 
@@ -47,14 +47,17 @@ def test_parser_reads_a_vllm_shaped_response():
     assert s.support_ids == [[42, 9], [7, 3, 5]] and s.support_logprobs[1] == [-6.5, -0.5, -1.5]
 
 
-@pytest.mark.parametrize("mutate, needle", [
-    (lambda p: p.pop(), "positions"),  # one position short
-    (lambda p: p.__setitem__(0, {}), "not null"),
-    (lambda p: p[2].pop("7"), "lacks the actual token 7"),
-    (lambda p: p[1]["42"].__setitem__("logprob", "-0.5"), "not a finite number"),
-    (lambda p: p[1]["42"].__setitem__("logprob", None), "not a finite number"),
-    (lambda p: p[1].__setitem__("x", {"logprob": -1.0}), "not a token id"),
-])
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda p: p.pop(), "positions"),  # one position short
+        (lambda p: p.__setitem__(0, {}), "not null"),
+        (lambda p: p[2].pop("7"), "lacks the actual token 7"),
+        (lambda p: p[1]["42"].__setitem__("logprob", "-0.5"), "not a finite number"),
+        (lambda p: p[1]["42"].__setitem__("logprob", None), "not a finite number"),
+        (lambda p: p[1].__setitem__("x", {"logprob": -1.0}), "not a token id"),
+    ],
+)
 def test_parser_refuses_malformed_prompt_logprobs(mutate, needle):
     p = json.loads(json.dumps(VLLM_RESPONSE["choices"][0]["prompt_logprobs"]))
     mutate(p)
@@ -70,8 +73,9 @@ def scorer_dir(tmp_path_factory, char_tokenizer):
 
 @pytest.fixture(scope="module")
 def scorer(scorer_dir):
-    srv = _ServerThread(teacher_server.create_app(str(scorer_dir), MODEL, max_batch_size=64, max_wait_ms=50,
-                                                  max_logprobs=8))
+    srv = _ServerThread(
+        teacher_server.create_app(str(scorer_dir), MODEL, max_batch_size=64, max_wait_ms=50, max_logprobs=8)
+    )
     yield srv
     srv.close()
 
@@ -84,6 +88,7 @@ def _post(url: str, path: str, bodies: list[dict]) -> list[tuple[int, dict]]:
     async def go():
         async with aiohttp.ClientSession() as s:
             return await asyncio.gather(*(one(s, b) for b in bodies))
+
     return asyncio.run(go())
 
 
@@ -96,8 +101,11 @@ def test_server_answers_in_vllm_shape_with_float64_oracle_values(scorer, scorer_
     from transformers import AutoModelForCausalLM
 
     rows, k = _rows(char_tokenizer), 5
-    status, body = _post(scorer.url, "/v1/completions", [{"model": MODEL, "prompt": rows, "max_tokens": 1,
-                                                           "echo": True, "prompt_logprobs": k}])[0]
+    status, body = _post(
+        scorer.url,
+        "/v1/completions",
+        [{"model": MODEL, "prompt": rows, "max_tokens": 1, "echo": True, "prompt_logprobs": k}],
+    )[0]
     assert status == 200, body
     assert body["object"] == "text_completion" and [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     model = AutoModelForCausalLM.from_pretrained(scorer_dir).double().eval()
@@ -126,13 +134,20 @@ def test_server_answers_in_vllm_shape_with_float64_oracle_values(scorer, scorer_
                 assert abs(v["logprob"] - float(oracle[t])) <= tol and v["rank"] == top.index(t) + 1
         # the parser reads the server's answer as it reads vLLM's
         parsed = parse_prompt_logprobs(plp, ids)
-        assert torch.allclose(torch.tensor(parsed.logprobs, dtype=torch.float64),
-                              lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], rtol=0, atol=tol)
+        assert torch.allclose(
+            torch.tensor(parsed.logprobs, dtype=torch.float64),
+            lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])],
+            rtol=0,
+            atol=tol,
+        )
         next_token = int(lp[-1].argmax())
         assert choice["text"] == char_tokenizer.decode(ids) + char_tokenizer.decode([next_token])
         assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": sum(map(len, rows)), "completion_tokens": 4,
-                             "total_tokens": sum(map(len, rows)) + 4}
+    assert body["usage"] == {
+        "prompt_tokens": sum(map(len, rows)),
+        "completion_tokens": 4,
+        "total_tokens": sum(map(len, rows)) + 4,
+    }
 
 
 def _two_forwards(scorer_dir, rows, vocab) -> float:
@@ -148,12 +163,16 @@ def _two_forwards(scorer_dir, rows, vocab) -> float:
 def test_concurrent_scoring_requests_share_batches(scorer, scorer_dir, char_tokenizer):
     rows = _rows(char_tokenizer) * 4
     calls = scorer.stats.score_calls
-    out = _post(scorer.url, "/v1/completions", [{"model": MODEL, "prompt": r, "max_tokens": 0,
-                                                 "prompt_logprobs": 2} for r in rows])
+    out = _post(
+        scorer.url,
+        "/v1/completions",
+        [{"model": MODEL, "prompt": r, "max_tokens": 0, "prompt_logprobs": 2} for r in rows],
+    )
     assert all(s == 200 for s, _ in out)
     assert scorer.stats.score_calls - calls < len(rows)  # batched, not one forward per request
-    alone = _post(scorer.url, "/v1/completions", [{"model": MODEL, "prompt": rows[3], "max_tokens": 0,
-                                                   "prompt_logprobs": 2}])[0][1]
+    alone = _post(
+        scorer.url, "/v1/completions", [{"model": MODEL, "prompt": rows[3], "max_tokens": 0, "prompt_logprobs": 2}]
+    )[0][1]
     a = parse_prompt_logprobs(alone["choices"][0]["prompt_logprobs"], rows[3]).logprobs
     b = parse_prompt_logprobs(out[3][1]["choices"][0]["prompt_logprobs"], rows[3]).logprobs
     # batch mates and padding do not change a row beyond rounding
@@ -161,18 +180,24 @@ def test_concurrent_scoring_requests_share_batches(scorer, scorer_dir, char_toke
     assert out[0][1]["choices"][0]["text"] == ""  # max_tokens 0, no echo
 
 
-@pytest.mark.parametrize("override, status, needle", [
-    ({"max_tokens": 16}, 400, "max_tokens"),
-    ({"prompt": "text prompt"}, 400, "token ids"),
-    ({"prompt": [1, 2, 10 ** 6]}, 400, "token ids in"),
-    ({"prompt_logprobs": 9}, 400, "max-logprobs"),
-    ({"temperature": 0.7}, 400, "temperature 1"),
-    ({"stream": True}, 400, "stream"),
-    ({"model": "other"}, 404, "does not exist"),
-])
+@pytest.mark.parametrize(
+    "override, status, needle",
+    [
+        ({"max_tokens": 16}, 400, "max_tokens"),
+        ({"prompt": "text prompt"}, 400, "token ids"),
+        ({"prompt": [1, 2, 10**6]}, 400, "token ids in"),
+        ({"prompt_logprobs": 9}, 400, "max-logprobs"),
+        ({"temperature": 0.7}, 400, "temperature 1"),
+        ({"stream": True}, 400, "stream"),
+        ({"model": "other"}, 404, "does not exist"),
+    ],
+)
 def test_scoring_requests_are_validated(scorer, override, status, needle):
-    got, body = _post(scorer.url, "/v1/completions", [{"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1,
-                                                       "prompt_logprobs": 2, **override}])[0]
+    got, body = _post(
+        scorer.url,
+        "/v1/completions",
+        [{"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1, "prompt_logprobs": 2, **override}],
+    )[0]
     assert got == status and needle in body["error"]["message"], body
 
 
@@ -198,9 +223,11 @@ def test_score_sequences_and_tokenizer_check_through_the_client(scorer, scorer_d
             return await score_sequences(client, MODEL, rows, 3, settings)
         finally:
             await client.close()
+
     scores = asyncio.run(go())
-    direct = _post(scorer.url, "/v1/completions", [{"model": MODEL, "prompt": rows, "max_tokens": 0,
-                                                    "prompt_logprobs": 3}])[0][1]
+    direct = _post(
+        scorer.url, "/v1/completions", [{"model": MODEL, "prompt": rows, "max_tokens": 0, "prompt_logprobs": 3}]
+    )[0][1]
     tol = _two_forwards(scorer_dir, rows, len(char_tokenizer))
     for ids, s, c in zip(rows, scores, direct["choices"]):
         # equal up to float rounding: the server batched these rows differently (other padding)
@@ -224,5 +251,6 @@ def test_tokenizer_mismatch_is_refused_naming_the_endpoint(scorer, char_tokenize
             await check_tokenizer(client, MODEL, Shifted(), settings)
         finally:
             await client.close()
+
     with pytest.raises(ScoringError, match=f"{scorer.url}/v1.*tokenizes differently"):
         asyncio.run(go())

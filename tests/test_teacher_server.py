@@ -23,16 +23,16 @@ import pytest
 import torch
 from aiohttp import web
 
-from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server import engine, handlers, sampling
 from ars_opd.config import ArchConfig
+from ars_opd.data.prompts import encode_prompt
 from ars_opd.lm.generation import decode_completion, generate_token_ids
 from ars_opd.models.builtin import build_causal_lm
-from ars_opd.data.prompts import encode_prompt
+from ars_opd.teacher.server import app as teacher_server
+from ars_opd.teacher.server import engine, handlers, sampling
 
 MODEL = "tiny-teacher"
 # 16 prompts of different lengths, so a batch of them is really left-padded
-PROMPTS = [f"Reverse: {'abcdefghijklmnop'[:i + 1]}" + " x" * (i % 3) for i in range(16)]
+PROMPTS = [f"Reverse: {'abcdefghijklmnop'[: i + 1]}" + " x" * (i % 3) for i in range(16)]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,11 @@ def model_dir(tmp_path_factory, char_tokenizer) -> Path:
 
 def save_scaled_model(d: Path, tokenizer, num_layers: int, seed: int, scale: float) -> Path:
     """A tiny built-in model (hidden 32) with its matrices scaled by ``scale``, saved with ``tokenizer``."""
-    model = build_causal_lm(ArchConfig(hidden_size=32, num_layers=num_layers, num_heads=2, num_kv_heads=2,
-                                       intermediate_size=64), tokenizer, seed=seed)
+    model = build_causal_lm(
+        ArchConfig(hidden_size=32, num_layers=num_layers, num_heads=2, num_kv_heads=2, intermediate_size=64),
+        tokenizer,
+        seed=seed,
+    )
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -97,14 +100,18 @@ def server(model_dir):
 
 
 def chat_body(content: str, **overrides) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0,
-            "max_tokens": 12, **overrides}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 12,
+        **overrides,
+    }
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body) -> tuple[int, dict]:
     data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    async with session.post(f"{url}/v1/chat/completions", data=data,
-                            headers={"Content-Type": "application/json"}) as r:
+    async with session.post(f"{url}/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}) as r:
         return r.status, await r.json()
 
 
@@ -114,6 +121,7 @@ def post_all(url: str, bodies: list, concurrent: bool) -> list[tuple[int, dict]]
             if concurrent:
                 return await asyncio.gather(*(_post(s, url, b) for b in bodies))
             return [await _post(s, url, b) for b in bodies]
+
     return asyncio.run(go())
 
 
@@ -125,6 +133,7 @@ def post(url: str, body) -> dict:
 
 def stream(url: str, body: dict, on_chunk=None) -> list:
     """The SSE ``data:`` payloads of a streamed completion, decoded (``[DONE]`` kept as a string)."""
+
     async def go():
         events = []
         async with aiohttp.ClientSession() as s:
@@ -136,11 +145,12 @@ def stream(url: str, body: dict, on_chunk=None) -> list:
                     if not line:
                         continue
                     assert line.startswith("data: "), line
-                    payload = line[len("data: "):]
+                    payload = line[len("data: ") :]
                     events.append(payload if payload == "[DONE]" else json.loads(payload))
                     if on_chunk is not None:
                         on_chunk(events[-1])
         return events
+
     return asyncio.run(go())
 
 
@@ -162,6 +172,7 @@ def test_models_health_and_stats(server):
             async with s.get(f"{server.url}/stats") as r:
                 stats = await r.json()
         return models, health, stats
+
     models, health, stats = asyncio.run(go())
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == [MODEL]
@@ -182,8 +193,11 @@ def test_greedy_text_equals_generate_token_ids(server, model_dir, char_tokenizer
         assert text_of(got) == decode_completion(char_tokenizer, want_ids)
         ended_at_eos = want_ids[-1] == char_tokenizer.eos_token_id
         assert got["choices"][0]["finish_reason"] == ("stop" if ended_at_eos else "length")
-        assert got["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(want_ids),
-                                "total_tokens": len(prompt_ids) + len(want_ids)}
+        assert got["usage"] == {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(want_ids),
+            "total_tokens": len(prompt_ids) + len(want_ids),
+        }
         assert got["object"] == "chat.completion" and got["model"] == MODEL and got["id"].startswith("chatcmpl-")
 
 
@@ -224,11 +238,17 @@ def test_stream_usage_chunk(server):
 
 
 def test_seeded_sample_does_not_depend_on_batch_mates(server):
-    seeded = [chat_body(PROMPTS[3], temperature=1.0, seed=1234, max_tokens=30),
-              chat_body(PROMPTS[3], temperature=0.7, top_p=0.8, seed=7, max_tokens=30)]
+    seeded = [
+        chat_body(PROMPTS[3], temperature=1.0, seed=1234, max_tokens=30),
+        chat_body(PROMPTS[3], temperature=0.7, top_p=0.8, seed=7, max_tokens=30),
+    ]
     alone = [text_of(post(server.url, b)) for b in seeded]
-    mates = [chat_body(PROMPTS[9], max_tokens=5), chat_body(PROMPTS[0], temperature=1.0, max_tokens=40),
-             chat_body(PROMPTS[12], temperature=1.5, seed=5, max_tokens=12), chat_body(PROMPTS[7], max_tokens=35)]
+    mates = [
+        chat_body(PROMPTS[9], max_tokens=5),
+        chat_body(PROMPTS[0], temperature=1.0, max_tokens=40),
+        chat_body(PROMPTS[12], temperature=1.5, seed=5, max_tokens=12),
+        chat_body(PROMPTS[7], max_tokens=35),
+    ]
     calls_before = server.stats.generate_calls
     together = post_all(server.url, [mates[0], seeded[0], mates[1], mates[2], seeded[1], mates[3]], concurrent=True)
     assert server.stats.generate_calls - calls_before < 6  # they did share a batch
@@ -237,7 +257,7 @@ def test_seeded_sample_does_not_depend_on_batch_mates(server):
     other_seed = text_of(post(server.url, {**seeded[0], "seed": 99}))
     greedy = text_of(post(server.url, {**seeded[0], "temperature": 0}))
     assert other_seed != alone[0] and greedy != alone[0]
-    assert post(server.url, {**seeded[0], "seed": -(2 ** 70)})["choices"][0]["finish_reason"]  # any integer seeds
+    assert post(server.url, {**seeded[0], "seed": -(2**70)})["choices"][0]["finish_reason"]  # any integer seeds
 
 
 def test_max_tokens_gives_length_and_exact_token_count(server):
@@ -253,7 +273,7 @@ def test_stop_strings_cut_the_text(server):
     full = text_of(post(server.url, chat_body(PROMPTS[4], max_tokens=30)))
     assert len(full) >= 8, full
     stop = full[5:7]
-    want = full[:full.find(stop)]
+    want = full[: full.find(stop)]
     body = chat_body(PROMPTS[4], max_tokens=30, stop=["never in this text", stop])
     got = post(server.url, body)
     assert text_of(got) == want and got["choices"][0]["finish_reason"] == "stop"
@@ -269,21 +289,24 @@ def test_text_parts_are_joined(server):
     assert text_of(got) == text_of(post(server.url, chat_body("Reverse:\nabc")))
 
 
-@pytest.mark.parametrize("body, status, needle", [
-    (chat_body("hi", model="other-model"), 404, "other-model"),
-    ("{not json", 400, "not valid JSON"),
-    ({"model": MODEL}, 400, "messages"),
-    ([1, 2], 400, "JSON object"),
-    (chat_body("hi", n=2), 400, "n=1"),
-    ({**chat_body("hi"), "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
-    ({**chat_body("hi"), "messages": [{"role": "user", "content": 3}]}, 400, "content"),
-    (chat_body("hi", temperature="hot"), 400, "temperature"),
-    (chat_body("hi", top_p=0), 400, "top_p"),
-    (chat_body("hi", max_tokens=0), 400, "max_tokens"),
-    (chat_body("hi", max_tokens=10_000), 400, "context"),
-    (chat_body("hi", stop=[""]), 400, "stop"),
-    (chat_body("hi", logprobs=True), 400, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        (chat_body("hi", model="other-model"), 404, "other-model"),
+        ("{not json", 400, "not valid JSON"),
+        ({"model": MODEL}, 400, "messages"),
+        ([1, 2], 400, "JSON object"),
+        (chat_body("hi", n=2), 400, "n=1"),
+        ({**chat_body("hi"), "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
+        ({**chat_body("hi"), "messages": [{"role": "user", "content": 3}]}, 400, "content"),
+        (chat_body("hi", temperature="hot"), 400, "temperature"),
+        (chat_body("hi", top_p=0), 400, "top_p"),
+        (chat_body("hi", max_tokens=0), 400, "max_tokens"),
+        (chat_body("hi", max_tokens=10_000), 400, "context"),
+        (chat_body("hi", stop=[""]), 400, "stop"),
+        (chat_body("hi", logprobs=True), 400, "logprobs"),
+    ],
+)
 def test_client_mistakes_get_openai_style_4xx(server, body, status, needle):
     got_status, out = post_all(server.url, [body], concurrent=False)[0]
     assert got_status == status
@@ -301,9 +324,11 @@ def test_streamable_holds_back_possible_stop_starts():
 def test_row_sampler_draws_from_the_tempered_nucleus():
     """Gumbel-argmax frequencies match softmax(logits / T) restricted to the top_p nucleus (an explicit oracle)."""
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
-    rows = [SimpleNamespace(temperature=0.0, top_p=1.0, seed=0),   # greedy: no noise
-            SimpleNamespace(temperature=0.7, top_p=1.0, seed=1),
-            SimpleNamespace(temperature=1.3, top_p=0.8, seed=2)]
+    rows = [
+        SimpleNamespace(temperature=0.0, top_p=1.0, seed=0),  # greedy: no noise
+        SimpleNamespace(temperature=0.7, top_p=1.0, seed=1),
+        SimpleNamespace(temperature=1.3, top_p=0.8, seed=2),
+    ]
     sampler = sampling.RowSampler(rows, torch.device("cpu"))
     draws, counts = 2000, torch.zeros(3, 5)
     for _ in range(draws):
@@ -342,8 +367,9 @@ def test_official_openai_client(server):
             messages = [{"role": "user", "content": PROMPTS[6]}]
             done = await client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=15)
             pieces = []
-            chunks = await client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                                          max_tokens=15, stream=True)
+            chunks = await client.chat.completions.create(
+                model=MODEL, messages=messages, temperature=0, max_tokens=15, stream=True
+            )
             async for chunk in chunks:
                 if chunk.choices and chunk.choices[0].delta.content:
                     pieces.append(chunk.choices[0].delta.content)
@@ -363,9 +389,26 @@ def test_module_runs_as_a_process_and_stops_cleanly_on_sigterm(model_dir, tmp_pa
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ars_opd.teacher.server", str(model_dir), "--port", "0", "--ready-file", str(ready),
-         "--log-requests", str(requests_log), "--threads", "1"],
-        cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "ars_opd.teacher.server",
+            str(model_dir),
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--log-requests",
+            str(requests_log),
+            "--threads",
+            "1",
+        ],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not ready.exists():

@@ -2,10 +2,18 @@ import pytest
 
 from ars_opd.data import synthetic
 from ars_opd.data.prompts import (
-    alpaca_messages, encode_completion, encode_completions, encode_prompt, encode_prompts,
+    alpaca_messages,
+    encode_completion,
+    encode_completions,
+    encode_prompt,
+    encode_prompts,
 )
 from ars_opd.models.tokenizer import (
-    EOS, PAD, TokenizerMismatchError, build_char_word_tokenizer, check_shared_tokenizer,
+    EOS,
+    PAD,
+    TokenizerMismatchError,
+    build_char_word_tokenizer,
+    check_shared_tokenizer,
 )
 
 
@@ -27,9 +35,11 @@ def test_round_trip_and_unknown_characters(char_tokenizer):
 def test_chat_template_renders_chatml_and_generation_prompt(char_tokenizer):
     msgs = alpaca_messages("Add the two numbers.", "3 + 4", system_prompt="Be brief.")
     text = char_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                    "<|im_start|>user\n### Instruction:\nAdd the two numbers.\n\n### Input:\n3 + 4<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n### Instruction:\nAdd the two numbers.\n\n### Input:\n3 + 4<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     ids = encode_prompt(char_tokenizer, msgs)
     assert char_tokenizer.decode(ids) == text
     assert char_tokenizer.convert_ids_to_tokens(ids[-3:]) == ["<|im_start|>", "assistant", "\n"]

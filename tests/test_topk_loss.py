@@ -5,7 +5,6 @@ reverse KL stays stable when trained on it (verl reported forward-KL top-k stabl
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
@@ -14,7 +13,14 @@ from ars_opd.lm.divergences import topk_support, topk_terms
 from ars_opd.lm.head import OutputHead, topk_logprobs
 from ars_opd.lm.opd_objectives import TeacherScores, get_objective
 from tolerances import (
-    U32, head_grad_bound, linear_bound, logprob_bound, loss_bound, loss_grad_bound, two_computations, vs_oracle,
+    U32,
+    head_grad_bound,
+    linear_bound,
+    logprob_bound,
+    loss_bound,
+    loss_grad_bound,
+    two_computations,
+    vs_oracle,
 )
 
 
@@ -85,13 +91,20 @@ def test_topk_logprobs_and_the_objective_through_the_chunked_head():
     at_full = full.gather(-1, targets[:, None]).squeeze(-1)
     assert ((at - at_full).abs() <= lp_bound.gather(-1, targets[:, None]).squeeze(-1)).all()
     support, slp = topk_support(ids, lps, targets, at)
-    loss, n = get_objective("topk").loss(hs, OutputHead(head_s.weight, head_s.bias),
-                                         TeacherScores(support_ids=support, support_logprobs=slp), targets,
-                                         0.0, 1.0, chunk_size=4)
+    loss, n = get_objective("topk").loss(
+        hs,
+        OutputHead(head_s.weight, head_s.bias),
+        TeacherScores(support_ids=support, support_logprobs=slp),
+        targets,
+        0.0,
+        1.0,
+        chunk_size=4,
+    )
     loss.backward()
     hs2 = hs.detach().double().requires_grad_()
-    ref = _reference(torch.nn.functional.linear(hs2, head_s.weight.double(), head_s.bias.double()), support, slp,
-                     0.0, 1.0).sum()
+    ref = _reference(
+        torch.nn.functional.linear(hs2, head_s.weight.double(), head_s.bias.double()), support, slp, 0.0, 1.0
+    ).sum()
     ref.backward()
     # against the float64 oracle: the student's fp32 logits (linear_bound) on the support, the fp32 divergence
     zs = torch.nn.functional.linear(hs2.detach(), head_s.weight.double(), head_s.bias.double())
@@ -101,16 +114,19 @@ def test_topk_logprobs_and_the_objective_through_the_chunked_head():
     _, bound = loss_bound("divergence", on_support, z_bound.gather(-1, support), slp, None, beta=0.0)
     assert n == M and abs(loss.item() - ref.item()) <= vs_oracle(bound)
     # dz on the support (scattered into the vocabulary, 0 elsewhere) within its bound, then dz·W
-    dz = torch.zeros(M, V, dtype=torch.float64).scatter_add_(-1, support, torch.where(
-        valid, torch.softmax(on_support, -1) - torch.softmax(slp.double(), -1), 0.0))
-    dz_bound = torch.zeros(M, V, dtype=torch.float64).scatter_add_(-1, support, loss_grad_bound(
-        "divergence", on_support, slp, beta=0.0, zs_bound=z_bound.gather(-1, support)))
+    dz = torch.zeros(M, V, dtype=torch.float64).scatter_add_(
+        -1, support, torch.where(valid, torch.softmax(on_support, -1) - torch.softmax(slp.double(), -1), 0.0)
+    )
+    dz_bound = torch.zeros(M, V, dtype=torch.float64).scatter_add_(
+        -1, support, loss_grad_bound("divergence", on_support, slp, beta=0.0, zs_bound=z_bound.gather(-1, support))
+    )
     bh, _, _ = head_grad_bound(hs, head_s.weight, dz, dz_bound)
     assert ((hs.grad.double() - hs2.grad).abs() <= vs_oracle(bh)).all()
 
 
-def _distil_toy(beta: float, seed: int = 0, k: int = 4, V: int = 64, steps: int = 500, lr: float = 0.3,
-                n: int = 32) -> dict:
+def _distil_toy(
+    beta: float, seed: int = 0, k: int = 4, V: int = 64, steps: int = 500, lr: float = 0.3, n: int = 32
+) -> dict:
     """A student's free logits trained on-policy with the top-k loss toward a fixed teacher; full-vocab results."""
     g = torch.Generator().manual_seed(seed)
     logp = torch.log_softmax(torch.randn(V, generator=g) * 2.5, -1)
@@ -133,8 +149,13 @@ def _distil_toy(beta: float, seed: int = 0, k: int = 4, V: int = 64, steps: int 
         z.grad = grad.mean(0)
         opt.step()
     end = kls()
-    return {"start_reverse_kl": start[0], "reverse_kl": end[0], "forward_kl": end[1], "entropy": end[2],
-            "teacher_entropy": float(-(logp.exp() * logp).sum())}
+    return {
+        "start_reverse_kl": start[0],
+        "reverse_kl": end[0],
+        "forward_kl": end[1],
+        "entropy": end[2],
+        "teacher_entropy": float(-(logp.exp() * logp).sum()),
+    }
 
 
 def test_forward_and_reverse_topk_both_converge_on_policy_here():

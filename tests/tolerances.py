@@ -44,9 +44,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-U32 = 2.0 ** -24  # fp32 unit roundoff (half fp32's epsilon 2^-23): a correctly rounded op's relative error <= u
-U64 = 2.0 ** -53  # float64 unit roundoff
-U_BF16 = 2.0 ** -8  # bf16 unit roundoff (8 significant bits)
+U32 = 2.0**-24  # fp32 unit roundoff (half fp32's epsilon 2^-23): a correctly rounded op's relative error <= u
+U64 = 2.0**-53  # float64 unit roundoff
+U_BF16 = 2.0**-8  # bf16 unit roundoff (8 significant bits)
 FN_ULPS = 2  # exp / log / log1p: within 1 ulp, i.e. relative error <= 2u
 
 
@@ -77,8 +77,9 @@ def dot_bound(n: int, abs_dot, u: float = U32):
     return gamma(n, u) * abs_dot
 
 
-def linear_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 u: float = U32) -> torch.Tensor:
+def linear_bound(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, u: float = U32
+) -> torch.Tensor:
     """Elementwise bound on |fl(x @ weightᵀ + bias) − exact| (``F.linear``'s shapes), as float64.
 
     Each output is a dot product of length k = x.shape[-1] (``dot_bound``); a bias adds one rounding and its
@@ -171,10 +172,19 @@ def first_order_bound(out: torch.Tensor, stages: Sequence[tuple[torch.Tensor, to
 
 
 @torch.enable_grad()
-def loss_bound(kind: str, zs: torch.Tensor, zs_bound: torch.Tensor | None = None, zt: torch.Tensor | None = None,
-               zt_bound: torch.Tensor | None = None, targets: torch.Tensor | None = None, beta: float = 1.0,
-               tau: float = 1.0, rows: bool = False, teacher_logprobs: torch.Tensor | None = None,
-               u: float = U32):
+def loss_bound(
+    kind: str,
+    zs: torch.Tensor,
+    zs_bound: torch.Tensor | None = None,
+    zt: torch.Tensor | None = None,
+    zt_bound: torch.Tensor | None = None,
+    targets: torch.Tensor | None = None,
+    beta: float = 1.0,
+    tau: float = 1.0,
+    rows: bool = False,
+    teacher_logprobs: torch.Tensor | None = None,
+    u: float = U32,
+):
     """A float64 oracle of the pipeline's per-row losses from logits, and the first-order bound of their fp32 form.
 
     kind: "cross_entropy" (−log q(y)), "sampled_token" (log q(y) − log p(y), the reverse-KL estimate) or
@@ -197,6 +207,7 @@ def loss_bound(kind: str, zs: torch.Tensor, zs_bound: torch.Tensor | None = None
     - a sampled-token row: one subtraction, u·|value|; cross-entropy: a negation, exact;
     - the sum over the R rows, chunk by chunk in any order: ``sum_bound``.
     """
+
     def safe(x):  # −inf slots hold no mass: 0 in differences, without NaN gradients
         return torch.where(torch.isfinite(x), x, 0.0)
 
@@ -230,15 +241,17 @@ def loss_bound(kind: str, zs: torch.Tensor, zs_bound: torch.Tensor | None = None
     elif kind == "divergence":
         x, y = lp + math.log(beta), lq + math.log1p(-beta)
         lm = torch.logaddexp(x, y)
-        shifts = torch.maximum(safe(x.detach()).abs() + abs(math.log(beta)),
-                               safe(y.detach()).abs() + abs(math.log1p(-beta)))
+        shifts = torch.maximum(
+            safe(x.detach()).abs() + abs(math.log(beta)), safe(y.detach()).abs() + abs(math.log1p(-beta))
+        )
         own = u * (shifts + safe(x.detach() - y.detach()).abs() + safe(lm.detach()).abs() + 2 * FN_ULPS)
         stages.append((lm, torch.where(torch.isfinite(lm.detach()), own, 0.0)))
         tp = lp.exp() * (safe(lp) - safe(lm))
         tq = lq.exp() * (safe(lq) - safe(lm))
         value = beta * tp.sum(-1) + (1 - beta) * tq.sum(-1)
-        stages.append((value, gamma(V + 5, u) * (beta * tp.detach().abs().sum(-1)
-                                                  + (1 - beta) * tq.detach().abs().sum(-1))))
+        stages.append(
+            (value, gamma(V + 5, u) * (beta * tp.detach().abs().sum(-1) + (1 - beta) * tq.detach().abs().sum(-1)))
+        )
     else:
         raise ValueError(f"unknown loss kind {kind!r}")
     if rows:
@@ -248,9 +261,17 @@ def loss_bound(kind: str, zs: torch.Tensor, zs_bound: torch.Tensor | None = None
     return total.detach(), first_order_bound(total, stages)
 
 
-def loss_grad_bound(kind: str, zs: torch.Tensor, zt: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                    beta: float = 1.0, tau: float = 1.0, teacher_logprobs: torch.Tensor | None = None,
-                    zs_bound: torch.Tensor | None = None, u: float = U32) -> torch.Tensor:
+def loss_grad_bound(
+    kind: str,
+    zs: torch.Tensor,
+    zt: torch.Tensor | None = None,
+    targets: torch.Tensor | None = None,
+    beta: float = 1.0,
+    tau: float = 1.0,
+    teacher_logprobs: torch.Tensor | None = None,
+    zs_bound: torch.Tensor | None = None,
+    u: float = U32,
+) -> torch.Tensor:
     """Elementwise bound on the fp32 gradient of ``loss_bound``'s per-row losses in the student's logits zs.
 
     A chain (``chain_bound``) of the log-softmax (``softmax_length``), the row sum over V that reverse KL
@@ -264,6 +285,7 @@ def loss_grad_bound(kind: str, zs: torch.Tensor, zt: torch.Tensor | None = None,
     log-probabilities with gain <= 2 (b_v + Σ q·b): 2·max(b/τ)/u more roundings in the chain. −inf logits (a
     restricted support) have q = 0 and get 0.
     """
+
     def safe(x):
         return torch.where(torch.isfinite(x), x, 0.0)
 
@@ -297,8 +319,9 @@ def loss_grad_bound(kind: str, zs: torch.Tensor, zt: torch.Tensor | None = None,
     return chain_bound(lengths, G, u)
 
 
-def cross_entropy_grad_bound(z: torch.Tensor, targets: torch.Tensor, z_bound: torch.Tensor | None = None,
-                             u: float = U32):
+def cross_entropy_grad_bound(
+    z: torch.Tensor, targets: torch.Tensor, z_bound: torch.Tensor | None = None, u: float = U32
+):
     """The exact gradient of Σ −log softmax(z)[y] in the logits, softmax(z) − onehot(y), and its fp32 error.
 
     z (M, V) the logits (their exact values), z_bound the fp32 logits' own error (None: exact inputs),
@@ -318,8 +341,9 @@ def cross_entropy_grad_bound(z: torch.Tensor, targets: torch.Tensor, z_bound: to
     return dz, q * rel + u * dz.abs()
 
 
-def head_grad_bound(h: torch.Tensor, weight: torch.Tensor, dz: torch.Tensor, dz_bound: torch.Tensor,
-                    u: float = U32, u_out: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def head_grad_bound(
+    h: torch.Tensor, weight: torch.Tensor, dz: torch.Tensor, dz_bound: torch.Tensor, u: float = U32, u_out: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Elementwise bounds on a head's backward dL/dh = dz·W (M, H), dL/dW = dzᵀ·h (V, H), dL/db = Σ_rows dz.
 
     dz (M, V) is the exact gradient in the logits and dz_bound its error. Each output is a dot product
@@ -402,8 +426,9 @@ def propagate(f, xs: Sequence[float], bounds: Sequence[float]) -> list[float]:
     return total
 
 
-def consistency_inputs(sq: Sequence[float], dot: Sequence[float] | None, mean_sq: float, n_params: int,
-                       u: float = U32) -> tuple[list[float], list[float]]:
+def consistency_inputs(
+    sq: Sequence[float], dot: Sequence[float] | None, mean_sq: float, n_params: int, u: float = U32
+) -> tuple[list[float], list[float]]:
     """The inputs of ``consistency_metrics`` as one list, [‖g_k‖²..., ⟨g_k, ḡ⟩... (K > 2 only), ‖ḡ‖²], and
     their bounds (see ``consistency_bounds``)."""
     K = len(sq)
@@ -416,8 +441,15 @@ def consistency_inputs(sq: Sequence[float], dot: Sequence[float] | None, mean_sq
     return list(sq) + (list(dot) if has_dot else []) + [mean_sq], b_sq + b_dot + [b_mean]
 
 
-def consistency_bounds(worker_loss: Sequence[float], sq: Sequence[float], dot: Sequence[float] | None,
-                       mean_sq: float, n_params: int, gram: torch.Tensor | None = None, u: float = U32) -> dict:
+def consistency_bounds(
+    worker_loss: Sequence[float],
+    sq: Sequence[float],
+    dot: Sequence[float] | None,
+    mean_sq: float,
+    n_params: int,
+    gram: torch.Tensor | None = None,
+    u: float = U32,
+) -> dict:
     """Bounds on the consistency hook's statistics against a float64 brute force on the same local gradients.
 
     The hook's inputs to ``consistency_metrics`` are fp32 sums over the P = ``n_params`` gradient entries
@@ -443,7 +475,7 @@ def consistency_bounds(worker_loss: Sequence[float], sq: Sequence[float], dot: S
     lists = ("worker_grad_norm", "worker_cos_to_mean")
 
     def f(v):
-        out = consistency_metrics(worker_loss, v[:K], v[K:2 * K] if has_dot else dot, v[-1], gram)
+        out = consistency_metrics(worker_loss, v[:K], v[K : 2 * K] if has_dot else dot, v[-1], gram)
         return [out[k] for k in scalars] + [x for k in lists for x in out[k]]
 
     values = f(xs)
@@ -452,6 +484,6 @@ def consistency_bounds(worker_loss: Sequence[float], sq: Sequence[float], dot: S
     flat = [b + oracle * (max(1.0, abs(x)) if math.isfinite(x) else 0.0) for b, x in zip(flat, values)]
     std = values[0]
     flat[0] += gamma(2 * K + 4, u) * (max(abs(x) for x in worker_loss) + std)
-    out = dict(zip(scalars, flat[:len(scalars)]))
-    out["worker_grad_norm"], out["worker_cos_to_mean"] = flat[len(scalars):len(scalars) + K], flat[len(scalars) + K:]
+    out = dict(zip(scalars, flat[: len(scalars)]))
+    out["worker_grad_norm"], out["worker_cos_to_mean"] = flat[len(scalars) : len(scalars) + K], flat[len(scalars) + K :]
     return out

@@ -32,8 +32,9 @@ Method (every function below is pure; the report and ``bench/detection.py`` run 
 5. An alarm is "visible" when the same test on the global loss's own standardised residual (against its
    trailing median) alarms between the alarm's estimated onset and the alarm; else "silent".
 
-Settings: the report params (``ReportConfig``). Steps before ``warmup`` are not judged (the null needs data). Replica drift (bit-exact fingerprints,
-``ars_opd.training.drift``) needs no statistics: any mismatch is an alarm naming the ranks.
+Settings: the report params (``ReportConfig``). Steps before ``warmup`` are not judged (the null needs data).
+Replica drift (bit-exact fingerprints, ``ars_opd.training.drift``) needs no statistics: any mismatch is an
+alarm naming the ranks.
 """
 
 from __future__ import annotations
@@ -84,20 +85,41 @@ def merge_crossings(crossings: list[tuple[int, int | None, str, str, float, int,
         if cur is not None and step - cur["last"] <= MERGE_STEPS:
             if (stat, side) not in cur["stats"]:
                 cur["stats"].append((stat, side))
-            cur.update(last=step, value=max(cur["value"], value), onset=min(cur["onset"], onset),
-                       visible=cur["visible"] or visible, n=cur["n"] + 1)
+            cur.update(
+                last=step,
+                value=max(cur["value"], value),
+                onset=min(cur["onset"], onset),
+                visible=cur["visible"] or visible,
+                n=cur["n"] + 1,
+            )
             continue
         if cur is not None:
             alarms.append(_alarm(rank, cur))
-        open_[rank] = {"first": step, "last": step, "stats": [(stat, side)], "value": value, "onset": onset,
-                       "visible": visible, "n": 1}
+        open_[rank] = {
+            "first": step,
+            "last": step,
+            "stats": [(stat, side)],
+            "value": value,
+            "onset": onset,
+            "visible": visible,
+            "n": 1,
+        }
     alarms += [_alarm(rank, cur) for rank, cur in open_.items()]
     return sorted(alarms, key=lambda a: (a.step, -1 if a.rank is None else a.rank))
 
 
 def _alarm(rank, cur) -> Alarm:
-    return Alarm(cur["first"], rank, "+".join(s for s, _ in cur["stats"]), "+".join(d for _, d in cur["stats"]),
-                 round(float(cur["value"]), 3), cur["onset"], cur["visible"], cur["last"], cur["n"])
+    return Alarm(
+        cur["first"],
+        rank,
+        "+".join(s for s, _ in cur["stats"]),
+        "+".join(d for _, d in cur["stats"]),
+        round(float(cur["value"]), 3),
+        cur["onset"],
+        cur["visible"],
+        cur["last"],
+        cur["n"],
+    )
 
 
 def siegmund_arl(h: float, k: float) -> float:
@@ -155,7 +177,7 @@ def standardise(x: np.ndarray, settings: ReportConfig) -> np.ndarray:
     z = np.full(x.shape, np.nan)
     for t in range(settings.warmup, T):
         end = t - settings.lag
-        w = np.sort(x[max(0, end - settings.window):max(0, end)].ravel())
+        w = np.sort(x[max(0, end - settings.window) : max(0, end)].ravel())
         w = w[np.isfinite(w)]
         if len(w) < 8:
             continue
@@ -197,7 +219,7 @@ def global_loss_alarms(loss: np.ndarray, settings: ReportConfig, h: float) -> li
     x = np.log(np.asarray(loss, dtype=float))
     resid = np.full(len(x), np.nan)
     for t in range(1, len(x)):
-        prev = x[max(0, t - 20):t]
+        prev = x[max(0, t - 20) : t]
         prev = prev[np.isfinite(prev)]
         if len(prev):
             resid[t] = x[t] - np.median(prev)
@@ -219,8 +241,9 @@ def standardised_residuals(rows: list[dict], settings: ReportConfig) -> dict[str
     """The (T, K) z-scores each test runs on, by statistic (empty for a log without per-worker columns)."""
     if not rows or "consistency/worker_grad_norm" not in rows[0]:
         return {}
-    loss, norm, cos = (_matrix(rows, k) for k in ("worker_loss", "consistency/worker_grad_norm",
-                                                  "consistency/worker_cos_to_mean"))
+    loss, norm, cos = (
+        _matrix(rows, k) for k in ("worker_loss", "consistency/worker_grad_norm", "consistency/worker_cos_to_mean")
+    )
     if loss.shape[1] < 2:
         return {}
     return {name: standardise(x, settings) for name, x in rank_residuals(loss, norm, cos).items()}
@@ -233,7 +256,7 @@ def attribute(z: np.ndarray, onset: int, t: int) -> int:
     over), so their scores drift the opposite way, only less; the test of a healthy rank can then cross
     first. Naming the rank with the strongest departure over the change's span undoes that.
     """
-    span = z[onset:t + 1]
+    span = z[onset : t + 1]
     means = np.nanmean(span, axis=0) if np.isfinite(span).any() else np.zeros(z.shape[1])
     return int(np.nanargmax(np.abs(means)))
 

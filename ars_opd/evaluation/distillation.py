@@ -20,9 +20,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ars_opd.config import PathsConfig
-from ars_opd.evaluation.scenarios import mean_ci, walk_experiments
 from ars_opd.evaluation.arms import ARMS
 from ars_opd.evaluation.equal_budget import LABELS, METRICS, REGIME, budget_note, compare, interpolate
+from ars_opd.evaluation.scenarios import mean_ci, walk_experiments
 from ars_opd.evaluation.tables import fmt
 
 
@@ -55,8 +55,13 @@ def collect(data: Any, where: dict[str, str] | None = None) -> list[dict]:
         if (ddp.get("inject") or {}).get("kind") or ddp.get("scenario", "S1-1") != "S1-1":
             continue  # a fault or another seed scenario is another experiment, not another seed of this one
         if all(a in metrics for a in ARMS):
-            run = {"name": name, "seed": int(ddp.get("seed", 0)), "evaluate": metrics, "rev": rev,
-                   "metrics_path": param(params, "paths.eval_metrics") or PathsConfig().eval_metrics}
+            run = {
+                "name": name,
+                "seed": int(ddp.get("seed", 0)),
+                "evaluate": metrics,
+                "rev": rev,
+                "metrics_path": param(params, "paths.eval_metrics") or PathsConfig().eval_metrics,
+            }
             found.append((run, is_experiment, _without_seed(params)))
     configs = Counter(key for _, is_exp, key in found if is_exp)
     study = configs.most_common(1)[0][0] if configs else None
@@ -124,8 +129,12 @@ def _comparison(runs: list[dict], level: str = "##") -> tuple[list[str], dict, l
     summary: dict = {}
     verdict_bits = []
     for where, title in (("equal_steps", "At equal steps"), ("equal_flops", "At equal FLOPs")):
-        lines += [f"{level} {title}", "", "| metric | OPD | continued SFT (control) | OPD − control |",
-                  "|---|---|---|---|"]
+        lines += [
+            f"{level} {title}",
+            "",
+            "| metric | OPD | continued SFT (control) | OPD − control |",
+            "|---|---|---|---|",
+        ]
         for metric, label, direction in METRICS:
             a, b = _paired(runs, where, metric)
             if len(a) < 2:
@@ -133,8 +142,9 @@ def _comparison(runs: list[dict], level: str = "##") -> tuple[list[str], dict, l
             pct = metric == "exact_match"
             diff = mean_ci([x - y for x, y in zip(a, b)])
             _, ld, hd = diff
-            lines.append(f"| {label} | {_interval(mean_ci(a), pct)} | {_interval(mean_ci(b), pct)} | "
-                         f"{_interval(diff, pct)} |")
+            lines.append(
+                f"| {label} | {_interval(mean_ci(a), pct)} | {_interval(mean_ci(b), pct)} | {_interval(diff, pct)} |"
+            )
             summary[f"{where}/{metric}/diff"] = diff
             if metric in ("reverse_kl", "exact_match"):
                 good = (hd < 0) if direction == "lower" else (ld > 0)
@@ -147,20 +157,30 @@ def _comparison(runs: list[dict], level: str = "##") -> tuple[list[str], dict, l
     return lines, summary, verdict_bits
 
 
-def render_study(runs: list[dict], commands: str, figures: dict[str, str],
-                 regimes: dict[str, list[dict]] | None = None) -> tuple[str, dict]:
+def render_study(
+    runs: list[dict], commands: str, figures: dict[str, str], regimes: dict[str, list[dict]] | None = None
+) -> tuple[str, dict]:
     """Markdown of the sweep and its flat summary: per arm mean [95% CI], paired difference, a positive
     control, verdict; then each further regime (label -> its seeds) with the same tables."""
-    lines = ["# Did on-policy distillation beat more SFT at equal budget?", "",
-             "Made from a real sweep of DVC experiments (training seeds `ddp.seed`; the models, data and teacher "
-             "completions are shared) with these commands:", "", "```", commands.strip(), "```", "",
-             f"Seeds: {[r['seed'] for r in runs]} (scenario S1-1, nothing injected). Both arms start from the same SFT "
-             "student (`paths.distill_init`) and run "
-             "the same loop (the `opd` section's steps, batch and schedule). Each cell: mean over seeds [95% "
-             "t-interval over training seeds]; differences are paired by seed. The held-out prompts are the same "
-             "for every seed, so the intervals hold for these prompts: their own sampling error is not in them. "
-             "At equal FLOPs the costlier arm (OPD) is read off its learning curve (which begins at the shared "
-             "start) at the cheaper arm's total.", ""]
+    lines = [
+        "# Did on-policy distillation beat more SFT at equal budget?",
+        "",
+        "Made from a real sweep of DVC experiments (training seeds `ddp.seed`; the models, data and teacher "
+        "completions are shared) with these commands:",
+        "",
+        "```",
+        commands.strip(),
+        "```",
+        "",
+        f"Seeds: {[r['seed'] for r in runs]} (scenario S1-1, nothing injected). Both arms start from the same SFT "
+        "student (`paths.distill_init`) and run "
+        "the same loop (the `opd` section's steps, batch and schedule). Each cell: mean over seeds [95% "
+        "t-interval over training seeds]; differences are paired by seed. The held-out prompts are the same "
+        "for every seed, so the intervals hold for these prompts: their own sampling error is not in them. "
+        "At equal FLOPs the costlier arm (OPD) is read off its learning curve (which begins at the shared "
+        "start) at the cheaper arm's total.",
+        "",
+    ]
     budget = budget_note(runs[0]["evaluate"]) if runs else []
     if budget:
         lines += ["Seed " + str(runs[0]["seed"]) + ": " + budget[0], ""]
@@ -168,12 +188,17 @@ def render_study(runs: list[dict], commands: str, figures: dict[str, str],
     lines += table
     control = _instrument_control(runs)
     if control:
-        lines += ["## Can this sweep see an effect? (positive control)", "",
-                  "The same instrument (these seeds, the curve prompts) measuring something that does change: "
-                  "the control arm's improvement over the second half of its steps (its curve at the end minus "
-                  "its curve half-way, interpolated on steps), paired by seed. A difference between the arms "
-                  "smaller than this is one the sweep may miss.", "",
-                  "| metric | control, end − half-way |", "|---|---|"]
+        lines += [
+            "## Can this sweep see an effect? (positive control)",
+            "",
+            "The same instrument (these seeds, the curve prompts) measuring something that does change: "
+            "the control arm's improvement over the second half of its steps (its curve at the end minus "
+            "its curve half-way, interpolated on steps), paired by seed. A difference between the arms "
+            "smaller than this is one the sweep may miss.",
+            "",
+            "| metric | control, end − half-way |",
+            "|---|---|",
+        ]
         for metric, label, _ in METRICS:
             if metric in control:
                 lines.append(f"| {label} | {_interval(control[metric], metric == 'exact_match')} |")
@@ -218,8 +243,11 @@ def _instrument_control(runs: list[dict]) -> dict:
 
 def _leads_to_start(sft_curve: list[dict], ev: dict) -> bool:
     start = ((ev.get("curves") or {}).get("opd") or [{}])[0]
-    return bool(sft_curve) and sft_curve[-1].get("steps") == start.get("steps") \
+    return (
+        bool(sft_curve)
+        and sft_curve[-1].get("steps") == start.get("steps")
         and sft_curve[-1].get("flops") == start.get("flops")
+    )
 
 
 def curve_figure(runs: list[dict], x_key: str, path: Path) -> None:

@@ -27,9 +27,11 @@ import numpy as np
 from ars_opd.evaluation.arms import ARMS
 from ars_opd.evaluation.tables import fmt
 
-METRICS = (("reverse_kl", "reverse KL to the teacher (per token)", "lower"),
-           ("exact_match", "exact match", "higher"),
-           ("teacher_nll", "NLL of the teacher's completions (per token)", "lower"))
+METRICS = (
+    ("reverse_kl", "reverse KL to the teacher (per token)", "lower"),
+    ("exact_match", "exact match", "higher"),
+    ("teacher_nll", "NLL of the teacher's completions (per token)", "lower"),
+)
 LABELS = {"opd": "OPD", "sft_continued": "continued SFT (control)", "sft": "SFT"}
 
 
@@ -59,28 +61,44 @@ def compare(eval_metrics: dict) -> dict | None:
             out["equal_flops"][arm] = {k: interpolate(curves[arm], "flops", flops, k) for k, _, _ in METRICS}
     return out
 
+
 def headline(cmp: dict) -> list[str]:
     """Markdown: the two arms at equal steps and at equal FLOPs, and a one-run verdict."""
     steps = cmp["equal_steps"]
-    lines = ["Both arms start from the same SFT student and run the same loop (same steps, batch, learning-rate "
-             "schedule); only the objective and its data differ. One training seed here: the sweep with "
-             "intervals is `reports/distillation.md`.", "",
-             "| at equal steps | steps from scratch | FLOPs from scratch | tokens generated | "
-             + " | ".join(label for _, label, _ in METRICS) + " |", "|---|---|---|---|" + "---|" * len(METRICS)]
+    lines = [
+        "Both arms start from the same SFT student and run the same loop (same steps, batch, learning-rate "
+        "schedule); only the objective and its data differ. One training seed here: the sweep with "
+        "intervals is `reports/distillation.md`.",
+        "",
+        "| at equal steps | steps from scratch | FLOPs from scratch | tokens generated | "
+        + " | ".join(label for _, label, _ in METRICS)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(METRICS),
+    ]
     for arm in ARMS:
         s = steps[arm]
-        lines.append(f"| {LABELS[arm]} | {s.get('steps', 'n/a')} | {fmt(s.get('flops'))} | "
-                     f"{s.get('tokens_generated', 'n/a')} | " + " | ".join(
-                         fmt(s.get(k), pct=k == "exact_match") for k, _, _ in METRICS) + " |")
+        lines.append(
+            f"| {LABELS[arm]} | {s.get('steps', 'n/a')} | {fmt(s.get('flops'))} | "
+            f"{s.get('tokens_generated', 'n/a')} | "
+            + " | ".join(fmt(s.get(k), pct=k == "exact_match") for k, _, _ in METRICS)
+            + " |"
+        )
     flops = cmp["equal_flops"]
     if flops:
-        lines += ["", f"At equal FLOPs ({fmt(flops['flops'])} from scratch, the cheaper arm's total; learning "
-                      "curves interpolated on the curve prompts):", "",
-                  "| at equal FLOPs | " + " | ".join(label for _, label, _ in METRICS) + " |",
-                  "|---|" + "---|" * len(METRICS)]
+        lines += [
+            "",
+            f"At equal FLOPs ({fmt(flops['flops'])} from scratch, the cheaper arm's total; learning "
+            "curves interpolated on the curve prompts):",
+            "",
+            "| at equal FLOPs | " + " | ".join(label for _, label, _ in METRICS) + " |",
+            "|---|" + "---|" * len(METRICS),
+        ]
         for arm in ARMS:
-            lines.append(f"| {LABELS[arm]} | " + " | ".join(
-                fmt(flops[arm].get(k), pct=k == "exact_match") for k, _, _ in METRICS) + " |")
+            lines.append(
+                f"| {LABELS[arm]} | "
+                + " | ".join(fmt(flops[arm].get(k), pct=k == "exact_match") for k, _, _ in METRICS)
+                + " |"
+            )
     verdict = []
     for label, table in (("equal steps", steps), ("equal FLOPs", flops)):
         if not table:
@@ -89,8 +107,10 @@ def headline(cmp: dict) -> list[str]:
         e_o, e_c = table["opd"].get("exact_match"), table["sft_continued"].get("exact_match")
         if o is None or c is None or not (math.isfinite(o) and math.isfinite(c)):
             continue
-        words = f"at {label}, OPD's reverse KL to the teacher is **{'lower' if o < c else 'not lower'}** than the " \
-                f"control's ({o:.4f} vs {c:.4f})"
+        words = (
+            f"at {label}, OPD's reverse KL to the teacher is **{'lower' if o < c else 'not lower'}** than the "
+            f"control's ({o:.4f} vs {c:.4f})"
+        )
         if e_o is not None and e_c is not None and math.isfinite(e_o) and math.isfinite(e_c):
             words += f" and its exact match **{'higher' if e_o > e_c else 'not higher'}** ({e_o:.1%} vs {e_c:.1%})"
         verdict.append(words)
@@ -106,14 +126,16 @@ def regime_note(cmp: dict) -> list[str]:
     return [REGIME, ""]
 
 
-REGIME = ("Where OPD is expected to win, if not here: on-policy distillation trains on the states the student "
-          "itself reaches, so its advantage over SFT on teacher text grows with (1) a longer horizon, answers of "
-          "many tokens where the student's early mistakes compound and SFT never shows it how to recover; (2) a "
-          "larger teacher–student gap with a student good enough that its samples are informative; (3) judging "
-          "by the reverse KL on the student's own samples, the quantity OPD minimises, rather than by the "
-          "teacher-text NLL that SFT minimises. At equal FLOPs it also pays for sampling and for the teacher's "
-          "forward (2·P_teacher per scored token against 6·P_student per trained token); a served teacher "
-          "(`opd.teacher: endpoint`) moves that cost off the student's devices, not out of the budget.")
+REGIME = (
+    "Where OPD is expected to win, if not here: on-policy distillation trains on the states the student "
+    "itself reaches, so its advantage over SFT on teacher text grows with (1) a longer horizon, answers of "
+    "many tokens where the student's early mistakes compound and SFT never shows it how to recover; (2) a "
+    "larger teacher–student gap with a student good enough that its samples are informative; (3) judging "
+    "by the reverse KL on the student's own samples, the quantity OPD minimises, rather than by the "
+    "teacher-text NLL that SFT minimises. At equal FLOPs it also pays for sampling and for the teacher's "
+    "forward (2·P_teacher per scored token against 6·P_student per trained token); a served teacher "
+    "(`opd.teacher: endpoint`) moves that cost off the student's devices, not out of the budget."
+)
 
 
 def _opd_wins(table: dict) -> bool:
@@ -139,22 +161,28 @@ def budget_note(eval_metrics: dict) -> list[str]:
         if len(c) >= 2:
             a, b = c[-2], c[-1]
             trend = "still falling" if b["reverse_kl"] < a["reverse_kl"] else "flat or rising"
-            bits.append(f"{LABELS[arm]}'s reverse KL was {trend} over its last {b['steps'] - a['steps']} steps "
-                        f"({a['reverse_kl']:.3g} → {b['reverse_kl']:.3g} on the curve prompts)")
+            bits.append(
+                f"{LABELS[arm]}'s reverse KL was {trend} over its last {b['steps'] - a['steps']} steps "
+                f"({a['reverse_kl']:.3g} → {b['reverse_kl']:.3g} on the curve prompts)"
+            )
     start = (curves.get("opd") or [{}])[0]
     arm_steps = (eval_metrics.get("opd") or {}).get("budget", {}).get("steps")
     words = []
     if start.get("steps") is not None and arm_steps is not None:
-        words.append(f"Budget: the SFT student both arms start from had {start['steps']} steps; each arm adds "
-                     f"{arm_steps - start['steps']}.")
+        words.append(
+            f"Budget: the SFT student both arms start from had {start['steps']} steps; each arm adds "
+            f"{arm_steps - start['steps']}."
+        )
     if teacher.get("exact_match") is not None:
         em = {a: (eval_metrics.get(a) or {}).get("exact_match") for a in ARMS}
         if all(v is not None for v in em.values()):
-            words.append(f"The teacher's exact match is {teacher['exact_match']:.1%} against the arms' "
-                         f"{em['opd']:.1%} and {em['sft_continued']:.1%}, so neither student is near the ceiling"
-                         if max(em.values()) < teacher["exact_match"] - 0.05 else
-                         f"The teacher's exact match is {teacher['exact_match']:.1%}, the arms' {em['opd']:.1%} "
-                         f"and {em['sft_continued']:.1%}")
+            words.append(
+                f"The teacher's exact match is {teacher['exact_match']:.1%} against the arms' "
+                f"{em['opd']:.1%} and {em['sft_continued']:.1%}, so neither student is near the ceiling"
+                if max(em.values()) < teacher["exact_match"] - 0.05
+                else f"The teacher's exact match is {teacher['exact_match']:.1%}, the arms' {em['opd']:.1%} "
+                f"and {em['sft_continued']:.1%}"
+            )
     if bits:
         words.append("; ".join(bits) + ".")
     return [" ".join(w if w.endswith(".") else w + "." for w in words), ""] if words else []

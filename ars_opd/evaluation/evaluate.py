@@ -43,21 +43,26 @@ from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.evaluation.arms import ARMS, MODELS, TRAINED
 from ars_opd.evaluation.tables import render_table
 from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
+from ars_opd.lm.cross_entropy import shifted_targets
 from ars_opd.lm.divergences import divergence_terms
 from ars_opd.lm.generation import decode_completion, generate_token_ids
 from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows, target_logprobs
-from ars_opd.lm.cross_entropy import shifted_targets
 from ars_opd.lm.opd_objectives import TeacherLogits
 from ars_opd.lm.precision import frozen_model_dtype
 from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer
 from ars_opd.training.budget import SNAPSHOTS, read_budget
 
 
-def _load(paths: PathsConfig, name: str, trust_remote_code: bool, device: torch.device,
-          dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def _load(
+    paths: PathsConfig, name: str, trust_remote_code: bool, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     if name in ("base", "teacher"):
-        model = load_model(paths.models_dir, "student" if name == "base" else "teacher", dtype=dtype,
-                           trust_remote_code=trust_remote_code)
+        model = load_model(
+            paths.models_dir,
+            "student" if name == "base" else "teacher",
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+        )
     else:
         model = load_model_dir(paths.training(name).model, stage=name)
     return model.to(device).eval().requires_grad_(False)
@@ -70,36 +75,55 @@ def _hidden_rows(model, batch: dict, mask: torch.Tensor, device: torch.device) -
 
 
 @torch.no_grad()
-def _reverse_kl_on_own_samples(model, teacher, tokenizer, prompts, cfg: EvaluateConfig, vocab: int,
-                               device: torch.device) -> float:
+def _reverse_kl_on_own_samples(
+    model, teacher, tokenizer, prompts, cfg: EvaluateConfig, vocab: int, device: torch.device
+) -> float:
     torch.manual_seed(cfg.seed)
-    samples = generate_token_ids(model, tokenizer, prompts, cfg.max_new_tokens, batch_size=cfg.batch_size,
-                                 do_sample=True, temperature=1.0, top_p=1.0)
+    samples = generate_token_ids(
+        model,
+        tokenizer,
+        prompts,
+        cfg.max_new_tokens,
+        batch_size=cfg.batch_size,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+    )
     total, n = 0.0, 0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for i in range(0, len(prompts), cfg.batch_size):
-        b = build_rollout_batch(prompts[i:i + cfg.batch_size], samples[i:i + cfg.batch_size], pad,
-                                tokenizer.eos_token_id)
+        b = build_rollout_batch(
+            prompts[i : i + cfg.batch_size], samples[i : i + cfg.batch_size], pad, tokenizer.eos_token_id
+        )
         if not bool(b["loss_mask"].any()):
             continue
         teacher_rows = TeacherLogits(_hidden_rows(teacher, b, b["loss_mask"], device), OutputHead.of(teacher, vocab))
-        s = chunked_head_loss(_hidden_rows(model, b, b["loss_mask"], device), OutputHead.of(model, vocab),
-                              divergence_terms(teacher_rows.rows, beta=1.0), cfg.chunk_size)
+        s = chunked_head_loss(
+            _hidden_rows(model, b, b["loss_mask"], device),
+            OutputHead.of(model, vocab),
+            divergence_terms(teacher_rows.rows, beta=1.0),
+            cfg.chunk_size,
+        )
         total += float(s)
         n += int(b["loss_mask"].sum())
     return total / n if n else float("nan")
 
 
 @torch.no_grad()
-def _teacher_nll(model, tokenizer, prompts, completions, cfg: EvaluateConfig, vocab: int,
-                 device: torch.device) -> float:
+def _teacher_nll(
+    model, tokenizer, prompts, completions, cfg: EvaluateConfig, vocab: int, device: torch.device
+) -> float:
     total, n = 0.0, 0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for i in range(0, len(prompts), cfg.batch_size):
-        b = pad_right_with_labels(prompts[i:i + cfg.batch_size], completions[i:i + cfg.batch_size], pad)
+        b = pad_right_with_labels(prompts[i : i + cfg.batch_size], completions[i : i + cfg.batch_size], pad)
         mask, targets = shifted_targets(b["labels"])
-        (logprobs,) = target_logprobs(_hidden_rows(model, b, mask, device), OutputHead.of(model, vocab),
-                                      targets.to(device), chunk_size=cfg.chunk_size)
+        (logprobs,) = target_logprobs(
+            _hidden_rows(model, b, mask, device),
+            OutputHead.of(model, vocab),
+            targets.to(device),
+            chunk_size=cfg.chunk_size,
+        )
         total -= float(logprobs.sum())
         n += int(targets.numel())
     return total / n if n else float("nan")
@@ -118,8 +142,16 @@ class HeldOut:
         return HeldOut(self.rows[:n], self.prompts[:n], self.completions[:n], self.checkable[:n])
 
 
-def score_model(model, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig, vocab: int,
-                device: torch.device, is_teacher: bool = False) -> tuple[dict, list[str]]:
+def score_model(
+    model,
+    teacher,
+    tokenizer,
+    data: HeldOut,
+    cfg: EvaluateConfig,
+    vocab: int,
+    device: torch.device,
+    is_teacher: bool = False,
+) -> tuple[dict, list[str]]:
     """(exact match overall and per task, reverse KL on own samples, teacher NLL; the greedy answers)."""
     greedy = generate_token_ids(model, tokenizer, data.prompts, cfg.max_new_tokens, batch_size=cfg.batch_size)
     texts = [decode_completion(tokenizer, g) for g in greedy]
@@ -134,14 +166,23 @@ def score_model(model, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig, v
         m["exact_match_per_task"] = {k: c / n for k, (c, n) in sorted(per_task.items())}
     else:
         m["exact_match"] = None
-    m["reverse_kl"] = 0.0 if is_teacher else _reverse_kl_on_own_samples(model, teacher, tokenizer, data.prompts,
-                                                                        cfg, vocab, device)
+    m["reverse_kl"] = (
+        0.0 if is_teacher else _reverse_kl_on_own_samples(model, teacher, tokenizer, data.prompts, cfg, vocab, device)
+    )
     m["teacher_nll"] = _teacher_nll(model, tokenizer, data.prompts, data.completions, cfg, vocab, device)
     return m, texts
 
 
-def learning_curve(stage: str, paths: PathsConfig, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig,
-                   vocab: int, device: torch.device) -> list[dict]:
+def learning_curve(
+    stage: str,
+    paths: PathsConfig,
+    teacher,
+    tokenizer,
+    data: HeldOut,
+    cfg: EvaluateConfig,
+    vocab: int,
+    device: torch.device,
+) -> list[dict]:
     """A training stage's snapshots (``snapshots/step_N`` in its model directory) and its final model, each
     scored on ``data``, with the budget spent to reach it (``budget.json``: steps and FLOPs from scratch).
     A snapshot taken at the final step is the final model and is scored once."""
@@ -151,16 +192,25 @@ def learning_curve(stage: str, paths: PathsConfig, teacher, tokenizer, data: Hel
     return [curve_point(d, stage, teacher, tokenizer, data, cfg, vocab, device) for d in dirs + [model_dir]]
 
 
-def curve_point(model_dir: Path, stage: str, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig, vocab: int,
-                device: torch.device) -> dict:
+def curve_point(
+    model_dir: Path,
+    stage: str,
+    teacher,
+    tokenizer,
+    data: HeldOut,
+    cfg: EvaluateConfig,
+    vocab: int,
+    device: torch.device,
+) -> dict:
     """One learning-curve point: the model in ``model_dir`` scored on ``data``, with its budget."""
     model = load_model_dir(model_dir, stage=stage).to(device).eval().requires_grad_(False)
     m, _ = score_model(model, teacher, tokenizer, data, cfg, vocab, device)
     return {**read_budget(model_dir), **{k: m[k] for k in ("exact_match", "reverse_kl", "teacher_nll")}}
 
 
-def learning_curves(paths: PathsConfig, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig, vocab: int,
-                    device: torch.device) -> dict:
+def learning_curves(
+    paths: PathsConfig, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig, vocab: int, device: torch.device
+) -> dict:
     """Every training stage's curve; each arm's curve starts at the student both arms start from
     (``paths.distill_init``), so the arms can be read off at any budget between their start and end (the
     equal-FLOPs comparison interpolates there). When that student is the sft stage's model its final curve
@@ -198,19 +248,25 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
         torch.set_num_threads(cfg.threads)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("evaluate.device is cuda but no CUDA device is visible; set evaluate.device: auto or cpu")
-    device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = torch.device(
+        "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
     rows = read_jsonl(paths.completions("eval"))
     if cfg.max_examples:
         rows = rows[: cfg.max_examples]
     if not rows:
-        raise ValueError(f"{paths.completions('eval')} has no rows: evaluation needs held-out prompts "
-                         "(teacher_gen.splits must include eval and data.eval_size > 0)")
+        raise ValueError(
+            f"{paths.completions('eval')} has no rows: evaluation needs held-out prompts "
+            "(teacher_gen.splits must include eval and data.eval_size > 0)"
+        )
     tokenizer = load_tokenizer(paths.models_dir)
     vocab = len(tokenizer)
-    data = HeldOut(rows, encode_prompts(tokenizer, [r["messages"] for r in rows]),
-                   encode_completions(tokenizer, [r["completion"] for r in rows]),
-                   [r.get("task") in synthetic.TASK_NAMES and r.get("reference") is not None for r in rows])
+    data = HeldOut(
+        rows,
+        encode_prompts(tokenizer, [r["messages"] for r in rows]),
+        encode_completions(tokenizer, [r["completion"] for r in rows]),
+        [r.get("task") in synthetic.TASK_NAMES and r.get("reference") is not None for r in rows],
+    )
     teacher = _load(paths, "teacher", trust_remote_code, device, frozen_model_dtype(cfg.teacher_dtype, device))
     metrics: dict = {"examples": len(rows), "checkable_examples": sum(data.checkable)}
     answers: list[dict] = [{"id": r["id"], "task": r.get("task")} for r in rows]
@@ -223,8 +279,10 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
         for a, t in zip(answers, texts):
             a[name] = t
     curve_data = data.head(cfg.curve_examples) if cfg.curve_examples else data
-    metrics["curves"] = {"examples": len(curve_data.rows),
-                         **learning_curves(paths, teacher, tokenizer, curve_data, cfg, vocab, device)}
+    metrics["curves"] = {
+        "examples": len(curve_data.rows),
+        **learning_curves(paths, teacher, tokenizer, curve_data, cfg, vocab, device),
+    }
     table = render_table(metrics)
     with atomic_outputs(paths.eval_metrics, paths.eval_dir, paths.eval_live) as (metrics_tmp, out, live_tmp):
         log_curves(live_tmp, metrics["curves"])

@@ -22,13 +22,17 @@ import pandas as pd
 
 from ars_opd.artifacts import atomic_outputs, read_jsonl, write_json
 from ars_opd.config import PathsConfig, ReportConfig
+from ars_opd.evaluation.arms import ARMS, MODELS
 from ars_opd.evaluation.consistency_report import (
-    DEFINITIONS, detection_benchmark, detector_text, run_workers, stage_section,
+    DEFINITIONS,
+    detection_benchmark,
+    detector_text,
+    run_workers,
+    stage_section,
 )
 from ars_opd.evaluation.detector import Alarm, standardised_residuals
 from ars_opd.evaluation.distillation import curve_figure
 from ars_opd.evaluation.equal_budget import budget_note, compare, headline, regime_note
-from ars_opd.evaluation.arms import ARMS, MODELS
 from ars_opd.evaluation.tables import render_table
 
 STAGES = ("sft", "opd", "sft_continued")
@@ -41,8 +45,12 @@ def load_steps(path: Path) -> pd.DataFrame:
     return pd.DataFrame(read_jsonl(path))
 
 
-def build_report(stage_logs: dict[str, pd.DataFrame], eval_metrics: dict | None, cfg: ReportConfig,
-                 benchmark: tuple[list[str], dict] | None = None) -> tuple[str, dict, dict]:
+def build_report(
+    stage_logs: dict[str, pd.DataFrame],
+    eval_metrics: dict | None,
+    cfg: ReportConfig,
+    benchmark: tuple[list[str], dict] | None = None,
+) -> tuple[str, dict, dict]:
     """(markdown, flat metrics, alarms per stage) from the loaded logs."""
     md = ["# ars-opd report", ""]
     flat: dict = {}
@@ -52,8 +60,12 @@ def build_report(stage_logs: dict[str, pd.DataFrame], eval_metrics: dict | None,
         cmp = compare(eval_metrics)
         if cmp is not None:
             md += headline(cmp) + budget_note(eval_metrics) + regime_note(cmp)
-            md += ["![learning curves against steps](figures/learning_curves_steps.png)", "",
-                   "![learning curves against FLOPs](figures/learning_curves_flops.png)", ""]
+            md += [
+                "![learning curves against steps](figures/learning_curves_steps.png)",
+                "",
+                "![learning curves against FLOPs](figures/learning_curves_flops.png)",
+                "",
+            ]
             for where in ("equal_steps", "equal_flops"):
                 for arm in ARMS:
                     for key, v in (cmp[where].get(arm) or {}).items():
@@ -97,17 +109,20 @@ def _figure(df: pd.DataFrame, alarms: list[Alarm], cfg: ReportConfig, stage: str
     ax.set_title(f"{stage}: global and per-worker loss")
     ax.legend(fontsize=7)
     z_by_stat = standardised_residuals(df.to_dict("records"), cfg)
-    for ax, name, title in ((axes[1, 0], "loss", "loss vs other workers (robust z)"),
-                            (axes[1, 1], "grad_norm", "gradient norm vs other workers (robust z)"),
-                            (axes[2, 0], "direction", "cos(g_k, ḡ) vs other workers (robust z)")):
+    for ax, name, title in (
+        (axes[1, 0], "loss", "loss vs other workers (robust z)"),
+        (axes[1, 1], "grad_norm", "gradient norm vs other workers (robust z)"),
+        (axes[2, 0], "direction", "cos(g_k, ḡ) vs other workers (robust z)"),
+    ):
         z = z_by_stat.get(name)
         if z is not None:
             for k in range(z.shape[1]):
                 ax.plot(steps, z[:, k], lw=0.5, alpha=0.7, label=f"rank {k}")
             hits = [a for a in alarms if a.statistic == name]
             if hits:
-                ax.scatter([a.step for a in hits], [0] * len(hits), color="red", marker="v", s=25, zorder=3,
-                           label="alarm")
+                ax.scatter(
+                    [a.step for a in hits], [0] * len(hits), color="red", marker="v", s=25, zorder=3, label="alarm"
+                )
             ax.legend(fontsize=7)
         ax.set_title(title)
     ax = axes[0, 1]
@@ -132,8 +147,15 @@ def _figure(df: pd.DataFrame, alarms: list[Alarm], cfg: ReportConfig, stage: str
     plt.close(fig)
 
 
-PLOT_COLUMNS = ("step", "loss", "consistency/loss_dispersion", "consistency/grad_norm_dispersion",
-                "consistency/grad_direction_consistency", "grad_norm", "gns/b_simple")
+PLOT_COLUMNS = (
+    "step",
+    "loss",
+    "consistency/loss_dispersion",
+    "consistency/grad_norm_dispersion",
+    "consistency/grad_direction_consistency",
+    "grad_norm",
+    "gns/b_simple",
+)
 
 
 def write_report(cfg: ReportConfig, paths: PathsConfig) -> dict:

@@ -37,6 +37,7 @@ STATISTICS = (  # (metric key suffix, label, the paper's direction from S1-1 to 
 
 # -- statistics -----------------------------------------------------------------------------------------
 
+
 def student_t_cdf(t: float, df: float) -> float:
     """P(T <= t) for Student's t with ``df`` degrees of freedom (Simpson's rule on the density)."""
     if df <= 0:
@@ -46,7 +47,7 @@ def student_t_cdf(t: float, df: float) -> float:
     x = np.linspace(0.0, abs(t), n + 1)
     w = np.where(np.arange(n + 1) % 2 == 1, 4.0, 2.0)
     w[0] = w[-1] = 1.0
-    half = c * float((w * (1 + x ** 2 / df) ** (-(df + 1) / 2)).sum()) * (abs(t) / n) / 3
+    half = c * float((w * (1 + x**2 / df) ** (-(df + 1) / 2)).sum()) * (abs(t) / n) / 3
     return 0.5 + half if t >= 0 else 0.5 - half
 
 
@@ -76,7 +77,7 @@ def welch_diff(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> t
     d = float(b.mean() - a.mean())
     if se == 0:
         return d, d, d, 0.0, float("inf")
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     half = student_t_quantile(0.5 + level / 2, df) * se
     return d, d - half, d + half, se, df
 
@@ -99,8 +100,8 @@ def jonckheere(groups: Sequence[Sequence[float]], permutations: int = 20000, see
         total = np.zeros(x.shape[0])
         for i in range(len(groups)):
             for j in range(i + 1, len(groups)):
-                a = x[:, bounds[i]:bounds[i + 1]][:, :, None]
-                b = x[:, bounds[j]:bounds[j + 1]][:, None, :]
+                a = x[:, bounds[i] : bounds[i + 1]][:, :, None]
+                b = x[:, bounds[j] : bounds[j + 1]][:, None, :]
                 total += (b > a).sum((1, 2)) + 0.5 * (b == a).sum((1, 2))
         return total
 
@@ -112,6 +113,7 @@ def jonckheere(groups: Sequence[Sequence[float]], permutations: int = 20000, see
 
 
 # -- experiments ------------------------------------------------------------------------------------------
+
 
 def walk_experiments(data: Any):
     """Yield (name, params, metrics, is_experiment, rev) for every revision in `dvc exp show --json` output
@@ -143,8 +145,10 @@ def collect(data: Any) -> dict[str, list[dict]]:
         group = fault or ddp.get("scenario")
         if group is None:
             continue
-        groups.setdefault(group, {}).setdefault(int(ddp.get("seed", 0)), {
-            "name": name, "seed": int(ddp.get("seed", 0)), "workers": ddp.get("workers"), "metrics": metrics})
+        groups.setdefault(group, {}).setdefault(
+            int(ddp.get("seed", 0)),
+            {"name": name, "seed": int(ddp.get("seed", 0)), "workers": ddp.get("workers"), "metrics": metrics},
+        )
     return {g: [runs[s] for s in sorted(runs)] for g, runs in groups.items()}
 
 
@@ -153,15 +157,31 @@ def _values(runs: list[dict], key: str) -> list[float]:
 
 
 def render(found: dict[str, list[dict]], commands: str, notes: str = "") -> str:
-    lines = ["# Seed scenarios: do dispersion rise and direction consistency fall from S1-1 to S1-3?", "",
-             "Made from a real sweep of DVC experiments with these commands:", "", "```", commands.strip(), "```", ""]
+    lines = [
+        "# Seed scenarios: do dispersion rise and direction consistency fall from S1-1 to S1-3?",
+        "",
+        "Made from a real sweep of DVC experiments with these commands:",
+        "",
+        "```",
+        commands.strip(),
+        "```",
+        "",
+    ]
     controls = sorted(g for g in found if g not in SCENARIOS)
     workers = sorted({r["workers"] for runs in found.values() for r in runs if r.get("workers")})
-    lines += ["Runs per group: " + ", ".join(f"{g} {len(found[g])}" for g in (*SCENARIOS, *controls) if g in found)
-              + f"; workers: {workers}. Each cell: mean over seeds [95% t-interval].", ""]
+    lines += [
+        "Runs per group: "
+        + ", ".join(f"{g} {len(found[g])}" for g in (*SCENARIOS, *controls) if g in found)
+        + f"; workers: {workers}. Each cell: mean over seeds [95% t-interval].",
+        "",
+    ]
     for stage in ("sft", "opd"):
-        lines += [f"## {stage}", "", "| group | " + " | ".join(label for _, label, _ in STATISTICS) + " |",
-                  "|---|" + "---|" * len(STATISTICS)]
+        lines += [
+            f"## {stage}",
+            "",
+            "| group | " + " | ".join(label for _, label, _ in STATISTICS) + " |",
+            "|---|" + "---|" * len(STATISTICS),
+        ]
         for g in (*SCENARIOS, *controls):
             if g not in found:
                 continue
@@ -184,16 +204,21 @@ def render(found: dict[str, list[dict]], commands: str, notes: str = "") -> str:
             bound = max(abs(lo), abs(hi))
             base = abs(float(np.mean(groups[0]))) or float("nan")
             order = "S1-1 < S1-2 < S1-3" if direction == "up" else "S1-1 > S1-2 > S1-3"
-            lines.append(f"- **{label}**: ordering {order}: Jonckheere–Terpstra one-sided p = {p:.3g}. "
-                         f"S1-3 − S1-1 = {fmt(d)} [{fmt(lo)}, {fmt(hi)}]: within **±{fmt(bound)}** "
-                         f"({bound / base:.1%} of S1-1's mean) with 95% confidence. Smallest difference this design "
-                         f"detects with power 0.8: {fmt(detectable_difference(se, df))}.")
+            lines.append(
+                f"- **{label}**: ordering {order}: Jonckheere–Terpstra one-sided p = {p:.3g}. "
+                f"S1-3 − S1-1 = {fmt(d)} [{fmt(lo)}, {fmt(hi)}]: within **±{fmt(bound)}** "
+                f"({bound / base:.1%} of S1-1's mean) with 95% confidence. Smallest difference this design "
+                f"detects with power 0.8: {fmt(detectable_difference(se, df))}."
+            )
             for c in controls:
                 cv = _values(found[c], f"{stage}/{key}")
                 if len(cv) >= 2:
                     cd, clo, chi, _, _ = welch_diff(groups[0], cv)
-                    lines.append(f"  - positive control {c} − S1-1 = {fmt(cd)} [{fmt(clo)}, {fmt(chi)}]"
-                                 + (" (moved)" if clo > 0 or chi < 0 else " (not distinguishable)") + ".")
+                    lines.append(
+                        f"  - positive control {c} − S1-1 = {fmt(cd)} [{fmt(clo)}, {fmt(chi)}]"
+                        + (" (moved)" if clo > 0 or chi < 0 else " (not distinguishable)")
+                        + "."
+                    )
         lines.append("")
     if notes.strip():
         lines += [notes.strip(), ""]
@@ -201,6 +226,7 @@ def render(found: dict[str, list[dict]], commands: str, notes: str = "") -> str:
 
 
 def exp_show_json(cwd: str = ".") -> Any:
-    out = subprocess.run(["dvc", "exp", "show", "--json", "--all-commits"], cwd=cwd, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        ["dvc", "exp", "show", "--json", "--all-commits"], cwd=cwd, capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout)

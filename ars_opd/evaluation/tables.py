@@ -17,8 +17,10 @@ def fmt(v, pct: bool = False) -> str:
 
 def render_table(metrics: dict) -> str:
     """Markdown table: one row per model."""
-    lines = ["| model | exact match | reverse KL to teacher (per token) | NLL of teacher completions (per token) |",
-             "|---|---|---|---|"]
+    lines = [
+        "| model | exact match | reverse KL to teacher (per token) | NLL of teacher completions (per token) |",
+        "|---|---|---|---|",
+    ]
     for name in MODELS:
         m = metrics.get(name)
         if m is None:

@@ -29,8 +29,9 @@ VARLEN_SDPA = "ars_varlen_sdpa"
 _IMPLEMENTATIONS = {"flash": "flash_attention_2", "flex": "flex_attention", "sdpa": VARLEN_SDPA}
 
 
-def _segments(cu_seq_lens: torch.Tensor | None, position_ids: torch.Tensor | None, rows: int, length: int
-              ) -> list[tuple[int, int]]:
+def _segments(
+    cu_seq_lens: torch.Tensor | None, position_ids: torch.Tensor | None, rows: int, length: int
+) -> list[tuple[int, int]]:
     """[start, end) of every sequence in the flattened (rows × length) token stream."""
     if cu_seq_lens is not None:
         bounds = cu_seq_lens.tolist()
@@ -42,9 +43,16 @@ def _segments(cu_seq_lens: torch.Tensor | None, position_ids: torch.Tensor | Non
     return list(zip(starts, starts[1:] + [flat.numel()]))
 
 
-def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                          **kwargs) -> tuple[torch.Tensor, None]:
+def varlen_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Causal SDPA per sequence of packed rows. query (R, Hq, L, D), key/value (R, Hkv, L, D) -> (R, L, Hq, D)."""
     if attention_mask is not None:
         raise ValueError(f"{VARLEN_SDPA} takes no attention mask: pass packed rows with attention_mask=None")
@@ -56,9 +64,14 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     out = torch.empty_like(q)  # (R·L, Hq, D)
     for start, end in segments:
         seg = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-            dropout_p=dropout if module.training else 0.0, is_causal=True, scale=scaling,
-            enable_gqa=Hq != key.shape[1])  # (Hq, n, D)
+            q[start:end].transpose(0, 1),
+            k[start:end].transpose(0, 1),
+            v[start:end].transpose(0, 1),
+            dropout_p=dropout if module.training else 0.0,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=Hq != key.shape[1],
+        )  # (Hq, n, D)
         out[start:end] = seg.transpose(0, 1)
     return out.view(R, L, Hq, D), None
 
@@ -81,8 +94,9 @@ def packed_attention_implementation(preference: str, device: torch.device | str)
     if preference == "flash" and not (cuda and has_flash):
         raise ValueError("sft.packed_attention: flash needs CUDA and the flash_attn package; use flex or sdpa")
     if preference == "flex" and not cuda:
-        raise ValueError("sft.packed_attention: flex trains on CUDA only (FlexAttention has no backward on CPU); "
-                         "use sdpa or auto")
+        raise ValueError(
+            "sft.packed_attention: flex trains on CUDA only (FlexAttention has no backward on CPU); use sdpa or auto"
+        )
     if preference == "sdpa":
         _register()
     return _IMPLEMENTATIONS[preference]
@@ -99,5 +113,12 @@ def packed_model_inputs(tensors: dict[str, torch.Tensor]) -> dict:
     """Model keyword arguments for a packed batch (input_ids, position_ids, cu_seq_lens from ``pack_sequences``)."""
     cu = tensors["cu_seq_lens"]
     longest = int((cu[1:] - cu[:-1]).max())
-    return {"input_ids": tensors["input_ids"], "position_ids": tensors["position_ids"], "attention_mask": None,
-            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    return {
+        "input_ids": tensors["input_ids"],
+        "position_ids": tensors["position_ids"],
+        "attention_mask": None,
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }

@@ -37,8 +37,8 @@ def pad_left(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if len(s):
-            ids[i, width - len(s):] = torch.as_tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.as_tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids, mask
 
 
@@ -50,7 +50,9 @@ def pad_right_with_labels(
     Returns ``input_ids``, ``attention_mask``, ``labels``, each (B, T).
     """
     if len(prompts) != len(completions) or not prompts:
-        raise ValueError(f"need equal, non-zero numbers of prompts and completions, got {len(prompts)}, {len(completions)}")
+        raise ValueError(
+            f"need equal, non-zero numbers of prompts and completions, got {len(prompts)}, {len(completions)}"
+        )
     width = max(len(p) + len(c) for p, c in zip(prompts, completions))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -59,7 +61,7 @@ def pad_right_with_labels(
         n = len(p) + len(c)
         ids[i, :n] = torch.as_tensor(list(p) + list(c), dtype=torch.long)
         mask[i, :n] = 1
-        labels[i, len(p):n] = torch.as_tensor(list(c), dtype=torch.long)
+        labels[i, len(p) : n] = torch.as_tensor(list(c), dtype=torch.long)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -68,8 +70,13 @@ def count_loss_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
-def pack_sequences(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pack_length: int,
-                   pad_id: int, full_rows: bool = False) -> dict[str, torch.Tensor]:
+def pack_sequences(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    pack_length: int,
+    pad_id: int,
+    full_rows: bool = False,
+) -> dict[str, torch.Tensor]:
     """Pack sequences in order into rows of ``pack_length``; each sequence stays whole within one row.
 
     Rows are as long as the longest one, or with ``full_rows`` all ``pack_length`` long (fixed shapes for
@@ -99,20 +106,25 @@ def pack_sequences(prompts: Sequence[Sequence[int]], completions: Sequence[Seque
         t = 0
         for p, c in row:
             n = len(p) + len(c)
-            ids[r, t:t + n] = torch.as_tensor(list(p) + list(c))
-            labels[r, t + len(p):t + n] = torch.as_tensor(list(c))
-            pos[r, t:t + n] = torch.arange(n)
+            ids[r, t : t + n] = torch.as_tensor(list(p) + list(c))
+            labels[r, t + len(p) : t + n] = torch.as_tensor(list(c))
+            pos[r, t : t + n] = torch.arange(n)
             t += n
             bounds.append(r * L + t)
         if t < L:  # the row's padding: one segment that attends only to itself and carries no label
             pos[r, t:] = torch.arange(L - t)
             bounds.append((r + 1) * L)
-    return {"input_ids": ids, "labels": labels, "position_ids": pos,
-            "cu_seq_lens": torch.tensor(bounds, dtype=torch.int32)}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": pos,
+        "cu_seq_lens": torch.tensor(bounds, dtype=torch.int32),
+    }
 
 
-def build_rollout_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int,
-                        eos_id: int | None) -> dict[str, torch.Tensor]:
+def build_rollout_batch(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int, eos_id: int | None
+) -> dict[str, torch.Tensor]:
     """Right-padded prompt+completion rows for scoring, the completion cut after its first EOS.
 
     Returns input_ids, attention_mask (B, T); loss_mask (B, T) True at the positions whose next token is a
@@ -135,7 +147,13 @@ def build_rollout_batch(prompts: Sequence[Sequence[int]], completions: Sequence[
         ids[i, :n] = torch.as_tensor(list(p) + c, dtype=torch.long)
         attn[i, :n] = 1
         if c:
-            loss_mask[i, len(p) - 1:n - 1] = True
-            targets[i, len(p) - 1:n - 1] = torch.as_tensor(c, dtype=torch.long)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "targets": targets,
-            "lengths": torch.tensor([len(c) for c, _ in cut]), "has_eos": torch.tensor([e for _, e in cut])}
+            loss_mask[i, len(p) - 1 : n - 1] = True
+            targets[i, len(p) - 1 : n - 1] = torch.as_tensor(c, dtype=torch.long)
+    return {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "loss_mask": loss_mask,
+        "targets": targets,
+        "lengths": torch.tensor([len(c) for c, _ in cut]),
+        "has_eos": torch.tensor([e for _, e in cut]),
+    }

@@ -28,12 +28,16 @@ def causal_lm_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tupl
     0-dim; cross-entropy is taken in fp32 whatever the logits' dtype.
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"expected logits (B, T, V) and labels (B, T), got {tuple(logits.shape)}, {tuple(labels.shape)}")
+        raise ValueError(
+            f"expected logits (B, T, V) and labels (B, T), got {tuple(logits.shape)}, {tuple(labels.shape)}"
+        )
     shift_logits = logits[:, :-1, :].float()  # (B, T-1, V)
     shift_labels = labels[:, 1:]  # (B, T-1)
     loss_sum = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
+        shift_logits.reshape(-1, shift_logits.shape[-1]),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
     n_tokens = (shift_labels != IGNORE_INDEX).sum()
     return loss_sum, n_tokens
@@ -62,8 +66,9 @@ def shifted_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mask, labels[:, 1:][mask[:, :-1]]
 
 
-def causal_lm_loss_from_hidden(hidden: torch.Tensor, head: OutputHead, labels: torch.Tensor,
-                               chunk_size: int = 256) -> tuple[torch.Tensor, int]:
+def causal_lm_loss_from_hidden(
+    hidden: torch.Tensor, head: OutputHead, labels: torch.Tensor, chunk_size: int = 256
+) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy from last hidden states (B, T, H) and the output head.
 
     labels: (B, T) unshifted, -100 where no loss is wanted (as in ``causal_lm_token_loss_sum``; targets must be
@@ -71,8 +76,9 @@ def causal_lm_loss_from_hidden(hidden: torch.Tensor, head: OutputHead, labels: t
     n_tokens). A batch without any label gives a zero loss that still reaches the graph.
     """
     if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
-        raise ValueError(f"expected hidden (B, T, H) and labels (B, T), got {tuple(hidden.shape)}, "
-                         f"{tuple(labels.shape)}")
+        raise ValueError(
+            f"expected hidden (B, T, H) and labels (B, T), got {tuple(hidden.shape)}, {tuple(labels.shape)}"
+        )
     mask, targets = shifted_targets(labels)
     if targets.numel() == 0:  # zero, yet every parameter stays in the graph (DDP expects each one's gradient)
         return hidden.sum() * 0.0 + head.weight.sum() * 0.0, 0

@@ -39,8 +39,9 @@ SYNC_EVERY = 8  # decode steps between host checks of "every row has ended"
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-                ) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
     """Next token per row (B,) from fp32 logits (B, V): greedy at temperature 0, else softmax(z/τ) restricted
     to the smallest set of most likely tokens holding at least ``top_p`` of the mass."""
     if temperature == 0:
@@ -63,8 +64,14 @@ def _cache_argument(model: torch.nn.Module) -> str:
 
 def _forward(model, cache, cache_kw: str, input_ids, position_ids, attention_mask) -> torch.Tensor:
     """Next-token logits (B, V) fp32 of the last position, writing the new keys and values into ``cache``."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                logits_to_keep=1, **{cache_kw: cache})
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_kw: cache},
+    )
     return out.logits[:, -1].float()
 
 
@@ -81,17 +88,30 @@ def _state(model, batch: int, length: int, compile: bool) -> dict:
         length = -(-length // CACHE_BUCKET) * CACHE_BUCKET
         states.pop(key, None)  # free the old cache before allocating the larger one
         step = torch.compile(_forward, mode="reduce-overhead", dynamic=False) if compile else _forward
-        state = states[key] = {"length": length, "cache": StaticCache(config=model.config, max_cache_len=length),
-                               "decode": step, "cache_kw": _cache_argument(model)}
+        state = states[key] = {
+            "length": length,
+            "cache": StaticCache(config=model.config, max_cache_len=length),
+            "decode": step,
+            "cache_kw": _cache_argument(model),
+        }
     else:
         state["cache"].reset()
     return state
 
 
 @torch.no_grad()
-def generate_static(model, prompt_ids: Sequence[Sequence[int]], pad_id: int, eos_id: int | None, max_new_tokens: int,
-                    do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-                    generator: torch.Generator | None = None, compile: bool | None = None) -> list[list[int]]:
+def generate_static(
+    model,
+    prompt_ids: Sequence[Sequence[int]],
+    pad_id: int,
+    eos_id: int | None,
+    max_new_tokens: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    compile: bool | None = None,
+) -> list[list[int]]:
     """``max_new_tokens`` new tokens per prompt (rows that ended continue with ``pad_id``; cut at EOS after).
 
     model: a causal LM in eval mode; compile: torch.compile the decode step (default: on CUDA only).

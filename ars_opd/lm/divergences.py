@@ -90,8 +90,9 @@ def _centre_(f: torch.Tensor, q: torch.Tensor, work: torch.Tensor) -> torch.Tens
     return f.sub_(torch.mul(q, f, out=work).sum(-1, keepdim=True))
 
 
-def _jsd_(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, work: torch.Tensor, beta: float, tau: float,
-          need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _jsd_(
+    p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, work: torch.Tensor, beta: float, tau: float, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Generalised JSD per row (c,) and, if asked, ∂JSD/∂z_S (c, V), from p, q and x = log(β p / ((1 − β) q)).
 
     p, q: (c, V) probabilities, each summing to 1 over the row (zero at slots outside a top-k support, where x
@@ -121,8 +122,9 @@ def _jsd_(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, work: torch.Tensor,
     return div, _centre_(ell, q, x).mul_(q).mul_(-(1 - beta) / tau)
 
 
-def divergence_terms(teacher_rows: Callable[[int, int], torch.Tensor], beta: float = 1.0,
-                     temperature: float = 1.0) -> Callable:
+def divergence_terms(
+    teacher_rows: Callable[[int, int], torch.Tensor], beta: float = 1.0, temperature: float = 1.0
+) -> Callable:
     """``RowTerms`` of the divergence (β: 0 forward KL, 1 reverse KL, between generalised JSD) at temperature τ:
     per-row D and ∂D/∂z_S for student logits z (c, V).
 
@@ -138,8 +140,10 @@ def divergence_terms(teacher_rows: Callable[[int, int], torch.Tensor], beta: flo
     def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
         zt = teacher_rows(start, end)
         if zt.shape != z.shape:
-            raise DivergenceInputError(f"student logits {tuple(z.shape)} and teacher logits {tuple(zt.shape)} "
-                                       "differ; restrict both heads to the shared vocabulary")
+            raise DivergenceInputError(
+                f"student logits {tuple(z.shape)} and teacher logits {tuple(zt.shape)} "
+                "differ; restrict both heads to the shared vocabulary"
+            )
         log_q, log_p = _log_softmax_(z, tau), _log_softmax_(zt, tau)  # (c, V) each, in place
         q = log_q.exp()
         if beta == 1.0:  # reverse KL(q || p); ∂/∂z_S = q ⊙ (s − D)/τ with s = log q − log p
@@ -178,8 +182,9 @@ def sampled_token_terms(teacher_logprobs: torch.Tensor, tokens: torch.Tensor, te
     return terms
 
 
-def topk_support(top_ids: torch.Tensor, top_logprobs: torch.Tensor, targets: torch.Tensor,
-                 target_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_support(
+    top_ids: torch.Tensor, top_logprobs: torch.Tensor, targets: torch.Tensor, target_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's top-k ∪ the target per row: (ids (M, k+1), log p_T (M, k+1) with −inf at unused slots).
 
     top_ids, top_logprobs: (M, k) the teacher's k most likely tokens and their log-probabilities (τ = 1);
@@ -192,8 +197,9 @@ def topk_support(top_ids: torch.Tensor, top_logprobs: torch.Tensor, targets: tor
     return ids, torch.cat([top_logprobs.float(), last[:, None]], -1)
 
 
-def topk_terms(support_ids: torch.Tensor, teacher_logprobs: torch.Tensor, beta: float = 1.0,
-               temperature: float = 1.0) -> Callable:
+def topk_terms(
+    support_ids: torch.Tensor, teacher_logprobs: torch.Tensor, beta: float = 1.0, temperature: float = 1.0
+) -> Callable:
     """``RowTerms`` of the divergence restricted to each row's support S (the teacher's top-k ∪ the target).
 
     support_ids: (M, K) token ids; teacher_logprobs: (M, K) log p_T at τ = 1, −inf at unused slots. Both

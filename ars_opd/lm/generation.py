@@ -58,15 +58,14 @@ def generate_token_ids(
         torch.manual_seed(generator_seed)
     try:
         for start in range(0, len(prompt_ids), batch_size):
-            chunk = prompt_ids[start:start + batch_size]
+            chunk = prompt_ids[start : start + batch_size]
             if cache == "static":
                 new = generate_static(model, chunk, pad_id, eos_id, max_new_tokens, do_sample, temperature, top_p)
                 out.extend(cut_at_first_eos(row, eos_id)[0] if stop_at_eos else row for row in new)
                 continue
             ids, mask = pad_left(chunk, pad_id)
             ids, mask = ids.to(device), mask.to(device)
-            kwargs = dict(do_sample=do_sample, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                          eos_token_id=eos_id)
+            kwargs = dict(do_sample=do_sample, max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id)
             if synced:
                 kwargs["synced_gpus"] = True
             if do_sample:
@@ -74,7 +73,7 @@ def generate_token_ids(
             else:
                 kwargs.update(temperature=None, top_p=None, top_k=None)
             gen = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-            new = gen[:, ids.shape[1]:].tolist()
+            new = gen[:, ids.shape[1] :].tolist()
             out.extend(cut_at_first_eos(row, eos_id)[0] if stop_at_eos else row for row in new)
     finally:
         model.train(was_training)
@@ -97,5 +96,7 @@ def generate_texts(
 ) -> list[str]:
     """Chat-templated generation for lists of prompt messages; returns the decoded completions."""
     ids = encode_prompts(tokenizer, list(prompts))
-    return [decode_completion(tokenizer, g)
-            for g in generate_token_ids(model, tokenizer, ids, max_new_tokens, batch_size, **kwargs)]
+    return [
+        decode_completion(tokenizer, g)
+        for g in generate_token_ids(model, tokenizer, ids, max_new_tokens, batch_size, **kwargs)
+    ]

@@ -61,8 +61,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
-def last_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                       position_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+def last_hidden_states(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
     """The final hidden states (B, T, H) of a causal LM (after its last norm), without computing any logits.
 
     ``model`` may be DDP-wrapped: it is called as a whole (so DDP's forward runs) with ``logits_to_keep``
@@ -73,8 +78,14 @@ def last_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     captured: list[torch.Tensor] = []
     handle = decoder.register_forward_hook(lambda _m, _a, out: captured.append(out[0]))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device), **kwargs)
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
+            **kwargs,
+        )
     finally:
         handle.remove()
     if len(captured) != 1:
@@ -100,14 +111,18 @@ class OutputHead:
         inner = unwrap(model)
         head = inner.get_output_embeddings()
         if not isinstance(head, torch.nn.Linear):
-            raise TypeError(f"{type(inner).__name__}'s output embedding is a {type(head).__name__}, not a Linear "
-                            "layer: the chunked losses need logits = h·Wᵀ + b")
+            raise TypeError(
+                f"{type(inner).__name__}'s output embedding is a {type(head).__name__}, not a Linear "
+                "layer: the chunked losses need logits = h·Wᵀ + b"
+            )
         config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
         for attr in _LOGIT_TRANSFORMS:
             value = getattr(config, attr, None)
             if value not in (None, 1, 1.0):
-                raise ValueError(f"{type(inner).__name__} transforms its logits ({attr} = {value}); the chunked "
-                                 "losses compute h·Wᵀ + b only and would be wrong for this model")
+                raise ValueError(
+                    f"{type(inner).__name__} transforms its logits ({attr} = {value}); the chunked "
+                    "losses compute h·Wᵀ + b only and would be wrong for this model"
+                )
         rows = head.weight.shape[0]
         vocab = rows if vocab is None else vocab
         if not 0 < vocab <= rows:
@@ -201,8 +216,13 @@ def chunked_head_loss(hidden: torch.Tensor, head: OutputHead, terms: RowTerms, c
 
 
 @torch.no_grad()
-def target_logprobs(hidden: torch.Tensor, head: OutputHead, targets: torch.Tensor,
-                    temperatures: Sequence[float] = (1.0,), chunk_size: int = 256) -> list[torch.Tensor]:
+def target_logprobs(
+    hidden: torch.Tensor,
+    head: OutputHead,
+    targets: torch.Tensor,
+    temperatures: Sequence[float] = (1.0,),
+    chunk_size: int = 256,
+) -> list[torch.Tensor]:
     """log softmax(z / τ)[target] at each of the M rows, for each τ in ``temperatures``: a list of (M,) fp32.
 
     hidden: (M, H); targets: (M,) token ids < head.vocab. No gradient; one head product per chunk.
@@ -219,8 +239,9 @@ def target_logprobs(hidden: torch.Tensor, head: OutputHead, targets: torch.Tenso
 
 
 @torch.no_grad()
-def topk_logprobs(hidden: torch.Tensor, head: OutputHead, targets: torch.Tensor, k: int,
-                  chunk_size: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def topk_logprobs(
+    hidden: torch.Tensor, head: OutputHead, targets: torch.Tensor, k: int, chunk_size: int = 256
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The k most likely tokens at each of the M rows and the targets' log-probabilities, at τ = 1.
 
     Returns (top ids (M, k) int64, their log-probs (M, k) fp32, log p(target) (M,) fp32); what a served

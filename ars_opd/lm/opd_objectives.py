@@ -97,8 +97,16 @@ class Objective(ObjectiveRules):
     """(teacher scores, targets (M,), beta, temperature) -> RowTerms: per-row loss and its gradient with
     respect to the student's logits (fp32, (c,) and (c, V)) for a chunk of the M rows."""
 
-    def loss(self, hidden: torch.Tensor, head: OutputHead, teacher: TeacherScores, targets: torch.Tensor,
-             beta: float, temperature: float, chunk_size: int) -> tuple[torch.Tensor, int]:
+    def loss(
+        self,
+        hidden: torch.Tensor,
+        head: OutputHead,
+        teacher: TeacherScores,
+        targets: torch.Tensor,
+        beta: float,
+        temperature: float,
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, int]:
         """(summed loss over the M rows with grad to ``hidden`` (M, H) and the head, M)."""
         terms = self.terms(teacher, targets, beta, temperature)
         return chunked_head_loss(hidden, head, terms, chunk_size), int(hidden.shape[0])

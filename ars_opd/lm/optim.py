@@ -33,14 +33,18 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float
 def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+    )
 
 
 def make_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: warmup_cosine(s, total_steps, cfg.warmup_steps, cfg.min_lr_ratio))
+        opt, lambda s: warmup_cosine(s, total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
+    )
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_grad_norm: float | None) -> tuple[float, float]:
@@ -53,8 +57,9 @@ def clip_gradients(params: list[torch.nn.Parameter], max_grad_norm: float | None
     if math.isfinite(norm) and max_grad_norm is not None:
         coef = min(1.0, max_grad_norm / (norm + 1e-6))
         if coef < 1.0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm,
-                                                 total if hasattr(total, "full_tensor") else torch.tensor(norm))
+            torch.nn.utils.clip_grads_with_norm_(
+                params, max_grad_norm, total if hasattr(total, "full_tensor") else torch.tensor(norm)
+            )
     return norm, coef
 
 

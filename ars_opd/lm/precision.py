@@ -35,8 +35,11 @@ def compute_dtype(weight: torch.Tensor) -> torch.dtype:
 
 def no_autocast(device_type: str):
     """Autocast off (when it is on) for code that casts explicitly."""
-    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
+    return (
+        torch.autocast(device_type, enabled=False)
+        if torch.is_autocast_enabled(device_type)
         else contextlib.nullcontext()
+    )
 
 
 def resolve_device(device: str) -> torch.device:

@@ -56,8 +56,9 @@ def unmatched_targets(model: torch.nn.Module, targets: tuple[str, ...]) -> list[
 def _lora_config(cfg: AdapterConfig):
     from peft import LoraConfig
 
-    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
-                      bias="none")
+    return LoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none"
+    )
 
 
 def check_adapter(cfg: AdapterConfig, models_dir: str | Path, trust_remote_code: bool = False) -> None:
@@ -75,8 +76,11 @@ def check_adapter(cfg: AdapterConfig, models_dir: str | Path, trust_remote_code:
     missing = unmatched_targets(model, cfg.target_modules)
     if missing:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ConfigError(f"{KEY}.target_modules", f"{missing} match no linear layer of the student "
-                          f"({type(model).__name__}); its linear layers are named {names}")
+        raise ConfigError(
+            f"{KEY}.target_modules",
+            f"{missing} match no linear layer of the student "
+            f"({type(model).__name__}); its linear layers are named {names}",
+        )
     try:
         attach(model, cfg)
     except Exception as e:  # peft refuses a layer type it has no LoRA for (remote code may bring such layers)
@@ -101,8 +105,10 @@ def resume(base: torch.nn.Module, adapter_dir: str | Path, base_revision: str) -
     adapter_dir = Path(adapter_dir)
     recorded = json.loads((adapter_dir / BASE_FILE).read_text()).get("revision")
     if recorded != base_revision:
-        raise ValueError(f"the adapter in {adapter_dir} was trained on the student {recorded}, not on this run's "
-                         f"{base_revision}; rerun the stage that made it (dvc repro)")
+        raise ValueError(
+            f"the adapter in {adapter_dir} was trained on the student {recorded}, not on this run's "
+            f"{base_revision}; rerun the stage that made it (dvc repro)"
+        )
     return PeftModel.from_pretrained(base, str(adapter_dir), adapter_name=ADAPTER_NAME, is_trainable=True)
 
 
@@ -125,7 +131,7 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if owner is None:
             out[name] = tensor.detach()
             continue
-        rest = name[len(owner) + 1:]
+        rest = name[len(owner) + 1 :]
         if not rest.startswith("base_layer."):
             continue  # the adapter's own tensors (lora_A, lora_B)
         key = f"{owner}.{rest.removeprefix('base_layer.')}"

@@ -27,8 +27,8 @@ from ars_opd.config import ArchConfig, SyntheticConfig, TeacherTrainingConfig
 from ars_opd.data import synthetic
 from ars_opd.data.prompts import alpaca_messages, encode_completions, encode_prompts
 from ars_opd.lm.batching import pad_right_with_labels
-from ars_opd.lm.generation import generate_texts
 from ars_opd.lm.cross_entropy import causal_lm_token_loss_sum
+from ars_opd.lm.generation import generate_texts
 from ars_opd.lm.optim import clip_gradients, make_optimizer, make_scheduler
 
 
@@ -112,7 +112,9 @@ def train_builtin_teacher(
         loss_sum, n = causal_lm_token_loss_sum(logits, batch["labels"])
         loss = loss_sum / n
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"teacher training loss is {loss.item()} at step {step}; lower models.teacher_training.lr")
+            raise FloatingPointError(
+                f"teacher training loss is {loss.item()} at step {step}; lower models.teacher_training.lr"
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         clip_gradients(params, cfg.max_grad_norm)
@@ -143,8 +145,13 @@ def exact_match(
     """
     if not rows:
         raise ValueError("exact_match needs at least one row")
-    answers = generate_texts(model, tokenizer, [alpaca_messages(r["instruction"], r["input"]) for r in rows],
-                             max_new_tokens=max_new_tokens, batch_size=batch_size)
+    answers = generate_texts(
+        model,
+        tokenizer,
+        [alpaca_messages(r["instruction"], r["input"]) for r in rows],
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+    )
     per_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for r, a in zip(rows, answers):
         ok = synthetic.is_correct(a, synthetic.expected_answer(r["task"], r["instruction"], r["input"]))

@@ -130,16 +130,20 @@ def read_manifest(models_dir: str | Path) -> dict:
 
 
 def _rerun_hint(models_dir: str | Path) -> str:
-    return (f"Run `dvc repro` to pin the model as it is now (the models stage reruns and so does every stage "
-            f"that uses it), or restore the files pinned in {Path(models_dir) / MANIFEST}.")
+    return (
+        f"Run `dvc repro` to pin the model as it is now (the models stage reruns and so does every stage "
+        f"that uses it), or restore the files pinned in {Path(models_dir) / MANIFEST}."
+    )
 
 
 def _changed_files(pinned: dict[str, list[int]], now: dict[str, list[int]]) -> str:
     added, removed = sorted(set(now) - set(pinned)), sorted(set(pinned) - set(now))
     changed = sorted(f for f in set(now) & set(pinned) if now[f] != pinned[f])
-    parts = [f"{what} {', '.join(names[:5])}{' …' if len(names) > 5 else ''}"
-             for what, names in (("size or time changed:", changed), ("added:", added), ("removed:", removed))
-             if names]
+    parts = [
+        f"{what} {', '.join(names[:5])}{' …' if len(names) > 5 else ''}"
+        for what, names in (("size or time changed:", changed), ("added:", added), ("removed:", removed))
+        if names
+    ]
     return "; ".join(parts) or "same names, sizes and times"
 
 
@@ -152,28 +156,36 @@ def verify_pin(models_dir: str | Path, role: str, ref: dict) -> str:
             raise ModelSourceError(f"{path} is missing: run the models stage (dvc repro models)")
         digest = sha256_of_files(path)
         if digest != ref["revision"]:
-            raise ModelPinError(f"the built-in {role} in {path} was changed after the models stage pinned it "
-                                f"(sha256 {ref['revision'][:12]}… pinned, {digest[:12]}… now). {_rerun_hint(models_dir)}")
+            raise ModelPinError(
+                f"the built-in {role} in {path} was changed after the models stage pinned it "
+                f"(sha256 {ref['revision'][:12]}… pinned, {digest[:12]}… now). {_rerun_hint(models_dir)}"
+            )
         return str(path)
     if ref["source"] == "hub":
         path = resolve_pretrained(ref["name"], ref["revision"]).path
         if Path(path).name != ref["revision"]:
-            raise ModelPinError(f"the {role} {ref['name']} was pinned at commit {ref['revision']}, but the local "
-                                f"Hugging Face cache resolves it to {path}. {_rerun_hint(models_dir)}")
+            raise ModelPinError(
+                f"the {role} {ref['name']} was pinned at commit {ref['revision']}, but the local "
+                f"Hugging Face cache resolves it to {path}. {_rerun_hint(models_dir)}"
+            )
         return path
     path = Path(ref["path"])
     if not (path / "config.json").is_file():
-        raise ModelPinError(f"the {role} model directory {path} pinned by the models stage is gone (no "
-                            f"config.json). {_rerun_hint(models_dir)}")
+        raise ModelPinError(
+            f"the {role} model directory {path} pinned by the models stage is gone (no "
+            f"config.json). {_rerun_hint(models_dir)}"
+        )
     now = stat_signature(path)
     if ref.get("files") is not None and now == ref["files"]:
         return str(path)  # fast path: same files, sizes and modification times as when pinned
     digest = sha256_of_files(path)
     if digest != ref["revision"]:
         what = _changed_files(ref["files"], now) if ref.get("files") is not None else "contents differ"
-        raise ModelPinError(f"the {role} model directory {path} changed after the models stage pinned it "
-                            f"(sha256 {ref['revision'][:12]}… pinned, {digest[:12]}… now; {what}). "
-                            f"{_rerun_hint(models_dir)}")
+        raise ModelPinError(
+            f"the {role} model directory {path} changed after the models stage pinned it "
+            f"(sha256 {ref['revision'][:12]}… pinned, {digest[:12]}… now; {what}). "
+            f"{_rerun_hint(models_dir)}"
+        )
     return str(path)  # touched but identical (e.g. copied): correct, rehashed on every load until re-pinned
 
 
@@ -189,8 +201,9 @@ def load_tokenizer(models_dir: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(Path(models_dir) / "tokenizer"))
 
 
-def load_model(models_dir: str | Path, role: str, dtype: torch.dtype = torch.float32,
-               trust_remote_code: bool = False) -> PreTrainedModel:
+def load_model(
+    models_dir: str | Path, role: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+) -> PreTrainedModel:
     """Load ``role``'s model exactly as pinned in the manifest."""
     path = model_path(models_dir, role)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)

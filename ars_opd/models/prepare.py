@@ -53,18 +53,24 @@ def _build_builtin(out: Path, cfg: ModelsConfig, synth: SyntheticConfig, seed: i
     teacher = build_causal_lm(cfg.teacher_arch, tokenizer, derive_seed(seed, "teacher-init"))
     student = build_causal_lm(cfg.student_arch, tokenizer, derive_seed(seed, "student-init"))
     t0 = time.perf_counter()
-    log = train_builtin_teacher(teacher, tokenizer, cfg.teacher_training, synth, derive_seed(seed, "teacher-data"),
-                                progress=progress)
+    log = train_builtin_teacher(
+        teacher, tokenizer, cfg.teacher_training, synth, derive_seed(seed, "teacher-data"), progress=progress
+    )
     train_s = time.perf_counter() - t0
-    eval_rows = synthetic.generate(cfg.teacher_training.eval_examples, seed=derive_seed(seed, "teacher-eval"),
-                                   tasks=synth.tasks, spec=task_spec(synth))
+    eval_rows = synthetic.generate(
+        cfg.teacher_training.eval_examples,
+        seed=derive_seed(seed, "teacher-eval"),
+        tasks=synth.tasks,
+        spec=task_spec(synth),
+    )
     t1 = time.perf_counter()
     teacher_eval = exact_match(teacher, tokenizer, eval_rows)
     student_eval = exact_match(student, tokenizer, eval_rows)
     eval_s = time.perf_counter() - t1
     if teacher_eval["exact_match"] < cfg.teacher_training.min_accuracy:
-        raise TeacherTooWeakError(weak_teacher_message(teacher_eval["exact_match"], teacher_eval["n"],
-                                                       cfg.teacher_training))
+        raise TeacherTooWeakError(
+            weak_teacher_message(teacher_eval["exact_match"], teacher_eval["n"], cfg.teacher_training)
+        )
     for role, model in (("teacher", teacher), ("student", student)):
         model.save_pretrained(out / role, safe_serialization=True)
         tokenizer.save_pretrained(out / role)
@@ -96,14 +102,22 @@ def _pin_pretrained(out: Path, cfg: ModelsConfig) -> tuple[dict, dict[str, Model
             raise RuntimeError(f"cannot load the {role} tokenizer from {ref.name} ({ref.path}): {e}") from None
     check_shared_tokenizer(tok["teacher"], tok["student"])
     if not tok["student"].chat_template:
-        raise ValueError(f"student tokenizer of {refs['student'].name} has no chat template; "
-                         "prompts are rendered with it, so choose an instruct/chat model")
+        raise ValueError(
+            f"student tokenizer of {refs['student'].name} has no chat template; "
+            "prompts are rendered with it, so choose an instruct/chat model"
+        )
     tok["student"].save_pretrained(out / "tokenizer")
     return {}, refs
 
 
-def prepare_models(base: BaseConfig, cfg: ModelsConfig, synth: SyntheticConfig, models_dir: str,
-                   metrics_path: str, progress: bool = True) -> dict:
+def prepare_models(
+    base: BaseConfig,
+    cfg: ModelsConfig,
+    synth: SyntheticConfig,
+    models_dir: str,
+    metrics_path: str,
+    progress: bool = True,
+) -> dict:
     """Run the models stage; write ``models_dir`` and ``metrics_path`` all or nothing; return the metrics."""
     if base.threads:
         torch.set_num_threads(base.threads)
@@ -118,8 +132,7 @@ def prepare_models(base: BaseConfig, cfg: ModelsConfig, synth: SyntheticConfig, 
             paths = {role: Path(ref.path) for role, ref in refs.items()}
         tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
         manifest = {
-            role: {**ref.to_json(), "embedding_rows": embedding_rows(str(paths[role]))}
-            for role, ref in refs.items()
+            role: {**ref.to_json(), "embedding_rows": embedding_rows(str(paths[role]))} for role, ref in refs.items()
         }
         for role in manifest:  # built-in paths are relative to models_dir, so the manifest is portable
             if refs[role].source == BUILTIN:
@@ -129,8 +142,9 @@ def prepare_models(base: BaseConfig, cfg: ModelsConfig, synth: SyntheticConfig, 
             "logits are compared over the tokenizer's ids only (0..vocab_size-1); embedding rows beyond "
             "the tokenizer are padding and are dropped on both sides"
         )
-        manifest["provenance"] = provenance({"base": to_dict(base), "models": to_dict(cfg),
-                                             "synthetic": to_dict(synth)})
+        manifest["provenance"] = provenance(
+            {"base": to_dict(base), "models": to_dict(cfg), "synthetic": to_dict(synth)}
+        )
         write_json(out / MANIFEST, manifest)
         metrics["tokenizer_vocab_size"] = manifest["tokenizer"]["vocab_size"]
         metrics["teacher_embedding_rows"] = manifest["teacher"]["embedding_rows"]

@@ -82,8 +82,7 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> dict:
     return {
         "vocab_size": len(tok),
         "special_tokens": {
-            name: getattr(tok, name, None)
-            for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+            name: getattr(tok, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
         },
         "additional_special_tokens": sorted(str(t) for t in (tok.all_special_tokens or [])),
     }

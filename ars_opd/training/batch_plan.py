@@ -59,8 +59,10 @@ def step_indices(step: int, n_items: int, geometry: BatchGeometry, sampler_seed:
     per_shard = n_items // geometry.workers
     steps_per_epoch = per_shard // geometry.per_worker
     if steps_per_epoch == 0:
-        raise BatchConfigError(f"{n_items} training rows cannot fill one step of {geometry.global_batch} "
-                               f"sequences over {geometry.workers} workers; lower the global batch size")
+        raise BatchConfigError(
+            f"{n_items} training rows cannot fill one step of {geometry.global_batch} "
+            f"sequences over {geometry.workers} workers; lower the global batch size"
+        )
     epoch, k = divmod(step, steps_per_epoch)
     shard = epoch_shard(n_items, epoch, sampler_seed, rank, geometry.workers)
-    return shard[k * geometry.per_worker:(k + 1) * geometry.per_worker]
+    return shard[k * geometry.per_worker : (k + 1) * geometry.per_worker]

@@ -44,8 +44,17 @@ STEPS_LOG = "steps.jsonl"
 LATEST = "latest.json"
 DCP_DIR = "dcp"
 # ddp keys that change how the work is laid out over workers, not what is trained (see the module doc)
-LAYOUT_KEYS = ("workers", "strategy", "device", "backend", "threads_per_worker", "bucket_cap_mb",
-               "gradient_as_bucket_view", "timeout_s", "reshard_resume")
+LAYOUT_KEYS = (
+    "workers",
+    "strategy",
+    "device",
+    "backend",
+    "threads_per_worker",
+    "bucket_cap_mb",
+    "gradient_as_bucket_view",
+    "timeout_s",
+    "reshard_resume",
+)
 
 
 def code_fingerprint() -> str:
@@ -99,9 +108,19 @@ def _sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def save_checkpoint(ckpt_dir: Path, ctx: WorkerContext, model: torch.nn.Module, opt, sched,
-                    state: TrainerState, fingerprint: str, steps_log: list[dict], keep: int,
-                    layout_fingerprint: str | None = None, strategy: str = "ddp") -> None:
+def save_checkpoint(
+    ckpt_dir: Path,
+    ctx: WorkerContext,
+    model: torch.nn.Module,
+    opt,
+    sched,
+    state: TrainerState,
+    fingerprint: str,
+    steps_log: list[dict],
+    keep: int,
+    layout_fingerprint: str | None = None,
+    strategy: str = "ddp",
+) -> None:
     """All workers call this; weights/optimizer from rank 0 (DDP) or from every rank (sharded, DCP), RNG from
     every rank; atomic switch of ``latest``."""
     from safetensors.torch import save_model
@@ -118,17 +137,27 @@ def save_checkpoint(ckpt_dir: Path, ctx: WorkerContext, model: torch.nn.Module, 
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                 checkpoint_id=str(tmp / DCP_DIR))
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+            checkpoint_id=str(tmp / DCP_DIR),
+        )
     if ctx.is_main:
         if not sharded:
             save_model(model, str(tmp / "model.safetensors"))
             torch.save(opt.state_dict(), tmp / "optimizer.pt")
         torch.save(sched.state_dict(), tmp / "scheduler.pt")
         saved = {k: v for k, v in state.__dict__.items() if k != "resharded_from"}
-        write_json(tmp / "state.json", {**saved, "fingerprint": fingerprint, "world_size": ctx.world_size,
-                                        "layout_fingerprint": layout_fingerprint, "strategy": strategy,
-                                        "format": DCP_DIR if sharded else "safetensors"})
+        write_json(
+            tmp / "state.json",
+            {
+                **saved,
+                "fingerprint": fingerprint,
+                "world_size": ctx.world_size,
+                "layout_fingerprint": layout_fingerprint,
+                "strategy": strategy,
+                "format": DCP_DIR if sharded else "safetensors",
+            },
+        )
         write_jsonl(tmp / STEPS_LOG, steps_log)
     dist.barrier()
     if ctx.is_main:
@@ -153,8 +182,14 @@ class Found:
     fingerprint: str = ""  # the fingerprint it was saved under (its snapshots' directory)
 
 
-def find_checkpoint(ckpt_dir: Path, fingerprint: str, world_size: int, layout_fingerprint: str | None = None,
-                    reshard: bool = False, strategy: str = "ddp") -> tuple[Found | None, str]:
+def find_checkpoint(
+    ckpt_dir: Path,
+    fingerprint: str,
+    world_size: int,
+    layout_fingerprint: str | None = None,
+    reshard: bool = False,
+    strategy: str = "ddp",
+) -> tuple[Found | None, str]:
     """The latest checkpoint if it matches this run's configuration, else (None, why not). With ``reshard``,
     one of another layout of the same run (``layout_fingerprint``) is returned as a ``Found`` with
     ``resharded_from`` set."""
@@ -171,26 +206,42 @@ def find_checkpoint(ckpt_dir: Path, fingerprint: str, world_size: int, layout_fi
         return Found(path, why, None, fingerprint), why
     if same_run and reshard:
         if state.get("format") != DCP_DIR and strategy == "fsdp":
-            return None, (f"checkpoint at step {info['step']} holds whole DDP weights, which do not load into a "
-                          "sharded student; starting afresh")
-        why = (f"resuming from step {info['step']}, resharded from {layout['workers']} {layout['strategy']} "
-               f"worker(s) to {world_size} {strategy} worker(s) (ddp.reshard_resume)")
+            return None, (
+                f"checkpoint at step {info['step']} holds whole DDP weights, which do not load into a "
+                "sharded student; starting afresh"
+            )
+        why = (
+            f"resuming from step {info['step']}, resharded from {layout['workers']} {layout['strategy']} "
+            f"worker(s) to {world_size} {strategy} worker(s) (ddp.reshard_resume)"
+        )
         return Found(path, why, layout, info.get("fingerprint", "")), why
     if same_run:
-        return None, (f"checkpoint at step {info['step']} was made by {layout['workers']} {layout['strategy']} "
-                      f"worker(s), not {world_size} {strategy}; starting afresh (ddp.reshard_resume: true would "
-                      "resume it resharded)")
+        return None, (
+            f"checkpoint at step {info['step']} was made by {layout['workers']} {layout['strategy']} "
+            f"worker(s), not {world_size} {strategy}; starting afresh (ddp.reshard_resume: true would "
+            "resume it resharded)"
+        )
     if info.get("fingerprint") != fingerprint:
-        return None, f"checkpoint at step {info['step']} was made with another configuration, other data or other code; starting afresh"
+        return (
+            None,
+            f"checkpoint at step {info['step']} was made with another configuration, other data or other code; "
+            "starting afresh",
+        )
     return None, f"checkpoint was made with {state.get('world_size')} workers, not {world_size}; starting afresh"
 
 
-def load_checkpoint(path: Path, ctx: WorkerContext, model: torch.nn.Module, opt, sched) -> tuple[TrainerState, list[dict]]:
+def load_checkpoint(
+    path: Path, ctx: WorkerContext, model: torch.nn.Module, opt, sched
+) -> tuple[TrainerState, list[dict]]:
     raw = json.loads((path / "state.json").read_text())
     if raw.get("format") == DCP_DIR:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         target = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
         dcp.load(target, checkpoint_id=str(path / DCP_DIR))  # into this run's layout, whatever it is
@@ -210,9 +261,17 @@ def load_checkpoint(path: Path, ctx: WorkerContext, model: torch.nn.Module, opt,
     return state, read_jsonl(path / STEPS_LOG)
 
 
-def resume_checkpoint(ckpt_dir: Path, ctx: WorkerContext, model: torch.nn.Module, opt, sched, fingerprint: str,
-                      layout_fingerprint: str | None, reshard: bool,
-                      strategy: str) -> tuple[Found | None, TrainerState, list[dict]]:
+def resume_checkpoint(
+    ckpt_dir: Path,
+    ctx: WorkerContext,
+    model: torch.nn.Module,
+    opt,
+    sched,
+    fingerprint: str,
+    layout_fingerprint: str | None,
+    reshard: bool,
+    strategy: str,
+) -> tuple[Found | None, TrainerState, list[dict]]:
     """All ranks call: the checkpoint resumed (None: none matches), the run's state and its log so far (a
     fresh state and an empty log when none matches); rank 0 says why it resumes or starts afresh."""
     state, history = TrainerState(), []

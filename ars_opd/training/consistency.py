@@ -61,7 +61,9 @@ class ConsistencyHook:
 
     def attach(self, ddp_model: torch.nn.Module) -> None:
         if not isinstance(ddp_model, DDP):
-            raise TypeError("the consistency hook works with DistributedDataParallel only (FSDP: ShardedConsistencyHook)")
+            raise TypeError(
+                "the consistency hook works with DistributedDataParallel only (FSDP: ShardedConsistencyHook)"
+            )
         ddp_model.register_comm_hook(self, _hook)
 
     def begin_step(self, step: int) -> None:
@@ -148,8 +150,13 @@ def _population_std(values: Sequence[float]) -> float:
     return math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
 
 
-def consistency_metrics(worker_loss: Sequence[float], sq: Sequence[float], dot: Sequence[float] | None,
-                        mean_sq: float, gram: torch.Tensor | None = None) -> dict:
+def consistency_metrics(
+    worker_loss: Sequence[float],
+    sq: Sequence[float],
+    dot: Sequence[float] | None,
+    mean_sq: float,
+    gram: torch.Tensor | None = None,
+) -> dict:
     """The step's statistics from per-worker scalars (pure function; see the module docstring).
 
     worker_loss, sq (‖g_k‖²): length K; dot (⟨g_k, ḡ⟩, length K) may be None or NaN for K <= 2, where it
@@ -157,8 +164,9 @@ def consistency_metrics(worker_loss: Sequence[float], sq: Sequence[float], dot: 
     """
     K = len(worker_loss)
     if len(sq) != K or K == 0 or (dot is not None and len(dot) != K):
-        raise ValueError(f"need K >= 1 values per worker, got {len(worker_loss)}, {len(sq)}, "
-                         f"{None if dot is None else len(dot)}")
+        raise ValueError(
+            f"need K >= 1 values per worker, got {len(worker_loss)}, {len(sq)}, {None if dot is None else len(dot)}"
+        )
     norms = [math.sqrt(max(s, 0.0)) for s in sq]
     mean_norm = math.sqrt(max(mean_sq, 0.0))
     inner_sum = (K * K * mean_sq - sum(sq)) / 2  # Σ_{i<j} ⟨g_i, g_j⟩, exact for every K
@@ -173,8 +181,9 @@ def consistency_metrics(worker_loss: Sequence[float], sq: Sequence[float], dot: 
         "loss_range": max(worker_loss) - min(worker_loss),
         "grad_norm_dispersion": _population_std(norms),
         "worker_grad_norm": norms,
-        "worker_cos_to_mean": [_clamp(d / (n * mean_norm)) if n > 0 and mean_norm > 0 else float("nan")
-                               for d, n in zip(dot, norms)],
+        "worker_cos_to_mean": [
+            _clamp(d / (n * mean_norm)) if n > 0 and mean_norm > 0 else float("nan") for d, n in zip(dot, norms)
+        ],
         "gradient_diversity": sum(sq) / (K * K * mean_sq) if mean_sq > 0 else float("nan"),
     }
     if K == 1:
@@ -187,14 +196,20 @@ def consistency_metrics(worker_loss: Sequence[float], sq: Sequence[float], dot: 
         out.update(grad_direction_consistency=sum(cos) / len(cos), gdc_exact=True, gdc_error_bound=0.0)
     elif K == 2:
         denom = norms[0] * norms[1]
-        out.update(grad_direction_consistency=_clamp(inner_sum / denom) if denom > 0 else float("nan"),
-                   gdc_exact=True, gdc_error_bound=0.0)
+        out.update(
+            grad_direction_consistency=_clamp(inner_sum / denom) if denom > 0 else float("nan"),
+            gdc_exact=True,
+            gdc_error_bound=0.0,
+        )
     else:
         products = [norms[i] * norms[j] for i, j in pairs]
         total = sum(products)
         weights = [p / total for p in products] if total > 0 else [1 / len(pairs)] * len(pairs)
-        out.update(grad_direction_consistency=inner_sum / total if total > 0 else float("nan"), gdc_exact=False,
-                   gdc_error_bound=sum(abs(w - 1 / len(pairs)) for w in weights))
+        out.update(
+            grad_direction_consistency=inner_sum / total if total > 0 else float("nan"),
+            gdc_exact=False,
+            gdc_error_bound=sum(abs(w - 1 / len(pairs)) for w in weights),
+        )
     return out
 
 

@@ -134,8 +134,14 @@ def default_start_method() -> str:
     return "spawn" if torch.cuda.is_available() or not forkserver.usable() else "forkserver"
 
 
-def launch(fn: Callable[[Any], Any], job: Any, workers: int, threads_per_worker: int = 1,
-           in_process: bool = True, start_method: str | None = None) -> Any:
+def launch(
+    fn: Callable[[Any], Any],
+    job: Any,
+    workers: int,
+    threads_per_worker: int = 1,
+    in_process: bool = True,
+    start_method: str | None = None,
+) -> Any:
     """Run ``fn(job)`` on ``workers`` local processes (or here, under an outside launcher); rank 0's result.
 
     ``in_process``: one worker runs here (``False`` starts it like any other count, as before).
@@ -155,12 +161,22 @@ def launch(fn: Callable[[Any], Any], job: Any, workers: int, threads_per_worker:
     if method == "forkserver":
         forkserver.use_forkserver()
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=workers, run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"join_timeout": 120},
-        max_restarts=0, monitor_interval=0.2, start_method=method, local_addr="127.0.0.1",
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=workers,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_configs={"join_timeout": 120},
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method=method,
+        local_addr="127.0.0.1",
     )
-    logs = [logging.getLogger(name) for name in ("torch.distributed.elastic.multiprocessing.api",
-                                                 "torch.multiprocessing.spawn")]
+    logs = [
+        logging.getLogger(name)
+        for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+    ]
     with tempfile.TemporaryDirectory(prefix="ars-opd-workers-") as error_dir:
         quiet = _QuietWhenReraised(error_dir)
         for log in logs:
@@ -186,11 +202,17 @@ def _run_here(fn: Callable[[Any], Any], job: Any, threads: int) -> Any:
     restored afterwards (the worker sets both as a spawned one would), so a caller sees no side effect."""
     import random
 
-    saved = (torch.get_num_threads(), torch.get_rng_state(), random.getstate(),
-             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    saved = (
+        torch.get_num_threads(),
+        torch.get_rng_state(),
+        random.getstate(),
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    )
     if dist.is_initialized():
-        raise RuntimeError("a training stage started in-process while this process already belongs to a "
-                           "process group; launch it from a process outside any group")
+        raise RuntimeError(
+            "a training stage started in-process while this process already belongs to a "
+            "process group; launch it from a process outside any group"
+        )
     # a spawned worker starts with OMP_NUM_THREADS threads (``launch`` sets it to ``threads`` unless set);
     # ``init_worker`` sets ``threads`` when it is > 0, and for 0 the same default applies here
     torch.set_num_threads(max(1, threads) if threads > 0 else int(os.environ.get("OMP_NUM_THREADS") or 1))
@@ -204,8 +226,9 @@ def _run_here(fn: Callable[[Any], Any], job: Any, threads: int) -> Any:
             torch.cuda.set_rng_state_all(saved[3])
 
 
-def init_worker(device: str = "auto", backend: str = "auto", threads: int = 1,
-                timeout_s: float = 600.0) -> WorkerContext:
+def init_worker(
+    device: str = "auto", backend: str = "auto", threads: int = 1, timeout_s: float = 600.0
+) -> WorkerContext:
     """Join (or create, for a single process) the default process group; pin device and threads."""
     if threads > 0:
         torch.set_num_threads(threads)
@@ -218,14 +241,19 @@ def init_worker(device: str = "auto", backend: str = "auto", threads: int = 1,
             dist.init_process_group(chosen, timeout=timedelta(seconds=timeout_s))
         else:  # a single in-process worker: a world of one on a private in-memory store. The environment
             # is left alone, so that a later launch() in this process is not mistaken for an outside launcher.
-            dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout_s)
+            )
     dev = resolve_device(device)
     if dev.type == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return WorkerContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                         local_rank=int(os.environ.get("LOCAL_RANK", 0)), device=dev,
-                         backend=dist.get_backend())
+    return WorkerContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        device=dev,
+        backend=dist.get_backend(),
+    )
 
 
 def shutdown_worker() -> None:

@@ -84,11 +84,11 @@ def tensor_fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
             cols = torch.zeros(_MODULUS, dtype=torch.int64, device=u.device)
         rows = u.numel() // _MODULUS
         if rows:
-            grid = u[:rows * _MODULUS].view(rows, _MODULUS)
+            grid = u[: rows * _MODULUS].view(rows, _MODULUS)
             for r in range(0, rows, _BLOCK_ROWS):
-                cols += _column_sums(grid[r:r + _BLOCK_ROWS])
-        tail = u[rows * _MODULUS:]
-        cols[:tail.numel()] += tail
+                cols += _column_sums(grid[r : r + _BLOCK_ROWS])
+        tail = u[rows * _MODULUS :]
+        cols[: tail.numel()] += tail
     if cols is None:
         return torch.zeros(3, dtype=torch.int64)
     return (_column_weights(cols.device) * cols).sum(1)

@@ -83,9 +83,11 @@ class Fault:
         if not self._hits("drop_microbatch", step):
             return False
         if n_micro - int(self.cfg.magnitude) < 1:
-            raise ValueError(f"drop_microbatch with magnitude {int(self.cfg.magnitude)} needs more micro-batches "
-                             f"per step than that (this rank has {n_micro}): raise the global batch or lower "
-                             "the micro-batch size")
+            raise ValueError(
+                f"drop_microbatch with magnitude {int(self.cfg.magnitude)} needs more micro-batches "
+                f"per step than that (this rank has {n_micro}): raise the global batch or lower "
+                "the micro-batch size"
+            )
         return index < int(self.cfg.magnitude)  # never the last one: it carries DDP's all-reduce
 
     @torch.no_grad()

@@ -44,8 +44,7 @@ def _now() -> tuple:
     # (elastic's TORCHELASTIC_* during a launch, handed to the workers by elastic itself; inductor's cache
     # directory, TORCHINDUCTOR_CACHE_DIR, the first time anything asks for it), and pytest's name of the
     # running test, new for every test
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if not k.startswith(_TORCH_OWN) and k != "PYTEST_CURRENT_TEST")
+    env = sorted((k, v) for k, v in os.environ.items() if not k.startswith(_TORCH_OWN) and k != "PYTEST_CURRENT_TEST")
     return tuple(env), _stdio_identity()
 
 

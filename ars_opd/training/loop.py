@@ -63,8 +63,12 @@ class NonFiniteError(FloatingPointError):
 
 
 def wrap_ddp(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig) -> DDP:
-    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-               bucket_cap_mb=ddp_cfg.bucket_cap_mb, gradient_as_bucket_view=ddp_cfg.gradient_as_bucket_view)
+    return DDP(
+        model,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        bucket_cap_mb=ddp_cfg.bucket_cap_mb,
+        gradient_as_bucket_view=ddp_cfg.gradient_as_bucket_view,
+    )
 
 
 def wrap_model(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig, cfg: TrainLoopConfig):
@@ -95,8 +99,15 @@ class Accumulated(NamedTuple):
     generated: int  # tokens sampled for them
 
 
-def accumulate_gradients(ddp_model: DDP, task: TrainingTask, micro: list[MicroBatch], ctx: WorkerContext,
-                         cfg: TrainLoopConfig, fault: Fault | None = None, step: int = 0) -> Accumulated:
+def accumulate_gradients(
+    ddp_model: DDP,
+    task: TrainingTask,
+    micro: list[MicroBatch],
+    ctx: WorkerContext,
+    cfg: TrainLoopConfig,
+    fault: Fault | None = None,
+    step: int = 0,
+) -> Accumulated:
     """Forward/backward every micro-batch of the step with the global token normalisation.
 
     After it returns, every parameter's ``.grad`` holds the reduced gradient of the global token-mean loss.
@@ -108,8 +119,10 @@ def accumulate_gradients(ddp_model: DDP, task: TrainingTask, micro: list[MicroBa
     dist.all_reduce(counts)  # before any backward: the normaliser of the whole global batch
     global_tokens = int(counts.item())
     if global_tokens == 0:
-        raise ValueError("a step's global batch holds no loss tokens (every completion masked); check the "
-                         "data and the prompt/completion budgets")
+        raise ValueError(
+            "a step's global batch holds no loss tokens (every completion masked); check the "
+            "data and the prompt/completion budgets"
+        )
     scale = ctx.world_size / global_tokens  # DDP averages over workers: x K undoes that mean, / N normalises
     if fault is not None:
         scale *= fault.loss_factor(step)
@@ -133,12 +146,14 @@ def accumulate_gradients(ddp_model: DDP, task: TrainingTask, micro: list[MicroBa
             acc[1] += v[1]
     if not micro:
         raise ValueError("a worker got no micro-batches for the step")
-    return Accumulated(local_sum, local_tokens, global_tokens, {k: (v[0], v[1]) for k, v in metric_sums.items()},
-                       flops, generated)
+    return Accumulated(
+        local_sum, local_tokens, global_tokens, {k: (v[0], v[1]) for k, v in metric_sums.items()}, flops, generated
+    )
 
 
-def optimizer_step(model: torch.nn.Module, opt, sched, cfg: TrainLoopConfig, loss: float,
-                   state: TrainerState) -> tuple[float, float, bool, bool]:
+def optimizer_step(
+    model: torch.nn.Module, opt, sched, cfg: TrainLoopConfig, loss: float, state: TrainerState
+) -> tuple[float, float, bool, bool]:
     """Clip (or not), check finiteness, step. Returns (pre-clip norm, clip coef, clipped, skipped)."""
     params = [p for p in model.parameters() if p.grad is not None]
     finite = math.isfinite(loss)
@@ -149,13 +164,17 @@ def optimizer_step(model: torch.nn.Module, opt, sched, cfg: TrainLoopConfig, los
     if not finite:
         what = "loss" if not math.isfinite(loss) else "gradient norm"
         if cfg.nonfinite == "stop":
-            raise NonFiniteError(f"non-finite {what} ({loss if what == 'loss' else norm}) at step {state.step}; "
-                                 "set nonfinite: skip to skip such steps, or lower the learning rate")
+            raise NonFiniteError(
+                f"non-finite {what} ({loss if what == 'loss' else norm}) at step {state.step}; "
+                "set nonfinite: skip to skip such steps, or lower the learning rate"
+            )
         skipped = True
         state.skipped_steps += 1
         if state.skipped_steps > cfg.max_skipped_steps:
-            raise NonFiniteError(f"{state.skipped_steps} steps skipped for non-finite values (limit "
-                                 f"max_skipped_steps = {cfg.max_skipped_steps}); the run is diverging")
+            raise NonFiniteError(
+                f"{state.skipped_steps} steps skipped for non-finite values (limit "
+                f"max_skipped_steps = {cfg.max_skipped_steps}); the run is diverging"
+            )
         opt.zero_grad(set_to_none=True)
     else:
         opt.step()
@@ -214,19 +233,32 @@ class StepColumns:
     def pack(self, acc: Accumulated, stats: torch.Tensor, processed: int, device: torch.device) -> torch.Tensor:
         """This worker's row: its pieces concatenated in column order, each one converted to float64."""
         f64 = {"dtype": torch.float64, "device": device}
-        row = torch.cat([torch.tensor([acc.local_sum, float(acc.local_tokens)], **f64),  # LOSS_SUM, TOKENS
-                         stats.to(**f64),  # GRAD_SQ, GRAD_DOT
-                         torch.tensor([acc.flops, float(acc.generated), float(processed)], **f64),  # FLOPS..PROCESSED
-                         torch.tensor([x for n in self.metric_names for x in acc.metrics.get(n, (0.0, 0.0))], **f64)])
+        row = torch.cat(
+            [
+                torch.tensor([acc.local_sum, float(acc.local_tokens)], **f64),  # LOSS_SUM, TOKENS
+                stats.to(**f64),  # GRAD_SQ, GRAD_DOT
+                torch.tensor([acc.flops, float(acc.generated), float(processed)], **f64),  # FLOPS..PROCESSED
+                torch.tensor([x for n in self.metric_names for x in acc.metrics.get(n, (0.0, 0.0))], **f64),
+            ]
+        )
         width = self.metric_sum(len(self.metric_names))
         if row.numel() != width:  # e.g. a monitor's stats of another length: every later column would shift
             raise ValueError(f"the step's gathered row has {row.numel()} columns, its layout {width}")
         return row
 
 
-def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContext, cfg: TrainLoopConfig,
-               state: TrainerState, monitor: ConsistencyHook | None = None, fault: Fault | None = None,
-               drift_every: int = 0) -> StepResult:
+def train_step(
+    ddp_model: DDP,
+    task: TrainingTask,
+    opt,
+    sched,
+    ctx: WorkerContext,
+    cfg: TrainLoopConfig,
+    state: TrainerState,
+    monitor: ConsistencyHook | None = None,
+    fault: Fault | None = None,
+    drift_every: int = 0,
+) -> StepResult:
     model = unwrapped(ddp_model)
     if fault is not None:
         fault.perturb(model, state.step)
@@ -255,22 +287,45 @@ def train_step(ddp_model: DDP, task: TrainingTask, opt, sched, ctx: WorkerContex
     for i, n in enumerate(names):
         s, c = gathered[:, columns.metric_sum(i)].sum().item(), gathered[:, columns.metric_count(i)].sum().item()
         metrics[n] = s / c if c else float("nan")
-    budget = {"flops": gathered[:, columns.FLOPS].sum().item(),
-              "tokens_generated": int(gathered[:, columns.GENERATED].sum().item()),
-              "tokens_processed": int(gathered[:, columns.PROCESSED].sum().item()), "tokens_trained": global_tokens}
+    budget = {
+        "flops": gathered[:, columns.FLOPS].sum().item(),
+        "tokens_generated": int(gathered[:, columns.GENERATED].sum().item()),
+        "tokens_processed": int(gathered[:, columns.PROCESSED].sum().item()),
+        "tokens_trained": global_tokens,
+    }
     consistency, noise = {}, (float("nan"), float("nan"))
     if monitor is not None:
         # ‖ḡ‖ is the pre-clip norm of the reduced gradient (identical on every worker)
         t0 = time.perf_counter()
-        consistency = consistency_metrics(worker_loss, gathered[:, columns.GRAD_SQ].tolist(),
-                                          gathered[:, columns.GRAD_DOT].tolist(), norm * norm, gram)
+        consistency = consistency_metrics(
+            worker_loss,
+            gathered[:, columns.GRAD_SQ].tolist(),
+            gathered[:, columns.GRAD_DOT].tolist(),
+            norm * norm,
+            gram,
+        )
         t1 = time.perf_counter()
         noise = noise_scale_terms(gathered[:, columns.GRAD_SQ].tolist(), worker_tokens, norm * norm)
-        monitor_s.update(hook=monitor.host_seconds(), stats=stats_s, metrics=t1 - t0,
-                         noise_scale=time.perf_counter() - t1)
+        monitor_s.update(
+            hook=monitor.host_seconds(), stats=stats_s, metrics=t1 - t0, noise_scale=time.perf_counter() - t1
+        )
     state.tokens_seen += global_tokens
-    return StepResult(loss, global_tokens, norm, coef, clipped, skipped, worker_loss, worker_tokens, metrics,
-                      consistency, noise, drift, budget, monitor_s)
+    return StepResult(
+        loss,
+        global_tokens,
+        norm,
+        coef,
+        clipped,
+        skipped,
+        worker_loss,
+        worker_tokens,
+        metrics,
+        consistency,
+        noise,
+        drift,
+        budget,
+        monitor_s,
+    )
 
 
 class FitResult(NamedTuple):
@@ -280,10 +335,20 @@ class FitResult(NamedTuple):
     model: torch.nn.Module | None  # the trained student whole, to publish (rank 0; None on other ranks when sharded)
 
 
-def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: TrainLoopConfig,
-        ddp_cfg: DDPConfig, run_fingerprint: str, out: TrainingPaths, progress: bool = True, on_step=None,
-        fault: Fault | None = None, budget_start: dict | None = None,
-        layout_fingerprint: str | None = None) -> FitResult:
+def fit(
+    ctx: WorkerContext,
+    model: torch.nn.Module,
+    task: TrainingTask,
+    cfg: TrainLoopConfig,
+    ddp_cfg: DDPConfig,
+    run_fingerprint: str,
+    out: TrainingPaths,
+    progress: bool = True,
+    on_step=None,
+    fault: Fault | None = None,
+    budget_start: dict | None = None,
+    layout_fingerprint: str | None = None,
+) -> FitResult:
     """Train ``model`` (unwrapped, on ``ctx.device``) for ``cfg.steps`` optimiser steps, resuming if possible.
 
     ``out`` is the stage's outputs: checkpoints in ``out.checkpoints``, the step log in ``out.steps``, DVCLive
@@ -300,22 +365,33 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
     ddp_model = wrap_model(model, ctx, ddp_cfg, cfg)
     monitor = None
     if ddp_cfg.consistency:
-        monitor = (ShardedConsistencyHook if sharded else ConsistencyHook)(ctx.world_size, gram_every=ddp_cfg.gram_every)
+        monitor = (ShardedConsistencyHook if sharded else ConsistencyHook)(
+            ctx.world_size, gram_every=ddp_cfg.gram_every
+        )
         monitor.attach(ddp_model)
     drift_every = 0 if sharded else ddp_cfg.drift_check_every  # no replicas to compare (training.sharding)
     opt = make_optimizer(model, cfg)
     sched = make_scheduler(opt, cfg, cfg.steps)
     ckpt_dir = Path(out.checkpoints)
-    found, state, history = resume_checkpoint(ckpt_dir, ctx, model, opt, sched, run_fingerprint, layout_fingerprint,
-                                              ddp_cfg.reshard_resume, ddp_cfg.strategy)
+    found, state, history = resume_checkpoint(
+        ckpt_dir, ctx, model, opt, sched, run_fingerprint, layout_fingerprint, ddp_cfg.reshard_resume, ddp_cfg.strategy
+    )
     logger = StepLogger(Path(out.steps), Path(out.live), enabled=ctx.is_main)
     logger.replay(history)
     noise_scale = NoiseScale.from_log(ddp_cfg.noise_scale_ema, history)
     totals = BudgetTotals.from_log(budget_start or {}, history)
-    snapshots = run_snapshot_dir(ckpt_dir, run_fingerprint, found.fingerprint if found is not None else None,
-                                 ctx.is_main, cfg.snapshot_every)
-    bar = tqdm(total=cfg.steps, initial=state.step, desc="train", unit="step", disable=not (progress and ctx.is_main),
-               mininterval=1.0, dynamic_ncols=True)
+    snapshots = run_snapshot_dir(
+        ckpt_dir, run_fingerprint, found.fingerprint if found is not None else None, ctx.is_main, cfg.snapshot_every
+    )
+    bar = tqdm(
+        total=cfg.steps,
+        initial=state.step,
+        desc="train",
+        unit="step",
+        disable=not (progress and ctx.is_main),
+        mininterval=1.0,
+        dynamic_ncols=True,
+    )
     try:
         while state.step < cfg.steps:
             t0 = time.perf_counter()
@@ -335,11 +411,33 @@ def fit(ctx: WorkerContext, model: torch.nn.Module, task: TrainingTask, cfg: Tra
                 if ctx.is_main:
                     save_snapshot(snapshots, weights, state.step, totals.totals)
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
-                save_checkpoint(ckpt_dir, ctx, model, opt, sched, state, run_fingerprint, logger.rows,
-                                cfg.keep_checkpoints, layout_fingerprint, ddp_cfg.strategy)
+                save_checkpoint(
+                    ckpt_dir,
+                    ctx,
+                    model,
+                    opt,
+                    sched,
+                    state,
+                    run_fingerprint,
+                    logger.rows,
+                    cfg.keep_checkpoints,
+                    layout_fingerprint,
+                    ddp_cfg.strategy,
+                )
         if found is None or state.resumed_from != cfg.steps or found.resharded_from is not None:
-            save_checkpoint(ckpt_dir, ctx, model, opt, sched, state, run_fingerprint, logger.rows, cfg.keep_checkpoints,
-                            layout_fingerprint, ddp_cfg.strategy)
+            save_checkpoint(
+                ckpt_dir,
+                ctx,
+                model,
+                opt,
+                sched,
+                state,
+                run_fingerprint,
+                logger.rows,
+                cfg.keep_checkpoints,
+                layout_fingerprint,
+                ddp_cfg.strategy,
+            )
         logger.summary(run_summary(logger.rows, state, totals))
         final = publishable(model, publish)  # sharded: a collective, every rank gathers
     finally:

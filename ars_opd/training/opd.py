@@ -46,21 +46,21 @@ from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.lm.generation import generate_token_ids
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.opd_objectives import check_config, get_objective
+from ars_opd.lm.optim import autocast_context
 from ars_opd.lm.precision import frozen_model_dtype
 from ars_opd.models.adapters import check_adapter
 from ars_opd.models.loading import load_model, load_tokenizer, model_path, read_manifest
 from ars_opd.models.tokenizer import check_shared_tokenizer
+from ars_opd.seeding import derive_seed
 from ars_opd.teacher.client.endpoint import ClientSettings, api_key, make_client, preflight
 from ars_opd.teacher.client.local_server import LOCAL_MODEL_NAME, local_teacher_server
 from ars_opd.teacher.client.score import check_tokenizer
-from ars_opd.seeding import derive_seed
+from ars_opd.training.batch_plan import BatchGeometry, step_indices
 from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.faults import Fault
-from ars_opd.training.batch_plan import BatchGeometry, step_indices
-from ars_opd.training.task import MicroBatch
-from ars_opd.lm.optim import autocast_context
-from ars_opd.training.sharding import is_sharded
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
+from ars_opd.training.sharding import is_sharded
+from ars_opd.training.task import MicroBatch
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
 
 __all__ = ["EndpointTeacher", "LocalTeacher", "OPDTask", "run_opd", "uses_student_rollouts"]
@@ -80,11 +80,24 @@ class OPDTask:
     a row of bare numbers whose order it could get wrong.
     """
 
-    def __init__(self, prompts: list[list[int]], teacher_completions: list[list[int]],
-                 teacher: LocalTeacher | EndpointTeacher, cfg: OPDConfig, geometry: BatchGeometry, *,
-                 tokenizer, sampler_seed: int, seed: int, rank: int, device: torch.device,
-                 fault: Fault | None = None, item_tasks: list[str | None] | None = None,
-                 student_params: int = 0, teacher_params: int = 0):
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        teacher_completions: list[list[int]],
+        teacher: LocalTeacher | EndpointTeacher,
+        cfg: OPDConfig,
+        geometry: BatchGeometry,
+        *,
+        tokenizer,
+        sampler_seed: int,
+        seed: int,
+        rank: int,
+        device: torch.device,
+        fault: Fault | None = None,
+        item_tasks: list[str | None] | None = None,
+        student_params: int = 0,
+        teacher_params: int = 0,
+    ):
         self.prompts, self.teacher_completions, self.teacher = prompts, teacher_completions, teacher
         self.tokenizer, self.cfg, self.geometry = tokenizer, cfg, geometry
         self.sampler_seed, self.seed, self.rank, self.device = sampler_seed, seed, rank, device
@@ -110,18 +123,30 @@ class OPDTask:
             sample = self.cfg.sample_temperature > 0
             with autocast_context(self.cfg.precision, self.device):  # rollouts in the training precision
                 completions = generate_token_ids(
-                    model, self.tokenizer, prompts, self.cfg.max_new_tokens, batch_size=len(prompts),
-                    do_sample=sample, temperature=self.cfg.sample_temperature if sample else 1.0,
-                    top_p=self.cfg.top_p, cache=self.cfg.rollout_cache,
-                    synced=is_sharded(model) and self.geometry.workers > 1)
+                    model,
+                    self.tokenizer,
+                    prompts,
+                    self.cfg.max_new_tokens,
+                    batch_size=len(prompts),
+                    do_sample=sample,
+                    temperature=self.cfg.sample_temperature if sample else 1.0,
+                    top_p=self.cfg.top_p,
+                    cache=self.cfg.rollout_cache,
+                    synced=is_sharded(model) and self.geometry.workers > 1,
+                )
         else:
             completions = [self.teacher_completions[i][: self.cfg.max_new_tokens] for i in idx]
         gen_s = time.perf_counter() - t0
         built = []
         for j in range(0, len(prompts), self.geometry.micro_batch):
-            built.append(build_rollout_batch(prompts[j:j + self.geometry.micro_batch],
-                                             completions[j:j + self.geometry.micro_batch], self.pad_id,
-                                             self.tokenizer.eos_token_id))
+            built.append(
+                build_rollout_batch(
+                    prompts[j : j + self.geometry.micro_batch],
+                    completions[j : j + self.geometry.micro_batch],
+                    self.pad_id,
+                    self.tokenizer.eos_token_id,
+                )
+            )
         t0 = time.perf_counter()
         # an endpoint teacher scores the whole step's sequences here, at once (a local one does nothing)
         self.teacher.attach(built, self.objective)
@@ -129,20 +154,26 @@ class OPDTask:
         out = []
         for n, (j, b) in enumerate(zip(range(0, len(prompts), self.geometry.micro_batch), built)):
             n_seq = b["lengths"].numel()
-            meta = {"response_length": (float(b["lengths"].sum()), float(n_seq)),
-                    "eos_rate": (float(b["has_eos"].sum()), float(n_seq)),
-                    "on_policy": (float(on_policy), 1.0)}
+            meta = {
+                "response_length": (float(b["lengths"].sum()), float(n_seq)),
+                "eos_rate": (float(b["has_eos"].sum()), float(n_seq)),
+                "on_policy": (float(on_policy), 1.0),
+            }
             if n == 0:
                 meta["gen_s"] = (gen_s, 1.0)
                 meta["teacher_s"] = (attach_s, 0.0)  # loss_sum adds the per-micro-batch part and the count
             t = {k: v.to(self.device) for k, v in b.items() if k not in ("lengths", "has_eos")}
             real = int(b["attention_mask"].sum())
             generated = int(b["lengths"].sum()) if on_policy else 0
-            prefill = sum(len(p) for p in prompts[j:j + self.geometry.micro_batch]) if on_policy else 0
+            prefill = sum(len(p) for p in prompts[j : j + self.geometry.micro_batch]) if on_policy else 0
             flops = (6 * self.student_params + 2 * self.teacher_params) * real + 2 * self.student_params * (
-                prefill + generated)
-            out.append(MicroBatch(t, int(b["loss_mask"].sum()), n_seq, real, meta, flops=float(flops),
-                                  generated_tokens=generated))
+                prefill + generated
+            )
+            out.append(
+                MicroBatch(
+                    t, int(b["loss_mask"].sum()), n_seq, real, meta, flops=float(flops), generated_tokens=generated
+                )
+            )
         return out
 
     def loss_sum(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, dict]:
@@ -152,11 +183,19 @@ class OPDTask:
         t0 = time.perf_counter()
         scores = self.teacher.score(t, self.objective, self.cfg.temperature)
         teacher_s = time.perf_counter() - t0
-        loss_sum, n = self.objective.loss(hidden, OutputHead.of(model, self.teacher.vocab), scores,
-                                          t["targets"][mask], self.cfg.beta, self.cfg.temperature,
-                                          self.cfg.chunk_size)
-        return loss_sum, {"teacher_logprob": (float(scores.target_logprobs().sum()), float(n)),
-                          "teacher_s": (teacher_s, 1.0 if batch.meta.get("gen_s") else 0.0)}
+        loss_sum, n = self.objective.loss(
+            hidden,
+            OutputHead.of(model, self.teacher.vocab),
+            scores,
+            t["targets"][mask],
+            self.cfg.beta,
+            self.cfg.temperature,
+            self.cfg.chunk_size,
+        )
+        return loss_sum, {
+            "teacher_logprob": (float(scores.target_logprobs().sum()), float(n)),
+            "teacher_s": (teacher_s, 1.0 if batch.meta.get("gen_s") else 0.0),
+        }
 
 
 def _encode(tokenizer, rows: list[dict], cfg: OPDConfig):
@@ -165,8 +204,7 @@ def _encode(tokenizer, rows: list[dict], cfg: OPDConfig):
     completions = encode_completions(tokenizer, [r["completion"] for r in rows])
     keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
     counts = {"rows": len(rows), "kept": len(keep), "dropped_prompt_over_budget": len(rows) - len(keep)}
-    return ([prompts[i] for i in keep], [completions[i] for i in keep], [rows[i].get("task") for i in keep],
-            counts)
+    return ([prompts[i] for i in keep], [completions[i] for i in keep], [rows[i].get("task") for i in keep], counts)
 
 
 def _teacher_params_from_config(models_dir: str, trust_remote_code: bool) -> int:
@@ -183,24 +221,39 @@ def _teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[LocalTea
     ctx, cfg = setup.ctx, job.cfg
     if cfg.teacher == "endpoint":  # no teacher weights in the trainer, only the count from the teacher's config
         url, model = job.runtime["scoring_url"], job.runtime["scoring_model"]
-        settings = ClientSettings(url, api_key(cfg.teacher_endpoint.api_key_env, ENDPOINT_SECTION),
-                                  cfg.teacher_endpoint)
+        settings = ClientSettings(
+            url, api_key(cfg.teacher_endpoint.api_key_env, ENDPOINT_SECTION), cfg.teacher_endpoint
+        )
         teacher = EndpointTeacher(settings, model, vocab, cfg.topk)
-        return teacher, _teacher_params_from_config(job.paths.models_dir, job.trust_remote_code), {
-            "teacher": "endpoint", "teacher_model": model,
-            "teacher_endpoint": "local" if cfg.teacher_endpoint.endpoint == "local" else url}
+        return (
+            teacher,
+            _teacher_params_from_config(job.paths.models_dir, job.trust_remote_code),
+            {
+                "teacher": "endpoint",
+                "teacher_model": model,
+                "teacher_endpoint": "local" if cfg.teacher_endpoint.endpoint == "local" else url,
+            },
+        )
     from transformers import AutoTokenizer
 
-    check_shared_tokenizer(AutoTokenizer.from_pretrained(model_path(job.paths.models_dir, "teacher"),
-                                                         trust_remote_code=job.trust_remote_code), setup.tokenizer)
+    check_shared_tokenizer(
+        AutoTokenizer.from_pretrained(
+            model_path(job.paths.models_dir, "teacher"), trust_remote_code=job.trust_remote_code
+        ),
+        setup.tokenizer,
+    )
     teacher_dtype = frozen_model_dtype(cfg.teacher_dtype, ctx.device)
-    model = load_model(job.paths.models_dir, "teacher", dtype=teacher_dtype,
-                       trust_remote_code=job.trust_remote_code).to(ctx.device)
+    model = load_model(
+        job.paths.models_dir, "teacher", dtype=teacher_dtype, trust_remote_code=job.trust_remote_code
+    ).to(ctx.device)
     rows_out = model.get_output_embeddings().weight.shape[0]
     if rows_out < vocab:
         raise ValueError(f"the teacher has {rows_out} output rows but the tokenizer {vocab} ids")
-    return (LocalTeacher(model, vocab, cfg.chunk_size, cfg.topk), matmul_parameters(model),
-            {"teacher": "local", "teacher_dtype": str(teacher_dtype).removeprefix("torch.")})
+    return (
+        LocalTeacher(model, vocab, cfg.chunk_size, cfg.topk),
+        matmul_parameters(model),
+        {"teacher": "local", "teacher_dtype": str(teacher_dtype).removeprefix("torch.")},
+    )
 
 
 def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
@@ -217,16 +270,37 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     prompts, completions, tasks, counts = _encode(tokenizer, rows, job.cfg)
     if not prompts:
         raise ValueError(f"no OPD prompts left after the budget: {counts}")
-    task = OPDTask(prompts, completions, teacher, job.cfg, setup.geometry, tokenizer=tokenizer,
-                   sampler_seed=setup.sampler_seed, seed=setup.stage_seed, rank=ctx.rank, device=ctx.device,
-                   fault=setup.fault, item_tasks=tasks, student_params=matmul_parameters(model),
-                   teacher_params=teacher_params)
-    fingerprint = {"init": student.init,
-                   "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
-                   "rows": len(rows), "data": file_sha256(train_path)}
-    return PreparedRun(model, task, fingerprint, counts,
-                       manifest={"vocab": vocab, "adapter_start": student.adapter, **teacher_manifest},
-                       on_step=lambda s: {"gkd_source": task.source(s)}, budget_start=student.budget)
+    task = OPDTask(
+        prompts,
+        completions,
+        teacher,
+        job.cfg,
+        setup.geometry,
+        tokenizer=tokenizer,
+        sampler_seed=setup.sampler_seed,
+        seed=setup.stage_seed,
+        rank=ctx.rank,
+        device=ctx.device,
+        fault=setup.fault,
+        item_tasks=tasks,
+        student_params=matmul_parameters(model),
+        teacher_params=teacher_params,
+    )
+    fingerprint = {
+        "init": student.init,
+        "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
+        "rows": len(rows),
+        "data": file_sha256(train_path),
+    }
+    return PreparedRun(
+        model,
+        task,
+        fingerprint,
+        counts,
+        manifest={"vocab": vocab, "adapter_start": student.adapter, **teacher_manifest},
+        on_step=lambda s: {"gkd_source": task.source(s)},
+        budget_start=student.budget,
+    )
 
 
 def opd_worker(job: TrainingJob) -> dict:
@@ -240,8 +314,9 @@ def scoring_endpoint(cfg: OPDConfig, paths: PathsConfig) -> Iterator[tuple[str, 
     if ep.endpoint != "local":
         yield ep.endpoint, ep.model
         return
-    with local_teacher_server(model_path(paths.models_dir, "teacher"), cfg.teacher_server,
-                              max_logprobs=max(cfg.topk, 1)) as url:
+    with local_teacher_server(
+        model_path(paths.models_dir, "teacher"), cfg.teacher_server, max_logprobs=max(cfg.topk, 1)
+    ) as url:
         yield url, LOCAL_MODEL_NAME
 
 
@@ -256,16 +331,28 @@ def check_scoring_endpoint(url: str, model: str, cfg: OPDConfig, paths: PathsCon
         client = make_client(settings)
         try:
             await preflight(client, model, min(15.0, cfg.teacher_endpoint.request_timeout_s), ENDPOINT_SECTION)
-            await check_tokenizer(client, model, load_tokenizer(paths.models_dir), settings, ENDPOINT_SECTION,
-                                  k=cfg.topk if cfg.loss == "topk" else 1)
+            await check_tokenizer(
+                client,
+                model,
+                load_tokenizer(paths.models_dir),
+                settings,
+                ENDPOINT_SECTION,
+                k=cfg.topk if cfg.loss == "topk" else 1,
+            )
         finally:
             await client.close()
 
     asyncio.run(check())
 
 
-def run_opd(cfg: OPDConfig, ddp: DDPConfig, paths: PathsConfig, trust_remote_code: bool = False,
-            progress: bool = True, adapter: AdapterConfig = AdapterConfig()) -> dict:
+def run_opd(
+    cfg: OPDConfig,
+    ddp: DDPConfig,
+    paths: PathsConfig,
+    trust_remote_code: bool = False,
+    progress: bool = True,
+    adapter: AdapterConfig = AdapterConfig(),
+) -> dict:
     """The opd stage: start the workers, distil, write outputs. Returns rank 0's summary.
 
     With ``opd.teacher: endpoint`` the endpoint is checked (reachable, serving the model, same tokenizer)
@@ -283,5 +370,4 @@ def run_opd(cfg: OPDConfig, ddp: DDPConfig, paths: PathsConfig, trust_remote_cod
         check_scoring_endpoint(url, model, cfg, paths)
         # the resolved URL is run-time only: a bundled server's port changes every run, and must not keep a
         # checkpoint from resuming (job.runtime is outside the checkpoint fingerprint)
-        return launch_stage(opd_worker, dataclasses.replace(job, runtime={"scoring_url": url,
-                                                                          "scoring_model": model}))
+        return launch_stage(opd_worker, dataclasses.replace(job, runtime={"scoring_url": url, "scoring_model": model}))

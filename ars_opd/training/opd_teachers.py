@@ -86,6 +86,7 @@ class EndpointTeacher:
 
             async def make():
                 return make_client(self.settings)
+
             self._client = self._loop.run_until_complete(make())
         return self._client
 
@@ -112,7 +113,7 @@ class EndpointTeacher:
         scores = self._loop.run_until_complete(score_sequences(client, self.model, sequences, k, self.settings))
         i = 0
         for t in batches:
-            rows = scores[i:i + t["input_ids"].shape[0]]
+            rows = scores[i : i + t["input_ids"].shape[0]]
             i += len(rows)
             t.update(_gather(rows, t["loss_mask"], t["targets"], self.vocab))
 
@@ -121,8 +122,11 @@ class EndpointTeacher:
             raise RuntimeError("EndpointTeacher.score before attach: the step's sequences were not scored")
         lp = tensors["teacher_logprobs"]  # (M,) at τ = 1
         if objective.teacher_signal == "topk":
-            return TeacherScores(support_ids=tensors["teacher_support_ids"],
-                                 support_logprobs=tensors["teacher_support_logprobs"], logged_logprobs=lp)
+            return TeacherScores(
+                support_ids=tensors["teacher_support_ids"],
+                support_logprobs=tensors["teacher_support_logprobs"],
+                logged_logprobs=lp,
+            )
         if objective.teacher_signal == "token_logprobs":
             if temperature != 1.0:
                 raise ValueError("an endpoint's log-probabilities are at temperature 1 (opd.temperature must be 1.0)")
@@ -130,8 +134,9 @@ class EndpointTeacher:
         raise ValueError(f"a scoring endpoint cannot give the teacher signal {objective.teacher_signal!r}")
 
 
-def _gather(rows: "list[SequenceScores]", loss_mask: torch.Tensor, targets: torch.Tensor,
-            vocab: int) -> dict[str, torch.Tensor]:
+def _gather(
+    rows: "list[SequenceScores]", loss_mask: torch.Tensor, targets: torch.Tensor, vocab: int
+) -> dict[str, torch.Tensor]:
     """The scored positions' entries, in the loss mask's row-major order: (M,), (M, K), (M, K)."""
     lp, ids, lps = [], [], []
     for b, row in enumerate(rows):
@@ -147,5 +152,8 @@ def _gather(rows: "list[SequenceScores]", loss_mask: torch.Tensor, targets: torc
     width = max((len(x) for x in ids), default=1)
     support = torch.tensor([x + [x[0]] * (width - len(x)) for x in ids], dtype=torch.long)  # (M, K)
     support_lp = torch.tensor([v + [-math.inf] * (width - len(v)) for v in lps], dtype=torch.float32)
-    return {"teacher_logprobs": torch.tensor(lp, dtype=torch.float32), "teacher_support_ids": support,
-            "teacher_support_logprobs": support_lp}
+    return {
+        "teacher_logprobs": torch.tensor(lp, dtype=torch.float32),
+        "teacher_support_ids": support,
+        "teacher_support_logprobs": support_lp,
+    }

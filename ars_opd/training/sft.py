@@ -25,12 +25,12 @@ from ars_opd.config import AdapterConfig, DDPConfig, OPDConfig, PathsConfig, SFT
 from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.lm.attention import packed_attention_implementation, packed_model_inputs, use_packed_attention
 from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels
-from ars_opd.lm.head import OutputHead, last_hidden_states
 from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden
-from ars_opd.models.adapters import check_adapter
-from ars_opd.training.budget import matmul_parameters
+from ars_opd.lm.head import OutputHead, last_hidden_states
 from ars_opd.lm.precision import resolve_device
+from ars_opd.models.adapters import check_adapter
 from ars_opd.training.batch_plan import BatchGeometry, step_indices
+from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.faults import Fault
 from ars_opd.training.task import MicroBatch
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
@@ -48,8 +48,13 @@ def encode_sft_rows(tokenizer, rows: list[dict], cfg: SFTConfig) -> EncodedData:
     """Encode prompt+completion rows under the budgets; count what was dropped or truncated and why."""
     prompts = encode_prompts(tokenizer, [r["messages"] for r in rows]) if rows else []
     completions = encode_completions(tokenizer, [r["completion"] for r in rows]) if rows else []
-    counts = {"rows": len(rows), "kept": 0, "dropped_prompt_over_budget": 0, "dropped_no_room_for_completion": 0,
-              "completion_truncated": 0}
+    counts = {
+        "rows": len(rows),
+        "kept": 0,
+        "dropped_prompt_over_budget": 0,
+        "dropped_no_room_for_completion": 0,
+        "completion_truncated": 0,
+    }
     keep_p, keep_c, tasks = [], [], []
     for row, p, c in zip(rows, prompts, completions):
         if len(p) > cfg.max_prompt_tokens:
@@ -77,9 +82,20 @@ class SFTTask:
     a row of bare numbers whose order it could get wrong.
     """
 
-    def __init__(self, data: EncodedData, cfg: SFTConfig, geometry: BatchGeometry, *, sampler_seed: int,
-                 rank: int, device: torch.device, pad_id: int, fault: Fault | None = None,
-                 vocab: int | None = None, flops_per_token: float = 0.0):
+    def __init__(
+        self,
+        data: EncodedData,
+        cfg: SFTConfig,
+        geometry: BatchGeometry,
+        *,
+        sampler_seed: int,
+        rank: int,
+        device: torch.device,
+        pad_id: int,
+        fault: Fault | None = None,
+        vocab: int | None = None,
+        flops_per_token: float = 0.0,
+    ):
         self.data, self.cfg, self.geometry = data, cfg, geometry
         self.sampler_seed, self.rank, self.device, self.pad_id = sampler_seed, rank, device, pad_id
         self.fault = fault
@@ -95,7 +111,7 @@ class SFTTask:
             idx = self.fault.select(step, idx, self.data.tasks)
         out = []
         for i in range(0, len(idx), self.geometry.micro_batch):
-            chunk = idx[i:i + self.geometry.micro_batch]
+            chunk = idx[i : i + self.geometry.micro_batch]
             p = [self.data.prompts[j] for j in chunk]
             c = [self.data.completions[j] for j in chunk]
             if self.cfg.packing:
@@ -106,8 +122,9 @@ class SFTTask:
                 t["labels"] = self.fault.corrupt_labels(t["labels"], step, self.vocab)
             t = {k: v.to(self.device) for k, v in t.items()}
             real = sum(len(x) + len(y) for x, y in zip(p, c))
-            out.append(MicroBatch(t, count_loss_tokens(t["labels"]), len(chunk), real,
-                                  flops=self.flops_per_token * real))
+            out.append(
+                MicroBatch(t, count_loss_tokens(t["labels"]), len(chunk), real, flops=self.flops_per_token * real)
+            )
         return out
 
     def loss_sum(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, dict]:
@@ -117,8 +134,9 @@ class SFTTask:
         else:
             kwargs = {"input_ids": t["input_ids"], "attention_mask": t["attention_mask"]}
         hidden = last_hidden_states(model, **kwargs)  # (B, T, H)
-        loss_sum, _ = causal_lm_loss_from_hidden(hidden, OutputHead.of(model, self.vocab), t["labels"],
-                                                 self.cfg.chunk_size)
+        loss_sum, _ = causal_lm_loss_from_hidden(
+            hidden, OutputHead.of(model, self.vocab), t["labels"], self.cfg.chunk_size
+        )
         total = t["input_ids"].numel()
         return loss_sum, {"padding_fraction": (float(total - batch.n_real_tokens), float(total))}
 
@@ -136,9 +154,18 @@ def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     manifest = {"adapter_start": student.adapter}
     if job.cfg.packing:
         manifest["packed_attention"] = use_packed_attention(model, job.cfg.packed_attention)
-    task = SFTTask(data, job.cfg, setup.geometry, sampler_seed=setup.sampler_seed, rank=setup.ctx.rank,
-                   device=setup.ctx.device, pad_id=setup.tokenizer.pad_token_id, fault=setup.fault,
-                   vocab=len(setup.tokenizer), flops_per_token=6.0 * matmul_parameters(model))
+    task = SFTTask(
+        data,
+        job.cfg,
+        setup.geometry,
+        sampler_seed=setup.sampler_seed,
+        rank=setup.ctx.rank,
+        device=setup.ctx.device,
+        pad_id=setup.tokenizer.pad_token_id,
+        fault=setup.fault,
+        vocab=len(setup.tokenizer),
+        flops_per_token=6.0 * matmul_parameters(model),
+    )
     fingerprint = {"init": init, "rows": len(rows), "data": file_sha256(train_path)}
     return PreparedRun(model, task, fingerprint, data.counts, manifest=manifest, budget_start=start)
 
@@ -147,8 +174,9 @@ def sft_worker(job: TrainingJob) -> dict:
     return run_worker(job, prepare_sft)
 
 
-def run_sft(cfg: SFTConfig, ddp: DDPConfig, paths: PathsConfig, progress: bool = True,
-            adapter: AdapterConfig = AdapterConfig()) -> dict:
+def run_sft(
+    cfg: SFTConfig, ddp: DDPConfig, paths: PathsConfig, progress: bool = True, adapter: AdapterConfig = AdapterConfig()
+) -> dict:
     """The sft stage: start the workers, train, write outputs. Returns rank 0's summary."""
     if cfg.packing:  # before any worker starts: a packed attention this machine cannot train with is a config error
         packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
@@ -164,12 +192,17 @@ def continued_sft_config(sft: SFTConfig, opd: OPDConfig) -> SFTConfig:
     return SFTConfig(**loop, **own)
 
 
-def run_sft_continued(sft: SFTConfig, opd: OPDConfig, ddp: DDPConfig, paths: PathsConfig,
-                      progress: bool = True, adapter: AdapterConfig = AdapterConfig()) -> dict:
+def run_sft_continued(
+    sft: SFTConfig,
+    opd: OPDConfig,
+    ddp: DDPConfig,
+    paths: PathsConfig,
+    progress: bool = True,
+    adapter: AdapterConfig = AdapterConfig(),
+) -> dict:
     """The sft_continued stage: OPD's control arm, more SFT from the same start, with OPD's loop."""
     cfg = continued_sft_config(sft, opd)
     if cfg.packing:
         packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
     check_adapter(adapter, paths.models_dir)
-    return launch_stage(sft_worker, TrainingJob("sft_continued", cfg, ddp, paths, progress=progress,
-                                                adapter=adapter))
+    return launch_stage(sft_worker, TrainingJob("sft_continued", cfg, ddp, paths, progress=progress, adapter=adapter))

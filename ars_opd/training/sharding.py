@@ -56,8 +56,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     layers = getattr(base.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
-        raise TypeError(f"{type(base).__name__}'s decoder has no `layers` list of blocks to shard; "
-                        "use ddp.strategy: ddp for this model")
+        raise TypeError(
+            f"{type(base).__name__}'s decoder has no `layers` list of blocks to shard; "
+            "use ddp.strategy: ddp for this model"
+        )
     return list(layers)
 
 
@@ -65,8 +67,9 @@ def shard_model(model: torch.nn.Module, device: torch.device, bf16: bool) -> tor
     """``fully_shard`` every decoder layer, then the root; the shards then move to ``device``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
-        MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -121,8 +124,9 @@ class _RecordingReduceScatter:
             partial = chunks @ chunks.T
             hook._gram = partial if hook._gram is None else hook._gram + partial
         hook._host.append(time.perf_counter() - t0)
-        return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                          async_op=async_op)
+        return dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+        )
 
 
 @dataclass
@@ -200,8 +204,10 @@ def publishable(model: torch.nn.Module, copy_on_main: torch.nn.Module | None) ->
     missing, unexpected = copy_on_main.load_state_dict(state, strict=False)
     tied = {k for k in missing if _is_tied(copy_on_main, k)}
     if unexpected or set(missing) - tied:
-        raise RuntimeError(f"the gathered state dict does not fit the student: missing {sorted(set(missing) - tied)}, "
-                           f"unexpected {sorted(unexpected)}")
+        raise RuntimeError(
+            f"the gathered state dict does not fit the student: missing {sorted(set(missing) - tied)}, "
+            f"unexpected {sorted(unexpected)}"
+        )
     return copy_on_main
 
 

@@ -25,8 +25,9 @@ def snapshot_dir(ckpt_dir: Path, run_fingerprint: str) -> Path:
     return ckpt_dir / "snapshots" / run_fingerprint
 
 
-def run_snapshot_dir(ckpt_dir: Path, run_fingerprint: str, resumed_fingerprint: str | None, is_main: bool,
-                     snapshot_every: int) -> Path:
+def run_snapshot_dir(
+    ckpt_dir: Path, run_fingerprint: str, resumed_fingerprint: str | None, is_main: bool, snapshot_every: int
+) -> Path:
     """This run's snapshot directory, set up by rank 0: a resume from a checkpoint of another fingerprint
     (resharded) carries that run's snapshots over, and, when this run keeps snapshots, other runs' are
     removed."""

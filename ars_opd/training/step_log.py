@@ -46,22 +46,40 @@ class StepResult:
     monitor_s: dict[str, float] = field(default_factory=dict)
 
 
-def step_row(state: TrainerState, result: StepResult, lr: float, step_s: float, ddp_cfg: DDPConfig,
-             fault: Fault | None, noise_scale: NoiseScale, totals: BudgetTotals) -> dict:
+def step_row(
+    state: TrainerState,
+    result: StepResult,
+    lr: float,
+    step_s: float,
+    ddp_cfg: DDPConfig,
+    fault: Fault | None,
+    noise_scale: NoiseScale,
+    totals: BudgetTotals,
+) -> dict:
     """The log row of step ``state.step`` (the counters in ``state`` already count it); advances the
     run's noise scale and budget totals by the step's terms."""
     return {
-        "step": state.step, "loss": result.loss, "tokens": result.tokens,
-        "lr": lr, "grad_norm": result.grad_norm, "clip_coef": result.clip_coef,
-        "clipped": result.clipped, "clipped_total": state.clipped_steps, "skipped": result.skipped,
-        "skipped_total": state.skipped_steps, "step_s": round(step_s, 5),
-        "worker_loss": result.worker_loss, "worker_tokens": result.worker_tokens,
-        "scenario": ddp_cfg.scenario, "strategy": ddp_cfg.strategy,
+        "step": state.step,
+        "loss": result.loss,
+        "tokens": result.tokens,
+        "lr": lr,
+        "grad_norm": result.grad_norm,
+        "clip_coef": result.clip_coef,
+        "clipped": result.clipped,
+        "clipped_total": state.clipped_steps,
+        "skipped": result.skipped,
+        "skipped_total": state.skipped_steps,
+        "step_s": round(step_s, 5),
+        "worker_loss": result.worker_loss,
+        "worker_tokens": result.worker_tokens,
+        "scenario": ddp_cfg.scenario,
+        "strategy": ddp_cfg.strategy,
         "fault": fault.cfg.kind if fault is not None and fault.active(state.step) else None,
         "drift_mismatch": result.drift,  # null: not checked this step; []: every replica identical
         **{f"task/{k}": v for k, v in result.metrics.items()},
         **{f"consistency/{k}": v for k, v in result.consistency.items()},
-        "gns/g2": result.noise_scale[0], "gns/trace": result.noise_scale[1],
+        "gns/g2": result.noise_scale[0],
+        "gns/trace": result.noise_scale[1],
         "gns/b_simple": noise_scale.update(*result.noise_scale),
         **{f"budget/{k}": v for k, v in result.budget.items()},
         **totals.update(result.budget),
@@ -74,8 +92,11 @@ def run_summary(rows: list[dict], state: TrainerState, totals: BudgetTotals) -> 
     return {
         "final_loss": rows[-1]["loss"] if rows else float("nan"),
         "final_loss_mean10": sum(tail) / len(tail) if tail else float("nan"),
-        "steps": state.step, "clipped_steps": state.clipped_steps, "skipped_steps": state.skipped_steps,
-        "tokens": state.tokens_seen, "train_seconds": state.train_seconds,
+        "steps": state.step,
+        "clipped_steps": state.clipped_steps,
+        "skipped_steps": state.skipped_steps,
+        "tokens": state.tokens_seen,
+        "train_seconds": state.train_seconds,
         "tokens_per_s": state.tokens_seen / state.train_seconds if state.train_seconds else float("nan"),
         **{f"budget_{k}_total": v for k, v in totals.totals.items()},
     }
@@ -119,8 +140,12 @@ class StepLogger:
         self._file.flush()
         self._live.step = row["step"]
         for k, v in row.items():
-            if (k in self.SCALARS or k.startswith(("task/", "consistency/", "gns/"))) and isinstance(v, (int, float)) \
-                    and not isinstance(v, bool) and math.isfinite(v):
+            if (
+                (k in self.SCALARS or k.startswith(("task/", "consistency/", "gns/")))
+                and isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and math.isfinite(v)
+            ):
                 self._live.log_metric(f"train/{k}", v, plot=True)
         if self._studio:
             self._live.next_step()

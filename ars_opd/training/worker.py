@@ -24,11 +24,11 @@ from ars_opd.config import AdapterConfig, DDPConfig, PathsConfig, TrainLoopConfi
 from ars_opd.models.adapters import adapter_of, attach, is_adapted, resume, save_trained, trainable_parameters
 from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer, read_manifest, sha256_of_files
 from ars_opd.seeding import derive_seed, scenario_seeds, set_seeds
+from ars_opd.training.batch_plan import BatchGeometry
+from ars_opd.training.budget import SNAPSHOTS, read_budget, write_budget
 from ars_opd.training.checkpoint import config_fingerprint, layout_free
 from ars_opd.training.distributed import WorkerContext, init_worker, launch, shutdown_worker
 from ars_opd.training.faults import Fault
-from ars_opd.training.batch_plan import BatchGeometry
-from ars_opd.training.budget import SNAPSHOTS, read_budget, write_budget
 from ars_opd.training.loop import fit
 from ars_opd.training.snapshots import snapshot_dir
 from ars_opd.training.task import TrainingTask
@@ -101,8 +101,11 @@ def starting_student(job: TrainingJob, device: torch.device) -> StartingStudent:
         published = adapter_of(start)
     how = "none"
     if job.adapter.enabled and published is not None:
-        model = resume(load_model(job.paths.models_dir, "student", trust_remote_code=job.trust_remote_code),
-                       published, base_revision)
+        model = resume(
+            load_model(job.paths.models_dir, "student", trust_remote_code=job.trust_remote_code),
+            published,
+            base_revision,
+        )
         how = "continued"
     elif job.adapter.enabled:
         model = attach(model, job.adapter)
@@ -127,11 +130,23 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         ddp = {k: v for k, v in to_dict(job.ddp).items() if k != "reshard_resume"}
         fingerprint = config_fingerprint({job.stage: to_dict(job.cfg), "ddp": ddp, **adapter, **run.fingerprint})
         # what a resharded resume must match: the same run in any worker layout (ars_opd.training.checkpoint)
-        layout = config_fingerprint({job.stage: to_dict(job.cfg), "ddp": layout_free(ddp), **adapter,
-                                     **run.fingerprint})
-        state, log, totals, trained = fit(ctx, run.model, run.task, job.cfg, job.ddp, fingerprint, out, job.progress,
-                                          on_step=run.on_step, fault=fault, budget_start=run.budget_start,
-                                          layout_fingerprint=layout)
+        layout = config_fingerprint(
+            {job.stage: to_dict(job.cfg), "ddp": layout_free(ddp), **adapter, **run.fingerprint}
+        )
+        state, log, totals, trained = fit(
+            ctx,
+            run.model,
+            run.task,
+            job.cfg,
+            job.ddp,
+            fingerprint,
+            out,
+            job.progress,
+            on_step=run.on_step,
+            fault=fault,
+            budget_start=run.budget_start,
+            layout_fingerprint=layout,
+        )
         if ctx.is_main:
             shutil.rmtree(Path(out.model) / "adapter", ignore_errors=True)  # a previous run's adapter
             save_trained(trained, Path(out.model), read_manifest(job.paths.models_dir)["student"]["revision"])
@@ -142,17 +157,30 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
             shutil.rmtree(kept, ignore_errors=True)  # a previous run's snapshots (outside dvc) are not this run's
             if job.cfg.snapshot_every and snapshots.is_dir():
                 shutil.copytree(snapshots, kept)
-            write_json(out.manifest, {
-                "data": run.data_counts, "workers": ctx.world_size, "geometry": dataclasses.asdict(geometry),
-                "resumed_from": state.resumed_from, "resharded_from": state.resharded_from, "steps": state.step,
-                "inputs": run.fingerprint, "strategy": job.ddp.strategy,
-                "trainable_parameters": trainable_parameters(run.model),
-                "parameters": sum(p.numel() for p in {id(p): p for p in run.model.parameters()}.values()),
-                "adapter": to_dict(job.adapter) if is_adapted(run.model) else None, **run.manifest,
-                **provenance({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp)}),
-            })
-        return {"steps": state.step, "data": run.data_counts, "resumed_from": state.resumed_from,
-                "final_loss": log[-1]["loss"] if log else None}
+            write_json(
+                out.manifest,
+                {
+                    "data": run.data_counts,
+                    "workers": ctx.world_size,
+                    "geometry": dataclasses.asdict(geometry),
+                    "resumed_from": state.resumed_from,
+                    "resharded_from": state.resharded_from,
+                    "steps": state.step,
+                    "inputs": run.fingerprint,
+                    "strategy": job.ddp.strategy,
+                    "trainable_parameters": trainable_parameters(run.model),
+                    "parameters": sum(p.numel() for p in {id(p): p for p in run.model.parameters()}.values()),
+                    "adapter": to_dict(job.adapter) if is_adapted(run.model) else None,
+                    **run.manifest,
+                    **provenance({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp)}),
+                },
+            )
+        return {
+            "steps": state.step,
+            "data": run.data_counts,
+            "resumed_from": state.resumed_from,
+            "final_loss": log[-1]["loss"] if log else None,
+        }
     finally:
         shutdown_worker()
 

@@ -65,7 +65,9 @@ class TeacherCache:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.close()
-            raise CacheLockedError(f"{self.path} is in use by another process (is another teacher_gen running?)") from None
+            raise CacheLockedError(
+                f"{self.path} is in use by another process (is another teacher_gen running?)"
+            ) from None
         self._file = f
         self._load()
         return self
@@ -107,8 +109,9 @@ class TeacherCache:
                         # a complete-looking but invalid final line (e.g. zero-filled after a power loss)
                         self.dropped_torn_line = True
                         break
-                    raise CacheCorruptError(f"{self.path}:{i + 1}: not a valid cache entry; move the file "
-                                            "aside or repair that line") from None
+                    raise CacheCorruptError(
+                        f"{self.path}:{i + 1}: not a valid cache entry; move the file aside or repair that line"
+                    ) from None
                 if key in self._entries:
                     self.duplicate_lines += 1
                 else:

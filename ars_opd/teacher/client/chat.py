@@ -26,8 +26,17 @@ import openai
 from tqdm.auto import tqdm
 
 from ars_opd.teacher.client.cache import TeacherCache
-from ars_opd.teacher.client.endpoint import (AUTH_STATUS, ClientSettings, EndpointError, FinalError, RetryableError,
-                                             make_client, post_json, preflight, with_retries)
+from ars_opd.teacher.client.endpoint import (
+    AUTH_STATUS,
+    ClientSettings,
+    EndpointError,
+    FinalError,
+    RetryableError,
+    make_client,
+    post_json,
+    preflight,
+    with_retries,
+)
 
 
 @dataclass(frozen=True)
@@ -85,8 +94,9 @@ async def _ask_once(client: openai.AsyncOpenAI, body: dict) -> dict:
         "content": content,
         "finish_reason": first.get("finish_reason"),
         "model": resp.get("model"),
-        "usage": {"prompt_tokens": usage.get("prompt_tokens"),
-                  "completion_tokens": usage.get("completion_tokens")} if usage else None,
+        "usage": {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens")}
+        if usage
+        else None,
     }
 
 
@@ -138,15 +148,20 @@ async def ask_all(
             except FinalError as e:
                 summary.failures.append(Failure(key, e.reason, e.attempts, e.status))
                 if e.status in AUTH_STATUS:
-                    abort.append(EndpointError(f"the teacher endpoint rejected the request ({e.reason}); "
-                                               "check the API key variable named by teacher_gen.api_key_env"))
+                    abort.append(
+                        EndpointError(
+                            f"the teacher endpoint rejected the request ({e.reason}); "
+                            "check the API key variable named by teacher_gen.api_key_env"
+                        )
+                    )
                 break
             except RetryableError as e:
                 summary.failures.append(Failure(key, e.reason, e.attempts))
                 break
             if not answer["content"].strip():  # not an answer: left out of the cache
-                summary.failures.append(Failure(key, f"empty_completion: finish_reason "
-                                                     f"{answer['finish_reason']!r}", attempt))
+                summary.failures.append(
+                    Failure(key, f"empty_completion: finish_reason {answer['finish_reason']!r}", attempt)
+                )
                 break
             cache.put(key, req.identity, answer)
             summary.completed += 1
@@ -154,8 +169,12 @@ async def ask_all(
         results_seen += 1
         if results_seen == settings.abort_after and summary.completed == 0 and not abort:
             reasons = sorted({f.reason for f in summary.failures})[:3]
-            abort.append(EndpointError(f"the first {results_seen} teacher requests all failed ({reasons}); "
-                                       "stopping instead of failing every prompt"))
+            abort.append(
+                EndpointError(
+                    f"the first {results_seen} teacher requests all failed ({reasons}); "
+                    "stopping instead of failing every prompt"
+                )
+            )
         bar.update(1)
         if summary.failures:
             bar.set_postfix(failed=summary.failed, retries=summary.retries, refresh=False)
@@ -169,8 +188,15 @@ async def ask_all(
     try:
         if check_endpoint:
             await preflight(client, pending[0].body["model"])
-        bar = tqdm(total=len(pending), desc="teacher", unit="req", disable=not progress, mininterval=0.5,
-                   smoothing=0.05, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(pending),
+            desc="teacher",
+            unit="req",
+            disable=not progress,
+            mininterval=0.5,
+            smoothing=0.05,
+            dynamic_ncols=True,
+        )
         await asyncio.gather(*(worker() for _ in range(min(settings.limits.concurrency, len(pending)))))
     finally:
         if bar is not None:

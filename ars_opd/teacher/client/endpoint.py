@@ -78,8 +78,10 @@ def api_key(env_name: str | None, section: str, error: type[MissingAPIKeyError] 
         return "EMPTY"
     key = os.environ.get(env_name)
     if not key:
-        raise error(f"{section}.api_key_env names {env_name}, but that environment variable is not set (or "
-                    "empty); export it before running the stage")
+        raise error(
+            f"{section}.api_key_env names {env_name}, but that environment variable is not set (or "
+            "empty); export it before running the stage"
+        )
     return key
 
 
@@ -131,12 +133,14 @@ def make_client(settings: ClientSettings) -> openai.AsyncOpenAI:
     timeout = httpx2.Timeout(timeout_s, connect=min(10.0, timeout_s))
     kind = {"aiohttp": openai.DefaultAioHttpClient, "httpx": openai.DefaultAsyncHttpxClient}[settings.transport]
     http_client = kind(limits=limits, timeout=timeout)
-    return openai.AsyncOpenAI(base_url=settings.base_url, api_key=settings.api_key, max_retries=0,
-                              timeout=timeout, http_client=http_client)
+    return openai.AsyncOpenAI(
+        base_url=settings.base_url, api_key=settings.api_key, max_retries=0, timeout=timeout, http_client=http_client
+    )
 
 
-async def preflight(client: openai.AsyncOpenAI, model: str, timeout_s: float = 15.0,
-                    section: str = "teacher_gen") -> list[str]:
+async def preflight(
+    client: openai.AsyncOpenAI, model: str, timeout_s: float = 15.0, section: str = "teacher_gen"
+) -> list[str]:
     """Check the endpoint answers and accepts the key; return the model ids it lists (may be empty).
 
     ``section``: the params section whose keys the error messages name (``teacher_gen``, ``opd.teacher_endpoint``).
@@ -144,18 +148,24 @@ async def preflight(client: openai.AsyncOpenAI, model: str, timeout_s: float = 1
     try:
         page = await asyncio.wait_for(client.models.list(), timeout_s)
     except (openai.APIConnectionError, asyncio.TimeoutError, OSError) as e:
-        raise EndpointError(f"cannot reach the teacher endpoint {client.base_url} ({type(e).__name__}: "
-                            f"{_short(e)}); start the server there, or set {section}.endpoint to the URL it "
-                            "listens on") from None
+        raise EndpointError(
+            f"cannot reach the teacher endpoint {client.base_url} ({type(e).__name__}: "
+            f"{_short(e)}); start the server there, or set {section}.endpoint to the URL it "
+            "listens on"
+        ) from None
     except openai.APIStatusError as e:
         if e.status_code in AUTH_STATUS:
-            raise EndpointError(f"the teacher endpoint {client.base_url} rejected the API key "
-                                f"(HTTP {e.status_code}); check the variable named by {section}.api_key_env") from None
+            raise EndpointError(
+                f"the teacher endpoint {client.base_url} rejected the API key "
+                f"(HTTP {e.status_code}); check the variable named by {section}.api_key_env"
+            ) from None
         return []  # some compatible servers do not implement /models; the first request will tell
     ids = [m.id for m in page.data]
     if ids and model not in ids:
-        raise EndpointError(f"model {model!r} is not served at {client.base_url}; it serves {ids[:10]}: set "
-                            f"{section}.model to the served name")
+        raise EndpointError(
+            f"model {model!r} is not served at {client.base_url}; it serves {ids[:10]}: set "
+            f"{section}.model to the served name"
+        )
     return ids
 
 
@@ -183,8 +193,9 @@ async def post_json(client: openai.AsyncOpenAI, path: str, body: dict) -> dict:
     return resp
 
 
-async def with_retries(call: Callable[[], Awaitable[T]], settings: ClientSettings,
-                       on_retry: Callable[[], None] | None = None) -> tuple[T, int]:
+async def with_retries(
+    call: Callable[[], Awaitable[T]], settings: ClientSettings, on_retry: Callable[[], None] | None = None
+) -> tuple[T, int]:
     """``await call()`` until it succeeds: (result, attempts). The one retry loop of every endpoint client.
 
     ``RetryableError`` errors are retried with exponential backoff and jitter (honouring a capped retry-after)

@@ -32,7 +32,7 @@ REFUSED_STATUS = frozenset({400, 413, 422})
 REMEMBERED, CACHED, ASKED_AGAIN = "remembered", "cached", "asked_again"
 RERUN_TEXT = {
     REMEMBERED: "not asked again: the same request gets the same result (set teacher_gen.retry_failed: true "
-                "to ask anyway, e.g. after raising the server's context length)",
+    "to ask anyway, e.g. after raising the server's context length)",
     CACHED: "served again from the answer cache (raising teacher_gen.max_tokens changes the key, so asks anew)",
     ASKED_AGAIN: "asked again",
 }
@@ -91,9 +91,11 @@ def describe(groups: dict[str, dict], total: int) -> str:
     for g in groups.values():
         by_effect[g["rerun"]] += g["count"]
     failed = sum(by_effect.values())
-    rerun = (f"A rerun asks again the {by_effect[ASKED_AGAIN]} prompt(s) that failed for reasons that can pass "
-             f"(answers received are cached and not asked again); it does not change the "
-             f"{by_effect[REMEMBERED] + by_effect[CACHED]} whose result would be the same.")
+    rerun = (
+        f"A rerun asks again the {by_effect[ASKED_AGAIN]} prompt(s) that failed for reasons that can pass "
+        f"(answers received are cached and not asked again); it does not change the "
+        f"{by_effect[REMEMBERED] + by_effect[CACHED]} whose result would be the same."
+    )
     return f"{failed} of {total} prompts have no teacher answer:\n" + "\n".join(lines) + "\n" + rerun
 
 
@@ -101,8 +103,11 @@ def write_failure_report(path: str | Path, failures: list[dict], groups: dict[st
     """The run's failures as JSON at ``path``, written atomically (a temporary file renamed into place)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    report = {**summary, "by_kind": {k: {**g, "rerun": RERUN_TEXT[g["rerun"]]} for k, g in groups.items()},
-              "failures": failures}
+    report = {
+        **summary,
+        "by_kind": {k: {**g, "rerun": RERUN_TEXT[g["rerun"]]} for k, g in groups.items()},
+        "failures": failures,
+    }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)

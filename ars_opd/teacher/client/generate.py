@@ -36,12 +36,18 @@ from pathlib import Path
 from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
 from ars_opd.config import LOCAL_ENDPOINT, PathsConfig, TeacherGenConfig, to_dict
 from ars_opd.models.loading import model_path, read_manifest
+from ars_opd.teacher.client import endpoint
 from ars_opd.teacher.client.cache import TeacherCache, cache_key
 from ars_opd.teacher.client.chat import AskSummary, TeacherRequest, ask_all, count_by_reason
-from ars_opd.teacher.client import endpoint
 from ars_opd.teacher.client.endpoint import ClientSettings
+from ars_opd.teacher.client.failures import (
+    describe,
+    deterministic_sampling,
+    group_failures,
+    is_remembered,
+    write_failure_report,
+)
 from ars_opd.teacher.client.local_server import LOCAL_MODEL_NAME, local_teacher_server
-from ars_opd.teacher.client.failures import deterministic_sampling, describe, group_failures, is_remembered, write_failure_report
 
 SPLITS = ("train", "eval")
 FAILURES_FILE, MANIFEST_FILE = "failures.jsonl", "manifest.json"
@@ -66,7 +72,9 @@ def strip_thinking(text: str) -> str:
     return stripped
 
 
-def build_requests(rows: list[dict], cfg: TeacherGenConfig, model: str, model_revision: str | None) -> list[TeacherRequest]:
+def build_requests(
+    rows: list[dict], cfg: TeacherGenConfig, model: str, model_revision: str | None
+) -> list[TeacherRequest]:
     """One request per row, keyed by sha256 of everything that determines the answer."""
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens}
     if cfg.seed is not None:
@@ -83,8 +91,13 @@ def build_requests(rows: list[dict], cfg: TeacherGenConfig, model: str, model_re
     return out
 
 
-def _join(rows: dict[str, list[dict]], requests: dict[str, list[TeacherRequest]], answers: dict[str, dict],
-          failed: dict[str, dict], strip: bool) -> tuple[dict[str, list[dict]], list[dict]]:
+def _join(
+    rows: dict[str, list[dict]],
+    requests: dict[str, list[TeacherRequest]],
+    answers: dict[str, dict],
+    failed: dict[str, dict],
+    strip: bool,
+) -> tuple[dict[str, list[dict]], list[dict]]:
     """Answers joined to their prompts in subset order, and one failure row per prompt left without one."""
     outputs: dict[str, list[dict]] = {}
     failures: list[dict] = []
@@ -99,23 +112,37 @@ def _join(rows: dict[str, list[dict]], requests: dict[str, list[TeacherRequest]]
             raw = entry["response"]["content"]
             text = strip_thinking(raw) if strip else raw
             if not text.strip():  # an empty answer cached by an older version, or cut inside <think>
-                failures.append({**base, "reason": "empty_after_think_strip" if raw.strip() else "empty_completion",
-                                 "attempts": 0, "from_cache": True})
+                failures.append(
+                    {
+                        **base,
+                        "reason": "empty_after_think_strip" if raw.strip() else "empty_completion",
+                        "attempts": 0,
+                        "from_cache": True,
+                    }
+                )
                 continue
-            outputs[split].append({**{k: row[k] for k in ("id", "messages", "reference", "task")},
-                                   "completion": text, "finish_reason": entry["response"].get("finish_reason"),
-                                   "key": req.key})
+            outputs[split].append(
+                {
+                    **{k: row[k] for k in ("id", "messages", "reference", "task")},
+                    "completion": text,
+                    "finish_reason": entry["response"].get("finish_reason"),
+                    "key": req.key,
+                }
+            )
     return outputs, failures
 
 
-def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, progress: bool = True,
-                                 log_requests: str | None = None) -> dict:
+def generate_teacher_completions(
+    cfg: TeacherGenConfig, paths: PathsConfig, progress: bool = True, log_requests: str | None = None
+) -> dict:
     """Run the stage; returns its metrics. Raises ``TeacherGenerationError`` above the failure threshold.
 
     Every run past its setup writes ``paths.teacher_failure_report`` (also when it then fails)."""
     split_paths = {"train": paths.subset_train, "eval": paths.subset_eval}  # teacher_gen reads the subset
     rows = {split: read_jsonl(split_paths[split]) if split in cfg.splits else [] for split in SPLITS}
-    api_key = endpoint.api_key(cfg.api_key_env, "teacher_gen", MissingAPIKeyError)  # before any work: a missing key is an immediate, clear error
+    api_key = endpoint.api_key(
+        cfg.api_key_env, "teacher_gen", MissingAPIKeyError
+    )  # before any work: a missing key is an immediate, clear error
 
     if cfg.endpoint == LOCAL_ENDPOINT:
         # model_path verifies the teacher's files against the pin, so the revision in the keys is the truth
@@ -133,8 +160,10 @@ def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, prog
     failed: dict[str, dict] = {}  # key -> {reason, attempts, status?, remembered?}
     with TeacherCache(paths.teacher_cache) as cache, TeacherCache(paths.teacher_refusals) as refusals:
         if cache.dropped_torn_line:
-            print(f"teacher cache: dropped a torn last line in {paths.teacher_cache} (from an interrupted run)",
-                  file=sys.stderr)
+            print(
+                f"teacher cache: dropped a torn last line in {paths.teacher_cache} (from an interrupted run)",
+                file=sys.stderr,
+            )
         cached_before = sum(r.key in cache for r in unique)
         missing = [r for r in unique if r.key not in cache]
         remembered = [] if cfg.retry_failed else [r for r in missing if r.key in refusals]
@@ -145,13 +174,19 @@ def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, prog
         if to_ask:
             try:
                 with server as base_url:
-                    summary = asyncio.run(ask_all(to_ask, cache, ClientSettings(base_url, api_key, cfg),
-                                                  progress=progress))
+                    summary = asyncio.run(
+                        ask_all(to_ask, cache, ClientSettings(base_url, api_key, cfg), progress=progress)
+                    )
             except endpoint.EndpointError as e:  # stopped early: report what it saw, then fail with the cause
                 if e.summary is not None:
                     _record(e.summary, refusals, {r.key: r for r in to_ask}, failed, deterministic)
-                    _, failures = _join(rows, requests, {r.key: cache.get(r.key) for r in unique if r.key in cache},
-                                        failed, cfg.strip_thinking)
+                    _, failures = _join(
+                        rows,
+                        requests,
+                        {r.key: cache.get(r.key) for r in unique if r.key in cache},
+                        failed,
+                        cfg.strip_thinking,
+                    )
                     _report(paths, failures, deterministic, total, cfg, stage_failed=True)
                 raise
         _record(summary, refusals, {r.key: r for r in to_ask}, failed, deterministic)
@@ -175,7 +210,8 @@ def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, prog
         "seconds": round(summary.seconds, 2),
         "requests_per_s": round(summary.completed / summary.seconds, 2) if summary.seconds else None,
         "length_finish_fraction": round(
-            sum(r["finish_reason"] == "length" for s in outputs.values() for r in s) / max(1, total - len(failures)), 4),
+            sum(r["finish_reason"] == "length" for s in outputs.values() for r in s) / max(1, total - len(failures)), 4
+        ),
         **{f"{split}_rows": len(outputs[split]) for split in SPLITS},
     }
     if over:
@@ -191,26 +227,53 @@ def generate_teacher_completions(cfg: TeacherGenConfig, paths: PathsConfig, prog
         for split in SPLITS:
             write_jsonl(out_dir / Path(paths.completions(split)).name, outputs[split])
         write_jsonl(out_dir / FAILURES_FILE, [{k: f[k] for k in FAILURE_KEYS} for f in failures])
-        write_json(out_dir / MANIFEST_FILE, {"model": model, "model_revision": revision, "endpoint": cfg.endpoint,
-                                             **provenance({"teacher_gen": to_dict(cfg)})})
+        write_json(
+            out_dir / MANIFEST_FILE,
+            {
+                "model": model,
+                "model_revision": revision,
+                "endpoint": cfg.endpoint,
+                **provenance({"teacher_gen": to_dict(cfg)}),
+            },
+        )
         write_json(metrics_tmp, metrics)
     return metrics
 
 
-def _record(summary: AskSummary, refusals: TeacherCache, asked: dict[str, TeacherRequest], failed: dict[str, dict],
-            deterministic: bool) -> None:
+def _record(
+    summary: AskSummary,
+    refusals: TeacherCache,
+    asked: dict[str, TeacherRequest],
+    failed: dict[str, dict],
+    deterministic: bool,
+) -> None:
     """This run's failures into ``failed``; those a rerun cannot change also into the refusals file."""
     for f in summary.failures:
         failed[f.key] = {"reason": f.reason, "attempts": f.attempts, "status": f.status}
         if is_remembered(f.reason, f.status, deterministic):
-            refusals.append({"key": f.key, "request": asked[f.key].identity,
-                             "failure": {"reason": f.reason, "attempts": f.attempts, "status": f.status}})
+            refusals.append(
+                {
+                    "key": f.key,
+                    "request": asked[f.key].identity,
+                    "failure": {"reason": f.reason, "attempts": f.attempts, "status": f.status},
+                }
+            )
 
 
-def _report(paths: PathsConfig, failures: list[dict], deterministic: bool, total: int, cfg: TeacherGenConfig,
-            stage_failed: bool) -> str:
+def _report(
+    paths: PathsConfig, failures: list[dict], deterministic: bool, total: int, cfg: TeacherGenConfig, stage_failed: bool
+) -> str:
     groups = group_failures(failures, deterministic)
-    write_failure_report(paths.teacher_failure_report, failures, groups, {
-        "prompts": total, "failed": len(failures), "stage_failed": stage_failed,
-        "max_failure_fraction": cfg.max_failure_fraction, "retry_failed": cfg.retry_failed})
+    write_failure_report(
+        paths.teacher_failure_report,
+        failures,
+        groups,
+        {
+            "prompts": total,
+            "failed": len(failures),
+            "stage_failed": stage_failed,
+            "max_failure_fraction": cfg.max_failure_fraction,
+            "retry_failed": cfg.retry_failed,
+        },
+    )
     return describe(groups, total)

@@ -28,8 +28,13 @@ class LocalServerError(RuntimeError):
 
 
 @contextlib.contextmanager
-def local_teacher_server(model_dir: str, server: TeacherServerConfig, model_name: str = LOCAL_MODEL_NAME,
-                         log_requests: str | None = None, max_logprobs: int | None = None) -> Iterator[str]:
+def local_teacher_server(
+    model_dir: str,
+    server: TeacherServerConfig,
+    model_name: str = LOCAL_MODEL_NAME,
+    log_requests: str | None = None,
+    max_logprobs: int | None = None,
+) -> Iterator[str]:
     """Start the bundled server for ``model_dir`` on 127.0.0.1 (ephemeral port); yield its base URL.
 
     ``max_logprobs``: the largest ``prompt_logprobs`` k it answers (OPD scoring; the server's default if None).
@@ -37,10 +42,26 @@ def local_teacher_server(model_dir: str, server: TeacherServerConfig, model_name
     with tempfile.TemporaryDirectory(prefix="ars-opd-serve-") as tmp:
         ready = Path(tmp) / "ready.json"
         log = open(Path(tmp) / "server.log", "w+")
-        cmd = [sys.executable, "-m", "ars_opd.teacher.server", model_dir, "--model-name", model_name,
-               "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
-               "--max-batch-size", str(server.max_batch_size), "--max-wait-ms", str(server.max_wait_ms),
-               "--threads", str(server.threads)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ars_opd.teacher.server",
+            model_dir,
+            "--model-name",
+            model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--max-batch-size",
+            str(server.max_batch_size),
+            "--max-wait-ms",
+            str(server.max_wait_ms),
+            "--threads",
+            str(server.threads),
+        ]
         if log_requests:
             cmd += ["--log-requests", log_requests]
         if max_logprobs is not None:
@@ -54,11 +75,14 @@ def local_teacher_server(model_dir: str, server: TeacherServerConfig, model_name
             while not ready.exists():
                 if proc.poll() is not None:
                     log.seek(0)
-                    raise LocalServerError(f"the local teacher server exited with {proc.returncode} "
-                                                 f"before it was ready:\n{log.read()[-2000:]}")
+                    raise LocalServerError(
+                        f"the local teacher server exited with {proc.returncode} "
+                        f"before it was ready:\n{log.read()[-2000:]}"
+                    )
                 if time.monotonic() > deadline:
-                    raise LocalServerError(f"the local teacher server was not ready after "
-                                                 f"{server.startup_timeout_s:.0f} s")
+                    raise LocalServerError(
+                        f"the local teacher server was not ready after {server.startup_timeout_s:.0f} s"
+                    )
                 time.sleep(0.05)
             info = json.loads(ready.read_text())
             yield f"http://{info['host']}:{info['port']}/v1"

@@ -38,7 +38,14 @@ from dataclasses import dataclass
 
 import openai
 
-from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError, FinalError, RetryableError, post_json, with_retries
+from ars_opd.teacher.client.endpoint import (
+    ClientSettings,
+    EndpointError,
+    FinalError,
+    RetryableError,
+    post_json,
+    with_retries,
+)
 
 PROBE_TEXT = "Reverse the word 'distillation', then add 12 + 30 = 42.\nDone? Yes: <ok> {x} [1, 2]"
 
@@ -52,12 +59,14 @@ class NotLogprobsError(ScoringError):
 
 
 # bf16's machine epsilon: the coarsest float a server computes or keeps log-probabilities in
-LOGPROB_EPS = 2.0 ** -7
+LOGPROB_EPS = 2.0**-7
 # a log-prob a hair above 0 is fp32 rounding of a probability-1 token (z_max - logsumexp(z) for logits z)
 ABOVE_ZERO = 1e-4
-SERVER_FLAGS = ("start vLLM with `--logprobs-mode raw_logprobs` (with raw_logits or processed_logits it "
-                "returns logits there) and `--no-enable-prefix-caching` (with prefix caching, its default, "
-                "prompt log-probs of cached positions can be stale, vLLM issue #42019)")
+SERVER_FLAGS = (
+    "start vLLM with `--logprobs-mode raw_logprobs` (with raw_logits or processed_logits it "
+    "returns logits there) and `--no-enable-prefix-caching` (with prefix caching, its default, "
+    "prompt log-probs of cached positions can be stale, vLLM issue #42019)"
+)
 
 
 @dataclass
@@ -109,9 +118,11 @@ def check_logprobs(values: list[float], where: str) -> None:
         raise NotLogprobsError(f"{where} has the value {top!r} > 0, which no log-probability has")
     lse, tol = _logsumexp(values), logsumexp_tolerance(len(values))
     if lse > tol:
-        raise NotLogprobsError(f"{where}: the {len(values)} returned values have log-sum-exp {lse:.4g} > {tol:.4g} "
-                               f"(their probabilities sum to {math.exp(lse):.4g}; those of any k tokens of one "
-                               f"distribution sum to at most 1, and {tol:.4g} is the allowance for rounding)")
+        raise NotLogprobsError(
+            f"{where}: the {len(values)} returned values have log-sum-exp {lse:.4g} > {tol:.4g} "
+            f"(their probabilities sum to {math.exp(lse):.4g}; those of any k tokens of one "
+            f"distribution sum to at most 1, and {tol:.4g} is the allowance for rounding)"
+        )
 
 
 def _entry_logprob(value, where: str) -> float:
@@ -127,8 +138,10 @@ def parse_prompt_logprobs(prompt_logprobs, ids: list[int]) -> SequenceScores:
     ``NotLogprobsError`` if a position's values are not log-probabilities (``check_logprobs``)."""
     if not isinstance(prompt_logprobs, list) or len(prompt_logprobs) != len(ids):
         n = len(prompt_logprobs) if isinstance(prompt_logprobs, list) else None
-        raise RetryableError(f"malformed_response: prompt_logprobs has {n} positions for a {len(ids)}-token prompt "
-                         "(is prompt_logprobs supported by this server?)")
+        raise RetryableError(
+            f"malformed_response: prompt_logprobs has {n} positions for a {len(ids)}-token prompt "
+            "(is prompt_logprobs supported by this server?)"
+        )
     if prompt_logprobs[0] is not None:
         raise RetryableError("malformed_response: prompt_logprobs[0] is not null")
     out = SequenceScores([], [], [])
@@ -162,8 +175,10 @@ def _completions_url(client: openai.AsyncOpenAI) -> str:
 
 
 def _refusal(client: openai.AsyncOpenAI, model: str, e: NotLogprobsError, outcome: str) -> NotLogprobsError:
-    return NotLogprobsError(f"the teacher endpoint {client.base_url} (model {model!r}) returns prompt_logprobs that "
-                            f"are not log-probabilities: {e}. {outcome}. To score on it, {SERVER_FLAGS}.")
+    return NotLogprobsError(
+        f"the teacher endpoint {client.base_url} (model {model!r}) returns prompt_logprobs that "
+        f"are not log-probabilities: {e}. {outcome}. To score on it, {SERVER_FLAGS}."
+    )
 
 
 async def _score_one(client: openai.AsyncOpenAI, model: str, ids: list[int], k: int) -> SequenceScores:
@@ -174,8 +189,14 @@ async def _score_one(client: openai.AsyncOpenAI, model: str, ids: list[int], k: 
     return parse_prompt_logprobs(choices[0].get("prompt_logprobs"), ids)
 
 
-async def score_sequences(client: openai.AsyncOpenAI, model: str, sequences: list[list[int]], k: int,
-                          settings: ClientSettings, section: str = "opd.teacher_endpoint") -> list[SequenceScores]:
+async def score_sequences(
+    client: openai.AsyncOpenAI,
+    model: str,
+    sequences: list[list[int]],
+    k: int,
+    settings: ClientSettings,
+    section: str = "opd.teacher_endpoint",
+) -> list[SequenceScores]:
     """The teacher's scores of every sequence, in order, or ``ScoringError`` (nothing partial):
     ``NotLogprobsError`` at the first response whose values are not log-probabilities (not retried)."""
     results: list[SequenceScores | None] = [None] * len(sequences)
@@ -199,18 +220,24 @@ async def score_sequences(client: openai.AsyncOpenAI, model: str, sequences: lis
     if refused:
         raise _refusal(client, model, refused[0], "The step was not trained")
     if failures:
-        raise ScoringError(f"scoring on the teacher endpoint {client.base_url} (model {model!r}) failed: "
-                           f"{failures[0]}{f' (and {len(failures) - 1} more)' if len(failures) > 1 else ''}; "
-                           f"the step was not trained. Check the server, or raise {section}.max_attempts / "
-                           f"request_timeout_s.")
+        raise ScoringError(
+            f"scoring on the teacher endpoint {client.base_url} (model {model!r}) failed: "
+            f"{failures[0]}{f' (and {len(failures) - 1} more)' if len(failures) > 1 else ''}; "
+            f"the step was not trained. Check the server, or raise {section}.max_attempts / "
+            f"request_timeout_s."
+        )
     return results  # type: ignore[return-value]
 
 
 async def endpoint_tokens(client: openai.AsyncOpenAI, model: str, text: str, settings: ClientSettings) -> list[int]:
     """The endpoint's token ids for ``text`` (no special tokens added): /tokenize, else echo + prompt_logprobs."""
     try:
-        resp, _ = await with_retries(lambda: post_json(client, f"{_root(client)}/tokenize", {
-            "model": model, "prompt": text, "add_special_tokens": False}), settings)
+        resp, _ = await with_retries(
+            lambda: post_json(
+                client, f"{_root(client)}/tokenize", {"model": model, "prompt": text, "add_special_tokens": False}
+            ),
+            settings,
+        )
         tokens = resp.get("tokens")
         if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
             return tokens
@@ -219,18 +246,33 @@ async def endpoint_tokens(client: openai.AsyncOpenAI, model: str, text: str, set
             raise
     # no /tokenize: the first token of an echoed text prompt is not returned, so the probe starts with a space
     # that every tokenizer ends up putting in its own first token, and the rest is compared
-    resp, _ = await with_retries(lambda: post_json(client, _completions_url(client), {
-        "model": model, "prompt": text, "max_tokens": 1, "echo": True, "prompt_logprobs": 0,
-        "add_special_tokens": False}), settings)
+    resp, _ = await with_retries(
+        lambda: post_json(
+            client,
+            _completions_url(client),
+            {
+                "model": model,
+                "prompt": text,
+                "max_tokens": 1,
+                "echo": True,
+                "prompt_logprobs": 0,
+                "add_special_tokens": False,
+            },
+        ),
+        settings,
+    )
     entries = (resp.get("choices") or [{}])[0].get("prompt_logprobs")
     if not isinstance(entries, list) or any(not isinstance(e, dict) or len(e) != 1 for e in entries[1:]):
-        raise ScoringError(f"the teacher endpoint {client.base_url} serves neither /tokenize nor prompt_logprobs "
-                           "with one entry per position; it cannot score OPD rollouts")
+        raise ScoringError(
+            f"the teacher endpoint {client.base_url} serves neither /tokenize nor prompt_logprobs "
+            "with one entry per position; it cannot score OPD rollouts"
+        )
     return [None] + [int(next(iter(e))) for e in entries[1:]]  # type: ignore[list-item]
 
 
-async def check_scores(client: openai.AsyncOpenAI, model: str, ids: list[int], settings: ClientSettings,
-                       k: int = 1) -> None:
+async def check_scores(
+    client: openai.AsyncOpenAI, model: str, ids: list[int], settings: ClientSettings, k: int = 1
+) -> None:
     """Score ``ids`` once with ``prompt_logprobs: k`` before any training: ``NotLogprobsError`` naming the
     server flags if the values are not log-probabilities, ``ScoringError`` if the probe cannot be scored."""
     try:
@@ -238,12 +280,20 @@ async def check_scores(client: openai.AsyncOpenAI, model: str, ids: list[int], s
     except NotLogprobsError as e:
         raise _refusal(client, model, e, "Refused before training") from None
     except (FinalError, RetryableError) as e:
-        raise ScoringError(f"the teacher endpoint {client.base_url} (model {model!r}) could not score a probe "
-                           f"sequence with prompt_logprobs: {e.reason} after {e.attempts} attempt(s)") from None
+        raise ScoringError(
+            f"the teacher endpoint {client.base_url} (model {model!r}) could not score a probe "
+            f"sequence with prompt_logprobs: {e.reason} after {e.attempts} attempt(s)"
+        ) from None
 
 
-async def check_tokenizer(client: openai.AsyncOpenAI, model: str, tokenizer, settings: ClientSettings,
-                          section: str = "opd.teacher_endpoint", k: int = 1) -> None:
+async def check_tokenizer(
+    client: openai.AsyncOpenAI,
+    model: str,
+    tokenizer,
+    settings: ClientSettings,
+    section: str = "opd.teacher_endpoint",
+    k: int = 1,
+) -> None:
     """Refuse (``ScoringError``) an endpoint whose tokenizer gives other ids than ``tokenizer`` for a probe,
     then score the probe with ``prompt_logprobs: k`` (``check_scores``, ``NotLogprobsError``)."""
     probe = PROBE_TEXT + (tokenizer.eos_token or "")
@@ -251,15 +301,17 @@ async def check_tokenizer(client: openai.AsyncOpenAI, model: str, tokenizer, set
     try:
         remote = await endpoint_tokens(client, model, probe, settings)
     except (FinalError, RetryableError) as e:
-        raise ScoringError(f"could not check the tokenizer of the teacher endpoint {client.base_url}: "
-                           f"{e.reason}") from None
+        raise ScoringError(
+            f"could not check the tokenizer of the teacher endpoint {client.base_url}: {e.reason}"
+        ) from None
     compared = local if remote[:1] != [None] else [None] + local[1:]
     if remote != compared:
         first = next((i for i, (a, b) in enumerate(zip(remote, compared)) if a != b), min(len(remote), len(compared)))
         raise ScoringError(
             f"the teacher endpoint {client.base_url} (model {model!r}) tokenizes differently from the student's "
             f"tokenizer: the probe text {probe!r} gives {len(remote)} ids there and {len(local)} here, first "
-            f"differing at position {first} ({remote[first:first + 5]} vs {compared[first:first + 5]}). OPD "
+            f"differing at position {first} ({remote[first : first + 5]} vs {compared[first : first + 5]}). OPD "
             f"compares log-probabilities token by token, so teacher and student must share the tokenizer: serve a "
-            f"teacher with the student's tokenizer, or fix {section}.endpoint / model.")
+            f"teacher with the student's tokenizer, or fix {section}.endpoint / model."
+        )
     await check_scores(client, model, local, settings, k)

@@ -64,9 +64,18 @@ def body_limit(max_prompt_chars: int | None) -> int:
 
 # -- application and process ---------------------------------------------------------------------------------
 
-def create_app(model_dir: str, model_name: str, max_batch_size: int = 64, max_wait_ms: float = 5.0,
-               threads: int | None = None, device: str = "cpu", dtype: str = "float32",
-               log_requests: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> web.Application:
+
+def create_app(
+    model_dir: str,
+    model_name: str,
+    max_batch_size: int = 64,
+    max_wait_ms: float = 5.0,
+    threads: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    log_requests: str | None = None,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+) -> web.Application:
     """Load the model and tokenizer from ``model_dir`` and build the aiohttp application serving it.
 
     ``threads`` sets torch's intra-op thread count for this process (None: torch's default).
@@ -138,10 +147,20 @@ async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 0, re
         await runner.cleanup()
 
 
-def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 0, ready_file: str | None = None,
-               model_name: str | None = None, max_batch_size: int = 64, max_wait_ms: float = 5.0,
-               threads: int | None = None, device: str = "cpu", dtype: str = "float32",
-               log_requests: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+def run_server(
+    model_dir: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    ready_file: str | None = None,
+    model_name: str | None = None,
+    max_batch_size: int = 64,
+    max_wait_ms: float = 5.0,
+    threads: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    log_requests: str | None = None,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+) -> None:
     """Load the model, listen on ``host:port`` (0: an ephemeral port), and serve until SIGTERM/SIGINT.
 
     Once the model is loaded and the socket listens, ``ready_file`` (if given) holds
@@ -155,7 +174,8 @@ def run_server(model_dir: str, host: str = "127.0.0.1", port: int = 0, ready_fil
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="ars-opd serve", description="Serve a local Hugging Face causal LM with an OpenAI-compatible chat API.")
+        prog="ars-opd serve", description="Serve a local Hugging Face causal LM with an OpenAI-compatible chat API."
+    )
     parser.add_argument("model_dir", help="directory with config.json, weights and a tokenizer with a chat template")
     parser.add_argument("--model-name", help="model id clients must send (default: the directory's name)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
@@ -165,18 +185,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="torch device for the model (default: %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                        help="weights dtype (default: %(default)s)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=sorted(DTYPES), help="weights dtype (default: %(default)s)"
+    )
     parser.add_argument("--log-requests", metavar="PATH", help="append one JSON line per chat request to PATH")
-    parser.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
-                        help="largest prompt_logprobs k a scoring request may ask (as vLLM's; default %(default)s)")
+    parser.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=DEFAULT_MAX_LOGPROBS,
+        help="largest prompt_logprobs k a scoring request may ask (as vLLM's; default %(default)s)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # while the model loads, asyncio's handlers are not installed yet: exit quietly on SIGTERM then too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        run_server(args.model_dir, args.host, args.port, args.ready_file, args.model_name, args.max_batch_size,
-                   args.max_wait_ms, args.threads, args.device, args.dtype, args.log_requests, args.max_logprobs)
+        run_server(
+            args.model_dir,
+            args.host,
+            args.port,
+            args.ready_file,
+            args.model_name,
+            args.max_batch_size,
+            args.max_wait_ms,
+            args.threads,
+            args.device,
+            args.dtype,
+            args.log_requests,
+            args.max_logprobs,
+        )
     except KeyboardInterrupt:  # Ctrl-C before serving started
         return 130
     return 0

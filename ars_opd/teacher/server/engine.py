@@ -54,8 +54,8 @@ from ars_opd.data.prompts import encode_prompt
 from ars_opd.lm.batching import pad_left
 from ars_opd.teacher.server.jobs import Job, Progress, ScoreJob
 from ars_opd.teacher.server.sampling import RowSampler
-from ars_opd.teacher.server.validation import ChatRequest, RequestError, parse_chat_request
 from ars_opd.teacher.server.scoring import DEFAULT_MAX_LOGPROBS, ScoreRequest, parse_score_request, score_rows
+from ars_opd.teacher.server.validation import ChatRequest, RequestError, parse_chat_request
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +108,16 @@ class ServerStats:
 class TeacherEngine:
     """The loaded model and tokenizer, the queue of waiting requests, and the batcher that serves them."""
 
-    def __init__(self, model_dir: str, model_name: str, max_batch_size: int = 64, max_wait_ms: float = 5.0,
-                 device: str = "cpu", dtype: str = "float32", max_logprobs: int = DEFAULT_MAX_LOGPROBS):
+    def __init__(
+        self,
+        model_dir: str,
+        model_name: str,
+        max_batch_size: int = 64,
+        max_wait_ms: float = 5.0,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    ):
         if max_batch_size < 1 or max_wait_ms < 0:
             raise ValueError(f"need max_batch_size >= 1 and max_wait_ms >= 0, got {max_batch_size}, {max_wait_ms}")
         self.model_name = model_name
@@ -132,8 +140,9 @@ class TeacherEngine:
         self.model.generation_config = GenerationConfig(eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
         self.context_length = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         longest_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
-        self.max_prompt_chars = (self.context_length * longest_token * CHARS_MARGIN
-                                 if self.context_length is not None else None)
+        self.max_prompt_chars = (
+            self.context_length * longest_token * CHARS_MARGIN if self.context_length is not None else None
+        )
         self.vocab = len(self.tokenizer)  # scored ids; embedding rows beyond the tokenizer are padding
         self.max_logprobs = max_logprobs
         self._token_text: dict[int, str] = {}
@@ -179,9 +188,14 @@ class TeacherEngine:
         chat = parse_chat_request(decoded, self.model_name)
         chars = sum(len(m["content"]) for m in chat.messages)
         if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
-            raise RequestError(400, f"this model's context is {self.context_length} tokens; the request's messages "
-                                    f"have {chars} characters, more than the {self.max_prompt_chars} that many "
-                                    "tokens can hold with this tokenizer", "context_length_exceeded", "messages")
+            raise RequestError(
+                400,
+                f"this model's context is {self.context_length} tokens; the request's messages "
+                f"have {chars} characters, more than the {self.max_prompt_chars} that many "
+                "tokens can hold with this tokenizer",
+                "context_length_exceeded",
+                "messages",
+            )
         prompt_ids = self.encode(chat.messages)
         return chat, prompt_ids, self.resolve_max_tokens(chat.max_tokens, len(prompt_ids))
 
@@ -189,8 +203,9 @@ class TeacherEngine:
         try:
             return encode_prompt(self.tokenizer, messages)
         except (TemplateError, ValueError, TypeError) as e:  # e.g. a template that requires alternating roles
-            raise RequestError(400, f"the chat template rejected the messages: {e}", "invalid_value",
-                               "messages") from None
+            raise RequestError(
+                400, f"the chat template rejected the messages: {e}", "invalid_value", "messages"
+            ) from None
 
     def resolve_max_tokens(self, max_tokens: int | None, prompt_tokens: int) -> int:
         """The request's max_tokens, or the rest of the context; 400 when prompt and completion do not fit."""
@@ -199,8 +214,13 @@ class TeacherEngine:
         room = self.context_length - prompt_tokens
         if room < 1 or (max_tokens is not None and max_tokens > room):
             asked = f" plus {max_tokens} completion tokens" if max_tokens is not None else ""
-            raise RequestError(400, f"this model's context is {self.context_length} tokens; the request has "
-                                    f"{prompt_tokens} prompt tokens{asked}", "context_length_exceeded", "messages")
+            raise RequestError(
+                400,
+                f"this model's context is {self.context_length} tokens; the request has "
+                f"{prompt_tokens} prompt tokens{asked}",
+                "context_length_exceeded",
+                "messages",
+            )
         return max_tokens if max_tokens is not None else room
 
     def prepare_score(self, body: bytes) -> ScoreRequest:
@@ -230,10 +250,18 @@ class TeacherEngine:
     def submit(self, chat: ChatRequest, prompt_ids: list[int], max_tokens: int) -> Job:
         if self.stopping or self._pending is None:
             raise RequestError(503, "the server is shutting down", "unavailable")
-        job = Job(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=chat.temperature, top_p=chat.top_p,
-                   # any integer is a valid seed; torch generators take 64 bits
-                   seed=chat.seed % (1 << 64) if chat.seed is not None else secrets.randbits(63), stop=chat.stop,
-                   stream=chat.stream, loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        job = Job(
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            temperature=chat.temperature,
+            top_p=chat.top_p,
+            # any integer is a valid seed; torch generators take 64 bits
+            seed=chat.seed % (1 << 64) if chat.seed is not None else secrets.randbits(63),
+            stop=chat.stop,
+            stream=chat.stream,
+            loop=asyncio.get_running_loop(),
+            events=asyncio.Queue(),
+        )
         self.stats.completions += 1
         self._pending.put_nowait(job)
         return job
@@ -274,7 +302,9 @@ class TeacherEngine:
             with torch.inference_mode():
                 # position ids come from the attention mask inside generate, so left padding is invisible
                 self.model.generate(
-                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
+                    input_ids=ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    do_sample=False,
                     max_new_tokens=max(j.max_tokens for j in jobs),
                     logits_processor=LogitsProcessorList([RowSampler(jobs, self.device)]),
                     stopping_criteria=StoppingCriteriaList([_RowProgress(jobs, self)]),
@@ -305,7 +335,7 @@ class TeacherEngine:
                 job.fail(500, f"scoring failed: {type(e).__name__}: {e}")
             return
         for job, row in zip(jobs, rows):
-            row.top_ids, row.top_logprobs = row.top_ids[:, :job.top_k], row.top_logprobs[:, :job.top_k]
+            row.top_ids, row.top_logprobs = row.top_ids[:, : job.top_k], row.top_logprobs[:, : job.top_k]
             job.done = True
             job.post(row)
 

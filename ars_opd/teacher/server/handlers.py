@@ -23,8 +23,8 @@ from aiohttp import web
 
 from ars_opd.teacher.server.engine import TeacherEngine
 from ars_opd.teacher.server.jobs import Failure, Job
-from ars_opd.teacher.server.validation import ChatRequest, RequestError
 from ars_opd.teacher.server.scoring import vllm_prompt_logprobs
+from ars_opd.teacher.server.validation import ChatRequest, RequestError
 
 
 def _streamable(text: str, stops: Sequence[str]) -> str:
@@ -42,7 +42,7 @@ def _streamable(text: str, stops: Sequence[str]) -> str:
             if text.endswith(s[:k], 0, end):
                 hold = k
                 break
-    return text[:end - hold]
+    return text[: end - hold]
 
 
 ENGINE_KEY = web.AppKey("engine", TeacherEngine)
@@ -52,8 +52,9 @@ BODY_LIMIT_KEY = web.AppKey("body_limit", int)
 
 async def list_models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    return web.json_response({"object": "list", "data": [
-        {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "ars-opd"}]})
+    return web.json_response(
+        {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0, "owned_by": "ars-opd"}]}
+    )
 
 
 async def health(request: web.Request) -> web.Response:
@@ -72,9 +73,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise RequestError(413, f"the request body is larger than this server's limit of "
-                                    f"{request.app[BODY_LIMIT_KEY]} bytes (derived from the model's context "
-                                    "length)", "request_too_large") from None
+            raise RequestError(
+                413,
+                f"the request body is larger than this server's limit of "
+                f"{request.app[BODY_LIMIT_KEY]} bytes (derived from the model's context "
+                "length)",
+                "request_too_large",
+            ) from None
         # decoding, validation, chat template and tokenization run in threads, off the event loop
         chat, prompt_ids, max_tokens = await engine.prepare_async(body)
         job = engine.submit(chat, prompt_ids, max_tokens)
@@ -82,8 +87,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return e.response()
     log_path = request.app.get(REQUEST_LOG_KEY)
     if log_path:
-        record = {"time": time.time(), "messages": chat.messages, "max_tokens": max_tokens,
-                  "temperature": chat.temperature}
+        record = {
+            "time": time.time(),
+            "messages": chat.messages,
+            "max_tokens": max_tokens,
+            "temperature": chat.temperature,
+        }
         with open(log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
@@ -99,9 +108,13 @@ async def _read_body(request: web.Request) -> bytes:
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise RequestError(413, f"the request body is larger than this server's limit of "
-                                f"{request.app[BODY_LIMIT_KEY]} bytes (derived from the model's context "
-                                "length)", "request_too_large") from None
+        raise RequestError(
+            413,
+            f"the request body is larger than this server's limit of "
+            f"{request.app[BODY_LIMIT_KEY]} bytes (derived from the model's context "
+            "length)",
+            "request_too_large",
+        ) from None
 
 
 async def completions(request: web.Request) -> web.Response:
@@ -132,16 +145,29 @@ def _score_response(engine: TeacherEngine, score, rows) -> str:
     for i, (ids, row) in enumerate(zip(score.prompts, rows)):
         completion = [row.next_token] if score.max_tokens == 1 else []
         text = tok.decode(completion)
-        choices.append({"index": i, "text": (tok.decode(ids) + text) if score.echo else text,
-                        "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                        "prompt_logprobs": vllm_prompt_logprobs(ids, row, engine.decode_token)
-                        if score.top_k is not None else None})
+        choices.append(
+            {
+                "index": i,
+                "text": (tok.decode(ids) + text) if score.echo else text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": vllm_prompt_logprobs(ids, row, engine.decode_token)
+                if score.top_k is not None
+                else None,
+            }
+        )
     prompt_tokens = sum(len(p) for p in score.prompts)
-    return json.dumps({
-        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-        "model": engine.model_name, "choices": choices,
-        "usage": _usage(prompt_tokens, score.max_tokens * len(score.prompts)),
-    })
+    return json.dumps(
+        {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": engine.model_name,
+            "choices": choices,
+            "usage": _usage(prompt_tokens, score.max_tokens * len(score.prompts)),
+        }
+    )
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -156,16 +182,23 @@ async def tokenize(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
         return RequestError(400, "'prompt' must be a string", "invalid_value", "prompt").response()
     if body.get("model") not in (None, engine.model_name):
-        return RequestError(404, f"The model `{body['model']}` does not exist; this server serves "
-                                 f"`{engine.model_name}`.", "model_not_found", "model").response()
+        return RequestError(
+            404,
+            f"The model `{body['model']}` does not exist; this server serves `{engine.model_name}`.",
+            "model_not_found",
+            "model",
+        ).response()
     special = body.get("add_special_tokens", True)
     tokens = engine.tokenizer(body["prompt"], add_special_tokens=bool(special))["input_ids"]
     return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": engine.context_length})
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 async def _whole_completion(job: Job, meta: dict) -> web.Response:
@@ -175,12 +208,21 @@ async def _whole_completion(job: Job, meta: dict) -> web.Response:
             return RequestError(event.status, event.message).response()
         if event.finish_reason is not None:
             break
-    return web.json_response({
-        **meta, "object": "chat.completion",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": event.text},
-                     "logprobs": None, "finish_reason": event.finish_reason}],
-        "usage": _usage(len(job.prompt_ids), event.completion_tokens),
-    })
+    return web.json_response(
+        {
+            **meta,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": event.text},
+                    "logprobs": None,
+                    "finish_reason": event.finish_reason,
+                }
+            ],
+            "usage": _usage(len(job.prompt_ids), event.completion_tokens),
+        }
+    )
 
 
 async def _stream_completion(request: web.Request, chat: ChatRequest, job: Job, meta: dict) -> web.StreamResponse:
@@ -192,8 +234,11 @@ async def _stream_completion(request: web.Request, chat: ChatRequest, job: Job, 
         await response.write(f"data: {data}\n\n".encode())
 
     def chunk(delta: dict, finish_reason: str | None = None) -> dict:
-        return {**meta, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+        return {
+            **meta,
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
 
     try:
         await send(chunk({"role": "assistant"}))
@@ -207,13 +252,19 @@ async def _stream_completion(request: web.Request, chat: ChatRequest, job: Job, 
             visible = event.text if final else _streamable(event.text, chat.stop)
             # decoding a longer token prefix extends the text (held-back tails aside), so the diff is a suffix
             if len(visible) > len(sent) and visible.startswith(sent):
-                await send(chunk({"content": visible[len(sent):]}))
+                await send(chunk({"content": visible[len(sent) :]}))
                 sent = visible
             if final:
                 await send(chunk({}, event.finish_reason))
                 if chat.include_usage:
-                    await send({**meta, "object": "chat.completion.chunk", "choices": [],
-                                "usage": _usage(len(job.prompt_ids), event.completion_tokens)})
+                    await send(
+                        {
+                            **meta,
+                            "object": "chat.completion.chunk",
+                            "choices": [],
+                            "usage": _usage(len(job.prompt_ids), event.completion_tokens),
+                        }
+                    )
                 break
         await send("[DONE]")
         await response.write_eof()

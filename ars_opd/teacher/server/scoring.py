@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from ars_opd.lm.head import OutputHead, last_hidden_states
-from ars_opd.teacher.server.validation import RequestError, UNSUPPORTED_FIELDS, check_model
+from ars_opd.teacher.server.validation import UNSUPPORTED_FIELDS, RequestError, check_model
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
@@ -54,49 +54,73 @@ def _token_lists(prompt, vocab: int) -> list[list[int]]:
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         lists = prompt
     else:
-        raise RequestError(400, "'prompt' must be a non-empty list of token ids or a list of such lists (this "
-                                "server scores token ids; text prompts are not supported)", "invalid_value", "prompt")
+        raise RequestError(
+            400,
+            "'prompt' must be a non-empty list of token ids or a list of such lists (this "
+            "server scores token ids; text prompts are not supported)",
+            "invalid_value",
+            "prompt",
+        )
     for i, ids in enumerate(lists):
         if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise RequestError(400, f"prompt[{i}] must be a non-empty list of token ids in [0, {vocab})",
-                               "invalid_value", "prompt")
+            raise RequestError(
+                400, f"prompt[{i}] must be a non-empty list of token ids in [0, {vocab})", "invalid_value", "prompt"
+            )
     return lists
 
 
-def parse_score_request(body, model_name: str, vocab: int, context_length: int | None,
-                        max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> ScoreRequest:
+def parse_score_request(
+    body, model_name: str, vocab: int, context_length: int | None, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+) -> ScoreRequest:
     """Validate a decoded ``/v1/completions`` body; raises ``RequestError`` (400, or 404 for the model)."""
     check_model(body, model_name)
     prompts = _token_lists(body.get("prompt"), vocab)
     max_tokens = body.get("max_tokens", 16)
     if max_tokens not in (0, 1) or isinstance(max_tokens, bool):
-        raise RequestError(400, f"this server's /v1/completions only scores prompts: 'max_tokens' must be 0 or 1, "
-                                f"got {max_tokens!r} (use /v1/chat/completions to generate)", "invalid_value",
-                           "max_tokens")
+        raise RequestError(
+            400,
+            f"this server's /v1/completions only scores prompts: 'max_tokens' must be 0 or 1, "
+            f"got {max_tokens!r} (use /v1/chat/completions to generate)",
+            "invalid_value",
+            "max_tokens",
+        )
     k = body.get("prompt_logprobs")
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= max_logprobs):
-        raise RequestError(400, f"'prompt_logprobs' must be an integer in [0, {max_logprobs}] (the server's "
-                                f"--max-logprobs), got {k!r}", "invalid_value", "prompt_logprobs")
+        raise RequestError(
+            400,
+            f"'prompt_logprobs' must be an integer in [0, {max_logprobs}] (the server's --max-logprobs), got {k!r}",
+            "invalid_value",
+            "prompt_logprobs",
+        )
     echo = body.get("echo") or False
     if not isinstance(echo, bool):
         raise RequestError(400, f"'echo' must be a boolean, got {echo!r}", "invalid_type", "echo")
     temperature = body.get("temperature")
     if temperature not in (None, 0, 1) or isinstance(temperature, bool):
-        raise RequestError(400, f"prompt log-probabilities are the model's log-softmax at temperature 1; "
-                                f"'temperature' must be absent, 0 or 1, got {temperature!r}", "invalid_value",
-                           "temperature")
+        raise RequestError(
+            400,
+            f"prompt log-probabilities are the model's log-softmax at temperature 1; "
+            f"'temperature' must be absent, 0 or 1, got {temperature!r}",
+            "invalid_value",
+            "temperature",
+        )
     for name in (*UNSUPPORTED_FIELDS, "stream", "suffix", "best_of"):
         if body.get(name):
-            raise RequestError(400, f"'{name}' is not supported by this server's scoring endpoint",
-                               "unsupported_parameter", name)
+            raise RequestError(
+                400, f"'{name}' is not supported by this server's scoring endpoint", "unsupported_parameter", name
+            )
     if body.get("n") not in (None, 1):
         raise RequestError(400, f"only n=1 is supported, got n={body['n']!r}", "unsupported_parameter", "n")
     if context_length is not None:
         for i, ids in enumerate(prompts):
             if len(ids) + max_tokens > context_length:
-                raise RequestError(400, f"this model's context is {context_length} tokens; prompt[{i}] has "
-                                        f"{len(ids)} tokens plus {max_tokens} completion tokens",
-                                   "context_length_exceeded", "prompt")
+                raise RequestError(
+                    400,
+                    f"this model's context is {context_length} tokens; prompt[{i}] has "
+                    f"{len(ids)} tokens plus {max_tokens} completion tokens",
+                    "context_length_exceeded",
+                    "prompt",
+                )
     return ScoreRequest(prompts, max_tokens, echo, k)
 
 
@@ -112,15 +136,22 @@ class RowScores:
 
 
 @torch.no_grad()
-def score_rows(model: torch.nn.Module, rows: list[list[int]], k: int, vocab: int, pad_id: int,
-               device: torch.device, chunk_size: int = 256) -> list[RowScores]:
+def score_rows(
+    model: torch.nn.Module,
+    rows: list[list[int]],
+    k: int,
+    vocab: int,
+    pad_id: int,
+    device: torch.device,
+    chunk_size: int = 256,
+) -> list[RowScores]:
     """Prompt log-probabilities of each row (right-padded into one batch; padding is never attended)."""
     T = max(len(r) for r in rows)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)  # (B, T)
     mask = torch.zeros((len(rows), T), dtype=torch.long)  # (B, T)
     for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        mask[i, :len(r)] = 1
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
     hidden = last_hidden_states(model, ids.to(device), mask.to(device))  # (B, T, H)
     head = OutputHead.of(model, vocab)
     out = []
@@ -138,17 +169,19 @@ def score_rows(model: torch.nn.Module, rows: list[list[int]], k: int, vocab: int
                 z = z[:-1]
             if z.shape[0] == 0:
                 continue
-            y = targets[start:start + z.shape[0], None]  # (c, 1)
+            y = targets[start : start + z.shape[0], None]  # (c, 1)
             ly = z.gather(-1, y)  # (c, 1)
             lp.append(ly.squeeze(-1))
             rank.append((z > ly).sum(-1) + 1)
             top = z.topk(k, dim=-1) if k > 0 else None
-            tid.append(top.indices if top is not None
-                       else torch.zeros((z.shape[0], 0), dtype=torch.long, device=device))
+            tid.append(
+                top.indices if top is not None else torch.zeros((z.shape[0], 0), dtype=torch.long, device=device)
+            )
             tlp.append(top.values if top is not None else torch.zeros((z.shape[0], 0), device=device))
         cat = lambda xs, shape: torch.cat(xs).cpu() if xs else torch.zeros(shape)  # noqa: E731
-        out.append(RowScores(cat(lp, (0,)), cat(rank, (0,)).long(), cat(tid, (0, k)).long(), cat(tlp, (0, k)),
-                             next_token))
+        out.append(
+            RowScores(cat(lp, (0,)), cat(rank, (0,)).long(), cat(tid, (0, k)).long(), cat(tlp, (0, k)), next_token)
+        )
     return out
 
 
@@ -158,11 +191,15 @@ def vllm_prompt_logprobs(row: list[int], scores: RowScores, decode: Callable[[in
     lp, ranks = scores.logprobs.tolist(), scores.ranks.tolist()
     top_ids, top_lp = scores.top_ids.tolist(), scores.top_logprobs.tolist()
     for i in range(len(row) - 1):
-        entry = {t: {"logprob": v, "rank": j + 1, "decoded_token": decode(t)}
-                 for j, (t, v) in enumerate(zip(top_ids[i], top_lp[i]))}
+        entry = {
+            t: {"logprob": v, "rank": j + 1, "decoded_token": decode(t)}
+            for j, (t, v) in enumerate(zip(top_ids[i], top_lp[i]))
+        }
         actual = row[i + 1]
         # the actual token is always there, with its own log-prob and vocabulary rank (vLLM adds it first)
-        entry = {actual: {"logprob": lp[i], "rank": ranks[i], "decoded_token": decode(actual)},
-                 **{t: v for t, v in entry.items() if t != actual}}
+        entry = {
+            actual: {"logprob": lp[i], "rank": ranks[i], "decoded_token": decode(actual)},
+            **{t: v for t, v in entry.items() if t != actual},
+        }
         out.append(entry)
     return out

@@ -15,8 +15,18 @@ from aiohttp import web
 ROLES = ("system", "user", "assistant")
 # Fields this server does not implement: a request that sets one (to anything truthy) gets a 400, because
 # ignoring e.g. logprobs or a penalty would silently return something other than what was asked for.
-UNSUPPORTED_FIELDS = ("tools", "functions", "tool_choice", "function_call", "logprobs", "top_logprobs",
-                      "logit_bias", "frequency_penalty", "presence_penalty", "response_format")
+UNSUPPORTED_FIELDS = (
+    "tools",
+    "functions",
+    "tool_choice",
+    "function_call",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "frequency_penalty",
+    "presence_penalty",
+    "response_format",
+)
 
 
 class RequestError(Exception):
@@ -80,12 +90,21 @@ def _message_text(content, index: int) -> str:
         texts = []
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise RequestError(400, f"messages[{index}].content parts must be {{'type': 'text', 'text': str}}; "
-                                        f"got {part!r} (only text is supported)", "invalid_value", "messages")
+                raise RequestError(
+                    400,
+                    f"messages[{index}].content parts must be {{'type': 'text', 'text': str}}; "
+                    f"got {part!r} (only text is supported)",
+                    "invalid_value",
+                    "messages",
+                )
             texts.append(part["text"])
         return "\n".join(texts)
-    raise RequestError(400, f"messages[{index}].content must be a string or a list of text parts, got "
-                            f"{type(content).__name__}", "invalid_type", "messages")
+    raise RequestError(
+        400,
+        f"messages[{index}].content must be a string or a list of text parts, got {type(content).__name__}",
+        "invalid_type",
+        "messages",
+    )
 
 
 def check_model(body, model_name: str) -> None:
@@ -96,8 +115,9 @@ def check_model(body, model_name: str) -> None:
     if model is None:
         raise RequestError(400, "'model' is required", "missing_required_parameter", "model")
     if model != model_name:
-        raise RequestError(404, f"The model `{model}` does not exist; this server serves `{model_name}`.",
-                           "model_not_found", "model")
+        raise RequestError(
+            404, f"The model `{model}` does not exist; this server serves `{model_name}`.", "model_not_found", "model"
+        )
 
 
 def parse_chat_request(body, model_name: str) -> ChatRequest:
@@ -105,16 +125,25 @@ def parse_chat_request(body, model_name: str) -> ChatRequest:
     check_model(body, model_name)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
-        raise RequestError(400, "'messages' must be a non-empty list of {'role', 'content'} objects",
-                           "invalid_value" if "messages" in body else "missing_required_parameter", "messages")
+        raise RequestError(
+            400,
+            "'messages' must be a non-empty list of {'role', 'content'} objects",
+            "invalid_value" if "messages" in body else "missing_required_parameter",
+            "messages",
+        )
     messages = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
-            raise RequestError(400, f"messages[{i}] must be an object, got {type(m).__name__}", "invalid_type",
-                               "messages")
+            raise RequestError(
+                400, f"messages[{i}] must be an object, got {type(m).__name__}", "invalid_type", "messages"
+            )
         if m.get("role") not in ROLES:
-            raise RequestError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}",
-                               "invalid_value", "messages")
+            raise RequestError(
+                400,
+                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}",
+                "invalid_value",
+                "messages",
+            )
         messages.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) and not (name == "response_format" and body[name] == {"type": "text"}):
