@@ -11,8 +11,8 @@ product's default), so a config built in code, or a key left out of a params fil
 runs; tests/test_config.py walks params.yaml key by key against the defaults.
 
 "Valid params" means one thing: ``load_params`` runs every check a stage runs on its params before it starts
-work, including those that span sections or live with the code they protect (the OPD objective's rules,
-``ars_opd.lm.opd_objectives.check_config``; the batch split over ``ddp.workers``), so ``ars-opd params``
+work, including those that span sections (what the OPD loss demands of the other ``opd`` keys,
+``check_objective`` on ``RULES`` below; the batch split over ``ddp.workers``), so ``ars-opd params``
 refuses exactly what a stage would.
 
 What this module leaves out: file paths are not resolved or checked for existence here (stages do that
@@ -868,9 +868,8 @@ class OPDConfig(TrainLoopConfig):
     def __post_init__(self):
         super().__post_init__()
         _require(self.topk >= 1, "topk", f"must be >= 1, got {self.topk}")
-        # which losses exist and what each demands (beta, pure on-policy rollouts) is checked against the
-        # objectives registry, ars_opd.lm.opd_objectives.check_config, by load_params (check_params), not here:
-        # the registry imports this module (and torch)
+        # which losses exist and what each demands (beta, pure on-policy rollouts) is checked against RULES
+        # by check_objective, which load_params runs (check_params): it spans several keys of the section
         _require(bool(self.loss.strip()), "loss", "must name an objective, e.g. full_vocab or sampled_token")
         _require(0 <= self.beta <= 1, "beta", f"must be in [0, 1] (0 forward KL, 1 reverse KL), got {self.beta}")
         _require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
