@@ -19,6 +19,9 @@ as argparse does, instead of a traceback that buries it, and exits with its own 
 
 Any other exception is unexpected and keeps its traceback.
 
+Each stage reads its params before it imports the code that runs it (torch, transformers), so bad params
+are refused in a fraction of a second.
+
 A training stage (sft, opd, sft_continued) that will start two or more local workers on CPU also starts
 their forkserver here, before its own imports (``ars_opd.training.forkserver.start_early``): the two import
 torch and transformers side by side instead of one after the other.
@@ -78,7 +81,7 @@ def _start_workers_early() -> None:
     try:
         from ars_opd.config import load_params
 
-        ddp = load_params(sections=("ddp",)).ddp
+        ddp = load_params().ddp  # the whole file: a stage that will refuse its params starts no forkserver
     except Exception:
         return
     cuda_in_sight = os.path.exists("/dev/nvidiactl") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))

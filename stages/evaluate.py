@@ -1,13 +1,14 @@
 """evaluate stage: base, SFT and OPD students and the teacher on held-out prompts (see ars_opd.evaluation.evaluate)."""
 
 from ars_opd.config import load_params
-from ars_opd.evaluation.evaluate import evaluate_models
-from ars_opd.evaluation.tables import render_table
 from stages import run_stage
 
 
 def main() -> None:
     p = load_params(sections=("paths", "models", "evaluate"))
+    from ars_opd.evaluation.evaluate import evaluate_models
+    from ars_opd.evaluation.tables import render_table
+
     print(render_table(evaluate_models(p.evaluate, p.paths, p.models.trust_remote_code)))
 
 

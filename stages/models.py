@@ -1,12 +1,13 @@
 """models stage: shared tokenizer, teacher and student base, pinned in a manifest (see ars_opd.models.prepare)."""
 
 from ars_opd.config import load_params
-from ars_opd.models.prepare import prepare_models
 from stages import run_stage
 
 
 def main() -> None:
     p = load_params(sections=("base", "paths", "synthetic", "models", "inputs"))
+    from ars_opd.models.prepare import prepare_models
+
     metrics = prepare_models(p.base, p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics)
     if "teacher_exact_match" in metrics:
         print(

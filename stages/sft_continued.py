@@ -2,12 +2,13 @@
 ars_opd.training.sft)."""
 
 from ars_opd.config import load_params
-from ars_opd.training.sft import run_sft_continued
 from stages import run_stage
 
 
 def main() -> None:
     p = load_params(sections=("paths", "models", "ddp", "sft", "opd"))
+    from ars_opd.training.sft import run_sft_continued
+
     summary = run_sft_continued(p.sft, p.opd, p.ddp, p.paths, adapter=p.models.student_adapter)
     print(f"sft_continued: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
 

@@ -1,12 +1,13 @@
 """teacher_gen stage: a teacher completion for every prompt, through an OpenAI-compatible endpoint."""
 
 from ars_opd.config import load_params
-from ars_opd.teacher.client.generate import generate_teacher_completions
 from stages import run_stage
 
 
 def main() -> None:
     p = load_params(sections=("paths", "teacher_gen"))
+    from ars_opd.teacher.client.generate import generate_teacher_completions
+
     m = generate_teacher_completions(p.teacher_gen, p.paths)
     print(
         f"teacher_gen: {m['prompts']} prompts, {m['cached_before_run']} cached, {m['answered']} answered now, "

@@ -195,12 +195,9 @@ def test_the_models_stage_reads_every_models_key_but_the_adapter():
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_sft_then_opd_train_publish_and_continue_the_adapter(tmp_path):
-    """sft (2 spawned workers) trains a fresh adapter; opd (1 worker, in-process) continues it."""
-    import subprocess
-    import sys
-
+    """sft (2 workers) trains a fresh adapter; opd (1 worker, in-process) continues it."""
     from ars_opd.models.loading import load_model
-    from micro import distill_workspace
+    from micro import distill_workspace, run_stage_here
 
     root = tmp_path / "w"
     adapter = {"kind": "lora", "r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
@@ -211,11 +208,7 @@ def test_sft_then_opd_train_publish_and_continue_the_adapter(tmp_path):
     import shutil
 
     shutil.rmtree(root / "data/sft/model")  # distill_workspace's stand-in; the sft stage makes the real one
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-m", "stages.sft"], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    run_stage_here(root, "sft")
     sft_dir = root / "data/sft/model"
     manifest = json.loads((root / "data/sft/log/manifest.json").read_text())
     cwd = os.getcwd()
@@ -242,10 +235,7 @@ def test_sft_then_opd_train_publish_and_continue_the_adapter(tmp_path):
         shutil.rmtree(sharded / out, ignore_errors=True)
     fsdp_params = {**params, "ddp": {**params["ddp"], "strategy": "fsdp"}}
     (sharded / "params.yaml").write_text(yaml.safe_dump(fsdp_params, sort_keys=False))
-    out = subprocess.run(
-        [sys.executable, "-m", "stages.sft"], cwd=sharded, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    run_stage_here(sharded, "sft")
     fsdp_merged = load_file(str(sharded / "data/sft/model/model.safetensors"))
     # the bound the FSDP tests hold the two strategies to (tests/test_fsdp.py), per tensor's largest entry
     assert all(float((fsdp_merged[k] - merged[k]).abs().max()) <= 1e-5 * float(merged[k].abs().max()) for k in merged)
@@ -254,10 +244,7 @@ def test_sft_then_opd_train_publish_and_continue_the_adapter(tmp_path):
 
     params["ddp"]["workers"] = 1
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    out = subprocess.run(
-        [sys.executable, "-m", "stages.opd"], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    run_stage_here(root, "opd")
     opd_manifest = json.loads((root / "data/opd/log/manifest.json").read_text())
     assert opd_manifest["adapter_start"] == "continued" and opd_manifest["workers"] == 1
     opd_merged = load_file(str(root / "data/opd/model/model.safetensors"))
