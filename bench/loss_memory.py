@@ -23,7 +23,7 @@ byte tensors, so the parent first checks that the machine has the memory (``MemA
 reports it as not run (with the need) instead of swapping or being killed.
 
     python bench/loss_memory.py                          # CPU: V = 151,936, 16 x 512, fp32
-    python bench/loss_memory.py --batch 4                # a machine with under ~40 GB free
+    python bench/loss_memory.py --batch 4                # a machine with under ~20 GB free
     python bench/loss_memory.py --batch 16 --seq 512     # CUDA (bf16 autocast, bf16 teacher), same command
 
 Prints one JSON line per step: step, vocab, tokens, extra_bytes_naive, extra_bytes_chunked, ms_naive,
@@ -279,10 +279,9 @@ def main() -> None:
     for step in a.steps:
         out = {"step": step, "vocab": a.vocab, "tokens": tokens, "hidden": a.hidden, "chunk": a.chunk}
         # the naive step's peak grows by fp32 (tokens x V) tensors: about three for SFT (measured: 1.85 MB per
-        # token at V = 151,936), about six and a half for OPD, whose reverse KL autograd holds the log-softmaxes,
-        # probabilities and differences of the scored rows (measured: 6.4 at V = 8,192), on top of about a GiB
-        # of weights, inputs and gradients
-        need = {"sft": 3.2, "opd": 6.6}[step] * tokens * a.vocab * 4 + 2**30
+        # token at V = 151,936), about two for OPD's single chunk (measured: 1.98 at 2,048 tokens), on top of
+        # about a GiB of weights, inputs and gradients
+        need = {"sft": 3.2, "opd": 2.2}[step] * tokens * a.vocab * 4 + 2**30
         free = _mem_available()
         variants = ["naive", "chunked"]
         if free is not None and need > 0.85 * free:

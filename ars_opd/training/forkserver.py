@@ -12,8 +12,11 @@ at import).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import multiprocessing
 import os
+import signal
 from multiprocessing import forkserver as _mp_forkserver
 
 # what the forkserver imports before it forks any worker: the whole engine (torch and transformers included)
@@ -70,3 +73,14 @@ def start_early(threads_per_worker: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, threads_per_worker)))
     use_forkserver()
     _mp_forkserver.ensure_running()
+    atexit.register(_stop_at_exit)
+
+
+def _stop_at_exit() -> None:
+    """Stop the forkserver when this process exits, without waiting for it: one still importing the engine
+    (a stage that failed before it launched any worker) would otherwise keep the stage's stdout and stderr
+    open, and whoever reads them (DVC, a test, a pipe) waiting, until its imports finish."""
+    pid = getattr(_mp_forkserver._forkserver, "_forkserver_pid", None)
+    if pid:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
