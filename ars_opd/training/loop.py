@@ -378,6 +378,22 @@ def fit(
     )
     logger = StepLogger(Path(out.steps), Path(out.live), enabled=ctx.is_main)
     logger.replay(history)
+
+    def checkpoint() -> None:  # this step's state, with the log so far
+        save_checkpoint(
+            ckpt_dir,
+            ctx,
+            model,
+            opt,
+            sched,
+            state,
+            run_fingerprint,
+            logger.rows,
+            cfg.keep_checkpoints,
+            layout_fingerprint,
+            ddp_cfg.strategy,
+        )
+
     noise_scale = NoiseScale.from_log(ddp_cfg.noise_scale_ema, history)
     totals = BudgetTotals.from_log(budget_start or {}, history)
     snapshots = run_snapshot_dir(
@@ -411,33 +427,9 @@ def fit(
                 if ctx.is_main:
                     save_snapshot(snapshots, weights, state.step, totals.totals)
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
-                save_checkpoint(
-                    ckpt_dir,
-                    ctx,
-                    model,
-                    opt,
-                    sched,
-                    state,
-                    run_fingerprint,
-                    logger.rows,
-                    cfg.keep_checkpoints,
-                    layout_fingerprint,
-                    ddp_cfg.strategy,
-                )
+                checkpoint()
         if found is None or state.resumed_from != cfg.steps or found.resharded_from is not None:
-            save_checkpoint(
-                ckpt_dir,
-                ctx,
-                model,
-                opt,
-                sched,
-                state,
-                run_fingerprint,
-                logger.rows,
-                cfg.keep_checkpoints,
-                layout_fingerprint,
-                ddp_cfg.strategy,
-            )
+            checkpoint()
         logger.summary(run_summary(logger.rows, state, totals))
         final = publishable(model, publish)  # sharded: a collective, every rank gathers
     finally:
