@@ -46,8 +46,9 @@ from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.checkpoint import TrainerState
 from ars_opd.training.consistency import ConsistencyHook
 from ars_opd.training.distributed import init_worker, launch, shutdown_worker
-from ars_opd.training.loop import train_step, wrap_ddp
+from ars_opd.training.loop import train_step
 from ars_opd.training.sft import EncodedData, SFTTask
+from ars_opd.training.wrapping import wrap_ddp
 
 PRESETS = {
     "cpu-6m": dict(

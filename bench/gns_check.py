@@ -50,8 +50,9 @@ def worker(job: dict) -> dict:
     from ars_opd.training.checkpoint import TrainerState
     from ars_opd.training.consistency import ConsistencyHook, noise_scale_terms
     from ars_opd.training.distributed import gather_floats, init_worker, shutdown_worker
-    from ars_opd.training.loop import accumulate_gradients, train_step, wrap_ddp
+    from ars_opd.training.loop import accumulate_gradients, train_step
     from ars_opd.training.sft import SFTTask, encode_sft_rows
+    from ars_opd.training.wrapping import wrap_ddp
 
     ctx = init_worker("cpu", "gloo", threads=1)
     try:

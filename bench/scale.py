@@ -44,9 +44,10 @@ from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.checkpoint import TrainerState
 from ars_opd.training.consistency import ConsistencyHook
 from ars_opd.training.distributed import init_worker, launch, shutdown_worker
-from ars_opd.training.loop import train_step, unwrapped, wrap_model
+from ars_opd.training.loop import train_step
 from ars_opd.training.sft import EncodedData, SFTTask
 from ars_opd.training.sharding import ShardedConsistencyHook
+from ars_opd.training.wrapping import unwrapped, wrap_model
 
 PRESETS = {
     "cpu-50m": dict(

@@ -27,8 +27,9 @@ from ars_opd.lm.optim import make_optimizer
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.checkpoint import TrainerState
 from ars_opd.training.distributed import init_worker, shutdown_worker
-from ars_opd.training.loop import accumulate_gradients, optimizer_step, wrap_ddp
+from ars_opd.training.loop import accumulate_gradients, optimizer_step
 from ars_opd.training.sft import EncodedData, SFTTask
+from ars_opd.training.wrapping import wrap_ddp
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 PRESETS = {

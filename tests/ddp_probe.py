@@ -9,8 +9,9 @@ from ars_opd.config import ArchConfig, DDPConfig, SFTConfig
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.distributed import init_worker, shutdown_worker
-from ars_opd.training.loop import accumulate_gradients, wrap_ddp, wrap_model
+from ars_opd.training.loop import accumulate_gradients
 from ars_opd.training.sft import EncodedData, SFTTask
+from ars_opd.training.wrapping import wrap_ddp, wrap_model
 
 ARCH = ArchConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 
@@ -319,7 +320,7 @@ def drift_probe(job: dict) -> list:
     try:
         from ars_opd.data import synthetic
         from ars_opd.models.tokenizer import build_char_word_tokenizer
-        from ars_opd.training.loop import check_drift
+        from ars_opd.training.drift import check_drift
 
         tok = build_char_word_tokenizer(synthetic.instruction_words())
         model = tiny_model(tok)

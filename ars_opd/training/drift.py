@@ -5,8 +5,9 @@ same reduced update, so on a healthy run every rank's parameters and optimizer s
 every step. A desynchronised replica (a one-off perturbation, a rank that skipped an update, a
 non-deterministic kernel) is invisible to every gradient statistic yet trains a different model on one
 rank. Every ``ddp.drift_check_every`` steps each rank computes ``fingerprint`` on its device and the
-fingerprints are all-gathered; ``mismatched_ranks`` names the ranks that differ from the majority. On a
-healthy CPU run the fingerprints match bit for bit, so the check has no false alarms by construction.
+fingerprints are all-gathered; ``mismatched_ranks`` names the ranks that differ from the majority
+(``check_drift`` does both; the engine's step calls it before its forward). On a healthy CPU run the
+fingerprints match bit for bit, so the check has no false alarms by construction.
 
 The fingerprint of a tensor reads its bytes as int16 words u_i and keeps three int64 checksums: Σu_i,
 Σu_i·a_i and Σu_i·b_i with a_i = (i mod 65521) + 1 and b_i = (i² mod 65521) + 1. A one-ulp change of an
@@ -29,10 +30,14 @@ thread count.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
+
+from ars_opd.training.distributed import WorkerContext
 
 # largest prime below 2**16: weights <= 2**16, so Σc_j·w_j fits int64 for up to 2**32 words; past that the
 # sums wrap (two's complement), which still gives equal bytes equal sums and a single change a nonzero one
@@ -120,3 +125,23 @@ def mismatched_ranks(fingerprints: torch.Tensor) -> list[int]:
         return list(range(len(rows)))
     majority = counts[0][0]
     return [k for k, r in enumerate(rows) if r != majority]
+
+
+def check_drift(model: torch.nn.Module, opt, ctx: WorkerContext, seconds: dict | None = None) -> list[int]:
+    """All ranks call: all-gather every rank's fingerprint; the ranks that differ from the majority.
+
+    ``seconds`` (optional) gets the time of this rank's fingerprint (``drift``) and of the all-gather and
+    comparison (``drift_gather``), apart: the gather also waits for the slowest rank, a wait that the step's
+    next collective would otherwise take.
+    """
+    t0 = time.perf_counter()
+    local = fingerprint(model, opt).to(ctx.device)
+    if seconds is not None and local.is_cuda:
+        torch.cuda.synchronize(local.device)  # the fingerprint's time, not its launch (.cpu() waits below anyway)
+    t1 = time.perf_counter()
+    parts = [torch.empty_like(local) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, local)
+    found = mismatched_ranks(torch.stack(parts).cpu())
+    if seconds is not None:
+        seconds.update(drift=t1 - t0, drift_gather=time.perf_counter() - t1)
+    return found

@@ -1,8 +1,9 @@
 """The training engine shared by SFT and OPD: data-parallel workers, one global token-mean loss, explicit clipping.
 
 The student is DDP-wrapped (``ddp.strategy: ddp``) or sharded with FSDP2 (``fsdp``,
-``ars_opd.training.sharding``); the steps below are the same for both (FSDP2's reduce-scatter averages
-over the workers as DDP's all-reduce does, and ``no_sync`` is its ``set_requires_gradient_sync``).
+``ars_opd.training.sharding``; the wrapping is ``ars_opd.training.wrapping``); the steps below are the same
+for both (FSDP2's reduce-scatter averages over the workers as DDP's all-reduce does, and ``no_sync`` is its
+``set_requires_gradient_sync``).
 
 One optimiser step, on every worker k of K:
 
@@ -11,17 +12,19 @@ One optimiser step, on every worker k of K:
 3. each micro-batch's summed token loss is back-propagated scaled by ``K / N_global``, the last one
    outside ``no_sync`` so DDP all-reduces once. DDP's all-reduce averages over the K workers, so the
    reduced gradient is the gradient of (sum of every token loss of the step) / N_global, whatever the
-   split into workers and micro-batches (tested: 1x8, 2x4 and 2x2 with accumulation 2 agree to 1e-6).
+   split into workers and micro-batches (tested: 1x8, 2x4 and 2x2 with accumulation 2 agree within the
+   bound of fp32 rounding, ``tests/tolerances.py``).
    The ``K`` is the explicit inverse of DDP's documented mean; no implicit framework scaling is relied on
    (docs/design.md, "Loss normalisation");
 4. the pre-clip norm of the reduced gradient is logged; it is clipped to ``max_grad_norm`` unless that is
    null (``noclip``); a non-finite loss or gradient skips the step (counted) or stops the run, by param;
 5. AdamW step, LR schedule step; one all-gather of a few scalars per worker for the log.
 
-This module holds that step (``accumulate_gradients``, ``optimizer_step``, ``train_step``), the wrapping
-of the student (``wrap_model``) and the run around it (``fit``). What the run calls on keeps its own rule in
-its own module of ``ars_opd.training``: ``task`` (the task interface), ``step_log``, ``noise_scale``,
-``budget``, ``snapshots``, ``checkpoint`` and ``geometry`` (batch split and data position).
+This module holds that step (``accumulate_gradients``, ``optimizer_step``, ``train_step``) and the run
+around it (``fit``). What they call on keeps its own rule in its own module of ``ars_opd.training``:
+``wrapping`` (DDP or FSDP2), ``step_gather`` (the step's one all-gather), ``drift`` (the replica check),
+``task`` (the task interface), ``step_log``, ``noise_scale``, ``budget``,
+``snapshots``, ``checkpoint`` and ``batch_plan`` (batch split and data position).
 
 What this module leaves out: tensor parallelism, mixed-precision loss scaling (bf16 needs none),
 gradient checkpointing, and the loss itself (tasks provide it; see ``ars_opd.training.sft``).
@@ -35,9 +38,8 @@ import math
 import re
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,54 +51,19 @@ from ars_opd.training.budget import BudgetTotals
 from ars_opd.training.checkpoint import TrainerState, resume_checkpoint, save_checkpoint
 from ars_opd.training.consistency import ConsistencyHook, consistency_metrics, noise_scale_terms
 from ars_opd.training.distributed import WorkerContext, gather_floats
-from ars_opd.training.drift import fingerprint, mismatched_ranks
+from ars_opd.training.drift import check_drift
 from ars_opd.training.faults import Fault
 from ars_opd.training.noise_scale import NoiseScale
-from ars_opd.training.sharding import ShardedConsistencyHook, is_sharded, no_gradient_sync, publishable, shard_model
+from ars_opd.training.sharding import ShardedConsistencyHook, publishable
 from ars_opd.training.snapshots import run_snapshot_dir, save_snapshot
+from ars_opd.training.step_gather import Accumulated, StepColumns
 from ars_opd.training.step_log import StepLogger, StepResult, run_summary, step_row
 from ars_opd.training.task import MicroBatch, TrainingTask
+from ars_opd.training.wrapping import no_sync, unwrapped, wrap_model
 
 
 class NonFiniteError(FloatingPointError):
     """A non-finite loss or gradient under ``nonfinite: stop`` (or too many skipped steps)."""
-
-
-def wrap_ddp(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig) -> DDP:
-    return DDP(
-        model,
-        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-        bucket_cap_mb=ddp_cfg.bucket_cap_mb,
-        gradient_as_bucket_view=ddp_cfg.gradient_as_bucket_view,
-    )
-
-
-def wrap_model(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig, cfg: TrainLoopConfig):
-    """The model the engine trains: DDP-wrapped (``ddp.strategy: ddp``) or sharded in place (``fsdp``)."""
-    if ddp_cfg.strategy == "fsdp":
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and ctx.device.type == "cuda")
-        return shard_model(model, ctx.device, bf16)
-    return wrap_ddp(model, ctx, ddp_cfg)
-
-
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The trained module itself: DDP's ``.module``; a sharded model is its own."""
-    return model.module if isinstance(model, DDP) else model
-
-
-def _no_sync(model: torch.nn.Module):
-    return no_gradient_sync(model) if is_sharded(model) else model.no_sync()
-
-
-class Accumulated(NamedTuple):
-    """One rank's view of a step's forward/backward passes."""
-
-    local_sum: float  # summed token loss of this rank's micro-batches
-    local_tokens: int  # their loss tokens
-    global_tokens: int  # loss tokens of the whole global batch (the normaliser)
-    metrics: dict[str, tuple[float, float]]  # task metric (sum, count) pairs
-    flops: float  # estimated FLOPs of the micro-batches processed
-    generated: int  # tokens sampled for them
 
 
 def accumulate_gradients(
@@ -135,7 +102,7 @@ def accumulate_gradients(
         generated += batch.generated_tokens
         last = i == len(micro) - 1
         # the backward too inside no_sync: DDP decides at the forward, FSDP2 at the backward (autocast: forward only)
-        with contextlib.nullcontext() if last else _no_sync(ddp_model):
+        with contextlib.nullcontext() if last else no_sync(ddp_model):
             with autocast_context(cfg.precision, ctx.device):
                 loss_sum, metrics = task.loss_sum(ddp_model, batch)
             (loss_sum.float() * scale).backward()
@@ -185,66 +152,6 @@ def optimizer_step(
         warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
         sched.step()
     return norm, clip_coef, clipped, skipped
-
-
-def check_drift(model: torch.nn.Module, opt, ctx: WorkerContext, seconds: dict | None = None) -> list[int]:
-    """All ranks call: all-gather every rank's fingerprint; the ranks that differ from the majority.
-
-    ``seconds`` (optional) gets the time of this rank's fingerprint (``drift``) and of the all-gather and
-    comparison (``drift_gather``), apart: the gather also waits for the slowest rank, a wait that the step's
-    next collective would otherwise take.
-    """
-    t0 = time.perf_counter()
-    local = fingerprint(model, opt).to(ctx.device)
-    if seconds is not None and local.is_cuda:
-        torch.cuda.synchronize(local.device)  # the fingerprint's time, not its launch (.cpu() waits below anyway)
-    t1 = time.perf_counter()
-    parts = [torch.empty_like(local) for _ in range(ctx.world_size)]
-    dist.all_gather(parts, local)
-    found = mismatched_ranks(torch.stack(parts).cpu())
-    if seconds is not None:
-        seconds.update(drift=t1 - t0, drift_gather=time.perf_counter() - t1)
-    return found
-
-
-@dataclass(frozen=True)
-class StepColumns:
-    """The columns of the step's one all-gather, a float64 row per worker: ``pack`` builds this worker's row
-    and the gathered (K, 7 + 2M) matrix is read by the same names, so the layout is written once. The task's
-    M metrics follow as (sum, count) pairs, in its ``metric_names`` order."""
-
-    metric_names: tuple[str, ...]
-
-    LOSS_SUM: ClassVar[int] = 0  # summed token loss of the worker's micro-batches
-    TOKENS: ClassVar[int] = 1  # their loss tokens
-    GRAD_SQ: ClassVar[int] = 2  # ‖g_k‖²
-    GRAD_DOT: ClassVar[int] = 3  # ⟨g_k, ḡ⟩, or NaN
-    FLOPS: ClassVar[int] = 4  # estimated FLOPs of the micro-batches processed
-    GENERATED: ClassVar[int] = 5  # tokens sampled for them
-    PROCESSED: ClassVar[int] = 6  # their non-padding tokens
-    METRICS: ClassVar[int] = 7  # the first task metric's sum; its count follows, then the next pair
-
-    def metric_sum(self, i: int) -> int:
-        return self.METRICS + 2 * i
-
-    def metric_count(self, i: int) -> int:
-        return self.METRICS + 2 * i + 1
-
-    def pack(self, acc: Accumulated, stats: torch.Tensor, processed: int, device: torch.device) -> torch.Tensor:
-        """This worker's row: its pieces concatenated in column order, each one converted to float64."""
-        f64 = {"dtype": torch.float64, "device": device}
-        row = torch.cat(
-            [
-                torch.tensor([acc.local_sum, float(acc.local_tokens)], **f64),  # LOSS_SUM, TOKENS
-                stats.to(**f64),  # GRAD_SQ, GRAD_DOT
-                torch.tensor([acc.flops, float(acc.generated), float(processed)], **f64),  # FLOPS..PROCESSED
-                torch.tensor([x for n in self.metric_names for x in acc.metrics.get(n, (0.0, 0.0))], **f64),
-            ]
-        )
-        width = self.metric_sum(len(self.metric_names))
-        if row.numel() != width:  # e.g. a monitor's stats of another length: every later column would shift
-            raise ValueError(f"the step's gathered row has {row.numel()} columns, its layout {width}")
-        return row
 
 
 def train_step(
