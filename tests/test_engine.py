@@ -307,6 +307,7 @@ def _fit_in_process(tmp_path, char_tokenizer, scale, **cfg_kw):
     from ars_opd.config import DDPConfig, TrainingPaths
     from ars_opd.training.distributed import init_worker, shutdown_worker
     from ars_opd.training.loop import fit
+    from ars_opd.training.task import RunHooks, RunIdentity
     from ddp_probe import FixedTask
 
     ctx = init_worker("cpu", "gloo", threads=1)
@@ -321,7 +322,7 @@ def _fit_in_process(tmp_path, char_tokenizer, scale, **cfg_kw):
             live=str(tmp_path / "live"),
             checkpoints=str(tmp_path / "ckpt"),
         )
-        fit(ctx, model, task, cfg, DDPConfig(workers=1), "fp", out, progress=False)
+        fit(ctx, model, task, cfg, DDPConfig(workers=1), out, RunIdentity("fp"), RunHooks(progress=False))
         return [json.loads(line) for line in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
     finally:
         shutdown_worker()

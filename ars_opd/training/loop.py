@@ -23,7 +23,7 @@ One optimiser step, on every worker k of K:
 This module holds that step (``accumulate_gradients``, ``optimizer_step``, ``train_step``) and the run
 around it (``fit``). What they call on keeps its own rule in its own module of ``ars_opd.training``:
 ``wrapping`` (DDP or FSDP2), ``step_gather`` (the step's one all-gather), ``drift`` (the replica check),
-``task`` (the task interface), ``step_log``, ``noise_scale``, ``budget``,
+``task`` (the task interface, the run's identity and hooks), ``step_log``, ``noise_scale``, ``budget``,
 ``snapshots``, ``checkpoint`` and ``batch_plan`` (batch split and data position).
 
 What this module leaves out: tensor parallelism, mixed-precision loss scaling (bf16 needs none),
@@ -58,7 +58,7 @@ from ars_opd.training.sharding import ShardedConsistencyHook, publishable
 from ars_opd.training.snapshots import run_snapshot_dir, save_snapshot
 from ars_opd.training.step_gather import Accumulated, StepColumns
 from ars_opd.training.step_log import StepLogger, StepResult, run_summary, step_row
-from ars_opd.training.task import MicroBatch, TrainingTask
+from ars_opd.training.task import MicroBatch, RunHooks, RunIdentity, TrainingTask
 from ars_opd.training.wrapping import no_sync, unwrapped, wrap_model
 
 
@@ -248,25 +248,24 @@ def fit(
     task: TrainingTask,
     cfg: TrainLoopConfig,
     ddp_cfg: DDPConfig,
-    run_fingerprint: str,
     out: TrainingPaths,
-    progress: bool = True,
-    on_step=None,
-    fault: Fault | None = None,
-    budget_start: dict | None = None,
-    layout_fingerprint: str | None = None,
+    run: RunIdentity,
+    hooks: RunHooks = RunHooks(),
 ) -> FitResult:
     """Train ``model`` (unwrapped, on ``ctx.device``) for ``cfg.steps`` optimiser steps, resuming if possible.
 
     ``out`` is the stage's outputs: checkpoints in ``out.checkpoints``, the step log in ``out.steps``, DVCLive
     in ``out.live``. Every ``cfg.snapshot_every`` steps rank 0 keeps the weights (``ars_opd.training.snapshots``).
+    A checkpoint resumes when it matches ``run``'s fingerprints (``ars_opd.training.checkpoint``).
     Returns the final state, the per-step log (rank 0's view; identical values on every rank), the
-    cumulative budget from scratch (``budget_start``: the starting model's) and the student to publish.
+    cumulative budget from scratch (``run.budget_start``: the starting model's) and the student to publish.
     ``ddp.strategy: fsdp`` shards ``model`` in place (``ars_opd.training.sharding``); rank 0 then keeps an
     unsharded CPU copy, loaded with the gathered weights whenever it publishes (snapshots, the end).
     """
     from tqdm.auto import tqdm
 
+    run_fingerprint, layout_fingerprint, budget_start = run
+    on_step, fault, progress = hooks
     sharded = ddp_cfg.strategy == "fsdp"
     publish = copy.deepcopy(model).cpu() if sharded and ctx.is_main else None  # rank 0 writes snapshots from it
     ddp_model = wrap_model(model, ctx, ddp_cfg, cfg)

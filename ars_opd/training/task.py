@@ -5,14 +5,22 @@ the optimiser step, the log. A task owns the data and the loss: for each step it
 micro-batches (SFT: slices of the data; OPD: rollouts) with their loss-token counts, and for each micro-batch
 the *summed* token loss, so that the engine alone decides the normaliser. The task interface depends on
 nothing of the engine, so a task module need not import the engine.
+
+Besides the task, the caller of ``fit`` hands the engine two small records, defined here (below both the
+engine and the stage workers that call it): ``RunIdentity``, what tells the run from another (its
+fingerprints, which a checkpoint must match to resume, and the budget its starting model already spent),
+and ``RunHooks``, what the run calls or shows besides the task (extra log columns, an injected fault, the
+progress bar).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
+
+from ars_opd.training.faults import Fault
 
 
 @dataclass
@@ -39,3 +47,19 @@ class TrainingTask(Protocol):
 
     def metric_names(self) -> list[str]:
         """Task metrics reported per step; each is a (sum, count) pair reduced over all workers."""
+
+
+class RunIdentity(NamedTuple):
+    """What tells a run from another (``ars_opd.training.checkpoint``, ``ars_opd.training.budget``)."""
+
+    fingerprint: str  # the run's configuration and inputs: a checkpoint resumes only a run of the same one
+    layout_fingerprint: str | None = None  # the same but the worker layout: what a resharded resume matches
+    budget_start: dict | None = None  # the budget the starting model already spent (None: from scratch)
+
+
+class RunHooks(NamedTuple):
+    """What the run calls or shows besides the task."""
+
+    on_step: Callable[[int], dict] | None = None  # extra columns for a step's log row, from its step number
+    fault: Fault | None = None  # the injected fault as this rank sees it (``ars_opd.training.faults``)
+    progress: bool = True  # a progress bar on rank 0

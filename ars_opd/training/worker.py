@@ -31,7 +31,7 @@ from ars_opd.training.distributed import WorkerContext, init_worker, launch, shu
 from ars_opd.training.faults import Fault
 from ars_opd.training.loop import fit
 from ars_opd.training.snapshots import snapshot_dir
-from ars_opd.training.task import TrainingTask
+from ars_opd.training.task import RunHooks, RunIdentity, TrainingTask
 
 
 @dataclass(frozen=True)
@@ -139,13 +139,9 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
             run.task,
             job.cfg,
             job.ddp,
-            fingerprint,
             out,
-            job.progress,
-            on_step=run.on_step,
-            fault=fault,
-            budget_start=run.budget_start,
-            layout_fingerprint=layout,
+            RunIdentity(fingerprint, layout, run.budget_start),
+            RunHooks(run.on_step, fault, job.progress),
         )
         if ctx.is_main:
             shutil.rmtree(Path(out.model) / "adapter", ignore_errors=True)  # a previous run's adapter
