@@ -4,15 +4,16 @@ Each step, on each worker: take this worker's share of the training prompts; wit
 (``opd.on_policy_fraction``, GKD mixing) sample completions from the current student (no grad, KV cache,
 left-padded prompts), else take the teacher's cached completions; rebuild right-padded sequences that keep
 each completion up to and including its first EOS (``ars_opd.lm.batching.build_rollout_batch``); let the
-frozen teacher score them and train the
-student on the objective ``opd.loss`` chosen from ``ars_opd.lm.opd_objectives``, from both models' last hidden
-states one chunk of positions at a time (no (tokens × vocabulary) logits on either side). Rollouts use
+frozen teacher score them and train the student on the objective ``opd.loss`` chosen from
+``ars_opd.lm.opd_objectives``, from both models' last hidden states one chunk of positions at a time (no
+(tokens × vocabulary) logits on either side). Rollouts use
 transformers' generate, or with ``opd.rollout_cache: static`` a preallocated KV cache and a decode loop of
 our own (compiled on CUDA). The λ draw depends only on (seed, step), so every worker makes the same choice,
 and the log records it (``gkd_source``). It runs on the shared engine (exact token normalisation, clipping,
 resume) with the consistency hook.
 
-The teacher (``ars_opd.training.opd_teachers``) is ``opd.teacher: local``, the model in every worker (eval mode,
+The teacher (``ars_opd.training.opd_teachers``, chosen, started and checked by
+``ars_opd.training.opd_teacher_setup``) is ``opd.teacher: local``, the model in every worker (eval mode,
 no grad; bf16 on CUDA by default, ``opd.teacher_dtype``), or ``endpoint``, a served teacher's vLLM-style
 ``prompt_logprobs`` (``opd.teacher_endpoint``; ``local`` there starts the bundled server for the pinned
 teacher): the trainer then never loads teacher weights, each step's sequences are scored at once with bounded
@@ -31,11 +32,9 @@ eos_rate, on_policy, and the seconds spent sampling (gen_s) and in the teacher's
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
 import time
-from typing import Iterator
 
 import torch
 
@@ -47,24 +46,19 @@ from ars_opd.lm.generation import generate_token_ids
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.opd_objectives import check_config, get_objective
 from ars_opd.lm.optim import autocast_context
-from ars_opd.lm.precision import frozen_model_dtype
 from ars_opd.models.adapters import check_adapter
-from ars_opd.models.loading import load_model, load_tokenizer, model_path, read_manifest
-from ars_opd.models.tokenizer import check_shared_tokenizer
+from ars_opd.models.loading import read_manifest
 from ars_opd.seeding import derive_seed
-from ars_opd.teacher.client.endpoint import ClientSettings, api_key, make_client, preflight
-from ars_opd.teacher.client.local_server import LOCAL_MODEL_NAME, local_teacher_server
-from ars_opd.teacher.client.score import check_tokenizer
 from ars_opd.training.batch_plan import BatchGeometry, step_indices
 from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.faults import Fault
+from ars_opd.training.opd_teacher_setup import build_teacher, check_scoring_endpoint, scoring_endpoint
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.sharding import is_sharded
 from ars_opd.training.task import MicroBatch
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
 
 __all__ = ["EndpointTeacher", "LocalTeacher", "OPDTask", "run_opd", "uses_student_rollouts"]
-ENDPOINT_SECTION = "opd.teacher_endpoint"
 
 
 def uses_student_rollouts(seed: int, step: int, on_policy_fraction: float) -> bool:
@@ -207,55 +201,6 @@ def _encode(tokenizer, rows: list[dict], cfg: OPDConfig):
     return ([prompts[i] for i in keep], [completions[i] for i in keep], [rows[i].get("task") for i in keep], counts)
 
 
-def _teacher_params_from_config(models_dir: str, trust_remote_code: bool) -> int:
-    """The models-stage teacher's parameter count from its config alone (meta tensors, no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path(models_dir, "teacher"), trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        return matmul_parameters(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
-
-
-def _teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[LocalTeacher | EndpointTeacher, int, dict]:
-    """(the teacher that scores this worker's rollouts, its parameter count for the budget, manifest entries)."""
-    ctx, cfg = setup.ctx, job.cfg
-    if cfg.teacher == "endpoint":  # no teacher weights in the trainer, only the count from the teacher's config
-        url, model = job.runtime["scoring_url"], job.runtime["scoring_model"]
-        settings = ClientSettings(
-            url, api_key(cfg.teacher_endpoint.api_key_env, ENDPOINT_SECTION), cfg.teacher_endpoint
-        )
-        teacher = EndpointTeacher(settings, model, vocab, cfg.topk)
-        return (
-            teacher,
-            _teacher_params_from_config(job.paths.models_dir, job.trust_remote_code),
-            {
-                "teacher": "endpoint",
-                "teacher_model": model,
-                "teacher_endpoint": "local" if cfg.teacher_endpoint.endpoint == "local" else url,
-            },
-        )
-    from transformers import AutoTokenizer
-
-    check_shared_tokenizer(
-        AutoTokenizer.from_pretrained(
-            model_path(job.paths.models_dir, "teacher"), trust_remote_code=job.trust_remote_code
-        ),
-        setup.tokenizer,
-    )
-    teacher_dtype = frozen_model_dtype(cfg.teacher_dtype, ctx.device)
-    model = load_model(
-        job.paths.models_dir, "teacher", dtype=teacher_dtype, trust_remote_code=job.trust_remote_code
-    ).to(ctx.device)
-    rows_out = model.get_output_embeddings().weight.shape[0]
-    if rows_out < vocab:
-        raise ValueError(f"the teacher has {rows_out} output rows but the tokenizer {vocab} ids")
-    return (
-        LocalTeacher(model, vocab, cfg.chunk_size, cfg.topk),
-        matmul_parameters(model),
-        {"teacher": "local", "teacher_dtype": str(teacher_dtype).removeprefix("torch.")},
-    )
-
-
 def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     ctx, tokenizer = setup.ctx, setup.tokenizer
     vocab = len(tokenizer)
@@ -264,7 +209,7 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     rows_out = model.get_output_embeddings().weight.shape[0]
     if rows_out < vocab:
         raise ValueError(f"the student has {rows_out} output rows but the tokenizer {vocab} ids")
-    teacher, teacher_params, teacher_manifest = _teacher(job, setup, vocab)
+    teacher, teacher_params, teacher_manifest = build_teacher(job, setup, vocab)
     train_path = job.paths.completions("train")
     rows = read_jsonl(train_path)
     prompts, completions, tasks, counts = _encode(tokenizer, rows, job.cfg)
@@ -305,44 +250,6 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
 
 def opd_worker(job: TrainingJob) -> dict:
     return run_worker(job, prepare_opd)
-
-
-@contextlib.contextmanager
-def scoring_endpoint(cfg: OPDConfig, paths: PathsConfig) -> Iterator[tuple[str, str]]:
-    """(base URL, model name) of the scoring endpoint; 'local' starts the bundled server for the pinned teacher."""
-    ep = cfg.teacher_endpoint
-    if ep.endpoint != "local":
-        yield ep.endpoint, ep.model
-        return
-    with local_teacher_server(
-        model_path(paths.models_dir, "teacher"), cfg.teacher_server, max_logprobs=max(cfg.topk, 1)
-    ) as url:
-        yield url, LOCAL_MODEL_NAME
-
-
-def check_scoring_endpoint(url: str, model: str, cfg: OPDConfig, paths: PathsConfig) -> None:
-    """Before step 0: the endpoint answers, serves ``model``, tokenizes as the student does, and returns
-    log-probabilities (not logits) for a probe scored with the run's k (so ``--max-logprobs`` is checked too)."""
-    import asyncio
-
-    settings = ClientSettings(url, api_key(cfg.teacher_endpoint.api_key_env, ENDPOINT_SECTION), cfg.teacher_endpoint)
-
-    async def check() -> None:
-        client = make_client(settings)
-        try:
-            await preflight(client, model, min(15.0, cfg.teacher_endpoint.request_timeout_s), ENDPOINT_SECTION)
-            await check_tokenizer(
-                client,
-                model,
-                load_tokenizer(paths.models_dir),
-                settings,
-                ENDPOINT_SECTION,
-                k=cfg.topk if cfg.loss == "topk" else 1,
-            )
-        finally:
-            await client.close()
-
-    asyncio.run(check())
 
 
 def run_opd(
