@@ -13,8 +13,8 @@ import pytest
 from ars_opd.config import ArchConfig
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server.engine import CHARS_MARGIN
 from ars_opd.teacher.server.handlers import BODY_LIMIT_KEY, ENGINE_KEY
+from ars_opd.teacher.server.preparation import CHARS_MARGIN
 from test_teacher_server import _ServerThread
 
 MODEL = "tiny"
@@ -67,13 +67,13 @@ def _post_one(url: str, body) -> tuple[int, dict, float]:
 
 
 def test_the_bounds_follow_the_context_and_the_tokenizer(small_context, char_tokenizer):
-    engine = small_context.app[ENGINE_KEY]
+    preparer = small_context.app[ENGINE_KEY].requests
     longest = max(len(t) for t in char_tokenizer.get_vocab())
-    assert engine.max_prompt_chars == 256 * longest * CHARS_MARGIN
+    assert preparer.max_prompt_chars == 256 * longest * CHARS_MARGIN
     assert (
         small_context.app[BODY_LIMIT_KEY]
-        == teacher_server.body_limit(engine.max_prompt_chars)
-        == teacher_server.BYTES_PER_CHAR * engine.max_prompt_chars + teacher_server.BODY_OVERHEAD
+        == teacher_server.body_limit(preparer.max_prompt_chars)
+        == teacher_server.BYTES_PER_CHAR * preparer.max_prompt_chars + teacher_server.BODY_OVERHEAD
     )
     # the premise of the bound: no token covers more than `longest` characters of the text (vocabulary words,
     # letters, spaces and characters the tokenizer does not know, in random order)
@@ -93,15 +93,15 @@ def test_a_body_over_the_limit_gets_413_without_being_decoded(small_context):
 
 
 def test_a_prompt_the_context_cannot_hold_is_refused_before_tokenizing(small_context, monkeypatch):
-    engine = small_context.app[ENGINE_KEY]
+    preparer = small_context.app[ENGINE_KEY].requests
     encoded = []
-    real = engine.encode
-    monkeypatch.setattr(engine, "encode", lambda messages: encoded.append(1) or real(messages))
-    status, out, _ = _post_one(small_context.url, _body("b" * (engine.max_prompt_chars + 1)))
+    real = preparer.encode
+    monkeypatch.setattr(preparer, "encode", lambda messages: encoded.append(1) or real(messages))
+    status, out, _ = _post_one(small_context.url, _body("b" * (preparer.max_prompt_chars + 1)))
     assert status == 400 and out["error"]["code"] == "context_length_exceeded" and encoded == []
-    assert f"have {engine.max_prompt_chars + 1} characters" in out["error"]["message"]
+    assert f"have {preparer.max_prompt_chars + 1} characters" in out["error"]["message"]
     # at the bound it is tokenized, and refused by its real token count
-    status, out, _ = _post_one(small_context.url, _body("b" * engine.max_prompt_chars))
+    status, out, _ = _post_one(small_context.url, _body("b" * preparer.max_prompt_chars))
     assert status == 400 and encoded == [1] and "prompt tokens" in out["error"]["message"]
     status, out, _ = _post_one(small_context.url, _body("hi"))
     assert status == 200 and encoded == [1, 1]
@@ -110,7 +110,7 @@ def test_a_prompt_the_context_cannot_hold_is_refused_before_tokenizing(small_con
 @pytest.mark.slow
 def test_small_requests_stay_fast_while_a_huge_prompt_is_tokenized(tmp_path_factory, char_tokenizer):
     """A context of 200k tokens admits a 1.5M-character prompt to tokenization (seconds of CPU); meanwhile
-    small requests are served as usual. Before tokenization left the event loop, each waited for all of it."""
+    small requests are served as usual; tokenized on the event loop, each would wait for all of it."""
     srv = _ServerThread(
         teacher_server.create_app(str(_model_dir(tmp_path_factory, char_tokenizer, 200_000)), MODEL, max_wait_ms=1)
     )

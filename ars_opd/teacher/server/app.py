@@ -85,7 +85,7 @@ def create_app(
     if threads is not None:
         torch.set_num_threads(threads)
     engine = TeacherEngine(model_dir, model_name, max_batch_size, max_wait_ms, device, dtype, max_logprobs)
-    limit = body_limit(engine.max_prompt_chars)
+    limit = body_limit(engine.requests.max_prompt_chars)
     app = web.Application(client_max_size=limit)
     app[ENGINE_KEY] = engine
     app[BODY_LIMIT_KEY] = limit

@@ -20,19 +20,13 @@ The model's ``generation_config.json`` sampling defaults are ignored: the reques
 defaults: temperature 1, top_p 1) decide the decoding alone. On stop, the running batch ends at its next
 decoding step and requests still in flight are answered with 503.
 
-Preparing a request (JSON decoding, validation, chat template, tokenization) is CPU work proportional
-to its size, so ``prepare`` runs in a small pool of threads, never on the event loop: one huge prompt
-must not stall every other client. Before tokenizing it refuses a prompt longer than
-``max_prompt_chars`` = context length × the longest token in characters × 2: every token covers at most
-that many characters of the text, so a longer prompt cannot fit (the factor 2 leaves room for
-normalizers that merge characters; a tokenizer that deletes most of its input, or whose unknown token
-covers whole words, could still be refused wrongly, with a message naming the bound).
+Requests reach the queue prepared: decoded, validated and tokenized off the event loop by the engine's
+``requests`` (``ars_opd.teacher.server.preparation``), which the engine starts and stops with its batcher.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +34,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from jinja2 import TemplateError
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -50,18 +43,16 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from ars_opd.data.prompts import encode_prompt
 from ars_opd.lm.batching import pad_left
 from ars_opd.teacher.server.jobs import Job, Progress, ScoreJob
+from ars_opd.teacher.server.preparation import RequestPreparer
 from ars_opd.teacher.server.sampling import RowSampler
-from ars_opd.teacher.server.scoring import DEFAULT_MAX_LOGPROBS, ScoreRequest, parse_score_request, score_rows
-from ars_opd.teacher.server.validation import ChatRequest, RequestError, parse_chat_request
+from ars_opd.teacher.server.scoring import DEFAULT_MAX_LOGPROBS, ScoreRequest, score_rows
+from ars_opd.teacher.server.validation import ChatRequest, RequestError
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-CHARS_MARGIN = 2  # see the module docstring: max_prompt_chars
-PREPARE_THREADS = 4  # requests prepared at once: a few huge ones cannot hold up the small ones behind them
 
 
 class _RowProgress(StoppingCriteria):
@@ -139,18 +130,13 @@ class TeacherEngine:
         # the request's parameters, applied by RowSampler, are the only decoding policy
         self.model.generation_config = GenerationConfig(eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
         self.context_length = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        longest_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
-        self.max_prompt_chars = (
-            self.context_length * longest_token * CHARS_MARGIN if self.context_length is not None else None
-        )
         self.vocab = len(self.tokenizer)  # scored ids; embedding rows beyond the tokenizer are padding
-        self.max_logprobs = max_logprobs
+        self.requests = RequestPreparer(self.tokenizer, model_name, self.context_length, self.vocab, max_logprobs)
         self._token_text: dict[int, str] = {}
         self.stats = ServerStats()
         self.stopping = False
         self._pending: asyncio.Queue[Job] | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._prepare_pool: ThreadPoolExecutor | None = None
         self._batcher: asyncio.Task | None = None
 
     # -- event loop side --------------------------------------------------------------------------------
@@ -158,83 +144,20 @@ class TeacherEngine:
     async def start(self) -> None:
         self._pending = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
-        self._prepare_pool = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="prepare")
+        self.requests.start()
         self._batcher = asyncio.create_task(self._batch_loop(), name="teacher-batcher")
 
     async def stop(self) -> None:
-        """Refuse new requests, end the running batch at its next step with 503, and join the worker thread."""
+        """Refuse new requests, end the running batch at its next step with 503, and join the worker threads."""
         self.stopping = True
         while self._pending is not None and not self._pending.empty():
             self._pending.get_nowait().fail(503, "the server is shutting down")
         if self._batcher is not None:
             self._batcher.cancel()
             await asyncio.gather(self._batcher, return_exceptions=True)
-        for pool in (self._executor, self._prepare_pool):
-            if pool is not None:
-                await asyncio.get_running_loop().run_in_executor(None, pool.shutdown)
-
-    async def prepare_async(self, body: bytes) -> tuple[ChatRequest, list[int], int]:
-        """``prepare`` in the preparation threads (the event loop stays free)."""
-        if self._prepare_pool is None:
-            raise RequestError(503, "the server is not serving", "unavailable")
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.prepare, body)
-
-    def prepare(self, body: bytes) -> tuple[ChatRequest, list[int], int]:
-        """Raw request body -> (validated request, prompt token ids, max_tokens); ``RequestError`` on a 4xx."""
-        try:
-            decoded = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:  # bad JSON or bad UTF-8
-            raise RequestError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
-        chat = parse_chat_request(decoded, self.model_name)
-        chars = sum(len(m["content"]) for m in chat.messages)
-        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
-            raise RequestError(
-                400,
-                f"this model's context is {self.context_length} tokens; the request's messages "
-                f"have {chars} characters, more than the {self.max_prompt_chars} that many "
-                "tokens can hold with this tokenizer",
-                "context_length_exceeded",
-                "messages",
-            )
-        prompt_ids = self.encode(chat.messages)
-        return chat, prompt_ids, self.resolve_max_tokens(chat.max_tokens, len(prompt_ids))
-
-    def encode(self, messages: list[dict]) -> list[int]:
-        try:
-            return encode_prompt(self.tokenizer, messages)
-        except (TemplateError, ValueError, TypeError) as e:  # e.g. a template that requires alternating roles
-            raise RequestError(
-                400, f"the chat template rejected the messages: {e}", "invalid_value", "messages"
-            ) from None
-
-    def resolve_max_tokens(self, max_tokens: int | None, prompt_tokens: int) -> int:
-        """The request's max_tokens, or the rest of the context; 400 when prompt and completion do not fit."""
-        if self.context_length is None:
-            return max_tokens if max_tokens is not None else 2048
-        room = self.context_length - prompt_tokens
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            asked = f" plus {max_tokens} completion tokens" if max_tokens is not None else ""
-            raise RequestError(
-                400,
-                f"this model's context is {self.context_length} tokens; the request has "
-                f"{prompt_tokens} prompt tokens{asked}",
-                "context_length_exceeded",
-                "messages",
-            )
-        return max_tokens if max_tokens is not None else room
-
-    def prepare_score(self, body: bytes) -> ScoreRequest:
-        """Raw ``/v1/completions`` body -> validated scoring request; ``RequestError`` on a 4xx."""
-        try:
-            decoded = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise RequestError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
-        return parse_score_request(decoded, self.model_name, self.vocab, self.context_length, self.max_logprobs)
-
-    async def prepare_score_async(self, body: bytes) -> ScoreRequest:
-        if self._prepare_pool is None:
-            raise RequestError(503, "the server is not serving", "unavailable")
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.prepare_score, body)
+        if self._executor is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+        await self.requests.stop()
 
     def submit_scores(self, request: ScoreRequest) -> list[ScoreJob]:
         """One queued row per prompt; they join the same batches as chat requests' rows."""

@@ -81,7 +81,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "request_too_large",
             ) from None
         # decoding, validation, chat template and tokenization run in threads, off the event loop
-        chat, prompt_ids, max_tokens = await engine.prepare_async(body)
+        chat, prompt_ids, max_tokens = await engine.requests.prepare_async(body)
         job = engine.submit(chat, prompt_ids, max_tokens)
     except RequestError as e:
         return e.response()
@@ -121,7 +121,7 @@ async def completions(request: web.Request) -> web.Response:
     """Scoring: vLLM-shaped ``prompt_logprobs`` for token-id prompts (``ars_opd.teacher.server.scoring``)."""
     engine = request.app[ENGINE_KEY]
     try:
-        score = await engine.prepare_score_async(await _read_body(request))
+        score = await engine.requests.prepare_score_async(await _read_body(request))
         jobs = engine.submit_scores(score)
     except RequestError as e:
         return e.response()
