@@ -314,11 +314,11 @@ def test_client_mistakes_get_openai_style_4xx(server, body, status, needle):
     assert needle in out["error"]["message"]
 
 
-def test_streamable_holds_back_possible_stop_starts():
-    assert handlers._streamable("abc<en", ["<end>"]) == "abc"
-    assert handlers._streamable("abc<", ["<end>", "zz"]) == "abc"
-    assert handlers._streamable("abc<x", ["<end>"]) == "abc<x"
-    assert handlers._streamable("ab\ufffd", []) == "ab"
+def test_streamable_prefix_holds_back_possible_stop_starts():
+    assert handlers.streamable_prefix("abc<en", ["<end>"]) == "abc"
+    assert handlers.streamable_prefix("abc<", ["<end>", "zz"]) == "abc"
+    assert handlers.streamable_prefix("abc<x", ["<end>"]) == "abc<x"
+    assert handlers.streamable_prefix("ab\ufffd", []) == "ab"
 
 
 def test_row_sampler_draws_from_the_tempered_nucleus():

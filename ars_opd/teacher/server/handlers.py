@@ -27,7 +27,7 @@ from ars_opd.teacher.server.scoring import vllm_prompt_logprobs
 from ars_opd.teacher.server.validation import ChatRequest, RequestError
 
 
-def _streamable(text: str, stops: Sequence[str]) -> str:
+def streamable_prefix(text: str, stops: Sequence[str]) -> str:
     """The prefix of an unfinished completion that is safe to send.
 
     Held back: a trailing replacement character (an incomplete multi-byte character that the next token
@@ -70,16 +70,7 @@ async def stats(request: web.Request) -> web.Response:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     try:
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise RequestError(
-                413,
-                f"the request body is larger than this server's limit of "
-                f"{request.app[BODY_LIMIT_KEY]} bytes (derived from the model's context "
-                "length)",
-                "request_too_large",
-            ) from None
+        body = await _read_body(request)
         # decoding, validation, chat template and tokenization run in threads, off the event loop
         chat, prompt_ids, max_tokens = await engine.requests.prepare_async(body)
         job = engine.submit(chat, prompt_ids, max_tokens)
@@ -105,6 +96,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _read_body(request: web.Request) -> bytes:
+    """The request's body; a ``RequestError`` 413 when it is over the application's limit."""
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -249,7 +241,7 @@ async def _stream_completion(request: web.Request, chat: ChatRequest, job: Job, 
                 await send({"error": {"message": event.message, "type": "server_error", "code": event.status}})
                 break
             final = event.finish_reason is not None
-            visible = event.text if final else _streamable(event.text, chat.stop)
+            visible = event.text if final else streamable_prefix(event.text, chat.stop)
             # decoding a longer token prefix extends the text (held-back tails aside), so the diff is a suffix
             if len(visible) > len(sent) and visible.startswith(sent):
                 await send(chunk({"content": visible[len(sent) :]}))
