@@ -161,7 +161,7 @@ def test_packed_attention_builds_no_mask(char_tokenizer, monkeypatch):
     seen = []
 
     def spy(module, query, key, value, attention_mask, **kw):
-        seen.append((attention_mask, len(attention._segments(kw.get("cu_seq_lens_q"), None, 0, 0))))
+        seen.append((attention_mask, len(attention.packed_segments(kw.get("cu_seq_lens_q"), None, 0, 0))))
         return attention.varlen_sdpa_attention(module, query, key, value, attention_mask, **kw)
 
     monkeypatch.setitem(transformers.AttentionInterface._global_mapping, attention.VARLEN_SDPA, spy)
@@ -398,8 +398,8 @@ def test_step_logger_without_studio_writes_what_next_step_writes(tmp_path, monke
     out = {}
     for name, studio in (("fast", False), ("reference", True)):
         logger = StepLogger(tmp_path / name / "steps.jsonl", tmp_path / name / "live", enabled=True)
-        assert logger._studio is False  # Studio is not configured here
-        logger._studio = studio
+        assert logger.studio is False  # Studio is not configured here
+        logger.studio = studio
         logger.replay(rows[:12])  # a resume replays the checkpoint's log first
         for r in rows[12:]:
             logger.log(r)

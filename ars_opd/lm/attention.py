@@ -29,7 +29,7 @@ VARLEN_SDPA = "ars_varlen_sdpa"
 _IMPLEMENTATIONS = {"flash": "flash_attention_2", "flex": "flex_attention", "sdpa": VARLEN_SDPA}
 
 
-def _segments(
+def packed_segments(
     cu_seq_lens: torch.Tensor | None, position_ids: torch.Tensor | None, rows: int, length: int
 ) -> list[tuple[int, int]]:
     """[start, end) of every sequence in the flattened (rows × length) token stream."""
@@ -59,7 +59,7 @@ def varlen_sdpa_attention(
     if getattr(module, "sliding_window", None):
         raise NotImplementedError(f"{VARLEN_SDPA} does not implement sliding-window attention")
     R, Hq, L, D = query.shape
-    segments = _segments(kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), R, L)
+    segments = packed_segments(kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), R, L)
     q, k, v = (x.transpose(1, 2).reshape(R * L, x.shape[1], D) for x in (query, key, value))  # (R·L, heads, D)
     out = torch.empty_like(q)  # (R·L, Hq, D)
     for start, end in segments:

@@ -64,7 +64,7 @@ def _column_weights(device: torch.device) -> torch.Tensor:
     return w
 
 
-def _column_sums(grid: torch.Tensor) -> torch.Tensor:
+def column_sums(grid: torch.Tensor) -> torch.Tensor:
     """int32 sums down the rows of an int16 (rows, 65521) grid, rows <= 2**15.
 
     On a CPU, one in-place add per row into an int32 accumulator: contiguous passes at the speed of
@@ -91,7 +91,7 @@ def tensor_fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         if rows:
             grid = u[: rows * _MODULUS].view(rows, _MODULUS)
             for r in range(0, rows, _BLOCK_ROWS):
-                cols += _column_sums(grid[r : r + _BLOCK_ROWS])
+                cols += column_sums(grid[r : r + _BLOCK_ROWS])
         tail = u[rows * _MODULUS :]
         cols[: tail.numel()] += tail
     if cols is None:

@@ -119,6 +119,8 @@ class StepLogger:
         self._file = None
         self._live = None
         self._next_summary = 0.0
+        # True: each step goes through Live.next_step(), DVC Studio's path (why only when Studio is configured: below)
+        self.studio = False
         if enabled:
             from dvclive import Live
 
@@ -130,7 +132,7 @@ class StepLogger:
             # runs only when Studio is configured; otherwise each step appends its plot rows and the summary
             # is rewritten every few seconds and at the end. (An unknown DVCLive keeps next_step().)
             skipped = getattr(self._live, "_studio_events_to_skip", None)
-            self._studio = skipped is None or "data" not in skipped
+            self.studio = skipped is None or "data" not in skipped
 
     def log(self, row: dict) -> None:
         self.rows.append(row)
@@ -147,7 +149,7 @@ class StepLogger:
                 and math.isfinite(v)
             ):
                 self._live.log_metric(f"train/{k}", v, plot=True)
-        if self._studio:
+        if self.studio:
             self._live.next_step()
             return
         self._live.step = row["step"] + 1  # what next_step() leaves: the summary's step counts steps done
