@@ -327,6 +327,10 @@ class AdapterConfig:
     """Dropout on the adapter's input (0: none; the trained model is then deterministic given the data)."""
     target_modules: tuple[str, ...] = LORA_TARGETS
     """Linear layers to adapt, by name or dotted-name suffix (peft's rule); each must match a module."""
+    modules_to_save: tuple[str, ...] = ()
+    """Modules trained whole beside the adapter (peft's modules_to_save), by name or dotted-name suffix, e.g.
+    [embed_tokens]; an output head tied to a trained embedding follows it (the built-in student's is tied).
+    Empty: the adapter only, so a frozen tied head keeps the base's output distribution."""
 
     def __post_init__(self):
         _require(self.r >= 1, "r", f"must be >= 1, got {self.r}")
@@ -337,6 +341,9 @@ class AdapterConfig:
             "target_modules",
             "must name at least one module",
         )
+        _require(all(m.strip() for m in self.modules_to_save), "modules_to_save", "has an empty module name")
+        both = sorted(set(self.modules_to_save) & set(self.target_modules))
+        _require(not both, "modules_to_save", f"{both} also in target_modules: a module is adapted or trained whole")
 
     @property
     def enabled(self) -> bool:

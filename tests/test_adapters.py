@@ -148,6 +148,97 @@ def test_a_target_matching_no_linear_layer_is_refused_naming_the_key(char_tokeni
         assert repr(bad[-1]) in str(e.value) and "q_proj" in str(e.value)  # what missed, and what exists
 
 
+def test_a_model_peft_cannot_wrap_is_refused_naming_trust_remote_code(char_tokenizer, tmp_path, monkeypatch):
+    """A trust_remote_code model may bring its own layer types: here one layer's q_proj is not a linear layer
+    (another's is, so the target check passes) and peft refuses it; the refusal names the key and the flag."""
+    from transformers import AutoModelForCausalLM
+
+    from ars_opd.models import loading
+
+    class RemoteProjection(torch.nn.Module):  # a layer type of a model's own code, unknown to peft
+        def __init__(self, d):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(d, d))
+
+    student = _student_dir(char_tokenizer, tmp_path)
+    monkeypatch.setattr(loading, "model_path", lambda models_dir, role: str(student))
+    build = AutoModelForCausalLM.from_config
+
+    def remote_model(config, **kw):
+        model = build(config, **{k: v for k, v in kw.items() if k != "trust_remote_code"})
+        model.model.layers[1].self_attn.q_proj = RemoteProjection(ARCH.hidden_size)
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", remote_model)
+    with pytest.raises(ConfigError) as e:
+        adapters.check_adapter(LORA, "unused", trust_remote_code=True)
+    assert e.value.key == "models.student_adapter"
+    assert "peft cannot wrap" in str(e.value) and "models.trust_remote_code is true" in str(e.value)
+
+
+SAVED = AdapterConfig(
+    kind="lora", r=4, alpha=8.0, target_modules=("q_proj", "v_proj"), modules_to_save=("embed_tokens",)
+)
+
+
+def test_modules_to_save_trains_the_embedding_and_the_tied_head_follows(char_tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from ars_opd.training.budget import matmul_parameters
+
+    base = build_causal_lm(ARCH, char_tokenizer, 0)
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight  # the built-in head is tied
+    plain_p = matmul_parameters(base)
+    original = base.get_input_embeddings().weight.detach().clone()
+    model = adapters.attach(base, SAVED)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    whole = {n for n in names if ".lora_" not in n}
+    assert whole == {"base_model.model.model.embed_tokens.modules_to_save.default.weight"}
+    lora = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    assert adapters.trainable_parameters(model) == lora + original.numel()
+    # the budget counts the embedding once (its trained copy), as in the plain model, plus the adapter
+    assert matmul_parameters(model) == plain_p + lora
+    _train(model)
+    copy = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is copy  # the head reads the trained copy
+    assert not torch.equal(copy, original)
+    assert torch.equal(model.get_base_model().state_dict()["model.embed_tokens.original_module.weight"], original)
+    merged = adapters.merged_state_dict(model)
+    assert not any("original_module" in k or "modules_to_save" in k for k in merged)
+    assert torch.equal(merged["model.embed_tokens.weight"], copy.detach())
+    adapters.save_trained(model, tmp_path / "out", base_revision="r0")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, attn_implementation="sdpa")
+    assert torch.equal(plain.get_output_embeddings().weight, copy.detach())  # published, the head tied to it
+    # the plain model computes what the adapted one does: merged in float64, the bound of the merge test above
+    model = model.double()
+    model.get_base_model().set_attn_implementation("sdpa")
+    plain = plain.double()
+    missing, unexpected = plain.load_state_dict(adapters.merged_state_dict(model), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    ids = torch.randint(0, 40, (3, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, got = model(input_ids=ids).logits, plain(input_ids=ids).logits
+    assert float((want - got).abs().max()) <= gamma(10_000, U64) * float(want.abs().max())
+    # a later stage continues the adapter and the trained embedding together, on the untouched base
+    again = adapters.resume(build_causal_lm(ARCH, char_tokenizer, 0).double(), tmp_path / "out/adapter", "r0")
+    again.get_base_model().set_attn_implementation("sdpa")
+    assert {n for n, p in again.named_parameters() if p.requires_grad} == names
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, want)
+
+
+def test_a_module_to_save_matching_nothing_is_refused_naming_the_key(char_tokenizer, tmp_path, monkeypatch):
+    from ars_opd.models import loading
+
+    student = _student_dir(char_tokenizer, tmp_path)
+    monkeypatch.setattr(loading, "model_path", lambda models_dir, role: str(student))
+    adapters.check_adapter(SAVED, "unused")
+    with pytest.raises(ConfigError) as e:
+        adapters.check_adapter(AdapterConfig(kind="lora", modules_to_save=("embed",)), "unused")
+    assert e.value.key == "models.student_adapter.modules_to_save"
+    assert "'embed'" in str(e.value) and "embed_tokens" in str(e.value)
+
+
 def test_stages_refuse_a_bad_adapter_before_any_worker_starts(monkeypatch):
     from ars_opd.training import opd, sft
 
@@ -173,6 +264,8 @@ def test_adapter_params_are_checked():
         ({"dropout": 1.0}, "dropout"),
         ({"target_modules": []}, "target_modules"),
         ({"kind": "ia3"}, "kind"),
+        ({"modules_to_save": [" "]}, "modules_to_save"),
+        ({"modules_to_save": ["q_proj"], "target_modules": ["q_proj"]}, "modules_to_save"),
     ):
         from ars_opd.config import parse_section
 

@@ -12,8 +12,14 @@ adapter itself in ``adapter/`` (peft's format, with the base it was trained on i
 is computed into a new state dict one layer at a time; the training model is never merged in place (an
 unmerge would not restore its fp32 weights exactly).
 
+``modules_to_save`` (e.g. ``[embed_tokens]``) trains whole modules beside the adapter, as peft does: the
+module's trained copy replaces it in the merged model, and an output head tied to a trained embedding is tied
+to the copy (peft's ``ensure_weight_tying``). Without it, a student with a tied head (the built-in one) keeps
+its base output distribution whatever the adapter learns.
+
 ``check_adapter`` runs before any worker starts: every ``target_modules`` entry must match a linear layer
-of the student (peft's rule: the module's name, or its dotted-name suffix), and peft must be able to wrap
+of the student (peft's rule: the module's name, or its dotted-name suffix), every ``modules_to_save`` entry
+some module, and peft must be able to wrap
 the student (a ``trust_remote_code`` model may have layers it cannot), both checked on a weightless
 (meta-device) copy built from the student's config.
 """
@@ -53,11 +59,24 @@ def unmatched_targets(model: torch.nn.Module, targets: tuple[str, ...]) -> list[
     return [t for t in targets if not any(_matches(n, t) for n in linear)]
 
 
+def unmatched_modules(model: torch.nn.Module, names: tuple[str, ...]) -> list[str]:
+    """The entries of ``names`` that name no module of ``model`` (``modules_to_save``: any module type)."""
+    modules = [n for n, _ in model.named_modules() if n]
+    return [t for t in names if not any(_matches(n, t) for n in modules)]
+
+
 def _lora_config(cfg: AdapterConfig):
     from peft import LoraConfig
 
     return LoraConfig(
-        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none"
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        bias="none",
+        # a module trained whole keeps an output head tied to it tied to the trained copy (one tensor, one gradient)
+        modules_to_save=list(cfg.modules_to_save) or None,
+        ensure_weight_tying=bool(cfg.modules_to_save),
     )
 
 
@@ -80,6 +99,14 @@ def check_adapter(cfg: AdapterConfig, models_dir: str | Path, trust_remote_code:
             f"{KEY}.target_modules",
             f"{missing} match no linear layer of the student "
             f"({type(model).__name__}); its linear layers are named {names}",
+        )
+    unsaved = unmatched_modules(model, cfg.modules_to_save)
+    if unsaved:
+        names = sorted({n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n and "layers." not in n})
+        raise ConfigError(
+            f"{KEY}.modules_to_save",
+            f"{unsaved} match no module of the student ({type(model).__name__}); outside the decoder layers its "
+            f"modules are named {names}",
         )
     try:
         attach(model, cfg)
@@ -120,13 +147,22 @@ def adapter_of(model_dir: str | Path) -> Path | None:
 
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The plain model's state dict of an adapted ``model``: every adapted linear layer's weight is
-    W + its adapter's delta (peft's ``get_delta_weight``), every other tensor is the base's."""
+    W + its adapter's delta (peft's ``get_delta_weight``), a module trained whole (``modules_to_save``) is its
+    trained copy, every other tensor is the base's."""
     from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
 
     base = model.get_base_model()
     adapted = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
+    saved = [n for n, m in base.named_modules() if isinstance(m, ModulesToSaveWrapper)]
     out = {}
     for name, tensor in base.state_dict().items():
+        whole = next((a for a in saved if name.startswith(a + ".")), None)
+        if whole is not None:  # the trained copy replaces the module; its frozen original is dropped
+            copy = f"{whole}.modules_to_save.{ADAPTER_NAME}."
+            if name.startswith(copy):
+                out[f"{whole}.{name[len(copy) :]}"] = tensor.detach()
+            continue
         owner = next((a for a in adapted if name.startswith(a + ".")), None)
         if owner is None:
             out[name] = tensor.detach()

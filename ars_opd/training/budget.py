@@ -12,7 +12,8 @@ P is the number of parameters used in matrix products per token (``matmul_parame
 less an untied input embedding, which is a lookup). A student trained through a LoRA adapter
 (``ars_opd.models.adapters``) counts P = P_base + P_adapter, so training costs 6·(P_base + P_adapter) per
 token: the forward and backward through the frozen base as if it were trained, plus the adapter's own
-(r·(d_in + d_out) per adapted layer). The frozen base needs no weight gradients, so the true cost is nearer
+(r·(d_in + d_out) per adapted layer); a module trained whole beside the adapter (``modules_to_save``) counts
+once, as its trained copy. The frozen base needs no weight gradients, so the true cost is nearer
 4·P_base + 6·P_adapter; the 6·P form keeps full and adapter runs on one axis, an overestimate of at most
 a third for the adapter runs. Attention's own O(T²) term is left out: at the short
 sequences of the pipeline it is a few percent; the estimate is for comparing methods, not for MFU.
@@ -38,7 +39,9 @@ FIELDS = ("steps", "flops", "tokens_trained", "tokens_processed", "tokens_genera
 
 def matmul_parameters(model: torch.nn.Module) -> int:
     """Parameters used in a matrix product per token: all distinct ones, less an untied input embedding."""
-    unique = {id(p): p for p in model.parameters()}
+    # a module trained whole beside an adapter (peft's modules_to_save) computes with its trained copy; the
+    # frozen original beside it (".original_module.") is in no product
+    unique = {id(p): p for n, p in model.named_parameters() if ".original_module." not in n}
     total = sum(p.numel() for p in unique.values())
     get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
     if get_in is not None and get_out is not None and get_in() is not None and get_out() is not None:
