@@ -33,68 +33,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
 
 import torch
+from workload import PRESETS, BenchRun, preset_model, random_sft_task
 
-from ars_opd.config import DDPConfig, SFTConfig
-from ars_opd.lm.optim import make_optimizer, make_scheduler
-from ars_opd.training.batch_plan import BatchGeometry
-from ars_opd.training.checkpoint import TrainerState
-from ars_opd.training.consistency import ConsistencyHook
+from ars_opd.config import DDPConfig
 from ars_opd.training.distributed import init_worker, launch, shutdown_worker
-from ars_opd.training.loop import train_step
-from ars_opd.training.sft import EncodedData, SFTTask
-from ars_opd.training.wrapping import wrap_ddp
 
-PRESETS = {
-    "cpu-6m": dict(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=64,
-        family="llama",
-    ),
-    "qwen3-0.6b": dict(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        family="qwen3",
-    ),
-    "tiny": dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,  # tests
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
-        family="llama",
-    ),
-}
 PARTS = ("hook", "stats", "metrics", "noise_scale", "drift", "drift_gather")
-
-
-def _model(preset: str, device):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-
-    spec = dict(PRESETS[preset])
-    cls = Qwen3Config if spec.pop("family") == "qwen3" else LlamaConfig
-    torch.manual_seed(0)
-    attn = "sdpa" if device.type == "cuda" else "eager"
-    return AutoModelForCausalLM.from_config(
-        cls(tie_word_embeddings=True, **spec), dtype=torch.float32, attn_implementation=attn
-    ).to(device)
 
 
 def _summary(rounds: list[dict], parts: dict[str, float], timed: int) -> dict:
@@ -132,36 +81,17 @@ def worker(job: dict) -> dict:
     ctx = init_worker("auto", "auto", threads=job["threads"])
     try:
         gpu = ctx.device.type == "cuda"
-        rng = random.Random(ctx.rank)
-        vocab = PRESETS[job["preset"]]["vocab_size"]
         total = job["warmup"] + job["rounds"] * job["round_steps"]
-        n = job["micro"] * total
-        data = EncodedData(
-            [[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)],
-            [[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)],
-            {},
-        )
-        cfg = SFTConfig(
-            steps=total,
-            warmup_steps=0,
-            global_batch_size=job["micro"] * ctx.world_size,
-            micro_batch_size=job["micro"],
-            precision="auto",
-            max_seq_len=job["seq"],
-        )
-        geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "bench")
-        runs = {}
-        for name in ("with", "without"):
-            model = _model(job["preset"], ctx.device)
-            ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size))
-            hook = None
-            if name == "with":
-                hook = ConsistencyHook(ctx.world_size, gram_every=50)
-                hook.attach(ddp)
-            opt = make_optimizer(model, cfg)
-            runs[name] = (model, ddp, hook, opt, make_scheduler(opt, cfg, cfg.steps), TrainerState())
-        task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0)
-        params = sum(p.numel() for p in {id(p): p for p in runs["with"][0].parameters()}.values())
+        vocab = PRESETS[job["preset"]]["vocab_size"]
+        cfg, task = random_sft_task(ctx, vocab, total, job["micro"], job["seq"], precision="auto")
+        ddp_cfg = DDPConfig(workers=ctx.world_size)
+        runs = {
+            name: BenchRun.start(
+                preset_model(job["preset"], ctx.device), ctx, cfg, ddp_cfg, name == "with", gram_every=50
+            )
+            for name in ("with", "without")
+        }
+        params = sum(p.numel() for p in {id(p): p for p in runs["with"].model.parameters()}.values())
         load_before = os.getloadavg()[0]
         rounds, parts = [], dict.fromkeys(PARTS, 0.0)
         for step in range(total):
@@ -170,14 +100,11 @@ def worker(job: dict) -> dict:
                 rounds.append({"steps": 0, "with": 0.0, "without": 0.0, "cpu_with": 0.0, "cpu_without": 0.0})
             order = ("with", "without") if step % 2 == 0 else ("without", "with")
             for name in order:
-                model, ddp, hook, opt, sched, state = runs[name]
+                run = runs[name]
                 if gpu:
                     torch.cuda.synchronize()
                 t0, c0 = time.perf_counter(), time.process_time()
-                result = train_step(
-                    ddp, task, opt, sched, ctx, cfg, state, hook, None, job["drift_every"] if hook is not None else 0
-                )
-                state.step += 1
+                result = run.step(task, ctx, cfg, job["drift_every"] if run.hook is not None else 0)
                 if gpu:
                     torch.cuda.synchronize()
                 if r >= 0:
@@ -197,7 +124,7 @@ def worker(job: dict) -> dict:
                         flush=True,
                     )
         identical = all(
-            torch.equal(a, b) for a, b in zip(runs["with"][0].parameters(), runs["without"][0].parameters())
+            torch.equal(a, b) for a, b in zip(runs["with"].model.parameters(), runs["without"].model.parameters())
         )
         for name in list(runs):
             del runs[name]

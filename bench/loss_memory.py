@@ -147,7 +147,7 @@ def _step_fn(step: str, variant: str, student, teacher, t: dict, vocab: int, chu
     return run
 
 
-def _cpu_extra_peak(run) -> int:
+def cpu_extra_peak(run) -> int:
     """Peak of the running sum of every CPU allocation and free recorded while ``run`` executes."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -194,7 +194,7 @@ def measure_memory(step: str, variant: str, batch: int, seq: int, vocab: int, hi
         extra = torch.cuda.max_memory_allocated() - base
     else:
         loss = None
-        extra = _cpu_extra_peak(run)
+        extra = cpu_extra_peak(run)
     return {
         "extra_bytes": int(extra),
         "loss": loss,

@@ -30,56 +30,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 
 import torch
-from loss_memory import _cpu_extra_peak  # (the allocator-event peak, as bench/loss_memory.py)
+from loss_memory import cpu_extra_peak
+from workload import PRESETS, BenchRun, preset_model, random_sft_task
 
-from ars_opd.config import AdapterConfig, DDPConfig, SFTConfig
-from ars_opd.lm.optim import make_optimizer, make_scheduler
+from ars_opd.config import AdapterConfig, DDPConfig
 from ars_opd.models.adapters import attach
-from ars_opd.training.batch_plan import BatchGeometry
-from ars_opd.training.checkpoint import TrainerState
-from ars_opd.training.consistency import ConsistencyHook
 from ars_opd.training.distributed import init_worker, launch, shutdown_worker
-from ars_opd.training.loop import train_step
-from ars_opd.training.sft import EncodedData, SFTTask
-from ars_opd.training.sharding import ShardedConsistencyHook
-from ars_opd.training.wrapping import unwrapped, wrap_model
 
-PRESETS = {
-    "cpu-50m": dict(
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=10,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=64,
-    ),
-    "tiny": dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
-    ),
-}
 STRATEGIES = ("ddp", "fsdp", "ddp+lora")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _model(preset: str, strategy: str, lora_r: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        LlamaConfig(tie_word_embeddings=True, **PRESETS[preset]), dtype=torch.float32, attn_implementation="eager"
-    )
+    model = preset_model(preset)
     if strategy == "ddp+lora":
         model = attach(model, AdapterConfig(kind="lora", r=lora_r, alpha=2.0 * lora_r, target_modules=TARGETS))
     return model
@@ -111,51 +78,27 @@ def _state_bytes(model, opt) -> dict:
 
 
 def _run_strategy(job: dict, strategy: str, ctx) -> dict:
-    rng = random.Random(ctx.rank)
     vocab = PRESETS[job["preset"]]["vocab_size"]
     total = 2 + job["rounds"] * job["round_steps"]
-    n = job["micro"] * total
-    data = EncodedData(
-        [[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)],
-        [[rng.randrange(10, vocab) for _ in range(job["seq"] // 2)] for _ in range(n)],
-        {},
-    )
-    cfg = SFTConfig(
-        steps=total,
-        warmup_steps=0,
-        global_batch_size=job["micro"] * ctx.world_size,
-        micro_batch_size=job["micro"],
-        max_seq_len=job["seq"],
-        max_grad_norm=1.0,
-    )
-    geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "bench")
-    task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0)
+    cfg, task = random_sft_task(ctx, vocab, total, job["micro"], job["seq"], max_grad_norm=1.0)
     ddp_cfg = DDPConfig(workers=ctx.world_size, strategy="fsdp" if strategy == "fsdp" else "ddp")
-    runs = {}
-    for name in ("without", "with"):
-        model = _model(job["preset"], strategy, job["lora_r"])
-        wrapped = wrap_model(model, ctx, ddp_cfg, cfg)
-        hook = None
-        if name == "with":
-            hook = (ShardedConsistencyHook if strategy == "fsdp" else ConsistencyHook)(ctx.world_size)
-            hook.attach(wrapped)
-        opt = make_optimizer(unwrapped(wrapped), cfg)
-        runs[name] = [wrapped, hook, opt, make_scheduler(opt, cfg, cfg.steps), TrainerState()]
-    total_params = sum(p.numel() for p in {id(p): p for p in unwrapped(runs["with"][0]).parameters()}.values())
-    trainable = sum(p.numel() for p in unwrapped(runs["with"][0]).parameters() if p.requires_grad)
+    runs = {
+        name: BenchRun.start(_model(job["preset"], strategy, job["lora_r"]), ctx, cfg, ddp_cfg, name == "with")
+        for name in ("without", "with")
+    }
+    total_params = sum(p.numel() for p in {id(p): p for p in runs["with"].model.parameters()}.values())
+    trainable = sum(p.numel() for p in runs["with"].model.parameters() if p.requires_grad)
 
     def step(name):
-        wrapped, hook, opt, sched, state = runs[name]
         t0 = time.perf_counter()
-        train_step(wrapped, task, opt, sched, ctx, cfg, state, hook, None, 0)
-        state.step += 1
+        runs[name].step(task, ctx, cfg)
         return time.perf_counter() - t0
 
     # the first two steps: gradients, AdamW's state and buffers appear here
-    peak = _cpu_extra_peak(lambda: [step("without") for _ in range(2)])
+    peak = cpu_extra_peak(lambda: [step("without") for _ in range(2)])
     for _ in range(2):
         step("with")
-    model_wo, opt_wo = unwrapped(runs["without"][0]), runs["without"][2]
+    model_wo, opt_wo = runs["without"].model, runs["without"].opt
     memory = _state_bytes(model_wo, opt_wo)
     rounds, times = [], []
     for r in range(job["rounds"]):

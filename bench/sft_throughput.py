@@ -20,6 +20,7 @@ import random
 import time
 
 import torch
+from workload import PRESETS, preset_model
 
 from ars_opd.config import DDPConfig, SFTConfig
 from ars_opd.lm.attention import use_packed_attention
@@ -32,28 +33,6 @@ from ars_opd.training.sft import EncodedData, SFTTask
 from ars_opd.training.wrapping import wrap_ddp
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
-PRESETS = {
-    "cpu-small": dict(
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=64,
-        family="llama",
-    ),
-    "qwen3-0.6b": dict(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        family="qwen3",
-    ),
-}
 
 
 def alpaca_like_lengths(n: int, lo: int, hi: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -65,19 +44,6 @@ def alpaca_like_lengths(n: int, lo: int, hi: int, seed: int = 0) -> list[tuple[i
         p = max(4, int(total * rng.uniform(0.2, 0.6)))
         out.append((p, max(2, total - p)))
     return out
-
-
-def build(preset: str, device: torch.device):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-
-    spec = dict(PRESETS[preset])
-    family = spec.pop("family")
-    cfg_cls = Qwen3Config if family == "qwen3" else LlamaConfig
-    config = cfg_cls(max_position_embeddings=4096, tie_word_embeddings=True, **spec)
-    torch.manual_seed(0)
-    attn = "sdpa" if device.type == "cuda" else "eager"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn).to(device)
-    return model, config.vocab_size
 
 
 def main() -> None:
@@ -93,7 +59,7 @@ def main() -> None:
     steps = args.steps or (20 if gpu else 6)
     micro = args.micro_batch or (16 if gpu else 8)
     lo, hi = args.lengths or ((64, 1024) if gpu else (32, 256))
-    model, vocab = build(preset, ctx.device)
+    model, vocab = preset_model(preset, ctx.device, max_position_embeddings=4096), PRESETS[preset]["vocab_size"]
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if gpu and k in torch.cuda.get_device_name()), None)
     rng = random.Random(1)

@@ -15,6 +15,8 @@ BENCH = REPO / "bench" / "consistency_overhead.py"
 
 
 def _bench():
+    if str(BENCH.parent) not in sys.path:  # as `python bench/consistency_overhead.py` has it: its sibling modules
+        sys.path.insert(0, str(BENCH.parent))
     spec = importlib.util.spec_from_file_location("consistency_overhead", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
