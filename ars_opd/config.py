@@ -36,8 +36,10 @@ PARAMS_FILE = "params.yaml"
 
 # the built-in synthetic tasks (``synthetic.tasks`` names some of them); ``ars_opd.data.synthetic`` holds one
 # generator and one instruction per name, in this order (tested)
-TASK_NAMES = ("add", "reverse", "sort_digits", "length", "uppercase", "count_letter")
+TASK_NAMES = ("add", "reverse", "sort_digits", "length", "uppercase", "count_letter", "running_sum", "shift_steps")
 DEFAULT_TASKS = ("add", "reverse", "sort_digits", "length", "uppercase")
+# answers of 20-60 tokens written step by step, each step computed from the one before (off by default)
+LONG_HORIZON_TASKS = ("running_sum", "shift_steps")
 
 
 class ConfigError(ValueError):
@@ -183,7 +185,8 @@ class SyntheticConfig:
     """The built-in synthetic instruction tasks (used by the built-in teacher and by ``data.source: synthetic``)."""
 
     tasks: tuple[str, ...] = DEFAULT_TASKS
-    """Task names, drawn uniformly; allowed: add, reverse, sort_digits, length, uppercase, count_letter."""
+    """Task names, drawn uniformly; allowed: add, reverse, sort_digits, length, uppercase, count_letter, and
+    the long-horizon family running_sum, shift_steps (answers of 20-60 tokens; see ``ars_opd.data.synthetic``)."""
     max_operand: int = 19
     """add: operands are drawn from 0..max_operand."""
     min_len: int = 3

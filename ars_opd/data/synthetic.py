@@ -17,6 +17,20 @@ Tasks (``ars_opd.config.TASK_NAMES``: the values accepted by ``synthetic.tasks``
   the default mix: a tiny model needs far longer to learn it (measured: stuck at the majority class
   after 1,500 steps while the other tasks passed 60%).
 
+The long-horizon family (``ars_opd.config.LONG_HORIZON_TASKS``, off by default): answers of 20-60 tokens
+written as a chain of steps joined by ``", "``, each step computed from the one before it, so that one
+wrong intermediate token carries into every later step (the regime where a student trained only on
+teacher text never learns to recover from its own states):
+
+- ``running_sum``: ``"7 + 5 + 9 + 3 + 8"`` -> ``"7+5=12, 12+9=21, 21+3=24, 24+8=32"`` (5-7 terms of 1..9);
+  the final answer is the last sum;
+- ``shift_steps``: instruction ``"Shift the letters 4 times."``, input ``"hqzt"`` -> ``"iral, jsbm, ktcn,
+  ludo"``: each step moves every letter of the previous one to the next letter of the alphabet (z -> a);
+  4-7 steps of 4-5 letters; the final answer is the last step.
+
+``check_steps`` compares an answer with the reference step by step (which steps are right, where the first
+error is); exact match on these tasks counts the final answer (``is_correct_for``).
+
 Letter payloads never equal one of the instruction words, so the local tokenizer (which keeps those
 words whole) always sees them letter by letter. What this module leaves out: tokenisation and
 prompt rendering (see ``ars_opd.models.tokenizer`` and ``ars_opd.data.prompts``).
@@ -30,7 +44,7 @@ import string
 from dataclasses import dataclass
 from typing import Callable
 
-from ars_opd.config import DEFAULT_TASKS, TASK_NAMES
+from ars_opd.config import DEFAULT_TASKS, LONG_HORIZON_TASKS, TASK_NAMES
 
 LETTERS = string.ascii_lowercase
 DIGITS = string.digits
@@ -42,7 +56,17 @@ INSTRUCTIONS = {
     "length": "Count the letters.",
     "uppercase": "Uppercase the letters.",
     "count_letter": "Count the letter {letter}.",
+    "running_sum": "Add the numbers.",
+    "shift_steps": "Shift the letters {steps} times.",
 }
+# The tokenizer's whole words come from the short tasks' instructions only, so the vocabulary is the same
+# for every task mix (a model trained on one mix reads another); a long-horizon instruction's other words are
+# spelt in characters ("Shift", "times").
+WORD_TASKS = ("add", "reverse", "sort_digits", "length", "uppercase", "count_letter")
+STEP_SEPARATOR = ", "
+RUNNING_SUM_TERMS = (5, 7)  # terms per running_sum prompt, each in 1..9: 4-6 steps, 26-51 answer tokens
+SHIFT_STEPS = (4, 7)  # steps per shift_steps prompt
+SHIFT_LETTERS = (4, 5)  # letters per shift_steps string: 22-41 answer tokens
 
 
 @dataclass(frozen=True)
@@ -57,8 +81,8 @@ class TaskSpec:
 def instruction_words() -> list[str]:
     """Every word that appears in an instruction template, for the tokenizer's whole-word tokens."""
     words: set[str] = set()
-    for text in INSTRUCTIONS.values():
-        words.update(re.findall(r"[A-Za-z]{2,}", text.replace("{letter}", "")))
+    for task in WORD_TASKS:
+        words.update(re.findall(r"[A-Za-z]{2,}", INSTRUCTIONS[task].replace("{letter}", "")))
     return sorted(words)
 
 
@@ -108,6 +132,43 @@ def _make_uppercase(rng: random.Random, spec: TaskSpec) -> tuple[str, str, str]:
     return INSTRUCTIONS["uppercase"], s, s.upper()
 
 
+def running_sum_steps(terms: list[int]) -> list[str]:
+    """``"a+b=c"`` for each term after the first, ``a`` the running total so far."""
+    steps, total = [], terms[0]
+    for x in terms[1:]:
+        steps.append(f"{total}+{x}={total + x}")
+        total += x
+    return steps
+
+
+def _shift(s: str) -> str:
+    return "".join(LETTERS[(LETTERS.index(c) + 1) % 26] for c in s)
+
+
+def shift_chain(s: str, steps: int) -> list[str]:
+    """``s`` shifted by one letter, then that shifted again, ``steps`` times."""
+    out = []
+    for _ in range(steps):
+        s = _shift(s)
+        out.append(s)
+    return out
+
+
+def _make_running_sum(rng: random.Random, spec: TaskSpec) -> tuple[str, str, str]:
+    terms = [rng.randint(1, 9) for _ in range(rng.randint(*RUNNING_SUM_TERMS))]
+    return INSTRUCTIONS["running_sum"], " + ".join(map(str, terms)), STEP_SEPARATOR.join(running_sum_steps(terms))
+
+
+def _make_shift_steps(rng: random.Random, spec: TaskSpec) -> tuple[str, str, str]:
+    steps = rng.randint(*SHIFT_STEPS)
+    reserved = {w.lower() for w in instruction_words()}
+    while True:  # no string of the chain may be a whole-word token ("user"): the task is letter by letter
+        s = "".join(rng.choice(LETTERS) for _ in range(rng.randint(*SHIFT_LETTERS)))
+        chain = shift_chain(s, steps)
+        if reserved.isdisjoint([s, *chain]):
+            return INSTRUCTIONS["shift_steps"].format(steps=steps), s, STEP_SEPARATOR.join(chain)
+
+
 _MAKERS: dict[str, Callable[[random.Random, TaskSpec], tuple[str, str, str]]] = {
     "add": _make_add,
     "reverse": _make_reverse,
@@ -115,6 +176,8 @@ _MAKERS: dict[str, Callable[[random.Random, TaskSpec], tuple[str, str, str]]] = 
     "length": _make_length,
     "uppercase": _make_uppercase,
     "count_letter": _make_count_letter,
+    "running_sum": _make_running_sum,
+    "shift_steps": _make_shift_steps,
 }
 
 
@@ -160,9 +223,68 @@ def expected_answer(task: str, instruction: str, inp: str) -> str:
         return str(inp.count(m.group(1)))
     if task == "uppercase":
         return inp.upper()
+    if task == "running_sum":
+        return STEP_SEPARATOR.join(running_sum_steps([int(x) for x in inp.split("+")]))
+    if task == "shift_steps":
+        m = re.search(r"letters (\d+) times\.", instruction)
+        if not m:
+            raise ValueError(f"shift_steps instruction names no step count: {instruction!r}")
+        return STEP_SEPARATOR.join(shift_chain(inp.strip(), int(m.group(1))))
     raise ValueError(f"unknown synthetic task {task!r}; allowed: {list(TASK_NAMES)}")
 
 
 def is_correct(answer: str, reference: str) -> bool:
     """Exact match after stripping surrounding whitespace."""
     return answer.strip() == reference.strip()
+
+
+def final_answer(task: str, text: str) -> str:
+    """A long-horizon answer's final answer: the last sum of ``running_sum``, the last step of
+    ``shift_steps``. Other tasks' answers are their own final answer."""
+    last = text.strip().split(STEP_SEPARATOR.strip())[-1].strip()
+    if task == "running_sum":
+        return last.rsplit("=", 1)[-1].strip() if "=" in last else ""
+    return last if task in LONG_HORIZON_TASKS else text.strip()
+
+
+def is_correct_for(task: str | None, answer: str, reference: str) -> bool:
+    """Exact match as the evaluation counts it: the final answer on long-horizon tasks, the whole answer on
+    the others."""
+    if task in LONG_HORIZON_TASKS:
+        return final_answer(task, answer) == final_answer(task, reference)
+    return is_correct(answer, reference)
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """A long-horizon answer against its reference, step by step."""
+
+    correct: tuple[bool, ...]  # per reference step: the answer's step at that index equals it
+    extra_steps: int  # steps the answer writes beyond the reference's
+
+    @property
+    def first_error(self) -> int | None:
+        """Index of the first wrong (or missing) reference step; ``len(correct)`` when every reference step is
+        right but the answer goes on; None when the answer is the reference."""
+        for i, ok in enumerate(self.correct):
+            if not ok:
+                return i
+        return len(self.correct) if self.extra_steps else None
+
+    @property
+    def step_accuracy(self) -> float:
+        return sum(self.correct) / len(self.correct)
+
+
+def answer_steps(text: str) -> list[str]:
+    """An answer split into its steps (whitespace around each step ignored)."""
+    return [s.strip() for s in text.strip().split(STEP_SEPARATOR.strip())] if text.strip() else []
+
+
+def check_steps(answer: str, reference: str) -> StepCheck:
+    """Which of the reference's steps the answer gets right, index by index. A step is right when its text
+    equals the reference step's: a wrong intermediate token makes its own step wrong, and on these tasks
+    every later step computed from it wrong too."""
+    got, want = answer_steps(answer), answer_steps(reference)
+    correct = tuple(i < len(got) and got[i] == w for i, w in enumerate(want))
+    return StepCheck(correct, max(0, len(got) - len(want)))

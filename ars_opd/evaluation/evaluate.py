@@ -6,7 +6,8 @@ prompts of the subset (the teacher_gen eval split, which carries the teacher's c
 
 - ``exact_match``: greedy answers compared with the ground truth where the data has a checkable one (rows of
   the synthetic tasks, whose reference answers are verified against an independent recomputation in the
-  tests); null otherwise. Also per task.
+  tests); null otherwise. Also per task. On the long-horizon tasks it counts the final answer, and ``steps``
+  adds where in the answer each model first goes wrong (``ars_opd.evaluation.steps``).
 - ``reverse_kl``: KL(q ‖ p) per token between the model q and the teacher p, exact over the vocabulary,
   averaged over the tokens of the model's *own* samples (temperature 1, seeded) — the quantity on-policy
   distillation minimises. 0 for the teacher by definition.
@@ -37,10 +38,11 @@ from pathlib import Path
 import torch
 
 from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
-from ars_opd.config import EvaluateConfig, PathsConfig, to_dict
+from ars_opd.config import ConfigError, EvaluateConfig, PathsConfig, to_dict
 from ars_opd.data import synthetic
 from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.evaluation.arms import ARMS, MODELS, TRAINED
+from ars_opd.evaluation.steps import step_metrics
 from ars_opd.evaluation.tables import render_table
 from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
 from ars_opd.lm.cross_entropy import shifted_targets
@@ -142,6 +144,22 @@ class HeldOut:
         return HeldOut(self.rows[:n], self.prompts[:n], self.completions[:n], self.checkable[:n])
 
 
+def check_answer_room(tokenizer, rows: list[dict], max_new_tokens: int) -> None:
+    """Refuse, naming ``evaluate.max_new_tokens``, a budget that cuts a checkable reference answer with its EOS:
+    every such prompt would count as wrong whatever the model writes (the long-horizon tasks need ~52)."""
+    refs = [r for r in rows if r.get("task") in synthetic.TASK_NAMES and r.get("reference") is not None]
+    if not refs:
+        return
+    lengths = [len(ids) for ids in encode_completions(tokenizer, [r["reference"] for r in refs])]
+    longest = max(range(len(refs)), key=lengths.__getitem__)
+    if lengths[longest] > max_new_tokens:
+        raise ConfigError(
+            "evaluate.max_new_tokens",
+            f"{max_new_tokens} tokens cannot hold the longest checkable reference answer ({lengths[longest]} "
+            f"tokens with its EOS, task {refs[longest]['task']}): raise it to at least {lengths[longest]}",
+        )
+
+
 def score_model(
     model,
     teacher,
@@ -160,10 +178,13 @@ def score_model(
         per_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for r, t, ok in zip(data.rows, texts, data.checkable):
             if ok:
-                per_task[r["task"]][0] += int(synthetic.is_correct(t, r["reference"]))
+                per_task[r["task"]][0] += int(synthetic.is_correct_for(r["task"], t, r["reference"]))
                 per_task[r["task"]][1] += 1
         m["exact_match"] = sum(c for c, _ in per_task.values()) / sum(n for _, n in per_task.values())
         m["exact_match_per_task"] = {k: c / n for k, (c, n) in sorted(per_task.items())}
+        steps = step_metrics([r.get("task") for r in data.rows], texts, [r.get("reference") for r in data.rows])
+        if steps is not None:  # long-horizon tasks: where in the answer each model first goes wrong
+            m["steps"] = steps
     else:
         m["exact_match"] = None
     m["reverse_kl"] = (
@@ -261,6 +282,7 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
         )
     tokenizer = load_tokenizer(paths.models_dir)
     vocab = len(tokenizer)
+    check_answer_room(tokenizer, rows, cfg.max_new_tokens)
     data = HeldOut(
         rows,
         encode_prompts(tokenizer, [r["messages"] for r in rows]),

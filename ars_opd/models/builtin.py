@@ -135,16 +135,22 @@ def exact_match(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict],
-    max_new_tokens: int = 16,
+    max_new_tokens: int | None = None,
     batch_size: int = 128,
 ) -> dict:
-    """Greedy exact-match accuracy on Alpaca rows with ``task``; overall and per task.
+    """Greedy exact-match accuracy on Alpaca rows with ``task``; overall and per task (on the long-horizon
+    tasks, of the final answer: ``synthetic.is_correct_for``).
 
     The reference is recomputed from the instruction and input by ``synthetic.expected_answer``, an
-    oracle independent of the stored ``output``.
+    oracle independent of the stored ``output``. ``max_new_tokens`` (None: 16, or twice the longest reference
+    with its EOS when that is more) leaves room past the longest reference, so an answer that runs on is
+    judged whole rather than cut to a right-looking prefix.
     """
     if not rows:
         raise ValueError("exact_match needs at least one row")
+    if max_new_tokens is None:
+        longest = max(len(ids) for ids in encode_completions(tokenizer, [r["output"] for r in rows]))
+        max_new_tokens = max(16, 2 * longest)
     answers = generate_texts(
         model,
         tokenizer,
@@ -154,7 +160,7 @@ def exact_match(
     )
     per_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for r, a in zip(rows, answers):
-        ok = synthetic.is_correct(a, synthetic.expected_answer(r["task"], r["instruction"], r["input"]))
+        ok = synthetic.is_correct_for(r["task"], a, synthetic.expected_answer(r["task"], r["instruction"], r["input"]))
         per_task[r["task"]][0] += int(ok)
         per_task[r["task"]][1] += 1
     correct = sum(c for c, _ in per_task.values())
