@@ -896,6 +896,30 @@ class OPDConfig(TrainLoopConfig):
 
 
 @dataclass(frozen=True)
+class ControlConfig:
+    """OPD's control arm (the sft_continued stage): what its more SFT trains on.
+
+    OPD and the control start from the same SFT student and run the same loop; the control's data is the
+    question. ``repeat`` gives it the SFT stage's own teacher completions again (more epochs over the same
+    prompts, no new teacher cost); ``fresh`` gives it the teacher's completions of prompts neither SFT nor OPD
+    saw, as a user with more teacher budget would: the last ``fresh_rows`` rows of the train split, held back
+    from the sft and opd stages (raise ``data.subset_size`` by as many)."""
+
+    data: Literal["repeat", "fresh"] = "repeat"
+    """repeat: the SFT stage's rows again; fresh: the held-back rows, each trained on once."""
+    fresh_rows: int = 0
+    """Rows at the end of the train split held back from sft and opd for the control (0: none)."""
+
+    def __post_init__(self):
+        _require(self.fresh_rows >= 0, "fresh_rows", f"must be >= 0, got {self.fresh_rows}")
+        _require(
+            self.data == "repeat" or self.fresh_rows > 0,
+            "fresh_rows",
+            "control.data: fresh needs rows held back for it: set fresh_rows (and raise data.subset_size by as many)",
+        )
+
+
+@dataclass(frozen=True)
 class EvaluateConfig:
     """Held-out evaluation of every student (base, SFT, OPD, continued SFT) and the teacher."""
 
@@ -976,6 +1000,7 @@ SECTIONS: dict[str, type] = {
     "ddp": DDPConfig,
     "sft": SFTConfig,
     "opd": OPDConfig,
+    "control": ControlConfig,
     "evaluate": EvaluateConfig,
     "report": ReportConfig,
 }
@@ -1063,6 +1088,7 @@ class Params:
     ddp: DDPConfig | None = None
     sft: SFTConfig | None = None
     opd: OPDConfig | None = None
+    control: ControlConfig | None = None
     evaluate: EvaluateConfig | None = None
     report: ReportConfig | None = None
 
@@ -1164,6 +1190,7 @@ def check_params(params: Params, base: str | Path = ".") -> None:
     ``params`` holds; ``ConfigError`` naming the key. ``base``: where relative paths start (the repo root).
 
     - ``inputs``: each local source of ``data``/``models`` is mirrored by its ``inputs`` key (``check_inputs``);
+    - ``control`` with ``opd``: fresh data holds a row for every row the control trains on;
     - ``opd``: the objective ``opd.loss`` trains correctly with these settings
       (``check_objective``; ``run_opd`` calls it again for configs built in code);
     - ``ddp`` with ``sft``/``opd``: the global batch splits over ``ddp.workers`` and then into micro-batches
@@ -1188,6 +1215,14 @@ def check_params(params: Params, base: str | Path = ".") -> None:
             "opd.rollout_cache",
             "static rollouts stop each worker at its own EOS, and a sharded "
             "student (ddp.strategy: fsdp) needs every worker to run the same forwards; use dynamic",
+        )
+    if params.control is not None and params.opd is not None and params.control.data == "fresh":
+        need = params.opd.steps * params.opd.global_batch_size
+        _require(
+            params.control.fresh_rows >= need,
+            "control.fresh_rows",
+            f"control.data: fresh trains on each held-back row once, and the control's {params.opd.steps} steps "
+            f"of {params.opd.global_batch_size} rows (the opd loop) need {need}; got {params.control.fresh_rows}",
         )
     loops = [(name, getattr(params, name)) for name in ("sft", "opd") if getattr(params, name) is not None]
     if params.ddp is not None and loops and not launched_externally():

@@ -5,10 +5,10 @@ from stages import run_stage
 
 
 def main() -> None:
-    p = load_params(sections=("paths", "models", "ddp", "sft"))
+    p = load_params(sections=("paths", "models", "ddp", "sft", "control"))
     from ars_opd.training.sft import run_sft
 
-    summary = run_sft(p.sft, p.ddp, p.paths, adapter=p.models.student_adapter)
+    summary = run_sft(p.sft, p.ddp, p.paths, adapter=p.models.student_adapter, control=p.control)
     print(f"sft: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
 
 

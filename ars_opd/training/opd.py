@@ -38,8 +38,7 @@ import time
 
 import torch
 
-from ars_opd.artifacts import file_sha256, read_jsonl
-from ars_opd.config import AdapterConfig, DDPConfig, OPDConfig, PathsConfig
+from ars_opd.config import AdapterConfig, ControlConfig, DDPConfig, OPDConfig, PathsConfig
 from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.lm.generation import generate_token_ids
@@ -56,6 +55,7 @@ from ars_opd.training.opd_teacher_setup import build_teacher, check_scoring_endp
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.sharding import is_sharded
 from ars_opd.training.task import MicroBatch
+from ars_opd.training.train_rows import train_rows
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
 
 __all__ = ["EndpointTeacher", "LocalTeacher", "OPDTask", "run_opd", "uses_student_rollouts"]
@@ -210,8 +210,7 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     if rows_out < vocab:
         raise ValueError(f"the student has {rows_out} output rows but the tokenizer {vocab} ids")
     teacher, teacher_params, teacher_manifest = build_teacher(job, setup, vocab)
-    train_path = job.paths.completions("train")
-    rows = read_jsonl(train_path)
+    rows, identity = train_rows(job.paths, job.stage, job.control)
     prompts, completions, tasks, counts = _encode(tokenizer, rows, job.cfg)
     if not prompts:
         raise ValueError(f"no OPD prompts left after the budget: {counts}")
@@ -234,8 +233,7 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     fingerprint = {
         "init": student.init,
         "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
-        "rows": len(rows),
-        "data": file_sha256(train_path),
+        **identity,
     }
     return PreparedRun(
         model,
@@ -259,6 +257,7 @@ def run_opd(
     trust_remote_code: bool = False,
     progress: bool = True,
     adapter: AdapterConfig = AdapterConfig(),
+    control: ControlConfig = ControlConfig(),
 ) -> dict:
     """The opd stage: start the workers, distil, write outputs. Returns rank 0's summary.
 
@@ -270,7 +269,7 @@ def run_opd(
     # too; here for configs built in code)
     check_config(cfg)
     check_adapter(adapter, paths.models_dir, trust_remote_code)
-    job = TrainingJob("opd", cfg, ddp, paths, trust_remote_code, progress, adapter=adapter)
+    job = TrainingJob("opd", cfg, ddp, paths, trust_remote_code, progress, adapter=adapter, control=control)
     if cfg.teacher == "local":
         return launch_stage(opd_worker, job)
     with scoring_endpoint(cfg, paths) as (url, model):

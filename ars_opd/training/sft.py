@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ars_opd.artifacts import file_sha256, read_jsonl
-from ars_opd.config import AdapterConfig, DDPConfig, OPDConfig, PathsConfig, SFTConfig, TrainLoopConfig
+from ars_opd.config import AdapterConfig, ControlConfig, DDPConfig, OPDConfig, PathsConfig, SFTConfig, TrainLoopConfig
 from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.lm.attention import packed_attention_implementation, packed_model_inputs, use_packed_attention
 from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels
@@ -33,6 +32,7 @@ from ars_opd.training.batch_plan import BatchGeometry, step_indices
 from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.faults import Fault
 from ars_opd.training.task import MicroBatch
+from ars_opd.training.train_rows import train_rows
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
 
 
@@ -144,8 +144,7 @@ class SFTTask:
 def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     """The sft stage starts from the base student; sft_continued from ``paths.distill_init`` (the student the
     distillation arms start from), so that it is OPD's control at equal steps."""
-    train_path = job.paths.completions("train")
-    rows = read_jsonl(train_path)
+    rows, identity = train_rows(job.paths, job.stage, job.control)
     data = encode_sft_rows(setup.tokenizer, rows, job.cfg)
     if not data.prompts:
         raise ValueError(f"no SFT rows left after the budgets: {data.counts}")
@@ -166,7 +165,7 @@ def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         vocab=len(setup.tokenizer),
         flops_per_token=6.0 * matmul_parameters(model),
     )
-    fingerprint = {"init": init, "rows": len(rows), "data": file_sha256(train_path)}
+    fingerprint = {"init": init, **identity}
     return PreparedRun(model, task, fingerprint, data.counts, manifest=manifest, budget_start=start)
 
 
@@ -175,13 +174,19 @@ def sft_worker(job: TrainingJob) -> dict:
 
 
 def run_sft(
-    cfg: SFTConfig, ddp: DDPConfig, paths: PathsConfig, progress: bool = True, adapter: AdapterConfig = AdapterConfig()
+    cfg: SFTConfig,
+    ddp: DDPConfig,
+    paths: PathsConfig,
+    progress: bool = True,
+    adapter: AdapterConfig = AdapterConfig(),
+    control: ControlConfig = ControlConfig(),
 ) -> dict:
     """The sft stage: start the workers, train, write outputs. Returns rank 0's summary."""
     if cfg.packing:  # before any worker starts: a packed attention this machine cannot train with is a config error
         packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
     check_adapter(adapter, paths.models_dir)
-    return launch_stage(sft_worker, TrainingJob("sft", cfg, ddp, paths, progress=progress, adapter=adapter))
+    job = TrainingJob("sft", cfg, ddp, paths, progress=progress, adapter=adapter, control=control)
+    return launch_stage(sft_worker, job)
 
 
 def continued_sft_config(sft: SFTConfig, opd: OPDConfig) -> SFTConfig:
@@ -199,10 +204,13 @@ def run_sft_continued(
     paths: PathsConfig,
     progress: bool = True,
     adapter: AdapterConfig = AdapterConfig(),
+    control: ControlConfig = ControlConfig(),
 ) -> dict:
-    """The sft_continued stage: OPD's control arm, more SFT from the same start, with OPD's loop."""
+    """The sft_continued stage: OPD's control arm, more SFT from the same start, with OPD's loop, on the SFT
+    stage's rows again or on fresh ones (``control``)."""
     cfg = continued_sft_config(sft, opd)
     if cfg.packing:
         packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
     check_adapter(adapter, paths.models_dir)
-    return launch_stage(sft_worker, TrainingJob("sft_continued", cfg, ddp, paths, progress=progress, adapter=adapter))
+    job = TrainingJob("sft_continued", cfg, ddp, paths, progress=progress, adapter=adapter, control=control)
+    return launch_stage(sft_worker, job)

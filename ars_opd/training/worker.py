@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from ars_opd.artifacts import provenance, write_json
-from ars_opd.config import AdapterConfig, DDPConfig, PathsConfig, TrainLoopConfig, to_dict
+from ars_opd.config import AdapterConfig, ControlConfig, DDPConfig, PathsConfig, TrainLoopConfig, to_dict
 from ars_opd.models.adapters import adapter_of, attach, is_adapted, resume, save_trained, trainable_parameters
 from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer, read_manifest, sha256_of_files
 from ars_opd.seeding import derive_seed, scenario_seeds, set_seeds
@@ -49,6 +49,8 @@ class TrainingJob:
     the checkpoint fingerprint, so a rerun with another port still resumes."""
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     """``models.student_adapter``: train the whole student (kind null) or a LoRA adapter on it."""
+    control: ControlConfig = field(default_factory=ControlConfig)
+    """``control``: train rows held back from sft and opd, and whether the control arm trains on them."""
 
 
 @dataclass
