@@ -15,7 +15,7 @@ import yaml
 
 from micro import write_micro_params
 from test_dvc_pipeline import REPO, _repo_copy, _run
-from test_inputs_provenance import save_tiny_model
+from tiny_models import save_tiny_model
 
 DVC = str(Path(sys.executable).parent / "dvc")
 

@@ -10,28 +10,17 @@ import yaml
 
 from ars_opd.config import (
     INPUT_PLACEHOLDER,
-    ArchConfig,
-    BaseConfig,
     ConfigError,
     ModelsConfig,
-    SyntheticConfig,
     load_params,
     parse_section,
 )
 from ars_opd.models import loading
-from ars_opd.models.builtin import build_causal_lm
 from ars_opd.models.loading import ModelPinError, load_model, model_path, read_manifest
-from ars_opd.models.prepare import prepare_models
 from micro import MICRO_OVERRIDES
+from tiny_models import prepare_local_models, save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32)
-
-
-def save_tiny_model(directory: Path, tokenizer, seed: int = 0) -> Path:
-    build_causal_lm(TINY, tokenizer, seed=seed).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 def _params(tmp_path: Path, data: dict | None = None, models: dict | None = None, inputs: dict | None = None) -> Path:
@@ -81,14 +70,8 @@ def test_inputs_must_mirror_every_local_source(tmp_path):
 def local_pair(tmp_path, char_tokenizer):
     """A local teacher directory pinned by the models stage, in tmp_path/models."""
     teacher = save_tiny_model(tmp_path / "teacher_dir", char_tokenizer)
-    cfg = parse_section(ModelsConfig, {"teacher": str(teacher), "student": str(teacher)}, "models")
-    prepare_models(
-        BaseConfig(threads=1),
-        cfg,
-        SyntheticConfig(),
-        str(tmp_path / "models"),
-        str(tmp_path / "m.json"),
-        progress=False,
+    prepare_local_models(
+        tmp_path, parse_section(ModelsConfig, {"teacher": str(teacher), "student": str(teacher)}, "models")
     )
     return tmp_path / "models", teacher
 
@@ -144,14 +127,7 @@ def test_a_changed_builtin_model_is_refused(tmp_path):
         **MICRO_OVERRIDES["models"],
         "teacher_training": {**MICRO_OVERRIDES["models"]["teacher_training"], "steps": 0},
     }
-    prepare_models(
-        BaseConfig(threads=1),
-        parse_section(ModelsConfig, over, "models"),
-        SyntheticConfig(),
-        str(tmp_path / "models"),
-        str(tmp_path / "m.json"),
-        progress=False,
-    )
+    prepare_local_models(tmp_path, parse_section(ModelsConfig, over, "models"))
     load_model(tmp_path / "models", "student")
     cfg = tmp_path / "models" / "student" / "config.json"
     cfg.write_text(cfg.read_text().replace("}", ',"x": 1}', 1))

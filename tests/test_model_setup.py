@@ -5,13 +5,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ars_opd.config import BaseConfig, ModelsConfig, SyntheticConfig, parse_section
+from ars_opd.config import ModelsConfig, parse_section
 from ars_opd.data import synthetic
 from ars_opd.data.prompts import alpaca_messages, encode_prompts
 from ars_opd.lm.generation import generate_token_ids
 from ars_opd.models.loading import ModelSourceError, load_model, load_tokenizer, read_manifest, resolve_pretrained
-from ars_opd.models.prepare import TeacherTooWeakError, prepare_models
+from ars_opd.models.prepare import TeacherTooWeakError
 from micro import MICRO_OVERRIDES
+from tiny_models import TINY, prepare_local_models, save_tiny_model
 
 
 def _micro_models(**over) -> ModelsConfig:
@@ -24,15 +25,7 @@ def _micro_models(**over) -> ModelsConfig:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    metrics = prepare_models(
-        BaseConfig(seed=0, threads=1),
-        _micro_models(),
-        SyntheticConfig(),
-        str(root / "models"),
-        str(root / "metrics" / "models.json"),
-        progress=False,
-    )
-    return root, metrics
+    return root, prepare_local_models(root, _micro_models(), metrics="metrics/models.json")  # a directory to create
 
 
 @pytest.mark.slow
@@ -65,14 +58,7 @@ def test_models_stage_writes_loadable_pinned_models(built):
 @pytest.mark.slow
 def test_models_stage_is_deterministic(built, tmp_path):
     root, metrics = built
-    again = prepare_models(
-        BaseConfig(seed=0, threads=1),
-        _micro_models(),
-        SyntheticConfig(),
-        str(tmp_path / "models"),
-        str(tmp_path / "m.json"),
-        progress=False,
-    )
+    again = prepare_local_models(tmp_path, _micro_models())
     first, second = read_manifest(root / "models"), read_manifest(tmp_path / "models")
     assert first["teacher"]["revision"] == second["teacher"]["revision"]
     assert first["student"]["revision"] == second["student"]["revision"]
@@ -83,14 +69,7 @@ def test_models_stage_is_deterministic(built, tmp_path):
 def test_weak_teacher_gate_fails_and_writes_nothing(tmp_path):
     cfg = _micro_models(teacher_training={"min_accuracy": 0.99})
     with pytest.raises(TeacherTooWeakError, match="min_accuracy"):
-        prepare_models(
-            BaseConfig(threads=1),
-            cfg,
-            SyntheticConfig(),
-            str(tmp_path / "models"),
-            str(tmp_path / "m.json"),
-            progress=False,
-        )
+        prepare_local_models(tmp_path, cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -107,50 +86,31 @@ def test_batched_greedy_generation_equals_one_by_one(built):
 
 
 def test_local_model_directory_is_pinned_by_file_hash(tmp_path, char_tokenizer):
-    from ars_opd.config import ArchConfig
     from ars_opd.models.builtin import build_causal_lm
 
-    m = build_causal_lm(
-        ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32),
-        char_tokenizer,
-        seed=0,
-    )
-    m.save_pretrained(tmp_path / "m")
-    char_tokenizer.save_pretrained(tmp_path / "m")
+    save_tiny_model(tmp_path / "m", char_tokenizer, seed=0)
     ref = resolve_pretrained(str(tmp_path / "m"))
     assert ref.source == "local" and len(ref.revision) == 64
     assert resolve_pretrained(str(tmp_path / "m")).revision == ref.revision
     m2 = AutoModelForCausalLM.from_pretrained(ref.path)
+    m = build_causal_lm(TINY, char_tokenizer, seed=0)  # what was saved: the build is a function of the seed
     assert torch.equal(m2.model.embed_tokens.weight, m.model.embed_tokens.weight)
 
 
 def test_pretrained_pair_with_different_tokenizers_is_refused(tmp_path, char_tokenizer):
-    from ars_opd.config import ArchConfig
-    from ars_opd.models.builtin import build_causal_lm
     from ars_opd.models.tokenizer import TokenizerMismatchError, build_char_word_tokenizer
 
-    arch = ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32)
     other_tok = build_char_word_tokenizer(["Zebra"])
     for name, tok in (("t", char_tokenizer), ("s", other_tok)):
-        build_causal_lm(arch, tok, seed=0).save_pretrained(tmp_path / name)
-        tok.save_pretrained(tmp_path / name)
+        save_tiny_model(tmp_path / name, tok)
     cfg = parse_section(ModelsConfig, {"teacher": str(tmp_path / "t"), "student": str(tmp_path / "s")}, "models")
     with pytest.raises(TokenizerMismatchError, match="do not share a tokenizer"):
-        prepare_models(
-            BaseConfig(threads=1),
-            cfg,
-            SyntheticConfig(),
-            str(tmp_path / "out"),
-            str(tmp_path / "m.json"),
-            progress=False,
-        )
+        prepare_local_models(tmp_path, cfg, out="out")
     assert not (tmp_path / "out").exists()
 
     # the same tokenizer on both sides passes and pins both local directories
     cfg = parse_section(ModelsConfig, {"teacher": str(tmp_path / "t"), "student": str(tmp_path / "t")}, "models")
-    prepare_models(
-        BaseConfig(threads=1), cfg, SyntheticConfig(), str(tmp_path / "out"), str(tmp_path / "m.json"), progress=False
-    )
+    prepare_local_models(tmp_path, cfg, out="out")
     manifest = read_manifest(tmp_path / "out")
     assert manifest["teacher"]["source"] == "local" and manifest["teacher"]["path"] == str((tmp_path / "t").resolve())
     assert load_model(tmp_path / "out", "student").config.vocab_size == len(char_tokenizer)
@@ -209,14 +169,7 @@ def test_weak_teacher_error_names_the_params_that_fix_it(tmp_path):
     # steps 0: no training at all, so the gate must fail, and the message must say which params to change
     cfg = _micro_models(teacher_training={"steps": 0, "min_accuracy": 0.5})
     with pytest.raises(TeacherTooWeakError) as e:
-        prepare_models(
-            BaseConfig(threads=1),
-            cfg,
-            SyntheticConfig(),
-            str(tmp_path / "models"),
-            str(tmp_path / "m.json"),
-            progress=False,
-        )
+        prepare_local_models(tmp_path, cfg)
     message = str(e.value)
     assert "after models.teacher_training.steps = 0 steps" in message
     assert "below models.teacher_training.min_accuracy = 50.0%" in message

@@ -1,0 +1,36 @@
+"""Tiny models on disk, for the tests (and bench/server_isolation.py) that need a model directory.
+
+``save_tiny_model`` writes a one-layer built-in model (hidden 16) with its tokenizer: a self-contained
+Hugging Face directory, the shape of a user's local teacher or student, loadable by the teacher server
+(``context``: its context length, for the server's prompt bounds). ``prepare_local_models`` runs the
+models stage on one thread into ``root/models`` (metrics in ``root/m.json``), as the tests of pinning, of
+the teacher gate and of the models stage itself do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ars_opd.config import ArchConfig, BaseConfig, ModelsConfig, SyntheticConfig
+from ars_opd.models.builtin import build_causal_lm
+from ars_opd.models.prepare import prepare_models
+
+TINY = ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32)
+
+
+def save_tiny_model(directory: Path, tokenizer, seed: int = 0, context: int | None = None) -> Path:
+    """``TINY`` (context ``context`` tokens, else ArchConfig's default) initialised from ``seed``, saved
+    with ``tokenizer`` in ``directory``; returns ``directory``."""
+    arch = TINY if context is None else dataclasses.replace(TINY, max_position_embeddings=context)
+    build_causal_lm(arch, tokenizer, seed=seed).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def prepare_local_models(root: Path, models: ModelsConfig, out: str = "models", metrics: str = "m.json") -> dict:
+    """The models stage (one thread, default base seed and synthetic tasks) into ``root/out``, its metrics
+    written to ``root/metrics`` and returned."""
+    return prepare_models(
+        BaseConfig(threads=1), models, SyntheticConfig(), str(root / out), str(root / metrics), progress=False
+    )
