@@ -1,12 +1,13 @@
 """Does one oversized prompt stall the bundled teacher server for everyone else?
 
-Builds a tiny model directory (the built-in tokenizer, a given context length), starts ``ars-opd serve`` on
-it as its own process, sends one huge prompt, and meanwhile small requests (max_tokens 2): ``--small``
-of them one after another, or all at once with ``--burst``. Prints one JSON line per scenario: the huge
-request's status and seconds, and the small requests' count, median and max latency and failures.
+Builds a tiny model directory (the built-in tokenizer, a given context length; ``tests/tiny_models.py``),
+starts ``ars-opd serve`` on it as its own process (``local_teacher_server``, as the stages do), sends one
+huge prompt, and meanwhile small requests (max_tokens 2): ``--small`` of them one after another, or all at
+once with ``--burst``. Prints one JSON line per scenario: the huge request's status and seconds, and the
+small requests' count, median and max latency and failures.
 
-    python bench/server_isolation.py                 # the default scenarios below
-    python bench/server_isolation.py --burst 256     # 256 small requests sent together with each huge one
+    python -m bench.server_isolation                 # the default scenarios below (from the repo root)
+    python -m bench.server_isolation --burst 256     # 256 small requests sent together with each huge one
 
 Scenarios (context tokens, prompt characters): (256, 8M) refused 413 by the body limit; (256, 50k) refused
 400 by the character bound, before tokenizing; (200k, 1.5M) tokenized in a worker thread, then refused 400
@@ -20,64 +21,30 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 
-from ars_opd.config import ArchConfig
+from ars_opd.config import TeacherServerConfig
 from ars_opd.data import synthetic
-from ars_opd.models.builtin import build_causal_lm
 from ars_opd.models.tokenizer import build_char_word_tokenizer
+from ars_opd.teacher.client.local_server import local_teacher_server
+from tests.tiny_models import save_tiny_model
 
 SCENARIOS = ((256, 8_000_000), (256, 50_000), (200_000, 1_500_000))
 
 
-def start_server(context: int, tmp: Path) -> tuple[subprocess.Popen, str]:
-    tok = build_char_word_tokenizer(synthetic.instruction_words())
-    model_dir = tmp / f"ctx{context}"
-    build_causal_lm(
-        ArchConfig(
-            hidden_size=16,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=context,
-        ),
-        tok,
-        seed=0,
-    ).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    ready = tmp / f"ready{context}.json"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ars_opd.teacher.server",
-            str(model_dir),
-            "--model-name",
-            "m",
-            "--ready-file",
-            str(ready),
-            "--threads",
-            "1",
-            "--max-wait-ms",
-            "1",
-        ],
-        cwd=Path(__file__).resolve().parents[1],
-        stderr=subprocess.DEVNULL,
+def serve(context: int, tmp: Path):
+    """``ars-opd serve`` as its own process on a tiny model whose context is ``context`` tokens: a context
+    manager yielding the server's base URL (``.../v1``); the process stops on leaving it."""
+    model_dir = save_tiny_model(
+        tmp / f"ctx{context}", build_char_word_tokenizer(synthetic.instruction_words()), context=context
     )
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
-    return proc, f"http://{info['host']}:{info['port']}/v1/chat/completions"
+    return local_teacher_server(
+        str(model_dir), TeacherServerConfig(threads=1, max_wait_ms=1.0, startup_timeout_s=120), model_name="m"
+    )
 
 
 async def post(session: aiohttp.ClientSession, url: str, content: str) -> tuple[int | str, float]:
@@ -123,12 +90,8 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for context, chars in SCENARIOS:
-            proc, url = start_server(context, Path(tmp))
-            try:
-                result = asyncio.run(scenario(url, chars, args.small, args.burst))
-            finally:
-                proc.terminate()
-                proc.wait(30)
+            with serve(context, Path(tmp)) as base:
+                result = asyncio.run(scenario(f"{base}/chat/completions", chars, args.small, args.burst))
             print(json.dumps({"context": context, "prompt_chars": chars, "burst": args.burst, **result}), flush=True)
 
 

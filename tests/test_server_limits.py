@@ -10,39 +10,24 @@ import time
 import aiohttp
 import pytest
 
-from ars_opd.config import ArchConfig
-from ars_opd.models.builtin import build_causal_lm
 from ars_opd.teacher.server import app as teacher_server
 from ars_opd.teacher.server.handlers import BODY_LIMIT_KEY, ENGINE_KEY
 from ars_opd.teacher.server.preparation import CHARS_MARGIN
-from test_teacher_server import _ServerThread
+from server_thread import ServerThread
+from tiny_models import save_tiny_model
 
 MODEL = "tiny"
 
 
-def _model_dir(tmp_path_factory, tokenizer, context: int):
-    d = tmp_path_factory.mktemp(f"ctx{context}")
-    build_causal_lm(
-        ArchConfig(
-            hidden_size=16,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=context,
-        ),
-        tokenizer,
-        seed=0,
-    ).save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    return d
+def _serve(tmp_path_factory, tokenizer, context: int) -> ServerThread:
+    """The bundled server, in this process, on a tiny model whose context is ``context`` tokens."""
+    model_dir = save_tiny_model(tmp_path_factory.mktemp(f"ctx{context}"), tokenizer, context=context)
+    return ServerThread(teacher_server.create_app(str(model_dir), MODEL, max_wait_ms=1))
 
 
 @pytest.fixture(scope="module")
 def small_context(tmp_path_factory, char_tokenizer):
-    srv = _ServerThread(
-        teacher_server.create_app(str(_model_dir(tmp_path_factory, char_tokenizer, 256)), MODEL, max_wait_ms=1)
-    )
+    srv = _serve(tmp_path_factory, char_tokenizer, 256)
     yield srv
     srv.close()
 
@@ -111,9 +96,7 @@ def test_a_prompt_the_context_cannot_hold_is_refused_before_tokenizing(small_con
 def test_small_requests_stay_fast_while_a_huge_prompt_is_tokenized(tmp_path_factory, char_tokenizer):
     """A context of 200k tokens admits a 1.5M-character prompt to tokenization (seconds of CPU); meanwhile
     small requests are served as usual; tokenized on the event loop, each would wait for all of it."""
-    srv = _ServerThread(
-        teacher_server.create_app(str(_model_dir(tmp_path_factory, char_tokenizer, 200_000)), MODEL, max_wait_ms=1)
-    )
+    srv = _serve(tmp_path_factory, char_tokenizer, 200_000)
     try:
 
         async def go():

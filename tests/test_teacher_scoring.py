@@ -20,7 +20,8 @@ from ars_opd.config import EndpointConfig
 from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make_client
 from ars_opd.teacher.client.score import ScoringError, check_tokenizer, parse_prompt_logprobs, score_sequences
 from ars_opd.teacher.server import app as teacher_server
-from test_teacher_server import _ServerThread, save_scaled_model
+from server_thread import ServerThread
+from test_teacher_server import save_scaled_model
 from tolerances import forward_bound, two_computations, vs_oracle
 
 MODEL = "tiny-scorer"
@@ -73,7 +74,7 @@ def scorer_dir(tmp_path_factory, char_tokenizer):
 
 @pytest.fixture(scope="module")
 def scorer(scorer_dir):
-    srv = _ServerThread(
+    srv = ServerThread(
         teacher_server.create_app(str(scorer_dir), MODEL, max_batch_size=64, max_wait_ms=50, max_logprobs=8)
     )
     yield srv

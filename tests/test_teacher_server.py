@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,14 +20,14 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 import torch
-from aiohttp import web
 
 from ars_opd.config import ArchConfig
 from ars_opd.data.prompts import encode_prompt
 from ars_opd.lm.generation import decode_completion, generate_token_ids
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server import engine, handlers, sampling
+from ars_opd.teacher.server import handlers, sampling
+from server_thread import ServerThread
 
 MODEL = "tiny-teacher"
 # 16 prompts of different lengths, so a batch of them is really left-padded
@@ -59,42 +58,10 @@ def save_scaled_model(d: Path, tokenizer, num_layers: int, seed: int, scale: flo
     return d
 
 
-class _ServerThread:
-    """The app on an ephemeral 127.0.0.1 port, served by an event loop in a background thread."""
-
-    def __init__(self, app: web.Application):
-        self.app, self.loop = app, asyncio.new_event_loop()
-        self.runner = web.AppRunner(app)
-        started = threading.Event()
-
-        def serve():
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.runner.setup())
-            self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", 0).start())
-            self.port = self.runner.addresses[0][1]
-            started.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=serve, daemon=True)
-        self.thread.start()
-        assert started.wait(30), "server thread did not start"
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    @property
-    def stats(self) -> engine.ServerStats:
-        return self.app[handlers.ENGINE_KEY].stats
-
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
-        self.loop.close()
-
-
 @pytest.fixture(scope="module")
 def server(model_dir):
     # a generous wait makes "concurrent requests share a batch" hold even on a busy 2-core machine
-    srv = _ServerThread(teacher_server.create_app(str(model_dir), MODEL, max_batch_size=64, max_wait_ms=50))
+    srv = ServerThread(teacher_server.create_app(str(model_dir), MODEL, max_batch_size=64, max_wait_ms=50))
     yield srv
     srv.close()
 
