@@ -90,6 +90,9 @@ class FixedTask:
     def micro_batches(self, step, model):
         return self.micro
 
+    def teacher_tokens(self, step):
+        return 0
+
     def loss_sum(self, model, batch):
         # the pipeline's loss path: last hidden states through DDP's forward, the head in chunks
         from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden
@@ -150,9 +153,7 @@ def consistency_probe(job: dict) -> list:
 def _consistency_probe(job: dict, ctx) -> list:
     from ars_opd.data import synthetic
     from ars_opd.models.tokenizer import build_char_word_tokenizer
-    from ars_opd.training.consistency import ConsistencyHook, consistency_metrics
-    from ars_opd.training.distributed import gather_floats
-    from ars_opd.training.loop import accumulate_gradients
+    from ars_opd.training.consistency import ConsistencyHook
 
     tok = build_char_word_tokenizer(synthetic.instruction_words())
     model = tiny_model(tok)
@@ -174,36 +175,44 @@ def _consistency_probe(job: dict, ctx) -> list:
     for step in range(job["steps"]):
         brute = _brute_force(ddp, task, ctx, cfg)
         hook.begin_step(step)
-        local_sum, local_tokens, *_ = accumulate_gradients(ddp, task, task.micro, ctx, cfg)
-        g = gather_floats(
-            torch.cat([torch.tensor([local_sum / local_tokens], dtype=torch.float64), hook.local_stats(ctx.device)]),
-            ctx.device,
-        )
-        gram = hook.gram()
-        reduced = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
-        inputs = {
-            "worker_loss": g[:, 0].tolist(),
-            "sq": g[:, 1].tolist(),
-            "dot": g[:, 2].tolist(),
-            "mean_sq": float(reduced.pow(2).sum()),
-            "gram": None if gram is None else gram.tolist(),
-        }
-        stats = consistency_metrics(*(inputs[k] for k in ("worker_loss", "sq", "dot", "mean_sq")), gram)
-        # the reduced gradient's error relative to Σ_k |g_k| / K, entry by entry (0 where every g_k is 0)
-        rel = ((reduced - brute["mean"]).abs() / brute["abs_mean"]).nan_to_num(0.0)
-        out.append(
-            {
-                "hook": stats,
-                "brute": {k: v for k, v in brute.items() if k not in ("mean", "abs_mean")},
-                "inputs": inputs,
-                "params": reduced.numel(),
-                "reduced_rel": float(rel.max()),
-                "buckets": len(hook._sq),
-            }
-        )
+        out.append(monitored_step(ddp, hook, task, ctx, cfg, brute, lambda: [p.grad for p in model.parameters()]))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return out
+
+
+def monitored_step(wrapped, hook, task, ctx, cfg, brute: dict, reduced_grads) -> dict:
+    """One step of a consistency probe (DDP or FSDP): the forward/backward under the hook, the hook's
+    statistics from the gathered per-rank values, and the brute force ``brute`` of the same step beside them.
+    ``reduced_grads()``: the reduced gradient after the backward, one tensor per parameter (whole, unsharded)."""
+    from ars_opd.training.consistency import consistency_metrics
+    from ars_opd.training.distributed import gather_floats
+
+    local_sum, local_tokens, *_ = accumulate_gradients(wrapped, task, task.micro, ctx, cfg)
+    g = gather_floats(
+        torch.cat([torch.tensor([local_sum / local_tokens], dtype=torch.float64), hook.local_stats(ctx.device)]),
+        ctx.device,
+    )
+    gram = hook.gram()
+    reduced = torch.cat([grad.reshape(-1) for grad in reduced_grads()]).double()
+    inputs = {
+        "worker_loss": g[:, 0].tolist(),
+        "sq": g[:, 1].tolist(),
+        "dot": g[:, 2].tolist(),
+        "mean_sq": float(reduced.pow(2).sum()),
+        "gram": None if gram is None else gram.tolist(),
+    }
+    stats = consistency_metrics(*(inputs[k] for k in ("worker_loss", "sq", "dot", "mean_sq")), gram)
+    # the reduced gradient's error relative to Σ_k |g_k| / K, entry by entry (0 where every g_k is 0)
+    rel = ((reduced - brute["mean"]).abs() / brute["abs_mean"]).nan_to_num(0.0)
+    return {
+        "hook": stats,
+        "brute": {k: v for k, v in brute.items() if k not in ("mean", "abs_mean")},
+        "inputs": inputs,
+        "params": reduced.numel(),
+        "reduced_rel": float(rel.max()),
+        "buckets": len(hook._sq),  # both hooks keep one squared norm per bucket (DDP) or FSDP group
+    }
 
 
 def bitwise_probe(job: dict) -> bool:

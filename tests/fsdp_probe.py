@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from ars_opd.config import SFTConfig
 from ars_opd.training.distributed import gather_floats, init_worker, shutdown_worker
-from ddp_probe import FixedTask, brute_force_statistics, tiny_model
+from ddp_probe import FixedTask, brute_force_statistics, monitored_step, tiny_model
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -40,8 +40,6 @@ def fsdp_consistency_probe(job: dict) -> list:
     try:
         from ars_opd.data import synthetic
         from ars_opd.models.tokenizer import build_char_word_tokenizer
-        from ars_opd.training.consistency import consistency_metrics
-        from ars_opd.training.loop import accumulate_gradients
         from ars_opd.training.sharding import ShardedConsistencyHook, shard_model
 
         tok = build_char_word_tokenizer(synthetic.instruction_words())
@@ -52,39 +50,16 @@ def fsdp_consistency_probe(job: dict) -> list:
         hook = ShardedConsistencyHook(ctx.world_size)
         hook.attach(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def reduced_grads():  # each parameter's reduced gradient gathered whole from its shards
+            return [_full(p.grad) for p in model.parameters() if p.grad is not None]
+
         out = []
         for step in range(job["steps"]):
             plain.load_state_dict({k: _full(v) for k, v in model.state_dict().items()})
             brute = _brute_force(plain, task, ctx)
             hook.begin_step(step)
-            local_sum, local_tokens, *_ = accumulate_gradients(model, task, task.micro, ctx, cfg)
-            g = gather_floats(
-                torch.cat(
-                    [torch.tensor([local_sum / local_tokens], dtype=torch.float64), hook.local_stats(ctx.device)]
-                ),
-                ctx.device,
-            )
-            gram = hook.gram()
-            reduced = torch.cat([_full(p.grad).reshape(-1) for p in model.parameters() if p.grad is not None]).double()
-            inputs = {
-                "worker_loss": g[:, 0].tolist(),
-                "sq": g[:, 1].tolist(),
-                "dot": g[:, 2].tolist(),
-                "mean_sq": float(reduced.pow(2).sum()),
-                "gram": None if gram is None else gram.tolist(),
-            }
-            stats = consistency_metrics(*(inputs[k] for k in ("worker_loss", "sq", "dot", "mean_sq")), gram)
-            rel = ((reduced - brute["mean"]).abs() / brute["abs_mean"]).nan_to_num(0.0)
-            out.append(
-                {
-                    "hook": stats,
-                    "brute": {k: v for k, v in brute.items() if k not in ("mean", "abs_mean")},
-                    "inputs": inputs,
-                    "params": reduced.numel(),
-                    "reduced_rel": float(rel.max()),
-                    "buckets": len(hook._sq),
-                }
-            )
+            out.append(monitored_step(model, hook, task, ctx, cfg, brute, reduced_grads))
             opt.step()
             opt.zero_grad(set_to_none=True)
         return out
