@@ -8,14 +8,15 @@ answers. Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /stats`` (batchin
 ``prompt_logprobs: k``, answered in exactly vLLM's shape: ``ars_opd.teacher.server.scoring``), and vLLM's
 ``POST /tokenize``. Each chat request's messages go through the directory's chat template (generation
 prompt appended); requests are answered by the route handlers of ``ars_opd.teacher.server.handlers``,
-validated by ``ars_opd.teacher.server.validation`` and batched, chat and scoring rows alike, by
-``ars_opd.teacher.server.engine``. This module builds the application (routes, body limit, the batcher's
-lifetime) and runs the process: ``serve``, ``run_server`` and the command line, ``main``.
+prepared by ``ars_opd.teacher.server.preparation`` (validated by ``ars_opd.teacher.server.validation``) and
+batched, chat and scoring rows alike, by ``ars_opd.teacher.server.engine``. This module builds the
+application (routes, body limit, the batcher's lifetime) and runs the process: ``serve``, ``run_server`` and
+the command line, ``main``.
 
 One client cannot stall the others: a body larger than ``body_limit`` (what the longest prompt that fits
 the context can take, JSON-escaped) is answered 413 without being decoded; decoding, validation, chat
 template and tokenization run in threads, off the event loop; a prompt with more characters than the
-context can hold is refused with 400 before it is tokenized (``ars_opd.teacher.server.engine``).
+context can hold is refused with 400 before it is tokenized (``ars_opd.teacher.server.preparation``).
 
 What it deliberately leaves out: authentication, TLS, tool/function calls, logprobs, ``n`` > 1,
 penalties and logit bias, response formats, text generation through ``/v1/completions``, continuous batching

@@ -1,13 +1,14 @@
 """The bundled server's HTTP handlers: one coroutine per route, reading requests and writing answers.
 
-Each POST handler reads its body (413 past the app's ``BODY_LIMIT_KEY``), has the engine
-(``ars_opd.teacher.server.engine``) prepare it in threads, submits its rows and turns the events that
-answer them (``ars_opd.teacher.server.jobs``) into OpenAI's or vLLM's wire format: a whole
-``chat.completion``, a stream of Server-Sent Events chunks, a scoring answer, errors as
-``RequestError`` bodies. The rule the chat and scoring handlers keep: work proportional to a request's
-size runs off the event loop (decoding and tokenizing in the engine's threads, formatting a scoring answer
-in an executor), so one client cannot stall the others; ``/tokenize`` still decodes and tokenizes on the
-loop. The app (``ars_opd.teacher.server.app``) registers the handlers and fills the keys they read.
+Each POST handler reads its body (413 past the app's ``BODY_LIMIT_KEY``), has the engine's ``requests``
+(``ars_opd.teacher.server.preparation``) prepare it in threads, submits its rows to the engine
+(``ars_opd.teacher.server.engine``) and turns the events that answer them (``ars_opd.teacher.server.jobs``)
+into OpenAI's or vLLM's wire format: a whole ``chat.completion``, a stream of Server-Sent Events chunks, a
+scoring answer, errors as ``RequestError`` bodies. The rule the chat and scoring handlers keep: work
+proportional to a request's size runs off the event loop (decoding and tokenizing in the preparation threads,
+formatting a scoring answer in an executor), so one client cannot stall the others; ``/tokenize`` still
+decodes and tokenizes on the loop. The app (``ars_opd.teacher.server.app``) registers the handlers and fills
+the keys they read.
 """
 
 from __future__ import annotations
