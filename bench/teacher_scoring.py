@@ -38,7 +38,7 @@ from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.models.tokenizer import build_char_word_tokenizer
 from ars_opd.teacher.client.endpoint import ClientSettings
-from ars_opd.teacher.client.generate import local_teacher_server
+from ars_opd.teacher.client.local_server import local_teacher_server
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.opd import OPDTask
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
