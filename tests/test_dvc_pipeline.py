@@ -133,6 +133,7 @@ def test_dvc_repro_whole_pipeline_then_noop_then_check(tmp_path):
 
     check = _run([sys.executable, "-m", "ars_opd.cli", "check"], work)
     assert check.returncode == 0, check.stderr
+    _teacher_data_cost_adds_up(work, yaml.safe_load((work / "params.yaml").read_text()))
 
     t0 = time.perf_counter()
     again = _run([dvc, "repro"], work)
@@ -169,3 +170,44 @@ def test_dvc_repro_whole_pipeline_then_noop_then_check(tmp_path):
     assert "opd.reverse_kl: not finite (nan)" in bad.stderr
     assert "failures.jsonl: missing" in bad.stderr
     assert "steps.jsonl: last line has no newline" in bad.stderr and "steps.jsonl:6: not valid JSON" in bad.stderr
+
+
+def _teacher_data_cost_adds_up(work: Path, params: dict) -> None:
+    """The teacher's data cost of the micro run: the sft stage's budget holds, once per row its sampler drew
+    (any rank, any step), the tokens the teacher generated for that row in teacher_gen's output (the
+    completion, and EOS when it stopped); opd and the repeating control add nothing; the evaluation's third
+    view adds 2·P_teacher FLOPs per such token, P_teacher counted from the teacher's weights file."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from ars_opd.evaluation.equal_budget import compare
+    from ars_opd.seeding import derive_seed
+    from ars_opd.training.batch_plan import BatchGeometry, step_indices
+
+    paths, sft, ddp = params["paths"], params["sft"], params["ddp"]
+    rows = [json.loads(line) for line in (work / paths["teacher_dir"] / "train.jsonl").read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(work / paths["models_dir"] / "tokenizer")
+    tokens = [
+        len(tok(r["completion"], add_special_tokens=False)["input_ids"]) + (r["finish_reason"] == "stop") for r in rows
+    ]
+    geometry = BatchGeometry.check(sft["global_batch_size"], ddp["workers"], sft["micro_batch_size"], "sft")
+    seed = derive_seed(ddp["seed"], "sft")  # scenario S1-1: every rank's sampler seed is the stage seed
+    drawn = {
+        i
+        for step in range(sft["steps"])
+        for r in range(ddp["workers"])
+        for i in step_indices(step, len(rows), geometry, seed, r)
+    }
+    budget = {
+        s: json.loads((work / paths[f"{s}_model"] / "budget.json").read_text()) for s in ("sft", "opd", "sft_continued")
+    }
+    assert budget["sft"]["teacher_tokens"] == sum(tokens[i] for i in drawn) > 0
+    assert (
+        budget["opd"]["teacher_tokens"] == budget["sft_continued"]["teacher_tokens"] == budget["sft"]["teacher_tokens"]
+    )
+    ev = json.loads((work / paths["eval_metrics"]).read_text())
+    teacher = load_file(str(work / paths["models_dir"] / "teacher" / "model.safetensors"))
+    assert ev["teacher"]["matmul_parameters"] == sum(v.numel() for v in teacher.values())  # tied head: stored once
+    cmp = compare(ev)
+    extra = 2 * ev["teacher"]["matmul_parameters"] * budget["sft"]["teacher_tokens"]
+    assert cmp["equal_total_flops"]["flops"] == cmp["equal_flops"]["flops"] + extra  # both arms carry SFT's cost

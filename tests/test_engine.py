@@ -296,6 +296,9 @@ class _ScaledTask:
         self.step = step
         return self.inner.micro_batches(step, model)
 
+    def teacher_tokens(self, step):
+        return self.inner.teacher_tokens(step)
+
     def loss_sum(self, model, batch):
         loss, m = self.inner.loss_sum(model, batch)
         return loss * self.scale.get(self.step, 1.0), m

@@ -123,12 +123,21 @@ def _paired(runs: list[dict], where: str, metric: str) -> tuple[list[float], lis
     return a, b
 
 
+VIEWS = (
+    ("equal_steps", "At equal steps"),
+    ("equal_flops", "At equal FLOPs"),
+    ("equal_total_flops", "At equal FLOPs, the teacher's data cost counted"),
+)
+
+
 def _comparison(runs: list[dict], level: str = "##") -> tuple[list[str], dict, list[str]]:
     """The equal-steps and equal-FLOPs tables of a set of seeds: (markdown, flat summary, verdict bits)."""
     lines: list[str] = []
     summary: dict = {}
     verdict_bits = []
-    for where, title in (("equal_steps", "At equal steps"), ("equal_flops", "At equal FLOPs")):
+    for where, title in VIEWS:
+        if not any((compare(r["evaluate"]) or {}).get(where) for r in runs):
+            continue  # e.g. no teacher parameter count in older evaluations: no data-cost view
         lines += [
             f"{level} {title}",
             "",

@@ -10,6 +10,10 @@ each arm's final model on every held-out prompt, and its learning-curve snapshot
 - **Equal FLOPs**: an OPD step also samples and runs the teacher, so at the cheaper arm's total FLOPs the
   other arm's learning curve is read off by linear interpolation between its snapshots (both on the curve
   prompts).
+- **Equal FLOPs with the teacher's data cost**: the same, with 2·P_teacher FLOPs added per token the teacher
+  generated for the text each arm's lineage trained on (the SFT stage's completions, and a fresh control's
+  own: ``control.data``), as the published comparisons of distillation with SFT count it. With a control
+  that repeats the SFT stage's rows both arms carry the same data cost and this view equals the one above.
 
 ``compare`` does this for one run; ``headline``, ``budget_note`` and ``regime_note`` are the report's markdown
 on it. Pure functions of one run's evaluate metrics, no I/O: the seed sweep (``ars_opd.evaluation.distillation``)
@@ -44,26 +48,41 @@ def interpolate(curve: list[dict], x_key: str, x: float, y_key: str) -> float:
     return float(np.interp(x, xs, ys))
 
 
+def total_flops(point: dict, teacher_parameters: int) -> float:
+    """A budget's FLOPs with the teacher's cost of the text its lineage trained on: 2·P_teacher per token the
+    teacher generated for it (``teacher_tokens``, ``ars_opd.training.data_cost``)."""
+    return point["flops"] + 2.0 * teacher_parameters * point.get("teacher_tokens", 0)
+
+
+def _at_equal(curves: dict, x_key: str) -> dict:
+    """Both arms at the cheaper arm's final ``x_key``, each read off its learning curve."""
+    x = min(max(p[x_key] for p in curves[a]) for a in ARMS)
+    return {"flops": x, **{arm: {k: interpolate(curves[arm], x_key, x, k) for k, _, _ in METRICS} for arm in ARMS}}
+
+
 def compare(eval_metrics: dict) -> dict | None:
     """One run's comparison: {"equal_steps": {arm: {metric: v, ...budget}}, "equal_flops": {"flops": F,
-    arm: {metric: v}}}; None when an arm is missing."""
+    arm: {metric: v}}, "equal_total_flops": the same with the teacher's data cost counted}; None when an arm
+    is missing. The third view needs the teacher's parameter count (evaluate metrics, ``teacher``)."""
     if not all(eval_metrics.get(a) for a in ARMS):
         return None
-    out: dict[str, Any] = {"equal_steps": {}, "equal_flops": {}}
+    out: dict[str, Any] = {"equal_steps": {}, "equal_flops": {}, "equal_total_flops": {}}
     for arm in ARMS:
         m = eval_metrics[arm]
         out["equal_steps"][arm] = {**{k: m.get(k) for k, _, _ in METRICS}, **(m.get("budget") or {})}
     curves = eval_metrics.get("curves") or {}
     if all(curves.get(a) for a in ARMS):
-        flops = min(max(p["flops"] for p in curves[a]) for a in ARMS)
-        out["equal_flops"]["flops"] = flops
-        for arm in ARMS:
-            out["equal_flops"][arm] = {k: interpolate(curves[arm], "flops", flops, k) for k, _, _ in METRICS}
+        out["equal_flops"] = _at_equal(curves, "flops")
+        p_teacher = (eval_metrics.get("teacher") or {}).get("matmul_parameters")
+        if p_teacher:
+            total = {a: [{**p, "total_flops": total_flops(p, p_teacher)} for p in curves[a]] for a in ARMS}
+            out["equal_total_flops"] = _at_equal(total, "total_flops")
     return out
 
 
 def headline(cmp: dict) -> list[str]:
-    """Markdown: the two arms at equal steps and at equal FLOPs, and a one-run verdict."""
+    """Markdown: the two arms at equal steps, at equal FLOPs (and with the teacher's data cost), and a one-run
+    verdict."""
     steps = cmp["equal_steps"]
     lines = [
         "Both arms start from the same SFT student and run the same loop (same steps, batch, learning-rate "
@@ -83,24 +102,35 @@ def headline(cmp: dict) -> list[str]:
             + " | ".join(fmt(s.get(k), pct=k == "exact_match") for k, _, _ in METRICS)
             + " |"
         )
-    flops = cmp["equal_flops"]
-    if flops:
+    views = [("equal steps", steps)]
+    for key, label, what in (
+        ("equal_flops", "equal FLOPs", "from scratch, the cheaper arm's total"),
+        (
+            "equal_total_flops",
+            "equal FLOPs with the teacher's data cost",
+            "from scratch with 2·P_teacher per token the teacher wrote for the text each arm's lineage trained "
+            "on, the cheaper arm's total",
+        ),
+    ):
+        table = cmp.get(key)
+        if not table:
+            continue
+        views.append((label, table))
         lines += [
             "",
-            f"At equal FLOPs ({fmt(flops['flops'])} from scratch, the cheaper arm's total; learning "
-            "curves interpolated on the curve prompts):",
+            f"At {label} ({fmt(table['flops'])} {what}; learning curves interpolated on the curve prompts):",
             "",
-            "| at equal FLOPs | " + " | ".join(label for _, label, _ in METRICS) + " |",
+            f"| at {label} | " + " | ".join(label for _, label, _ in METRICS) + " |",
             "|---|" + "---|" * len(METRICS),
         ]
         for arm in ARMS:
             lines.append(
                 f"| {LABELS[arm]} | "
-                + " | ".join(fmt(flops[arm].get(k), pct=k == "exact_match") for k, _, _ in METRICS)
+                + " | ".join(fmt(table[arm].get(k), pct=k == "exact_match") for k, _, _ in METRICS)
                 + " |"
             )
     verdict = []
-    for label, table in (("equal steps", steps), ("equal FLOPs", flops)):
+    for label, table in views:
         if not table:
             continue
         o, c = table["opd"].get("reverse_kl"), table["sft_continued"].get("reverse_kl")

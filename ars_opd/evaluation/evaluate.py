@@ -52,7 +52,7 @@ from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, s
 from ars_opd.lm.opd_objectives import TeacherLogits
 from ars_opd.lm.precision import frozen_model_dtype
 from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer
-from ars_opd.training.budget import SNAPSHOTS, read_budget
+from ars_opd.training.budget import SNAPSHOTS, matmul_parameters, read_budget
 
 
 def _load(
@@ -297,6 +297,8 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
         m, texts = score_model(model, teacher, tokenizer, data, cfg, vocab, device, is_teacher=name == "teacher")
         if name in TRAINED:
             m["budget"] = read_budget(paths.training(name).model)
+        if name == "teacher":  # the data-cost view charges 2 of these FLOPs per token the teacher wrote
+            m["matmul_parameters"] = matmul_parameters(model)
         metrics[name] = m
         for a, t in zip(answers, texts):
             a[name] = t

@@ -66,7 +66,7 @@ def build_report(
                 "![learning curves against FLOPs](figures/learning_curves_flops.png)",
                 "",
             ]
-            for where in ("equal_steps", "equal_flops"):
+            for where in ("equal_steps", "equal_flops", "equal_total_flops"):
                 for arm in ARMS:
                     for key, v in (cmp[where].get(arm) or {}).items():
                         if isinstance(v, (int, float)) and math.isfinite(v):

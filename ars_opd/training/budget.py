@@ -34,7 +34,9 @@ import torch
 
 BUDGET_FILE = "budget.json"
 SNAPSHOTS = "snapshots"  # learning-curve snapshots (step_N/, each with its budget.json) inside a model directory
-FIELDS = ("steps", "flops", "tokens_trained", "tokens_processed", "tokens_generated")
+# teacher_tokens: tokens the teacher generated for the text the lineage trained on, each row once
+# (ars_opd.training.data_cost); 2·P_teacher FLOPs each when the comparison counts the teacher's data cost
+FIELDS = ("steps", "flops", "tokens_trained", "tokens_processed", "tokens_generated", "teacher_tokens")
 
 
 def matmul_parameters(model: torch.nn.Module) -> int:

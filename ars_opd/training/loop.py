@@ -199,6 +199,7 @@ def train_step(
         "tokens_generated": int(gathered[:, columns.GENERATED].sum().item()),
         "tokens_processed": int(gathered[:, columns.PROCESSED].sum().item()),
         "tokens_trained": global_tokens,
+        "teacher_tokens": task.teacher_tokens(state.step),  # the same on every rank: no column to gather
     }
     consistency, noise = {}, (float("nan"), float("nan"))
     if monitor is not None:

@@ -103,6 +103,11 @@ class OPDTask:
     def metric_names(self) -> list[str]:
         return ["teacher_logprob", "response_length", "eos_rate", "gen_s", "teacher_s", "on_policy"]
 
+    def teacher_tokens(self, step: int) -> int:
+        """0: OPD's teacher-text steps (GKD) train on the SFT stage's rows, which the SFT stage paid for
+        (``ars_opd.training.data_cost``); the teacher's scoring is in the step's FLOPs."""
+        return 0
+
     def source(self, step: int) -> str:
         return "student" if uses_student_rollouts(self.seed, step, self.cfg.on_policy_fraction) else "teacher"
 

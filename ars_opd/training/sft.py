@@ -30,6 +30,7 @@ from ars_opd.lm.precision import resolve_device
 from ars_opd.models.adapters import check_adapter
 from ars_opd.training.batch_plan import BatchGeometry, step_indices
 from ars_opd.training.budget import matmul_parameters
+from ars_opd.training.data_cost import TeacherText, charges_teacher_text, generated_tokens
 from ars_opd.training.faults import Fault
 from ars_opd.training.task import MicroBatch
 from ars_opd.training.train_rows import train_rows
@@ -42,6 +43,7 @@ class EncodedData:
     completions: list[list[int]]
     counts: dict[str, int]
     tasks: list[str | None] = field(default_factory=list)  # each kept row's task label (synthetic data)
+    generated: list[int] = field(default_factory=list)  # tokens the teacher generated for each kept row
 
 
 def encode_sft_rows(tokenizer, rows: list[dict], cfg: SFTConfig) -> EncodedData:
@@ -55,8 +57,8 @@ def encode_sft_rows(tokenizer, rows: list[dict], cfg: SFTConfig) -> EncodedData:
         "dropped_no_room_for_completion": 0,
         "completion_truncated": 0,
     }
-    keep_p, keep_c, tasks = [], [], []
-    for row, p, c in zip(rows, prompts, completions):
+    keep_p, keep_c, tasks, generated = [], [], [], []
+    for row, p, c, g in zip(rows, prompts, completions, generated_tokens(tokenizer, rows)):
         if len(p) > cfg.max_prompt_tokens:
             counts["dropped_prompt_over_budget"] += 1
             continue
@@ -70,8 +72,9 @@ def encode_sft_rows(tokenizer, rows: list[dict], cfg: SFTConfig) -> EncodedData:
         keep_p.append(p)
         keep_c.append(c)
         tasks.append(row.get("task"))
+        generated.append(g)
     counts["kept"] = len(keep_p)
-    return EncodedData(keep_p, keep_c, counts, tasks)
+    return EncodedData(keep_p, keep_c, counts, tasks, generated)
 
 
 class SFTTask:
@@ -95,12 +98,17 @@ class SFTTask:
         fault: Fault | None = None,
         vocab: int | None = None,
         flops_per_token: float = 0.0,
+        teacher_text: TeacherText | None = None,
     ):
         self.data, self.cfg, self.geometry = data, cfg, geometry
         self.sampler_seed, self.rank, self.device, self.pad_id = sampler_seed, rank, device, pad_id
         self.fault = fault
         self.vocab = vocab  # scored ids 0..vocab-1 (None: every output row)
         self.flops_per_token = flops_per_token  # 6 · P_s: forward and backward (ars_opd.training.budget)
+        self.teacher_text = teacher_text  # the rows' teacher tokens this run charges (None: none)
+
+    def teacher_tokens(self, step: int) -> int:
+        return self.teacher_text.new_tokens(step) if self.teacher_text is not None else 0
 
     def metric_names(self) -> list[str]:
         return ["padding_fraction"]
@@ -164,6 +172,12 @@ def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         fault=setup.fault,
         vocab=len(setup.tokenizer),
         flops_per_token=6.0 * matmul_parameters(model),
+        teacher_text=TeacherText(
+            data.generated,
+            setup.geometry,
+            list(setup.sampler_seeds),
+            charged=charges_teacher_text(job.stage, job.control),
+        ),
     )
     fingerprint = {"init": init, **identity}
     return PreparedRun(model, task, fingerprint, data.counts, manifest=manifest, budget_start=start)

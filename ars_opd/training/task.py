@@ -48,6 +48,10 @@ class TrainingTask(Protocol):
     def metric_names(self) -> list[str]:
         """Task metrics reported per step; each is a (sum, count) pair reduced over all workers."""
 
+    def teacher_tokens(self, step: int) -> int:
+        """Tokens the teacher generated for the text the whole world first trains on at ``step``, as the run
+        charges them (``ars_opd.training.data_cost``); the same on every rank. Called once per step, in order."""
+
 
 class RunIdentity(NamedTuple):
     """What tells a run from another (``ars_opd.training.checkpoint``, ``ars_opd.training.budget``)."""

@@ -63,6 +63,7 @@ class WorkerSetup:
     sampler_seed: int  # this rank's data-order seed under the scenario
     stage_seed: int  # the stage's seed, the same on every rank (e.g. for GKD draws)
     fault: Fault  # the injected fault as this rank sees it (a no-op unless ddp.inject names this stage)
+    sampler_seeds: tuple[int, ...] = ()  # every rank's data-order seed, by rank (the world's draws of a step)
 
 
 @dataclass
@@ -125,7 +126,8 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         geometry = BatchGeometry.check(job.cfg.global_batch_size, ctx.world_size, job.cfg.micro_batch_size, job.stage)
         tokenizer = load_tokenizer(job.paths.models_dir)
         fault = Fault(job.ddp.inject, job.stage, ctx.rank, stage_seed)
-        run = prepare(job, WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault))
+        seeds = tuple(scenario_seeds(job.ddp.scenario, stage_seed, r)[0] for r in range(ctx.world_size))
+        run = prepare(job, WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault, seeds))
         run.model.train()
         out = job.paths.training(job.stage)
         adapter = {"adapter": to_dict(job.adapter)} if job.adapter.enabled else {}
