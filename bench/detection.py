@@ -102,9 +102,10 @@ def run_seed(job: dict) -> list[dict]:
     from ars_opd.training.consistency import ConsistencyHook
     from ars_opd.training.distributed import init_worker, shutdown_worker
     from ars_opd.training.faults import Fault
-    from ars_opd.training.loop import train_step, wrap_model
+    from ars_opd.training.loop import train_step
     from ars_opd.training.sft import SFTTask, encode_sft_rows
     from ars_opd.training.sharding import ShardedConsistencyHook
+    from ars_opd.training.wrapping import wrap_model
 
     ctx = init_worker("cpu", "gloo", threads=1)
     try:

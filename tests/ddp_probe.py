@@ -211,7 +211,7 @@ def monitored_step(wrapped, hook, task, ctx, cfg, brute: dict, reduced_grads) ->
         "inputs": inputs,
         "params": reduced.numel(),
         "reduced_rel": float(rel.max()),
-        "buckets": len(hook._sq),  # both hooks keep one squared norm per bucket (DDP) or FSDP group
+        "buckets": hook.reductions,
     }
 
 

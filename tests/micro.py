@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
+
+REPO = Path(__file__).resolve().parents[1]
 
 MICRO_OVERRIDES = {
     "models": {
@@ -140,3 +146,26 @@ def run_stage_here(root: Path, stage: str) -> None:
         module.main()
     finally:
         os.chdir(cwd)
+
+
+def repo_copy(dest: Path) -> Path:
+    """The repository's tracked and untracked-but-not-ignored files, without data/, copied to ``dest``."""
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for f in files:
+        if f.startswith("data/") or not (REPO / f).is_file():
+            continue
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / f, dest / f)
+    return dest
+
+
+def run_in(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``cmd`` in ``cwd`` with this interpreter's bin directory first on PATH (dvc, ars-opd), output captured."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)

@@ -57,7 +57,7 @@ def test_fingerprint_is_its_definition_on_every_shape_and_dtype(monkeypatch):
         assert torch.equal(tensor_fingerprint([t]), _definition([t])), (t.shape, t.dtype)
     assert torch.equal(tensor_fingerprint(cases), _definition(cases))
     assert torch.equal(tensor_fingerprint([]), torch.zeros(3, dtype=torch.int64))
-    monkeypatch.setattr(drift, "_BLOCK_ROWS", 2)  # several int32 blocks per tensor, as a > 2**15-row tensor has
+    monkeypatch.setattr(drift, "BLOCK_ROWS", 2)  # several int32 blocks per tensor, as a > 2**15-row tensor has
     assert torch.equal(tensor_fingerprint(cases), _definition(cases))
 
 

@@ -13,22 +13,22 @@ from pathlib import Path
 import pytest
 import yaml
 
-from micro import write_micro_params
-from test_dvc_pipeline import REPO, _repo_copy, _run
+from micro import repo_copy, run_in, write_micro_params
+from test_dvc_pipeline import REPO
 from tiny_models import save_tiny_model
 
 DVC = str(Path(sys.executable).parent / "dvc")
 
 
 def _git_repo(tmp_path: Path, extra: dict | None = None) -> Path:
-    work = _repo_copy(tmp_path / "repo")
+    work = repo_copy(tmp_path / "repo")
     write_micro_params(REPO, work / "params.yaml", extra)
     for cmd in (
         ["git", "init", "-q"],
         ["git", "add", "-A"],
         ["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "micro"],
     ):
-        assert _run(cmd, work).returncode == 0
+        assert run_in(cmd, work).returncode == 0
     return work
 
 
@@ -45,7 +45,7 @@ def _alpaca_rows(n: int) -> list[dict]:
 
 
 def _status(work: Path, *stages: str) -> str:
-    out = _run([DVC, "status", *stages], work)
+    out = run_in([DVC, "status", *stages], work)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -72,13 +72,13 @@ def test_dvc_tracks_local_inputs_and_refuses_changed_models_and_a_bare_python_st
         },
     )
 
-    first = _run([DVC, "repro", "subset", "models"], work)
+    first = run_in([DVC, "repro", "subset", "models"], work)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "up to date" in _status(work, "subset", "models")
     paths = yaml.safe_load((work / "params.yaml").read_text())["paths"]
     stats = json.loads((work / paths["subset_stats"]).read_text())
     assert stats["malformed"] == 0 and stats["selected"] == 60 and stats["source_sha256"]
-    check = _run([sys.executable, "-m", "ars_opd.cli", "check", "--stages", "models,subset"], work)
+    check = run_in([sys.executable, "-m", "ars_opd.cli", "check", "--stages", "models,subset"], work)
     assert check.returncode == 0, check.stderr
 
     # one more row in the data file: subset is reported changed, models is not
@@ -98,7 +98,7 @@ def test_dvc_tracks_local_inputs_and_refuses_changed_models_and_a_bare_python_st
     problems = "\n".join(check_outputs(PathsConfig(**paths), ("models", "subset")))
     assert f"teacher: the teacher model directory {model} changed after the models stage pinned it" in problems
     assert f"the data source {data} changed after the subset stage read it" in problems
-    again = _run([DVC, "repro", "models", "subset"], work)
+    again = run_in([DVC, "repro", "models", "subset"], work)
     assert (
         again.returncode == 0 and "Running stage 'models'" in again.stdout and "Running stage 'subset'" in again.stdout
     )

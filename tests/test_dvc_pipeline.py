@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from micro import write_micro_params
+from micro import repo_copy, run_in, write_micro_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,41 +82,20 @@ def test_paths_are_written_once():
         assert '"data/' not in py.read_text(), py
 
 
-def _repo_copy(dest: Path) -> Path:
-    files = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    for f in files:
-        if f.startswith("data/") or not (REPO / f).is_file():
-            continue
-        (dest / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / f, dest / f)
-    return dest
-
-
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-
-
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_dvc_repro_whole_pipeline_then_noop_then_check(tmp_path):
     """The real stages through `dvc repro` on the micro config, in a temporary git copy of the repo."""
-    work = _repo_copy(tmp_path / "repo")
+    work = repo_copy(tmp_path / "repo")
     write_micro_params(REPO, work / "params.yaml")
     for cmd in (
         ["git", "init", "-q"],
         ["git", "add", "-A"],
         ["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "micro"],
     ):
-        assert _run(cmd, work).returncode == 0
+        assert run_in(cmd, work).returncode == 0
     dvc = str(Path(sys.executable).parent / "dvc")
-    first = _run([dvc, "repro"], work)
+    first = run_in([dvc, "repro"], work)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     stages = yaml.safe_load((work / "dvc.yaml").read_text())["stages"]
     for name in stages:
@@ -131,12 +108,12 @@ def test_dvc_repro_whole_pipeline_then_noop_then_check(tmp_path):
     report = (work / paths["report_md"]).read_text()
     assert "## Did distillation work?" in report and "### sft: 6 steps, 2 workers" in report
 
-    check = _run([sys.executable, "-m", "ars_opd.cli", "check"], work)
+    check = run_in([sys.executable, "-m", "ars_opd.cli", "check"], work)
     assert check.returncode == 0, check.stderr
     _teacher_data_cost_adds_up(work, yaml.safe_load((work / "params.yaml").read_text()))
 
     t0 = time.perf_counter()
-    again = _run([dvc, "repro"], work)
+    again = run_in([dvc, "repro"], work)
     elapsed = time.perf_counter() - t0
     assert again.returncode == 0, again.stderr
     assert "Running stage" not in again.stdout and "didn't change, skipping" in again.stdout
@@ -145,15 +122,15 @@ def test_dvc_repro_whole_pipeline_then_noop_then_check(tmp_path):
     # an identical retrain of sft (no checkpoint to resume from) writes the same model and the same
     # timing-free log, so nothing downstream reruns
     shutil.rmtree(work / paths["sft_checkpoints"])
-    retrain = _run([dvc, "repro", "-f", "sft"], work)
+    retrain = run_in([dvc, "repro", "-f", "sft"], work)
     assert retrain.returncode == 0 and "Running stage 'sft'" in retrain.stdout, retrain.stderr
-    status = _run([dvc, "status"], work)
+    status = run_in([dvc, "status"], work)
     assert status.returncode == 0 and "Data and pipelines are up to date" in status.stdout, status.stdout
 
     # a params change reruns only the stages that read it (and what depends on their outputs)
     text = (work / "params.yaml").read_text().replace("window: 4", "window: 5")
     (work / "params.yaml").write_text(text)
-    third = _run([dvc, "repro"], work)
+    third = run_in([dvc, "repro"], work)
     assert third.returncode == 0, third.stderr
     assert "Running stage 'report'" in third.stdout and "Running stage 'sft'" not in third.stdout
 
@@ -165,7 +142,7 @@ def test_dvc_repro_whole_pipeline_then_noop_then_check(tmp_path):
     (work / paths["teacher_dir"] / "failures.jsonl").unlink()
     steps = work / paths["sft_log"] / "steps.jsonl"
     steps.write_bytes(steps.read_bytes()[:-40])  # a torn last line
-    bad = _run([sys.executable, "-m", "ars_opd.cli", "check"], work)
+    bad = run_in([sys.executable, "-m", "ars_opd.cli", "check"], work)
     assert bad.returncode == 1
     assert "opd.reverse_kl: not finite (nan)" in bad.stderr
     assert "failures.jsonl: missing" in bad.stderr

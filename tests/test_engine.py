@@ -165,7 +165,7 @@ def test_packed_attention_builds_no_mask(char_tokenizer, monkeypatch):
         return attention.varlen_sdpa_attention(module, query, key, value, attention_mask, **kw)
 
     monkeypatch.setitem(transformers.AttentionInterface._global_mapping, attention.VARLEN_SDPA, spy)
-    monkeypatch.setattr(attention, "_register", lambda: None)
+    monkeypatch.setattr(attention, "register_varlen_sdpa", lambda: None)
     _packed_vs_alone(char_tokenizer, "sdpa")
     assert seen and all(mask is None and n >= 5 for mask, n in seen)
 

@@ -76,7 +76,8 @@ def varlen_sdpa_attention(
     return out.view(R, L, Hq, D), None
 
 
-def _register() -> None:
+def register_varlen_sdpa() -> None:
+    """Make the per-sequence SDPA of packed rows a transformers attention implementation (``VARLEN_SDPA``)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
@@ -98,7 +99,7 @@ def packed_attention_implementation(preference: str, device: torch.device | str)
             "sft.packed_attention: flex trains on CUDA only (FlexAttention has no backward on CPU); use sdpa or auto"
         )
     if preference == "sdpa":
-        _register()
+        register_varlen_sdpa()
     return _IMPLEMENTATIONS[preference]
 
 

@@ -78,6 +78,11 @@ class ConsistencyHook:
         """⟨g_k, ḡ⟩ needs a copy of the local gradient; only K > 2 needs it (K = 2 derives it exactly)."""
         return self.world_size > 2
 
+    @property
+    def reductions(self) -> int:
+        """The gradient reductions this step's statistics summed over: DDP buckets here, FSDP groups under fsdp."""
+        return len(self._sq)
+
     def host_seconds(self) -> float:
         """Host time this step spent on the hook's own statistics (norms, clones, cross terms), not on the
         all-reduce that DDP does anyway; on an accelerator it is launch time unless the caller synchronises."""

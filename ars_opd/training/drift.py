@@ -42,7 +42,7 @@ from ars_opd.training.distributed import WorkerContext
 # largest prime below 2**16: weights <= 2**16, so Σc_j·w_j fits int64 for up to 2**32 words; past that the
 # sums wrap (two's complement), which still gives equal bytes equal sums and a single change a nonzero one
 _MODULUS = 65521
-_BLOCK_ROWS = 1 << 15  # rows per int32 column sum: |sum| <= 2**15 * 2**15 = 2**30, no overflow
+BLOCK_ROWS = 1 << 15  # rows per int32 column sum: |sum| <= 2**15 * 2**15 = 2**30, no overflow
 _weights: dict[torch.device, torch.Tensor] = {}
 
 
@@ -90,8 +90,8 @@ def tensor_fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         rows = u.numel() // _MODULUS
         if rows:
             grid = u[: rows * _MODULUS].view(rows, _MODULUS)
-            for r in range(0, rows, _BLOCK_ROWS):
-                cols += column_sums(grid[r : r + _BLOCK_ROWS])
+            for r in range(0, rows, BLOCK_ROWS):
+                cols += column_sums(grid[r : r + BLOCK_ROWS])
         tail = u[rows * _MODULUS :]
         cols[: tail.numel()] += tail
     if cols is None:

@@ -163,6 +163,11 @@ class ShardedConsistencyHook:
         self._gram = None
         self._full_gram = None
 
+    @property
+    def reductions(self) -> int:
+        """The gradient reductions this step's statistics summed over: DDP buckets here, FSDP groups under fsdp."""
+        return len(self._sq)
+
     def host_seconds(self) -> float:
         return sum(self._host)
 
