@@ -65,3 +65,94 @@ def fsdp_consistency_probe(job: dict) -> list:
         return out
     finally:
         shutdown_worker()
+
+
+def fsdp_fault_probe(job: dict) -> list[dict]:
+    """The detection benchmark's fault runs, CI-sized, on the sharded built-in student (K workers, fsdp): SFT
+    on reference answers, a healthy trajectory to ``onset``, then each fault of ``job["cases"]`` on rank
+    ``job["rank"]`` branched from the state there. Returns each case's step rows (rank 0's log view)."""
+    import copy
+    import random
+
+    from ars_opd.config import ArchConfig, DDPConfig, InjectConfig
+    from ars_opd.data import synthetic
+    from ars_opd.data.prompts import alpaca_messages
+    from ars_opd.lm.optim import make_optimizer, make_scheduler
+    from ars_opd.models.builtin import build_causal_lm
+    from ars_opd.models.tokenizer import build_char_word_tokenizer
+    from ars_opd.seeding import set_seeds
+    from ars_opd.training.batch_plan import BatchGeometry
+    from ars_opd.training.checkpoint import TrainerState
+    from ars_opd.training.faults import Fault
+    from ars_opd.training.loop import train_step
+    from ars_opd.training.sft import SFTTask, encode_sft_rows
+    from ars_opd.training.sharding import ShardedConsistencyHook
+    from ars_opd.training.wrapping import wrap_model
+
+    ctx = init_worker("cpu", "gloo", threads=1, timeout_s=300)
+    try:
+        tok = build_char_word_tokenizer(synthetic.instruction_words())
+        rows = [
+            {"messages": alpaca_messages(r["instruction"], r["input"]), "completion": r["output"], "task": r["task"]}
+            for r in synthetic.generate(1000, seed=7)
+        ]
+        cfg = SFTConfig(**job["sft"])
+        data = encode_sft_rows(tok, rows, cfg)
+        geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "sft")
+        model = build_causal_lm(ArchConfig(**job["arch"]), tok, 3)
+        set_seeds(5)
+        task = SFTTask(
+            data,
+            cfg,
+            geometry,
+            sampler_seed=11,
+            rank=ctx.rank,
+            device=ctx.device,
+            pad_id=tok.pad_token_id,
+            vocab=len(tok),
+        )
+        sharded = wrap_model(model, ctx, DDPConfig(workers=ctx.world_size, strategy="fsdp"), cfg)
+        hook = ShardedConsistencyHook(ctx.world_size)
+        hook.attach(sharded)
+        opt = make_optimizer(model, cfg)
+        sched = make_scheduler(opt, cfg, cfg.steps)
+
+        def run(state, until, fault):
+            rows = []
+            while state.step < until:
+                r = train_step(sharded, task, opt, sched, ctx, cfg, state, hook, fault, 0)
+                rows.append(
+                    {
+                        "step": state.step,
+                        "loss": r.loss,
+                        "worker_loss": r.worker_loss,
+                        "consistency/worker_grad_norm": r.consistency["worker_grad_norm"],
+                        "consistency/worker_cos_to_mean": r.consistency["worker_cos_to_mean"],
+                        "drift_mismatch": r.drift,
+                    }
+                )
+                state.step += 1
+            return rows
+
+        before = run(TrainerState(), job["onset"], None)
+        saved = (
+            copy.deepcopy(model.state_dict()),
+            copy.deepcopy(opt.state_dict()),
+            copy.deepcopy(sched.state_dict()),
+            torch.get_rng_state(),
+            random.getstate(),
+        )
+        out = []
+        for kind, magnitude in job["cases"]:
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(copy.deepcopy(saved[1]))
+            sched.load_state_dict(saved[2])
+            torch.set_rng_state(saved[3])
+            random.setstate(saved[4])
+            inject = InjectConfig(kind=kind, rank=job["rank"], start_step=job["onset"], magnitude=magnitude)
+            task.fault = Fault(inject, "sft", ctx.rank, 13)
+            out.append(before + run(TrainerState(step=job["onset"]), job["onset"] + job["fault_steps"], task.fault))
+            task.fault = None
+        return out
+    finally:
+        shutdown_worker()

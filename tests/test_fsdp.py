@@ -215,3 +215,33 @@ def test_fsdp_refusals_name_the_key(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_params(tmp_path / "params.yaml", sections=("ddp", "opd"))
     assert e.value.key == "opd.rollout_cache"
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_faults_are_caught_naming_the_rank_under_fsdp():
+    """loss_scale (x2) and label_noise (10%), the detection benchmark's default magnitudes, on rank 2 of 4
+    sharded workers: no alarm before the onset, and an alarm after it naming rank 2. CI-sized: the built-in
+    student's shape on reference answers, judged from step 40 on a 40-step window (bench/detection.py
+    --strategy fsdp is the full-size benchmark)."""
+    from ars_opd.config import ReportConfig
+    from ars_opd.evaluation.detector import detect
+    from ars_opd.training.distributed import launch
+    from fsdp_probe import fsdp_fault_probe
+
+    onset, after = 80, 40
+    job = {
+        "sft": {"steps": 1000, "global_batch_size": 32, "micro_batch_size": 8, "lr": 3e-3, "warmup_steps": 30},
+        "arch": {"hidden_size": 96, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4, "intermediate_size": 384},
+        "onset": onset,
+        "fault_steps": after,
+        "rank": 2,
+        "cases": [("loss_scale", 2.0), ("label_noise", 0.10)],
+    }
+    cases = launch(fsdp_fault_probe, job, 4, 1)  # rank 0's rows
+    settings = ReportConfig(warmup=40, window=40)
+    for (kind, _), rows in zip(job["cases"], cases):
+        alarms = detect(rows, settings)
+        assert not [a for a in alarms if a.step < onset], (kind, [a.to_dict() for a in alarms])
+        found = [a for a in alarms if a.step >= onset]
+        assert found and found[0].rank == 2, (kind, [a.to_dict() for a in alarms])
