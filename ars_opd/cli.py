@@ -10,9 +10,11 @@ Subcommands:
   row counts across stages, finite in-range metrics); exits 1 listing every problem.
 - ``ars-opd scenarios [--from exp.json] [--out reports/scenarios.md]``: compare the seed scenarios of the DVC
   experiments (``dvc exp show --json``) against the paper's expected ordering.
-- ``ars-opd distillation [--from exp.json] [--out reports/distillation.md] [--where K=V] [--regime L:K=V]``:
-  OPD against its control arm at equal steps and equal FLOPs across the training seeds of a DVC sweep, with
-  intervals, a positive control, and further regimes (sets of seeds selected by their params).
+- ``ars-opd distillation [--from exp.json] [--out reports/distillation.md] [--where K=V] [--regime L:K=V]
+  [--family LABEL]``: OPD against its control arm at equal steps, equal FLOPs and equal FLOPs with the
+  teacher's data cost across the training seeds of a DVC sweep, with intervals, a positive control, further
+  regimes (sets of seeds selected by their params), and on long-horizon tasks where each model first goes
+  wrong; ``--family`` writes one task family's section of the file.
 - ``ars-opd serve MODEL_DIR [...]``: the bundled OpenAI-compatible server (``ars_opd.teacher.server``)
   for any local Hugging Face causal-LM directory, on 127.0.0.1 by default.
 """
@@ -116,7 +118,7 @@ def _pairs(items: list[str]) -> dict[str, str]:
 def _cmd_distillation(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ars_opd.evaluation import distillation, scenarios
+    from ars_opd.evaluation import distillation, first_error, scenarios
 
     data = json.loads(Path(args.source).read_text()) if args.source else scenarios.exp_show_json()
     try:
@@ -158,15 +160,25 @@ def _cmd_distillation(args: argparse.Namespace) -> int:
         )
     out = Path(args.out)
     fig_dir = out.parent / out.stem  # e.g. reports/distillation/ beside reports/distillation.md
+    if args.family:  # one folder of figures per task family
+        fig_dir = fig_dir / "".join(c if c.isalnum() else "_" for c in args.family.lower())
     fig_dir.mkdir(parents=True, exist_ok=True)
+    rel = fig_dir.relative_to(out.parent).as_posix()
     figures = {}
     for x_key in ("steps", "flops"):
         distillation.curve_figure(runs, x_key, fig_dir / f"curves_{x_key}.png")
-        figures[x_key] = f"{fig_dir.name}/curves_{x_key}.png"
+        figures[x_key] = f"{rel}/curves_{x_key}.png"
+    if first_error.has_steps(runs):
+        first_error.first_error_figure(runs, fig_dir / "first_error.png")
+        figures["first_error"] = f"{rel}/first_error.png"
     commands = Path(args.commands).read_text() if args.commands else DISTILLATION_COMMANDS
     text, _ = distillation.render_study(runs, commands, figures, regimes)
     notes = Path(args.notes).read_text() if args.notes else ""
-    out.write_text(text + ("\n" + notes.strip() + "\n" if notes.strip() else ""))
+    text += "\n" + notes.strip() + "\n" if notes.strip() else ""
+    if args.family:  # replace (or add) this family's section, keep the others
+        section = distillation.as_family_section(text, args.family)
+        text = distillation.merge_family_section(out.read_text() if out.is_file() else "", args.family, section)
+    out.write_text(text)
     print(f"wrote {out} and {fig_dir}/")
     return 0
 
@@ -206,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="KEY=VALUE",
         help="only experiments whose params have this value (repeatable), e.g. opd.steps=300",
+    )
+    d.add_argument(
+        "--family",
+        default=None,
+        help="the task family the sweep studied: write its section of --out (## Task family: LABEL), keeping the "
+        "other families' sections",
     )
     d.add_argument(
         "--regime",

@@ -22,6 +22,7 @@ import numpy as np
 from ars_opd.config import PathsConfig
 from ars_opd.evaluation.arms import ARMS
 from ars_opd.evaluation.equal_budget import LABELS, METRICS, REGIME, budget_note, compare, interpolate
+from ars_opd.evaluation.first_error import has_steps, step_table
 from ars_opd.evaluation.scenarios import mean_ci, walk_experiments
 from ars_opd.evaluation.tables import fmt
 
@@ -172,7 +173,7 @@ def render_study(
     """Markdown of the sweep and its flat summary: per arm mean [95% CI], paired difference, a positive
     control, verdict; then each further regime (label -> its seeds) with the same tables."""
     lines = [
-        "# Did on-policy distillation beat more SFT at equal budget?",
+        TITLE,
         "",
         "Made from a real sweep of DVC experiments (training seeds `ddp.seed`; the models, data and teacher "
         "completions are shared) with these commands:",
@@ -214,7 +215,20 @@ def render_study(
                 summary[f"control_last_half/{metric}"] = control[metric]
         lines.append("")
     for key, path in figures.items():
-        lines += [f"![learning curves against {key}]({path})", ""]
+        if key in ("steps", "flops"):
+            lines += [f"![learning curves against {key}]({path})", ""]
+    if has_steps(runs):
+        lines += [
+            "## Where each model first goes wrong",
+            "",
+            "Long-horizon prompts: the share of held-out answers right through each step of the answer (mean "
+            "over seeds, min-max band), step accuracy, and the share right through the first and through every "
+            "step, mean [95% t-interval over seeds].",
+            "",
+        ]
+        if "first_error" in figures:
+            lines += [f"![answers right through each step]({figures['first_error']})", ""]
+        lines += step_table(runs)
     lines += ["## Verdict", "", "- " + "\n- ".join(verdict_bits), ""] if verdict_bits else []
     regime_bits = []
     for label, seeds in (regimes or {}).items():
@@ -229,6 +243,33 @@ def render_study(
     if any("OPD better" not in b for b in verdict_bits + regime_bits):
         lines += [REGIME, ""]
     return "\n".join(lines) + "\n", summary
+
+
+TITLE = "# Did on-policy distillation beat more SFT at equal budget?"
+FAMILY = "## Task family: "
+
+
+def as_family_section(study: str, family: str) -> str:
+    """A rendered study as one section of a file with one per task family: its title becomes ``## Task
+    family: <family>`` and every other heading goes one level down."""
+    out = []
+    for line in study.splitlines():
+        if line == TITLE:
+            out.append(FAMILY + family)
+        elif line.startswith("#"):
+            out.append("#" + line)
+        else:
+            out.append(line)
+    return "\n".join(out).strip() + "\n"
+
+
+def merge_family_section(existing: str, family: str, section: str) -> str:
+    """``existing`` (a file of family sections, or empty) with the section of ``family`` replaced by
+    ``section`` (or added at the end); the file's title and the other families stay as they are."""
+    head, *parts = existing.split("\n" + FAMILY) if existing.strip() else [TITLE + "\n"]
+    kept = [p for p in parts if p.split("\n", 1)[0].strip() != family]
+    body = [head.rstrip() + "\n"] + [FAMILY + p.rstrip() + "\n" for p in kept] + [section]
+    return "\n".join(body)
 
 
 def _instrument_control(runs: list[dict]) -> dict:
