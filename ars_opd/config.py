@@ -906,7 +906,8 @@ class ControlConfig:
     from the sft and opd stages (raise ``data.subset_size`` by as many)."""
 
     data: Literal["repeat", "fresh"] = "repeat"
-    """repeat: the SFT stage's rows again; fresh: the held-back rows, each trained on once."""
+    """repeat: the SFT stage's rows again; fresh: the held-back rows (each once when there are as many as the
+    control's steps × global batch, in epochs over them when fewer)."""
     fresh_rows: int = 0
     """Rows at the end of the train split held back from sft and opd for the control (0: none)."""
 
@@ -1190,7 +1191,6 @@ def check_params(params: Params, base: str | Path = ".") -> None:
     ``params`` holds; ``ConfigError`` naming the key. ``base``: where relative paths start (the repo root).
 
     - ``inputs``: each local source of ``data``/``models`` is mirrored by its ``inputs`` key (``check_inputs``);
-    - ``control`` with ``opd``: fresh data holds a row for every row the control trains on;
     - ``opd``: the objective ``opd.loss`` trains correctly with these settings
       (``check_objective``; ``run_opd`` calls it again for configs built in code);
     - ``ddp`` with ``sft``/``opd``: the global batch splits over ``ddp.workers`` and then into micro-batches
@@ -1215,14 +1215,6 @@ def check_params(params: Params, base: str | Path = ".") -> None:
             "opd.rollout_cache",
             "static rollouts stop each worker at its own EOS, and a sharded "
             "student (ddp.strategy: fsdp) needs every worker to run the same forwards; use dynamic",
-        )
-    if params.control is not None and params.opd is not None and params.control.data == "fresh":
-        need = params.opd.steps * params.opd.global_batch_size
-        _require(
-            params.control.fresh_rows >= need,
-            "control.fresh_rows",
-            f"control.data: fresh trains on each held-back row once, and the control's {params.opd.steps} steps "
-            f"of {params.opd.global_batch_size} rows (the opd loop) need {need}; got {params.control.fresh_rows}",
         )
     loops = [(name, getattr(params, name)) for name in ("sft", "opd") if getattr(params, name) is not None]
     if params.ddp is not None and loops and not launched_externally():
