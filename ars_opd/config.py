@@ -966,12 +966,12 @@ class ReportConfig:
     """CUSUM reference value in robust standard deviations (half the smallest shift it is tuned for)."""
     clip_z: float = 4.0
     """Standardised values are clipped at +-clip_z, so one heavy-tailed step cannot raise an alarm alone."""
-    false_alarms_per_1000: float = 0.25
+    false_alarms_per_1000: float = 0.01
     """Design false-alarm rate per 1,000 steps (every statistic, rank and side) for independent Gaussian
     scores, from which the threshold is computed, with three or more workers; real runs alarm more often
     than independent scores would, so it is calibrated on healthy runs of the default pipeline at K = 4
     (``bench/detection.py``) to keep the measured rate at or below 1 per 1,000."""
-    two_worker_false_alarms_per_1000: float = 0.25
+    two_worker_false_alarms_per_1000: float = 0.1
     """The same with two workers, where one test per statistic sees both (calibrated at K = 2)."""
 
     def __post_init__(self):

@@ -161,7 +161,8 @@ def _rows(
 def test_detect_is_quiet_on_healthy_series_and_names_a_scaled_rank():
     cfg = ReportConfig()
     quiet = sum(len(detect(_rows(1000, 4, seed), cfg)) for seed in range(5))
-    # 4,500 judged steps at the design rate of 0.25 per 1,000: Poisson(1.1) exceeds 5 with probability 0.001
+    # 4,500 judged steps at the default design rate (at most 0.25 per 1,000): Poisson(<= 1.1) exceeds 5 with
+    # probability <= 0.001
     assert quiet <= 5
     alarms = detect(_rows(400, 4, 9, shift_rank=2, start=250, factor=2.0), cfg)
     after = [a for a in alarms if a.step >= 250]
