@@ -8,14 +8,14 @@
 #    FRESH rows of the train split held back for the fresh control (control.fresh_rows), committed.
 # 2. Its SFT student is pinned (paths.distill_init) as the one start of every arm, as in the default study.
 # 3. Per training seed (ddp.seed), two experiments in the workspace: the control repeating the SFT stage's
-#    rows (repeat) and the control on fresh rows (fresh). OPD is the same run in both (DVC's run cache
+#    rows (repeat) and the control on the held-back rows (fresh: new prompts, two epochs over them). OPD is the same run in both (DVC's run cache
 #    restores it for the second), so each seed's OPD is compared with both controls.
 # 4. `ars-opd distillation --family long-horizon` writes the family's section of reports/distillation.md.
 set -euo pipefail
 SEEDS="${SEEDS:-1 2 3 4 5}"
 STEPS="${STEPS:-300}"               # each arm's steps (the opd loop)
 BATCH="${BATCH:-32}"                # each arm's global batch
-FRESH=$((STEPS * BATCH))            # fresh rows: one per row the fresh control trains on
+FRESH="${FRESH:-4800}"             # rows held back for the fresh control (it draws STEPS x BATCH: 2 epochs)
 TEACHER_STEPS="${TEACHER_STEPS:-2000}"
 INIT=data/study/long_horizon_sft_init
 BASE=(
@@ -37,7 +37,7 @@ if [ ! -f "$INIT.dvc" ]; then
 fi
 echo "base: $(( $(date +%s) - t0 )) s" >&2
 COMMON=(-S "paths.distill_init=$INIT" -S sft.steps=20 -S sft.warmup_steps=2 -S sft.snapshot_every=0
-        -S evaluate.curve_examples=0)
+        -S evaluate.curve_examples=100)
 for seed in $SEEDS; do
   dvc exp run "${COMMON[@]}" -S "ddp.seed=$seed" -S control.data=repeat -n "lh-repeat-seed$seed"
   dvc exp run "${COMMON[@]}" -S "ddp.seed=$seed" -S control.data=fresh -n "lh-fresh-seed$seed"
