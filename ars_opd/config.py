@@ -681,6 +681,11 @@ class DDPConfig:
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """ddp: every worker holds the whole student (torch DDP); fsdp: the student's weights, gradients and
     optimizer state are sharded over the workers (torch FSDP2, per decoder layer and the root)."""
+    fsdp_reshard_after_forward: bool = True
+    """fsdp: free each decoder layer's gathered weights after its forward and gather them again for its
+    backward (least memory); false keeps them from the forward to the backward, one all-gather per layer per
+    step instead of two, at the memory of the whole gathered student at the end of the forward (ZeRO-2's
+    trade). The same gradients either way (tested); sharded at rest either way."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when visible (one GPU per worker), else CPU."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"

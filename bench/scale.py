@@ -6,6 +6,8 @@ Starts ``--workers`` workers (gloo on CPU) through the engine's launcher; each r
 
 - ``ddp``: the whole student on every worker (DDP);
 - ``fsdp``: sharded with FSDP2 (``ars_opd.training.sharding``);
+- ``fsdp-kept``: the same with ``ddp.fsdp_reshard_after_forward: false`` (each layer's gathered weights kept
+  from its forward to its backward: one all-gather per layer per step instead of two);
 - ``ddp+lora``: a LoRA adapter (r = ``--lora-r``, every linear layer of the blocks) on the frozen student, DDP.
 
 Memory, per rank, in bytes:
@@ -41,7 +43,7 @@ from ars_opd.config import AdapterConfig, DDPConfig
 from ars_opd.models.adapters import attach
 from ars_opd.training.distributed import init_worker, launch, shutdown_worker
 
-STRATEGIES = ("ddp", "fsdp", "ddp+lora")
+STRATEGIES = ("ddp", "fsdp", "fsdp-kept", "ddp+lora")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -81,7 +83,12 @@ def _run_strategy(job: dict, strategy: str, ctx) -> dict:
     vocab = PRESETS[job["preset"]]["vocab_size"]
     total = 2 + job["rounds"] * job["round_steps"]
     cfg, task = random_sft_task(ctx, vocab, total, job["micro"], job["seq"], max_grad_norm=1.0)
-    ddp_cfg = DDPConfig(workers=ctx.world_size, strategy="fsdp" if strategy == "fsdp" else "ddp")
+    sharded = strategy.startswith("fsdp")
+    ddp_cfg = DDPConfig(
+        workers=ctx.world_size,
+        strategy="fsdp" if sharded else "ddp",
+        fsdp_reshard_after_forward=strategy != "fsdp-kept",
+    )
     runs = {
         name: BenchRun.start(_model(job["preset"], strategy, job["lora_r"]), ctx, cfg, ddp_cfg, name == "with")
         for name in ("without", "with")
@@ -155,6 +162,13 @@ def main() -> None:
             by["fsdp"]["step_extra_peak_bytes"] / by["ddp"]["step_extra_peak_bytes"], 4
         )
         summary["fsdp_over_ddp_step_s"] = round(by["fsdp"]["step_s"] / by["ddp"]["step_s"], 4)
+    if "ddp" in by and "fsdp-kept" in by:
+        kept = by["fsdp-kept"]
+        summary["fsdp_kept_over_ddp_state"] = round(kept["state_bytes"] / by["ddp"]["state_bytes"], 4)
+        summary["fsdp_kept_over_ddp_step_extra_peak"] = round(
+            kept["step_extra_peak_bytes"] / by["ddp"]["step_extra_peak_bytes"], 4
+        )
+        summary["fsdp_kept_over_ddp_step_s"] = round(kept["step_s"] / by["ddp"]["step_s"], 4)
     if "ddp" in by and "ddp+lora" in by:
         summary["lora_over_full_optimizer"] = round(by["ddp+lora"]["optimizer_bytes"] / by["ddp"]["optimizer_bytes"], 5)
         summary["lora_over_full_state"] = round(by["ddp+lora"]["state_bytes"] / by["ddp"]["state_bytes"], 4)

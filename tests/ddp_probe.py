@@ -60,6 +60,7 @@ def _grad_probe(job: dict, ctx) -> dict:
         workers=ctx.world_size,
         gradient_as_bucket_view=job.get("bucket_view", True),
         strategy=job.get("strategy", "ddp"),
+        fsdp_reshard_after_forward=job.get("reshard_after_forward", True),
     )
     ddp = wrap_model(model, ctx, ddp_cfg, cfg)  # DDP, or the model itself sharded in place (fsdp)
     micro = task.micro_batches(0, model)

@@ -60,7 +60,13 @@ def test_loss_and_gradients_invariant_to_worker_and_accumulation_split(char_toke
         "2x4 packed": launch(grad_probe, {**job, "micro": 4, "packing": True, "pack_length": 32}, workers=2),
         "2x4 fsdp": launch(grad_probe, {**job, "micro": 4, "strategy": "fsdp"}, workers=2),
         "2x2xaccum2 fsdp": launch(grad_probe, {**job, "micro": 2, "strategy": "fsdp"}, workers=2),
+        "2x2xaccum2 fsdp, gathered layers kept": launch(
+            grad_probe, {**job, "micro": 2, "strategy": "fsdp", "reshard_after_forward": False}, workers=2
+        ),
     }
+    kept, freed = runs["2x2xaccum2 fsdp, gathered layers kept"], runs["2x2xaccum2 fsdp"]
+    # keeping the gathered weights from forward to backward changes when they are gathered, not their values
+    assert kept["loss"] == freed["loss"] and all(torch.equal(kept["grads"][n], g) for n, g in freed["grads"].items())
     assert runs["2x2xaccum2"]["n_micro"] == 2 and runs["2x1xaccum4 no bucket view"]["n_micro"] == 4
     assert runs["2x2xaccum2 fsdp"]["n_micro"] == 2
     # two fp32 computations of one loss and gradient (other batch shapes, padding, packing, sums over workers

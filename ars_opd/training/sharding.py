@@ -63,15 +63,20 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, bf16: bool) -> torch.nn.Module:
-    """``fully_shard`` every decoder layer, then the root; the shards then move to ``device``."""
+def shard_model(
+    model: torch.nn.Module, device: torch.device, bf16: bool, reshard_after_forward: bool = True
+) -> torch.nn.Module:
+    """``fully_shard`` every decoder layer, then the root; the shards then move to ``device``.
+    ``reshard_after_forward`` (``ddp.fsdp_reshard_after_forward``) applies to the layers; the root keeps
+    FSDP2's own choice (not resharded after the forward: its weights, the tied head among them, are
+    needed at once by the backward)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=policy)
     return model.to(device)
 

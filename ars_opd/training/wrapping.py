@@ -29,7 +29,7 @@ def wrap_model(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig, c
     """The model the engine trains: DDP-wrapped (``ddp.strategy: ddp``) or sharded in place (``fsdp``)."""
     if ddp_cfg.strategy == "fsdp":
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and ctx.device.type == "cuda")
-        return shard_model(model, ctx.device, bf16)
+        return shard_model(model, ctx.device, bf16, ddp_cfg.fsdp_reshard_after_forward)
     return wrap_ddp(model, ctx, ddp_cfg)
 
 
