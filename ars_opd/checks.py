@@ -82,6 +82,7 @@ def _finite_numbers(obj: Any, where: str, problems: Problems, rules: dict[str, C
 
 RULES: dict[str, Callable[[float], bool]] = {
     "exact_match": lambda v: 0.0 <= v <= 1.0,
+    "accuracy": lambda v: 0.0 <= v <= 1.0,  # the long-horizon step and prefix accuracies
     "fraction": lambda v: 0.0 <= v <= 1.0,
     "reverse_kl": lambda v: v >= -1e-6,
     "nll": lambda v: v >= 0.0,
