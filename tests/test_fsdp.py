@@ -245,3 +245,32 @@ def test_faults_are_caught_naming_the_rank_under_fsdp():
         assert not [a for a in alarms if a.step < onset], (kind, [a.to_dict() for a in alarms])
         found = [a for a in alarms if a.step >= onset]
         assert found and found[0].rank == 2, (kind, [a.to_dict() for a in alarms])
+
+
+def test_a_rerun_with_fewer_steps_keeps_its_checkpoint_and_drops_the_old_runs(tmp_path):
+    """A directory holding an earlier run's checkpoints at steps 900 and 1,000 (another configuration): the new
+    run's step-20 checkpoint survives the pruning (it was deleted when pruning went by step number alone), the
+    old run's are gone, and the run's own keep the newest `keep`."""
+    from ars_opd.training.checkpoint import find_checkpoint, superseded
+
+    def ckpt(step, fingerprint):
+        d = tmp_path / f"step_{step:07d}"
+        d.mkdir()
+        (d / "state.json").write_text(json.dumps({"step": step, "fingerprint": fingerprint, "world_size": 2}))
+        (tmp_path / "latest.json").write_text(json.dumps({"step": step, "dir": d.name, "fingerprint": fingerprint}))
+        return d
+
+    old = [ckpt(900, "old"), ckpt(1000, "old")]
+    (tmp_path / "step_0000500").mkdir()  # a torn directory without a state
+    new = ckpt(20, "new")
+    gone = superseded(tmp_path, "new", keep=2)
+    assert set(gone) == {*old, tmp_path / "step_0000500"} and new not in gone
+    for p in gone:
+        shutil.rmtree(p)
+    assert find_checkpoint(tmp_path, "new", 2)[0].path == new
+    shutil.rmtree(new)  # latest naming a directory that is gone: start afresh, saying why, not a crash
+    found, why = find_checkpoint(tmp_path, "new", 2)
+    assert found is None and "step_0000020" in why and "starting afresh" in why
+    ckpt(20, "new")
+    more = [ckpt(40, "new"), ckpt(60, "new")]
+    assert superseded(tmp_path, "new", keep=2) == [new] and more[-1].exists()

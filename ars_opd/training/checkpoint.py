@@ -166,10 +166,25 @@ def save_checkpoint(
         latest_tmp = ckpt_dir / f".{LATEST}.tmp"
         write_json(latest_tmp, {"step": state.step, "dir": final.name, "fingerprint": fingerprint})
         os.replace(latest_tmp, ckpt_dir / LATEST)
-        old = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())[:-keep]
-        for p in old:
+        for p in superseded(ckpt_dir, fingerprint, keep):
             shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
+
+
+def superseded(ckpt_dir: Path, fingerprint: str, keep: int) -> list[Path]:
+    """The checkpoint directories to delete once a run of ``fingerprint`` has saved one: all but its own
+    ``keep`` latest, and every one of another run (``latest`` now names this run's, so none of them can be
+    resumed) or without a readable state. By the run, not by step number alone: a rerun with fewer steps
+    (another configuration in the same directory) must not lose its checkpoint to an older run's higher
+    steps."""
+    own, other = [], []
+    for p in sorted(d for d in ckpt_dir.glob("step_*") if d.is_dir()):
+        try:
+            mine = json.loads((p / "state.json").read_text()).get("fingerprint") == fingerprint
+        except (OSError, ValueError):
+            mine = False
+        (own if mine else other).append(p)
+    return other + own[: max(0, len(own) - keep)]
 
 
 @dataclass(frozen=True)
@@ -198,7 +213,13 @@ def find_checkpoint(
         return None, "no checkpoint"
     info = json.loads(latest.read_text())
     path = ckpt_dir / info["dir"]
-    state = json.loads((path / "state.json").read_text())
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as e:  # removed or torn by hand or by another tool: nothing to resume
+        return (
+            None,
+            f"{latest.name} names {info['dir']}, whose state cannot be read ({type(e).__name__}); starting afresh",
+        )
     same_run = layout_fingerprint is not None and state.get("layout_fingerprint") == layout_fingerprint
     layout = {"workers": state.get("world_size"), "strategy": state.get("strategy", "ddp")}
     if info.get("fingerprint") == fingerprint and state.get("world_size") == world_size:
