@@ -43,7 +43,9 @@ def test_a_long_horizon_study_has_its_first_error_section_and_families_keep_thei
     assert "## Where each model first goes wrong" in text and "![answers right through each step]" in text
     plain, _ = render_study([{**r, "evaluate": _evaluate(1.0, 1.3)} for r in runs], "cmds", {})
     assert "first goes wrong" not in plain  # the default tasks have no steps
+    text = text.replace("cmds", "cmds\n# a shell comment, not a heading")
     long = as_family_section(text, "long-horizon")
+    assert "\n# a shell comment, not a heading" in long
     assert long.startswith("## Task family: long-horizon\n") and "### Where each model first goes wrong" in long
     doc = merge_family_section("", "default", as_family_section(plain, "default"))
     doc = merge_family_section(doc, "long-horizon", long)

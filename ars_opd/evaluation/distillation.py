@@ -251,12 +251,14 @@ FAMILY = "## Task family: "
 
 def as_family_section(study: str, family: str) -> str:
     """A rendered study as one section of a file with one per task family: its title becomes ``## Task
-    family: <family>`` and every other heading goes one level down."""
-    out = []
+    family: <family>`` and every other heading goes one level down (code blocks are left as they are)."""
+    out, fenced = [], False
     for line in study.splitlines():
-        if line == TITLE:
+        if line.startswith("```"):
+            fenced = not fenced  # a code block's comments are not headings
+        if line == TITLE and not fenced:
             out.append(FAMILY + family)
-        elif line.startswith("#"):
+        elif line.startswith("#") and not fenced:
             out.append("#" + line)
         else:
             out.append(line)
