@@ -79,7 +79,14 @@ def test_arms_start_from_the_same_student_and_their_budgets_add_up(tmp_path):
     try:
         p = load_params("params.yaml")
         init = Path(p.paths.distill_init)  # the sft model: the base student stands in for it
-        start = {"steps": 100, "flops": 5e9, "tokens_trained": 700, "tokens_processed": 900, "tokens_generated": 0}
+        start = {
+            "steps": 100,
+            "flops": 5e9,
+            "tokens_trained": 700,
+            "tokens_processed": 900,
+            "tokens_generated": 0,
+            "teacher_tokens": 300,
+        }
         write_budget(init, start)
         init_sha = sha256_of_files(init)
         run_opd(p.opd, p.ddp, p.paths, progress=False)
@@ -108,6 +115,9 @@ def test_arms_start_from_the_same_student_and_their_budgets_add_up(tmp_path):
         assert budget["tokens_trained"] == start["tokens_trained"] + sum(r["budget/tokens_trained"] for r in rows)
         assert budget["flops"] == pytest.approx(start["flops"] + sum(r["budget/flops"] for r in rows))
         assert rows[-1]["budget/flops_total"] == pytest.approx(budget["flops"])
+        # the teacher's text: OPD and the repeating control train on rows the sft stage paid for, nothing new
+        assert budget["teacher_tokens"] == start["teacher_tokens"]
+        assert all(r["budget/teacher_tokens"] == 0 for r in rows)
         # learning-curve snapshots every 2 steps, each with the budget at that point
         snaps = sorted((models[arm] / "snapshots").glob("step_*"))
         assert [s.name for s in snaps] == ["step_0000002", "step_0000004"]

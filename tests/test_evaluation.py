@@ -19,6 +19,18 @@ from micro import teacher_rows, write_micro_params
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _budget(steps: int, flops: float) -> dict:
+    """A stand-in model's budget.json: its steps and FLOPs, one token of each kind, no teacher text."""
+    return {
+        "steps": steps,
+        "flops": flops,
+        "tokens_trained": 1,
+        "tokens_processed": 1,
+        "tokens_generated": 0,
+        "teacher_tokens": 0,
+    }
+
+
 @pytest.mark.slow
 def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     write_micro_params(REPO, tmp_path / "params.yaml")
@@ -38,11 +50,11 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
         load_model(p.paths.models_dir, "teacher" if stage == "opd" else "student").save_pretrained(model_dir)
         write_budget(
             model_dir,
-            {"steps": steps, "flops": flops, "tokens_trained": 1, "tokens_processed": 1, "tokens_generated": 0},
+            _budget(steps, flops),
         )
     snap = Path(p.paths.training("opd").model) / "snapshots" / "step_0000007"  # a learning-curve point: the base
     load_model(p.paths.models_dir, "student").save_pretrained(snap)
-    write_budget(snap, {"steps": 7, "flops": 2e9, "tokens_trained": 1, "tokens_processed": 1, "tokens_generated": 0})
+    write_budget(snap, _budget(7, 2e9))
     m = evaluate_models(p.evaluate, p.paths)
     assert m["examples"] == 10 and m["checkable_examples"] == 10  # micro config: max_examples 10
     on_disk = json.loads(Path(p.paths.eval_metrics).read_text())
@@ -88,12 +100,10 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     # a snapshot taken at the final step is the final model and is scored once
     init = Path("data/init")  # paths are relative to the repo root (here tmp_path)
     load_model(p.paths.models_dir, "teacher").save_pretrained(init)
-    write_budget(init, {"steps": 5, "flops": 1e9, "tokens_trained": 1, "tokens_processed": 1, "tokens_generated": 0})
+    write_budget(init, _budget(5, 1e9))
     final_snap = Path(p.paths.training("sft_continued").model) / "snapshots" / "step_0000010"
     load_model(p.paths.models_dir, "student").save_pretrained(final_snap)
-    write_budget(
-        final_snap, {"steps": 10, "flops": 2e9, "tokens_trained": 1, "tokens_processed": 1, "tokens_generated": 0}
-    )
+    write_budget(final_snap, _budget(10, 2e9))
     again = evaluate_models(p.evaluate, dataclasses.replace(p.paths, distill_init=str(init)))["curves"]
     assert again["opd"][0]["reverse_kl"] < 1e-4 < again["sft"][0]["reverse_kl"]
     assert [c["steps"] for c in again["sft_continued"]] == [5, 10]

@@ -97,3 +97,30 @@ def test_a_training_stage_with_local_cpu_workers_starts_their_forkserver_before_
     assert not _started_early(tmp_path / "eval", "stages.evaluate", {"workers": 2, "device": "cpu"})["running"]
     # a bad params file is left for the stage to report
     assert not _started_early(tmp_path / "bad", "stages.sft", {"workers": "two"})["running"]
+
+
+def test_a_new_forkserver_does_not_wait_for_a_child_of_the_old_one_still_running():
+    """A changed environment restarts the forkserver; a child the old one forked that is still running (a
+    worker left over from an earlier launch) holds the old one's "alive" pipe, and multiprocessing's own stop
+    waits for that child to exit. The restart must not: here the child sleeps 60 s."""
+    import subprocess
+    import sys
+
+    script = (
+        "import multiprocessing as mp, os, time\n"
+        "from ars_opd.training import forkserver\n"
+        "forkserver.WORKER_PRELOAD = ()\n"  # nothing to import: the test is about stopping, not preloading
+        "forkserver.use_forkserver()\n"
+        "child = mp.get_context('forkserver').Process(target=time.sleep, args=(60,))\n"
+        "child.start()\n"
+        "os.environ['ARS_OPD_TEST_MARK'] = 'changed'\n"
+        "t = time.monotonic()\n"
+        "kept = forkserver.use_forkserver()\n"
+        "took = time.monotonic() - t\n"
+        "os.kill(child.pid, 9)\n"
+        "print(kept, took)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    kept, took = out.stdout.split()
+    assert kept == "False"  # the environment changed: a new forkserver
+    assert float(took) < 30  # not the child's 60 s (before the fix it waited for the child)

@@ -59,10 +59,23 @@ def use_forkserver() -> bool:
     now = _now()
     kept = _started_under == now
     if _started_under is not None and not kept:
-        _mp_forkserver._forkserver._stop()
+        _stop_running()
     multiprocessing.set_forkserver_preload(list(WORKER_PRELOAD))
     _started_under = now
     return kept
+
+
+def _stop_running() -> None:
+    """Stop the running forkserver and forget it, without waiting for its children. multiprocessing's own
+    stop closes the forkserver's "alive" pipe and waits for it to exit, but every child it forked holds a
+    copy of that pipe, so the forkserver outlives (and the stop waits for) any child still running: a
+    worker left over from an earlier launch would block every later launch for good. Terminating it first
+    makes the wait its own exit; a child, if any, runs on unaffected."""
+    pid = getattr(_mp_forkserver._forkserver, "_forkserver_pid", None)
+    if pid:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+    _mp_forkserver._forkserver._stop()
 
 
 def start_early(threads_per_worker: int) -> None:
