@@ -385,6 +385,7 @@ def noise_scale_probe(job: dict) -> dict:
             ctx.device,
         )
         reduced = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+        del ddp, hook  # the DDP wrapper must be gone before the process group is destroyed (as in grad_probe)
         mine = torch.stack(per_seq)
         sizes = [torch.zeros(1, dtype=torch.long) for _ in range(ctx.world_size)]
         dist.all_gather(sizes, torch.tensor([mine.shape[0]]))
@@ -397,6 +398,8 @@ def noise_scale_probe(job: dict) -> dict:
         cnt[: len(counts)] = torch.tensor(counts)
         cparts = [torch.empty_like(cnt) for _ in range(ctx.world_size)]
         dist.all_gather(cparts, cnt)
+        if ctx.rank != 0:  # the launcher returns rank 0's result: the others need not send megabytes back
+            return {}
         return {
             "tokens": g[:, 0].tolist(),
             "sq": g[:, 1].tolist(),
