@@ -12,8 +12,15 @@ from test_arms import _evaluate
 
 
 def _with_steps(ev: dict, prefix: dict[str, list[float]]) -> dict:
+    # 100 answers each; the share right at every step is the last step's share less 0.1 (some long answers
+    # are wrong at a step that shorter references do not have)
     for model, p in prefix.items():
-        ev.setdefault(model, {})["steps"] = {"step_accuracy": float(np.mean(p)), "prefix_accuracy": p}
+        ev.setdefault(model, {})["steps"] = {
+            "answers": 100,
+            "step_accuracy": float(np.mean(p)),
+            "prefix_accuracy": p,
+            "first_error": {"0": round(100 * (1 - p[0])), "none": round(100 * (p[-1] - 0.1))},
+        }
     return ev
 
 
@@ -33,8 +40,29 @@ def test_the_step_table_pairs_opd_and_the_control_by_seed():
     # OPD − control, step accuracy: per seed mean(o, o-0.2) - mean(c, c-0.3) = o - c + 0.05
     diffs = [0.9 - 0.7 + 0.05, 0.8 - 0.7 + 0.05, 0.85 - 0.6 + 0.05]
     assert f"{np.mean(diffs):.1%}" in rows["OPD − control (paired)"]
-    # right throughout (the last step): o - 0.2 - (c - 0.3)
+    # right at every step: (o - 0.2 - 0.1) - (c - 0.3 - 0.1), the same as at the last step here
     assert f"{np.mean([d + 0.05 for d in diffs]):.1%}" in rows["OPD − control (paired)"]
+    # the teacher's shares: right through step 1 is 100% in every seed, right at every step 88%; a share's
+    # interval stays within [0, 100%]
+    assert "| teacher | 99.0% [99.0%, 99.0%] | 100.0% [100.0%, 100.0%] | 88.0% [88.0%, 88.0%] |" in rows["teacher"]
+    opd_first = [0.9, 0.8, 0.85]  # right through step 1: mean 85%, the t-interval's top (97.4%) is kept
+    assert f"{np.mean(opd_first):.1%}" in rows["OPD"] and "[" in rows["OPD"]
+    wide = step_table(
+        [{"seed": s, "evaluate": _with_steps(_evaluate(1.0, 1.3), {"opd": [x, x]})} for s, x in enumerate([1.0, 0.4])]
+    )
+    row = next(line for line in wide if line.startswith("| OPD |"))
+    assert row.count("[0.0%, 100.0%]") == 3  # clipped at both ends (unclipped: [-311%, 451%] for the first)
+
+
+def test_the_sft_stage_has_no_row_when_the_arms_start_from_a_pinned_student():
+    runs = _runs()
+    for r in runs:
+        _with_steps(r["evaluate"], {"sft": [0.1, 0.0]})
+    assert any(line.startswith("| SFT |") for line in step_table(runs))
+    pinned = [{**r, "start_is_sft": False} for r in runs]
+    assert not any(line.startswith("| SFT |") for line in step_table(pinned))
+    text, _ = render_study(pinned, "cmds", {})
+    assert "pinned student" in text
 
 
 def test_a_long_horizon_study_has_its_first_error_section_and_families_keep_their_own_sections(tmp_path):

@@ -62,6 +62,9 @@ def collect(data: Any, where: dict[str, str] | None = None) -> list[dict]:
                 "evaluate": metrics,
                 "rev": rev,
                 "metrics_path": param(params, "paths.eval_metrics") or PathsConfig().eval_metrics,
+                # whether the arms start from the sft stage's model (the default) or from a pinned copy
+                "start_is_sft": (param(params, "paths.distill_init") or PathsConfig().distill_init)
+                == (param(params, "paths.sft_model") or PathsConfig().sft_model),
             }
             found.append((run, is_experiment, _without_seed(params)))
     configs = Counter(key for _, is_exp, key in found if is_exp)
@@ -223,9 +226,15 @@ def render_study(
             "",
             "Long-horizon prompts: the share of held-out answers right through each step of the answer (mean "
             "over seeds, min-max band), step accuracy, and the share right through the first and through every "
-            "step, mean [95% t-interval over seeds].",
+            "step, mean [95% t-interval over seeds, clipped to the possible range].",
             "",
         ]
+        if not all(r.get("start_is_sft", True) for r in runs):
+            lines += [
+                "The arms start from a pinned student (`paths.distill_init`), not from this sweep's sft stage, "
+                "so the sft stage's model has no row here.",
+                "",
+            ]
         if "first_error" in figures:
             lines += [f"![answers right through each step]({figures['first_error']})", ""]
         lines += step_table(runs)

@@ -3,7 +3,13 @@
 The evaluate stage's ``steps`` metrics (``ars_opd.evaluation.steps``) give, per model, the share of held-out
 answers still right after each step (``prefix_accuracy``) and the step accuracy. Over a seed sweep this
 module draws the survival curves of base, SFT, OPD, the control and the teacher (mean over seeds, min-max
-band) and tabulates step accuracy with 95% t-intervals and the paired difference OPD − control.
+band) and tabulates step accuracy with 95% t-intervals and the paired difference OPD − control. A share's
+t-interval is clipped to [0, 100%] (a difference's to [-100%, 100%]): with five seeds and a share near a
+bound the symmetric interval would run past it.
+
+The SFT row is the sft stage's model, so it is shown only when that model is the arms' start; a study that
+pins another start (``paths.distill_init``) and reruns a short sft stage beside it (as the long-horizon
+sweep does) has no SFT row: that stage's model is neither arm's start.
 """
 
 from __future__ import annotations
@@ -30,7 +36,14 @@ def has_steps(runs: list[dict]) -> bool:
 
 
 def _steps(run: dict, model: str) -> dict | None:
+    if model == "sft" and not run.get("start_is_sft", True):
+        return None  # the sft stage's model is not the arms' start in this run (see the module's docstring)
     return (run["evaluate"].get(model) or {}).get("steps")
+
+
+def right_throughout(steps: dict) -> float:
+    """The share of answers right at every step of the reference (and with nothing after it)."""
+    return steps["first_error"].get("none", 0) / steps["answers"]
 
 
 def first_error_figure(runs: list[dict], path: Path) -> None:
@@ -61,10 +74,10 @@ def first_error_figure(runs: list[dict], path: Path) -> None:
 
 
 def step_table(runs: list[dict]) -> list[str]:
-    """Markdown: step accuracy and the share right through the first and the last common step, per model
-    (mean [95% CI] over seeds), and OPD − control paired by seed."""
+    """Markdown: step accuracy, the share right through the first step and the share right at every step, per
+    model (mean [95% CI] over seeds, clipped to the possible range), and OPD − control paired by seed."""
     lines = [
-        "| model | step accuracy | right through step 1 | right throughout (last step) |",
+        "| model | step accuracy | right through step 1 | right at every step |",
         "|---|---|---|---|",
     ]
     for model, label, _ in SHOWN:
@@ -74,21 +87,23 @@ def step_table(runs: list[dict]) -> list[str]:
         cells = [
             mean_ci([s["step_accuracy"] for s in found]),
             mean_ci([s["prefix_accuracy"][0] for s in found]),
-            mean_ci([s["prefix_accuracy"][-1] for s in found]),
+            mean_ci([right_throughout(s) for s in found]),
         ]
-        lines.append(f"| {label} | " + " | ".join(_interval(c) for c in cells) + " |")
+        lines.append(f"| {label} | " + " | ".join(_interval(c, 0.0) for c in cells) + " |")
     pairs = [(_steps(r, "opd"), _steps(r, "sft_continued")) for r in runs]
     pairs = [(a, b) for a, b in pairs if a and b]
     if len(pairs) >= 2:
         cells = [
             mean_ci([a["step_accuracy"] - b["step_accuracy"] for a, b in pairs]),
             mean_ci([a["prefix_accuracy"][0] - b["prefix_accuracy"][0] for a, b in pairs]),
-            mean_ci([a["prefix_accuracy"][-1] - b["prefix_accuracy"][-1] for a, b in pairs]),
+            mean_ci([right_throughout(a) - right_throughout(b) for a, b in pairs]),
         ]
-        lines.append("| OPD − control (paired) | " + " | ".join(_interval(c) for c in cells) + " |")
+        lines.append("| OPD − control (paired) | " + " | ".join(_interval(c, -1.0) for c in cells) + " |")
     return lines + [""]
 
 
-def _interval(c: tuple[float, float, float]) -> str:
+def _interval(c: tuple[float, float, float], floor: float) -> str:
+    """``mean [lo, hi]`` in percent, the interval clipped to [floor, 1] (a share, or a difference of two)."""
     m, lo, hi = c
+    lo, hi = max(lo, floor), min(hi, 1.0)
     return f"{fmt(m, True)} [{fmt(lo, True)}, {fmt(hi, True)}]"
