@@ -201,6 +201,10 @@ def test_modules_to_save_trains_the_embedding_and_the_tied_head_follows(char_tok
     _train(model)
     copy = model.get_input_embeddings().weight
     assert model.get_output_embeddings().weight is copy  # the head reads the trained copy
+    # and so do the chunked losses, which read the head's weight themselves (the stages' path)
+    from ars_opd.lm.head import OutputHead
+
+    assert OutputHead.of(model).weight.data_ptr() == copy.data_ptr()
     assert not torch.equal(copy, original)
     assert torch.equal(model.get_base_model().state_dict()["model.embed_tokens.original_module.weight"], original)
     merged = adapters.merged_state_dict(model)
@@ -345,3 +349,40 @@ def test_sft_then_opd_train_publish_and_continue_the_adapter(tmp_path):
     assert any(not torch.equal(opd_merged[k], merged[k]) for k in adapted)  # OPD moved the adapter further
     budget = json.loads((root / "data/opd/model/budget.json").read_text())
     assert budget["steps"] == manifest["steps"] + 3  # from scratch: SFT's steps, then OPD's
+
+
+@pytest.mark.slow
+def test_sft_and_opd_stages_train_an_adapter_with_a_module_trained_whole(tmp_path):
+    """modules_to_save through the stages (one in-process worker each): the chunked losses read the trained
+    copy of the tied embedding, which the published model carries; opd continues both."""
+    from ars_opd.models.loading import load_model, load_model_dir
+    from micro import distill_workspace, run_stage_here
+
+    root = tmp_path / "w"
+    distill_workspace(REPO, root, {"steps": 2}, workers=1)
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["models"]["student_adapter"] = {
+        "kind": "lora",
+        "r": 4,
+        "alpha": 8.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "modules_to_save": ["embed_tokens"],
+    }
+    params["sft"]["steps"] = 3
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    import shutil
+
+    shutil.rmtree(root / "data/sft/model")
+    run_stage_here(root, "sft")
+    run_stage_here(root, "opd")
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        base = load_model("data/models", "student").state_dict()
+        sft, opd = (load_model_dir(f"data/{stage}/model", stage=stage).state_dict() for stage in ("sft", "opd"))
+    finally:
+        os.chdir(cwd)
+    key = "model.embed_tokens.weight"
+    assert not torch.equal(sft[key], base[key]) and not torch.equal(opd[key], sft[key])  # trained, then continued
+    for trained in (sft, opd):
+        assert torch.equal(trained["lm_head.weight"], trained[key])  # published with the head tied to it

@@ -98,6 +98,21 @@ def select_rows(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, mask.reshape(-1).nonzero().squeeze(-1))
 
 
+def active_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The module that computes for ``module``: itself, or for a module an adapter trains whole beside it (peft's
+    ``ModulesToSaveWrapper``, recognised by its ``original_module`` and ``modules_to_save``; on a tied head
+    the wrapper's copy is the trained embedding) the active trained copy, or the original with adapters off."""
+    copies = getattr(module, "modules_to_save", None)
+    if copies is None or not hasattr(module, "original_module"):
+        return module
+    if getattr(module, "disable_adapters", False):
+        return module.original_module
+    active = list(getattr(module, "active_adapters", None) or [getattr(module, "active_adapter", None)])
+    if len(active) != 1 or active[0] not in copies:
+        raise ValueError(f"the output head has active adapters {active}; the chunked losses need exactly one")
+    return copies[active[0]]
+
+
 @dataclass(frozen=True)
 class OutputHead:
     """A model's output projection over the shared vocabulary: logits = hidden·weightᵀ + bias."""
@@ -109,7 +124,7 @@ class OutputHead:
     def of(cls, model: torch.nn.Module, vocab: int | None = None) -> "OutputHead":
         """The head of ``model`` (unwrapped from DDP/compile) restricted to ids 0..vocab-1 (all rows if None)."""
         inner = unwrap(model)
-        head = inner.get_output_embeddings()
+        head = active_module(inner.get_output_embeddings())
         if not isinstance(head, torch.nn.Linear):
             raise TypeError(
                 f"{type(inner).__name__}'s output embedding is a {type(head).__name__}, not a Linear "
