@@ -371,10 +371,10 @@ class ModelsConfig:
     """Built-in teacher shape."""
     student_arch: ArchConfig = field(
         default_factory=lambda: ArchConfig(
-            hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=384
+            hidden_size=96, num_layers=2, num_heads=3, num_kv_heads=3, intermediate_size=384
         )
     )
-    """Built-in student shape (smaller than the teacher)."""
+    """Built-in student shape (smaller than the teacher; head_dim 32, which vLLM's CPU attention serves)."""
     teacher_training: TeacherTrainingConfig = field(default_factory=TeacherTrainingConfig)
     """Training of the built-in teacher."""
     student_adapter: AdapterConfig = field(default_factory=AdapterConfig)
