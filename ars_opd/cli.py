@@ -255,7 +255,7 @@ def _vllm_serve(args: argparse.Namespace) -> int:
         max_logprobs=args.max_logprobs,
         logprobs_mode=args.logprobs_mode,
     )
-    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    command = args.command_line
     try:
         with vllm_server(args.model_dir, opts, port=args.port, log_path=args.log) as url:
             print(f"ars-opd vllm: serving {args.model_dir} as {args.name!r} at {url}", file=sys.stderr, flush=True)
@@ -331,8 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--logprobs-mode", default="raw_logprobs", help="vLLM's --logprobs-mode (default raw_logprobs: OPD needs it)"
     )
     vs.add_argument("--log", default=None, help="write the server's output here (default: a temporary file)")
-    vs.add_argument("command_line", nargs=argparse.REMAINDER, help="-- COMMAND ...: run it, then stop the server")
-    vs.set_defaults(func=_vllm_serve)
+    vs.set_defaults(func=_vllm_serve, command_line=[])  # `-- COMMAND ...` after the options: split off in main
     return parser
 
 
@@ -340,7 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         return _serve(argv[1:])
+    command: list[str] = []
+    if argv[:2] == ["vllm", "serve"] and "--" in argv:  # everything after `--` is the command to run
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    if command:
+        args.command_line = command
     return args.func(args)
 
 

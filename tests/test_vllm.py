@@ -390,3 +390,27 @@ def test_a_raw_logits_server_is_refused_before_step_zero(vllm_teacher):
     finally:
         os.chdir(cwd)
     assert issubclass(NotLogprobsError, EndpointError)  # a stage prints it alone and exits 4
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_vllm_serve_runs_the_command_after_dashes_against_the_server(monkeypatch, status):
+    """`ars-opd vllm serve DIR --port P --name N -- COMMAND ...`: the options go to the server, everything after
+    `--` (options included) is the command, run with the server's URL in $ARS_OPD_VLLM_URL; its status is ours.
+    The server is a stand-in here (the real one is the fixture's): this is about the command line."""
+    import contextlib
+
+    from ars_opd import cli
+    from ars_opd.teacher.client import vllm_server
+
+    started = []
+
+    @contextlib.contextmanager
+    def fake_server(model_dir, opts, port=0, log_path=None):
+        started.append((model_dir, opts.served_model_name, port))
+        yield "http://127.0.0.1:1/v1"
+
+    monkeypatch.setattr(vllm_server, "vllm_server", fake_server)
+    check = f"import os, sys; sys.exit({status} if os.environ['ARS_OPD_VLLM_URL'] == 'http://127.0.0.1:1/v1' else 9)"
+    argv = ["vllm", "serve", "some/dir", "--port", "8123", "--name", "t", "--", sys.executable, "-c", check]
+    assert cli.main(argv) == status
+    assert started == [("some/dir", "t", 8123)]
