@@ -148,6 +148,28 @@ def test_a_target_matching_no_linear_layer_is_refused_naming_the_key(char_tokeni
         assert repr(bad[-1]) in str(e.value) and "q_proj" in str(e.value)  # what missed, and what exists
 
 
+def test_a_lora_on_the_output_head_is_refused_naming_modules_to_save(char_tokenizer, tmp_path, monkeypatch):
+    """lm_head is a linear layer, so the target check passed it, and training then stopped at step 0: the losses
+    take the logits from a plain linear head (OutputHead), which an adapted one is not. Refused up front."""
+    from ars_opd.lm.head import OutputHead
+    from ars_opd.models import loading
+
+    student = _student_dir(char_tokenizer, tmp_path)
+    monkeypatch.setattr(loading, "model_path", lambda models_dir, role: str(student))
+    on_head = AdapterConfig(kind="lora", r=4, alpha=8.0, target_modules=("q_proj", "lm_head"))
+    with pytest.raises(TypeError):  # what step 0 met before the refusal
+        OutputHead.of(adapters.attach(build_causal_lm(ARCH, char_tokenizer, 0), on_head))
+    for targets in (("q_proj", "lm_head"), ("lm_head",)):
+        with pytest.raises(ConfigError) as e:
+            adapters.check_adapter(AdapterConfig(kind="lora", target_modules=targets), "unused")
+        assert e.value.key == "models.student_adapter.target_modules"
+        message = str(e.value)
+        assert "'lm_head'" in message and "output head" in message
+        # the built-in head is tied to the embedding: the way to train it is that embedding, whole
+        assert "models.student_adapter.modules_to_save: [embed_tokens]" in message
+    adapters.check_adapter(LORA, "unused")  # the decoder's linear layers stay fine
+
+
 def test_a_model_peft_cannot_wrap_is_refused_naming_trust_remote_code(char_tokenizer, tmp_path, monkeypatch):
     """A trust_remote_code model may bring its own layer types: here one layer's q_proj is not a linear layer
     (another's is, so the target check passes) and peft refuses it; the refusal names the key and the flag."""

@@ -18,10 +18,11 @@ to the copy (peft's ``ensure_weight_tying``). Without it, a student with a tied 
 its base output distribution whatever the adapter learns.
 
 ``check_adapter`` runs before any worker starts: every ``target_modules`` entry must match a linear layer
-of the student (peft's rule: the module's name, or its dotted-name suffix), every ``modules_to_save`` entry
-some module, and peft must be able to wrap
-the student (a ``trust_remote_code`` model may have layers it cannot), both checked on a weightless
-(meta-device) copy built from the student's config.
+of the student (peft's rule: the module's name, or its dotted-name suffix) other than the output head (the
+losses compute the logits from a plain linear head's weight, ``ars_opd.lm.head``, and refuse an adapted one;
+``modules_to_save`` trains the head whole instead), every ``modules_to_save`` entry some module, and peft must
+be able to wrap the student (a ``trust_remote_code`` model may have layers it cannot), all checked on a
+weightless (meta-device) copy built from the student's config.
 """
 
 from __future__ import annotations
@@ -65,6 +66,25 @@ def unmatched_modules(model: torch.nn.Module, names: tuple[str, ...]) -> list[st
     return [t for t in names if not any(_matches(n, t) for n in modules)]
 
 
+def output_head_name(model: torch.nn.Module) -> str:
+    """The dotted name of ``model``'s output embedding (the head), e.g. ``lm_head``."""
+    head = model.get_output_embeddings()
+    return next(n for n, m in model.named_modules() if m is head)
+
+
+def input_embedding_name(model: torch.nn.Module) -> str:
+    embedding = model.get_input_embeddings()
+    return next(n for n, m in model.named_modules() if m is embedding)
+
+
+def head_targets(model: torch.nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """The entries of ``targets`` that would put a LoRA adapter on the output head (peft's name rule)."""
+    if model.get_output_embeddings() is None:
+        return []
+    head = output_head_name(model)
+    return [t for t in targets if _matches(head, t)]
+
+
 def _lora_config(cfg: AdapterConfig):
     from peft import LoraConfig
 
@@ -92,6 +112,19 @@ def check_adapter(cfg: AdapterConfig, models_dir: str | Path, trust_remote_code:
     config = AutoConfig.from_pretrained(model_path(models_dir, "student"), trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    on_head = head_targets(model, cfg.target_modules)
+    if on_head:
+        head = output_head_name(model)
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        whole = f"[{input_embedding_name(model).rsplit('.', 1)[-1]}]" if tied else f"[{head.rsplit('.', 1)[-1]}]"
+        raise ConfigError(
+            f"{KEY}.target_modules",
+            f"{on_head} match the student's output head ({head}), which cannot carry a LoRA adapter: every "
+            "loss computes the logits h·Wᵀ + b from a plain linear head's weight, one chunk of positions at a "
+            "time (ars_opd.lm.head), and training would stop at its first step; leave it out of "
+            f"target_modules, or train the head whole with {KEY}.modules_to_save: {whole}"
+            + (" (the head is tied to that embedding)" if tied else ""),
+        )
     missing = unmatched_targets(model, cfg.target_modules)
     if missing:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
