@@ -14,6 +14,16 @@ A sharded student (``ddp.strategy: fsdp``) is saved by every rank through ``torc
 (``dcp/``: each rank its shards, keyed by parameter name), which loads into any layout: FSDP at another
 world size, DDP, or one worker (resharding).
 
+Machines. The checkpoint directory is rank 0's: rank 0 alone decides whether to resume and from which
+checkpoint (``resume_checkpoint``; the decision is broadcast, so a rank that sees another directory, or none,
+on another machine follows it instead of diverging), and under DDP rank 0 alone reads and writes it: the
+other ranks' RNG states are gathered to it when saving, and on a resume it sends every rank the weights,
+the optimizer and scheduler state, its RNG state and the log. So a DDP run over several machines needs no
+shared filesystem (its checkpoints are on rank 0's machine, as its outputs are). A sharded checkpoint is
+written by every rank (DCP: each rank its own shards), so under fsdp the directory must be one directory
+shared by every machine; that is checked before the first step (``require_shared``: rank 0 writes a
+token there that every rank must read back), and refused naming the ranks and hosts that cannot see it.
+
 Another layout. A checkpoint whose run differs only in how the workers are laid out (``LAYOUT_KEYS``:
 worker count, strategy, device, backend, threads, DDP buckets) starts afresh by default, as any other
 configuration does: at another world size the same global batches are summed in another order (fp32
@@ -30,14 +40,17 @@ import json
 import os
 import random
 import shutil
+import socket
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ars_opd.artifacts import dumps_canonical, files_sha256, read_jsonl, write_json, write_jsonl
+from ars_opd.config import ConfigError
 from ars_opd.training.distributed import WorkerContext
 
 STEPS_LOG = "steps.jsonl"
@@ -121,8 +134,9 @@ def save_checkpoint(
     layout_fingerprint: str | None = None,
     strategy: str = "ddp",
 ) -> None:
-    """All workers call this; weights/optimizer from rank 0 (DDP) or from every rank (sharded, DCP), RNG from
-    every rank; atomic switch of ``latest``."""
+    """All workers call this. Rank 0 writes the checkpoint (every rank's RNG state gathered to it, and the
+    weights and optimizer under DDP); a sharded student's every rank writes its own shards (DCP) into the
+    directory ``resume_checkpoint`` found shared. Atomic switch of ``latest``."""
     from safetensors.torch import save_model
 
     final = ckpt_dir / f"step_{state.step:07d}"
@@ -130,8 +144,12 @@ def save_checkpoint(
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+    rng = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(_rng_state(), rng, dst=0)  # every rank's RNG state, written by rank 0 (module doc)
+    if ctx.is_main:
+        for rank, rng_state in enumerate(rng):
+            torch.save(rng_state, tmp / f"rng_rank{rank}.pt")
     dist.barrier()
-    torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
     sharded = _sharded(model)
     if sharded:
         import torch.distributed.checkpoint as dcp
@@ -251,10 +269,75 @@ def find_checkpoint(
     return None, f"checkpoint was made with {state.get('world_size')} workers, not {world_size}; starting afresh"
 
 
+class _Slot(NamedTuple):
+    """A tensor's place in a broadcast state dict: what the other ranks allocate before receiving it."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _broadcast(obj: Any, ctx: WorkerContext) -> Any:
+    """Rank 0's ``obj`` (picklable, small) on every rank."""
+    box = [obj if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _broadcast_tensors(tree: Any, ctx: WorkerContext) -> Any:
+    """Rank 0's nested state (dicts, lists, tuples of tensors and plain values: an optimizer's state dict) on
+    every rank: the structure pickled once, then each tensor by ``dist.broadcast`` on ``ctx.device``."""
+    tensors: list[torch.Tensor] = []
+
+    def strip(x):
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return _Slot(len(tensors) - 1, tuple(x.shape), x.dtype)
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(strip(v) for v in x)
+        return x
+
+    def fill(x):
+        if isinstance(x, _Slot):
+            if ctx.is_main:
+                t = tensors[x.index].to(ctx.device)
+            else:
+                t = torch.empty(x.shape, dtype=x.dtype, device=ctx.device)
+            dist.broadcast(t, src=0)
+            return t
+        if isinstance(x, dict):
+            return {k: fill(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [fill(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(fill(v) for v in x)
+        return x
+
+    return fill(_broadcast(strip(tree) if ctx.is_main else None, ctx))
+
+
+def _broadcast_module(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers into every rank's ``model``, in place (a tied tensor once)."""
+    seen = set()
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            dist.broadcast(t.data, src=0)
+
+
 def load_checkpoint(
     path: Path, ctx: WorkerContext, model: torch.nn.Module, opt, sched
 ) -> tuple[TrainerState, list[dict]]:
-    raw = json.loads((path / "state.json").read_text())
+    """All ranks call. Rank 0 reads the checkpoint (the path is rank 0's) and sends every rank what it needs:
+    the state, the log, the scheduler, each rank's RNG state, and under DDP the weights and the optimizer
+    state. A sharded checkpoint's shards are read by every rank through DCP (the directory is shared)."""
+    raw = _broadcast(json.loads((path / "state.json").read_text()) if ctx.is_main else None, ctx)
     if raw.get("format") == DCP_DIR:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
@@ -271,15 +354,24 @@ def load_checkpoint(
     else:
         from safetensors.torch import load_model
 
-        load_model(model, str(path / "model.safetensors"), device=str(ctx.device))
-        opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=ctx.device))
-    sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    rng = path / f"rng_rank{ctx.rank}.pt"
-    if rng.exists():  # a rank beyond a resharded checkpoint's world keeps its fresh state
-        _set_rng_state(torch.load(rng, weights_only=True))
+        if ctx.is_main:
+            load_model(model, str(path / "model.safetensors"), device=str(ctx.device))
+        _broadcast_module(model)
+        saved = torch.load(path / "optimizer.pt", weights_only=True, map_location=ctx.device) if ctx.is_main else None
+        opt.load_state_dict(_broadcast_tensors(saved, ctx))
+    schedule = torch.load(path / "scheduler.pt", weights_only=True) if ctx.is_main else None
+    sched.load_state_dict(_broadcast(schedule, ctx))
+    rng = None
+    if ctx.is_main:  # a rank beyond a resharded checkpoint's world keeps its fresh state (None)
+        files = [path / f"rng_rank{r}.pt" for r in range(ctx.world_size)]
+        rng = [torch.load(f, weights_only=True) if f.exists() else None for f in files]
+    mine = [None]
+    dist.scatter_object_list(mine, rng, src=0)
+    if mine[0] is not None:
+        _set_rng_state(mine[0])
     state = TrainerState(**{k: raw[k] for k in TrainerState.__dataclass_fields__ if k in raw})
     state.resumed_from = state.step
-    return state, read_jsonl(path / STEPS_LOG)
+    return state, _broadcast(read_jsonl(path / STEPS_LOG) if ctx.is_main else None, ctx)
 
 
 def resume_checkpoint(
@@ -294,15 +386,54 @@ def resume_checkpoint(
     strategy: str,
 ) -> tuple[Found | None, TrainerState, list[dict]]:
     """All ranks call: the checkpoint resumed (None: none matches), the run's state and its log so far (a
-    fresh state and an empty log when none matches); rank 0 says why it resumes or starts afresh."""
+    fresh state and an empty log when none matches); rank 0 says why it resumes or starts afresh.
+
+    Rank 0 alone looks for the checkpoint, in its own ``ckpt_dir``, and every rank follows its decision
+    (other ranks may see another directory, or none, on another machine). A sharded student first checks
+    that every rank sees rank 0's directory (``require_shared``), since each rank writes its own shards."""
     state, history = TrainerState(), []
     if ctx.is_main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    found, why = find_checkpoint(ckpt_dir, fingerprint, ctx.world_size, layout_fingerprint, reshard, strategy)
+    if _sharded(model) and ctx.world_size > 1:
+        require_shared(ckpt_dir, ctx)
+    found, why = None, ""
+    if ctx.is_main:
+        found, why = find_checkpoint(ckpt_dir, fingerprint, ctx.world_size, layout_fingerprint, reshard, strategy)
+    found, why = _broadcast((found, why), ctx)
     if found is not None:
         state, history = load_checkpoint(found.path, ctx, model, opt, sched)
         state.resharded_from = found.resharded_from
     if ctx.is_main and (found is not None or why != "no checkpoint"):
         print(f"checkpoints: {why}", flush=True)
     return found, state, history
+
+
+def require_shared(ckpt_dir: Path, ctx: WorkerContext) -> None:
+    """All ranks call: refuse, on every rank, a checkpoint directory that some rank does not share with rank 0.
+    Rank 0 writes a token of its own into ``ckpt_dir``; every rank reads it back; the ranks that cannot are
+    named with their hosts. Without the check, a rank on a machine that does not mount rank 0's directory
+    met a FileNotFoundError at the first checkpoint, after the work up to it."""
+    # rank 0's directory, as rank 0 names it: a relative path means another directory on another machine
+    token, where = _broadcast((uuid.uuid4().hex, str(ckpt_dir.resolve())) if ctx.is_main else None, ctx)
+    probe = ckpt_dir / f".shared-check-{token}"
+    if ctx.is_main:
+        probe.write_text(token)
+    dist.barrier()
+    try:
+        seen = probe.read_text() == token
+    except OSError:
+        seen = False
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, (seen, socket.gethostname()))
+    dist.barrier()  # every rank has looked before rank 0 removes it
+    if ctx.is_main:
+        probe.unlink(missing_ok=True)
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(everyone) if not ok]
+    if blind:
+        raise ConfigError(
+            "ddp.strategy",
+            f"fsdp writes every rank's shards into the checkpoint directory {where} (rank 0's, on "
+            f"{everyone[0][1]}), which {', '.join(blind)} cannot see: mount one shared directory at that path "
+            "on every machine (or set the stage's paths.*_checkpoints to one), or use ddp.strategy: ddp, "
+            "whose checkpoints rank 0 writes alone",
+        )
