@@ -239,7 +239,8 @@ def test_noise_scale_terms_equal_brute_force_on_per_sequence_gradients(char_toke
     assert [c.sum() for c in counts] == res["tokens"]
     worker_means = [s.sum(0) / c.sum() for s, c in zip(seqs, counts)]  # each worker's token-mean gradient
     big = sum(s.sum(0) for s in seqs) / N
-    small_sq = np.mean([(w**2).sum() for w in worker_means])
+    # token-weighted (ars_opd.training.consistency.noise_scale_terms): unbiased at B_small = N/K for any split
+    small_sq = sum(c.sum() / N * (w**2).sum() for w, c in zip(worker_means, counts))
     b_small, b_big = N / K, N
     g2 = (b_big * (big**2).sum() - b_small * small_sq) / (b_big - b_small)
     trace = (small_sq - (big**2).sum()) / (1 / b_small - 1 / b_big)

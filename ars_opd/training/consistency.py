@@ -224,8 +224,15 @@ def noise_scale_terms(sq: Sequence[float], tokens: Sequence[int], mean_sq: float
 
     sq: ‖g_k‖² per worker in the engine's scale (g_k = K/N · the sum of worker k's token gradients, N the
     step's global tokens); tokens: n_k per worker; mean_sq: ‖ḡ‖² of the reduced (pre-clip) gradient. Worker
-    k's own token-mean gradient is g_k·N/(K·n_k), so |G_small|² = mean_k ‖g_k‖²·(N/(K·n_k))² at
-    B_small = N/K, and |G_big|² = ‖ḡ‖² at B_big = N. Then
+    k's own token-mean gradient is G_k = g_k·N/(K·n_k), with E‖G_k‖² = |G|² + tr Σ/n_k when its n_k token
+    gradients are independent draws of covariance Σ, and E‖ḡ‖² = |G|² + tr Σ/N (B_big = N).
+
+    The workers' token counts differ (OPD's completions, SFT's ragged rows), so the plain mean over workers
+    of ‖G_k‖² has expectation |G|² + tr Σ·mean_k(1/n_k), and pairing it with B_small = N/K, as App. A.1 does for
+    equal batches, overstates tr Σ by the factor (N·mean_k(1/n_k) − 1)/(K − 1) ≥ 1 (Jensen; 1 when the n_k
+    are equal) and understates |G|² to match. Weighted by each worker's tokens instead,
+    |G_small|² = Σ_k (n_k/N)·‖G_k‖² has expectation |G|² + tr Σ·K/N exactly, so B_small = N/K is its batch
+    size whatever the split (``tests/test_noise_scale_weights.py`` measures both). Then
     |G|² ≈ (B_big|G_big|² − B_small|G_small|²)/(B_big − B_small) and
     tr Σ ≈ (|G_small|² − |G_big|²)/(1/B_small − 1/B_big). Each is noisy on one step: average numerator
     and denominator over steps before taking the ratio B_simple = tr Σ / |G|². NaN for one worker.
@@ -236,7 +243,8 @@ def noise_scale_terms(sq: Sequence[float], tokens: Sequence[int], mean_sq: float
     N = float(sum(tokens))
     if N <= 0 or any(n <= 0 for n in tokens):
         return float("nan"), float("nan")
-    small = sum(s * (N / (K * n)) ** 2 for s, n in zip(sq, tokens)) / K
+    # Σ_k (n_k/N)·‖g_k‖²·(N/(K·n_k))² = Σ_k ‖g_k‖²·N/(K²·n_k)
+    small = sum(s * N / (K * K * n) for s, n in zip(sq, tokens))
     b_small, b_big = N / K, N
     g2 = (b_big * mean_sq - b_small * small) / (b_big - b_small)
     trace = (small - mean_sq) / (1 / b_small - 1 / b_big)
