@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from ars_opd.evaluation.distillation import as_family_section, merge_family_section, render_study
+from ars_opd.evaluation.distillation import as_family_section, merge_family_section, refresh_regime, render_study
 from ars_opd.evaluation.first_error import step_table
 from test_arms import _evaluate
 
@@ -80,7 +80,10 @@ def test_a_long_horizon_study_has_its_first_error_section_and_families_keep_thei
     assert doc.startswith("# Did on-policy distillation beat more SFT at equal budget?")
     assert doc.count("## Task family: ") == 2 and doc.index("family: default") < doc.index("family: long-horizon")
     again = merge_family_section(doc, "default", as_family_section(plain.replace("cmds", "other"), "default"))
-    assert again.count("## Task family: default") == 1 and "other" in again and long.strip() in again
+    # the long-horizon section kept, its paragraph on the regime quoting its own tables (rendered alone, it
+    # had no study to quote)
+    assert again.count("## Task family: default") == 1 and "other" in again and refresh_regime(long).strip() in again
+    assert refresh_regime(long) != long
 
 
 def test_the_command_writes_a_family_section_with_its_figure(tmp_path):

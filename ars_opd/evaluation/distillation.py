@@ -21,7 +21,15 @@ import numpy as np
 
 from ars_opd.config import PathsConfig
 from ars_opd.evaluation.arms import ARMS
-from ars_opd.evaluation.equal_budget import LABELS, METRICS, REGIME, budget_note, compare, interpolate
+from ars_opd.evaluation.equal_budget import (
+    LABELS,
+    METRICS,
+    REGIME_LEAD,
+    budget_note,
+    compare,
+    interpolate,
+    regime_paragraph,
+)
 from ars_opd.evaluation.first_error import has_steps, step_table
 from ars_opd.evaluation.scenarios import mean_ci, walk_experiments
 from ars_opd.evaluation.tables import fmt
@@ -171,10 +179,16 @@ def _comparison(runs: list[dict], level: str = "##") -> tuple[list[str], dict, l
 
 
 def render_study(
-    runs: list[dict], commands: str, figures: dict[str, str], regimes: dict[str, list[dict]] | None = None
+    runs: list[dict],
+    commands: str,
+    figures: dict[str, str],
+    regimes: dict[str, list[dict]] | None = None,
+    study: str = "",
 ) -> tuple[str, dict]:
     """Markdown of the sweep and its flat summary: per arm mean [95% CI], paired difference, a positive
-    control, verdict; then each further regime (label -> its seeds) with the same tables."""
+    control, verdict; then each further regime (label -> its seeds) with the same tables. Where OPD did not win
+    everything, the paragraph on the regime where it is expected to quotes ``study`` (the study file's text,
+    ``equal_budget.regime_paragraph``); ``merge_family_section`` brings it up to date with the merged file."""
     lines = [
         TITLE,
         "",
@@ -250,7 +264,7 @@ def render_study(
     if regime_bits:
         lines += ["Regimes:", "", "- " + "\n- ".join(regime_bits), ""]
     if any("OPD better" not in b for b in verdict_bits + regime_bits):
-        lines += [REGIME, ""]
+        lines += [regime_paragraph(study), ""]
     return "\n".join(lines) + "\n", summary
 
 
@@ -276,11 +290,20 @@ def as_family_section(study: str, family: str) -> str:
 
 def merge_family_section(existing: str, family: str, section: str) -> str:
     """``existing`` (a file of family sections, or empty) with the section of ``family`` replaced by
-    ``section`` (or added at the end); the file's title and the other families stay as they are."""
+    ``section`` (or added at the end); the file's title and the other families stay as they are, but for the
+    paragraph on the regime where OPD is expected to win, which every section then quotes from the merged
+    file (``refresh_regime``): a rerun of the regime's own family updates it everywhere."""
     head, *parts = existing.split("\n" + FAMILY) if existing.strip() else [TITLE + "\n"]
     kept = [p for p in parts if p.split("\n", 1)[0].strip() != family]
     body = [head.rstrip() + "\n"] + [FAMILY + p.rstrip() + "\n" for p in kept] + [section]
-    return "\n".join(body)
+    return refresh_regime("\n".join(body))
+
+
+def refresh_regime(text: str) -> str:
+    """``text`` (a study file) with each paragraph on the regime where OPD is expected to win (one line, as
+    ``render_study`` writes it) replaced by the one quoting ``text``'s own measurement of that regime."""
+    paragraph = regime_paragraph(text)
+    return "\n".join(paragraph if line.startswith(REGIME_LEAD) else line for line in text.split("\n"))
 
 
 def _instrument_control(runs: list[dict]) -> dict:

@@ -16,14 +16,16 @@ each arm's final model on every held-out prompt, and its learning-curve snapshot
   that repeats the SFT stage's rows both arms carry the same data cost and this view equals the one above.
 
 ``compare`` does this for one run; ``headline``, ``budget_note`` and ``regime_note`` are the report's markdown
-on it. Pure functions of one run's evaluate metrics, no I/O: the seed sweep (``ars_opd.evaluation.distillation``)
-compares each of its runs with the same ``compare`` and ``METRICS``, so one run and a sweep measure the same
-thing.
+on it (``regime_note`` quotes the seed study's measurement of the regime where OPD is expected to win, read
+from the study file's text: ``regime_paragraph``). Pure functions of one run's evaluate metrics, no I/O: the
+seed sweep (``ars_opd.evaluation.distillation``) compares each of its runs with the same ``compare`` and
+``METRICS``, so one run and a sweep measure the same thing.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -149,29 +151,213 @@ def headline(cmp: dict) -> list[str]:
     return lines + [""]
 
 
-def regime_note(cmp: dict) -> list[str]:
-    """Markdown: where OPD is expected to win, when it did not win here at equal steps or equal FLOPs."""
+def regime_note(cmp: dict, study: str = "") -> list[str]:
+    """Markdown: where OPD is expected to win, when it did not win here at equal steps or equal FLOPs, quoting
+    what the study (``study``: the text of ``STUDY_FILE``) measured there (``regime_paragraph``)."""
     if _opd_wins(cmp["equal_steps"]) and (not cmp["equal_flops"] or _opd_wins(cmp["equal_flops"])):
         return []
-    return [REGIME, ""]
+    return [regime_paragraph(study), ""]
 
 
-REGIME = (
-    "Where OPD is expected to win, and what we measured there: on-policy distillation trains on the states the "
-    "student itself reaches, so the published case for it is long answers, where an early mistake compounds "
-    "and SFT on teacher text never shows the student how to recover. We built that regime (the long-horizon "
-    "family, `synthetic.tasks: [running_sum, shift_steps]`, answers of 20-60 characters checked step by step) "
-    "and measured it the same way (reports/distillation.md, its long-horizon section: 5 seeds from one SFT "
-    "student, 300 steps an arm). OPD did not beat continued SFT there either: at equal steps no difference "
-    "was resolved (reverse KL +0.03 [-0.02, 0.07], exact match -12 points [-25, +0.4]); at equal FLOPs the "
-    "control's reverse KL was lower by 0.13 [0.08, 0.18]; against a control on fresh teacher completions, "
-    "the teacher's cost of writing them counted, the control was still better (reverse KL by 0.09 [0.04, "
-    "0.15], exact match by 18 points [4, 32]). At that scale (a 1M-parameter teacher, a 0.3M student) the "
-    "advantage did not appear; a larger teacher–student gap and longer training are the conditions left "
-    "untested. At equal FLOPs OPD also pays for sampling and for the teacher's forward (2·P_teacher per "
-    "scored token against 6·P_student per trained token); a served teacher (`opd.teacher: endpoint`) moves "
-    "that cost off the student's devices, not out of the budget."
+# The paragraph on the regime where OPD is expected to win quotes what the seed study measured there: the
+# section of ``STUDY_FILE`` that ``ars-opd distillation --family REGIME_FAMILY`` writes (bench/long_horizon_sweep.sh),
+# read back from its tables, so rerunning that study updates the paragraph here, in the report stage (which
+# lists the file as a dep) and in the study file's own sections (``distillation.merge_family_section``).
+STUDY_FILE = "reports/distillation.md"
+REGIME_FAMILY = "long-horizon"
+REGIME_LEAD = "Where OPD is expected to win"
+_WHY = (
+    "on-policy distillation trains on the states the student itself reaches, so the published case for it is long "
+    "answers, where an early mistake compounds and SFT on teacher text never shows the student how to recover."
 )
+_FAMILY = (
+    "the long-horizon family, `synthetic.tasks: [running_sum, shift_steps]`, answers of 20-60 characters checked "
+    "step by step"
+)
+_COST = (
+    "At equal FLOPs OPD also pays for sampling and for the teacher's forward (2·P_teacher per scored token against "
+    "6·P_student per trained token); a served teacher (`opd.teacher: endpoint`) moves that cost off the student's "
+    "devices, not out of the budget."
+)
+# the study's views the paragraph quotes: (heading in the family's section, regime heading or None: the main
+# study, how the paragraph introduces it); a fresh control's data-cost view is the one that charges the
+# teacher's writing to one arm only
+_VIEWS = (
+    ("At equal steps", None, "at equal steps"),
+    ("At equal FLOPs", None, "at equal FLOPs"),
+    (
+        "At equal FLOPs, the teacher's data cost counted",
+        "fresh control",
+        "against a control on fresh teacher completions, the teacher's cost of writing them counted,",
+    ),
+)
+_METRIC_ROWS = {label: (key, direction) for key, label, direction in METRICS[:2]}
+
+
+def family_section(text: str, family: str) -> str | None:
+    """The ``## Task family: <family>`` section of a study file (to the next family's), or None."""
+    head = f"## Task family: {family}\n"
+    at = text.find(head)
+    if at < 0:
+        return None
+    rest = text[at + len(head) :]
+    end = rest.find("\n## Task family: ")
+    return rest if end < 0 else rest[:end]
+
+
+def _subsection(text: str, heading: str) -> str | None:
+    """The body under the first markdown heading ``heading`` (any level), to the next heading of any level."""
+    match = re.search(rf"^#+ {re.escape(heading)}\n", text, flags=re.M)
+    if match is None:
+        return None
+    rest = text[match.end() :]
+    following = re.search(r"^#+ ", rest, flags=re.M)
+    return rest if following is None else rest[: following.start()]
+
+
+def _number(cell: str) -> float:
+    """A table cell's number: percentages in points (``-12.4%`` -> -12.4)."""
+    return float(cell.strip().rstrip("%"))
+
+
+def _differences(table: str) -> dict[str, tuple[float, float, float]]:
+    """{metric key: OPD − control (mean, lo, hi)} of a comparison table (``distillation._comparison``'s rows)."""
+    out = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] in _METRIC_ROWS:
+            m = re.fullmatch(r"(\S+) \[(\S+), (\S+)\]", cells[3])
+            if m:
+                out[_METRIC_ROWS[cells[0]][0]] = tuple(_number(g) for g in m.groups())
+    return out
+
+
+def regime_facts(section: str) -> dict | None:
+    """What the paragraph quotes, read from the study's family section: its seeds, steps per arm, the model
+    sizes its notes state, and OPD − control for reverse KL and exact match in each of ``_VIEWS``."""
+    views = []
+    for heading, regime, words in _VIEWS:
+        where = section
+        if regime is not None:
+            match = re.search(rf"^#+ Regime: {re.escape(regime)}.*\n", section, flags=re.M)
+            where = section[match.end() :] if match else ""
+        table = _subsection(where, heading)
+        diffs = _differences(table) if table else {}
+        if diffs:
+            views.append((words, diffs))
+    if not views:
+        return None
+    seeds = re.search(r"^Seeds: \[([^\]]*)\]", section, flags=re.M)
+    steps = re.search(r"each arm adds (\d+)\b", section)
+    sizes = re.search(r"student \(([\d,]+) parameters\) and teacher \(([\d,]+)", section)
+    return {
+        "seeds": len(seeds.group(1).split(",")) if seeds else None,
+        "steps": int(steps.group(1)) if steps else None,
+        "student": int(sizes.group(1).replace(",", "")) if sizes else None,
+        "teacher": int(sizes.group(2).replace(",", "")) if sizes else None,
+        "views": views,
+    }
+
+
+def _resolved(key: str, diff: tuple[float, float, float]) -> str | None:
+    """ "opd", "control" or None (the 95% interval of OPD − control holds 0), by the metric's direction."""
+    _, lo, hi = diff
+    lower_is_better = dict((k, d) for k, _, d in METRICS)[key] == "lower"
+    if (hi < 0) if lower_is_better else (lo > 0):
+        return "opd"
+    if (lo > 0) if lower_is_better else (hi < 0):
+        return "control"
+    return None
+
+
+def _value(key: str, x: float, signed: bool) -> str:
+    """Reverse KL to 2 decimals; exact match in whole points (one decimal below 1 point)."""
+    if key == "reverse_kl":
+        return f"{x:+.2f}" if signed else f"{x:.2f}"
+    digits = 1 if round(abs(x)) < 1 else 0
+    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+
+
+def _signed(key: str, diff: tuple[float, float, float]) -> str:
+    """OPD − control as measured: ``+0.03 [-0.02, 0.07]``, ``-12 points [-25, +0.4]``."""
+    m, lo, hi = diff
+    if key == "reverse_kl":
+        return f"reverse KL {_value(key, m, True)} [{_value(key, lo, False)}, {_value(key, hi, False)}]"
+    return f"exact match {_value(key, m, True)} points [{_value(key, lo, True)}, {_value(key, hi, True)}]"
+
+
+def _margin(key: str, diff: tuple[float, float, float]) -> str:
+    """How far the winner is ahead, a positive interval: ``0.13 [0.08, 0.18]``, ``18 points [4, 32]``."""
+    m, lo, hi = (abs(x) for x in diff)
+    lo, hi = min(lo, hi), max(lo, hi)
+    unit = " points" if key == "exact_match" else ""
+    return f"{_value(key, m, False)}{unit} [{_value(key, lo, False)}, {_value(key, hi, False)}]"
+
+
+_AHEAD = {"reverse_kl": ("reverse KL", "lower"), "exact_match": ("exact match", "higher")}
+
+
+def _view_clause(words: str, diffs: dict, earlier: set[str]) -> str:
+    """One view of the study in words: what was resolved, and by how much."""
+    keys = [k for k, _, _ in METRICS[:2] if k in diffs]
+    winners = {k: _resolved(k, diffs[k]) for k in keys}
+    resolved = [k for k in keys if winners[k]]
+    if not resolved:
+        return f"{words} no difference was resolved ({', '.join(_signed(k, diffs[k]) for k in keys)})"
+    names = {"opd": "OPD", "control": "the control"}
+    parts = []
+    for who in ("opd", "control"):
+        mine = [k for k in resolved if winners[k] == who]
+        if len(mine) == 1:
+            what, how = _AHEAD[mine[0]]
+            owner = "OPD's" if who == "opd" else "the control's"
+            parts.append(f"{owner} {what} was {how} by {_margin(mine[0], diffs[mine[0]])}")
+        elif mine:
+            still = " still" if who in earlier else ""
+            margins = ", ".join(f"{_AHEAD[k][0]} by {_margin(k, diffs[k])}" for k in mine)
+            parts.append(f"{names[who]} was{still} better ({margins})")
+    return f"{words} " + " and ".join(parts)
+
+
+def _size(n: int) -> str:
+    """A parameter count as the paragraph says it: 0.3M, 1M, 600M, 1.7B."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2g}B"
+    return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e6:.1g}M"
+
+
+def regime_paragraph(study: str = "") -> str:
+    """The paragraph on the regime where OPD is expected to win, with what ``study`` (the text of the study file)
+    measured there in its ``REGIME_FAMILY`` section; without such a section, the regime and how to measure it."""
+    section = family_section(study, REGIME_FAMILY) if study else None
+    facts = regime_facts(section) if section else None
+    if facts is None:
+        return (
+            f"{REGIME_LEAD}: {_WHY} That regime is built in ({_FAMILY}); `bench/long_horizon_sweep.sh` measures it "
+            f"the same way and writes its section of {STUDY_FILE}, which this paragraph then quotes. {_COST}"
+        )
+    how = [f"{facts['seeds']} seeds from one SFT student" if facts["seeds"] else None]
+    how.append(f"{facts['steps']} steps an arm" if facts["steps"] else None)
+    how = ", ".join(h for h in how if h)
+    clauses, earlier = [], set()
+    for words, diffs in facts["views"]:
+        clauses.append(_view_clause(words, diffs, earlier))
+        earlier |= {w for w in (_resolved(k, d) for k, d in diffs.items()) if w}
+    won = "opd" in earlier
+    if not won:
+        lead = "OPD did not beat continued SFT there either"
+    else:
+        lead = "OPD beat continued SFT there" + (" on some measures" if "control" in earlier else "")
+    scale = "At that scale"
+    if facts["teacher"] and facts["student"]:
+        scale += f" (a {_size(facts['teacher'])}-parameter teacher, a {_size(facts['student'])} student)"
+    outcome = "the advantage appeared only where stated" if won else "the advantage did not appear"
+    return (
+        f"{REGIME_LEAD}, and what we measured there: {_WHY} We built that regime ({_FAMILY}) and measured it the "
+        f"same way ({STUDY_FILE}, its {REGIME_FAMILY} section{': ' + how if how else ''}). {lead}: "
+        f"{'; '.join(clauses)}. {scale} {outcome}; a larger teacher–student gap and longer training are the "
+        f"conditions left untested. {_COST}"
+    )
 
 
 def _opd_wins(table: dict) -> bool:

@@ -32,7 +32,7 @@ from ars_opd.evaluation.consistency_report import (
 )
 from ars_opd.evaluation.detector import Alarm, standardised_residuals
 from ars_opd.evaluation.distillation import curve_figure
-from ars_opd.evaluation.equal_budget import budget_note, compare, headline, regime_note
+from ars_opd.evaluation.equal_budget import STUDY_FILE, budget_note, compare, headline, regime_note
 from ars_opd.evaluation.tables import render_table
 
 STAGES = ("sft", "opd", "sft_continued")
@@ -50,8 +50,10 @@ def build_report(
     eval_metrics: dict | None,
     cfg: ReportConfig,
     benchmark: tuple[list[str], dict] | None = None,
+    study: str = "",
 ) -> tuple[str, dict, dict]:
-    """(markdown, flat metrics, alarms per stage) from the loaded logs."""
+    """(markdown, flat metrics, alarms per stage) from the loaded logs; ``study``: the seed study's file, whose
+    measurement of the regime where OPD is expected to win the verdict quotes."""
     md = ["# ars-opd report", ""]
     flat: dict = {}
     alarms_by_stage: dict[str, list[Alarm]] = {}
@@ -59,7 +61,7 @@ def build_report(
         md += ["## Did distillation work?", ""]
         cmp = compare(eval_metrics)
         if cmp is not None:
-            md += headline(cmp) + budget_note(eval_metrics) + regime_note(cmp)
+            md += headline(cmp) + budget_note(eval_metrics) + regime_note(cmp, study)
             md += [
                 "![learning curves against steps](figures/learning_curves_steps.png)",
                 "",
@@ -167,7 +169,8 @@ def write_report(cfg: ReportConfig, paths: PathsConfig) -> dict:
     eval_path = Path(paths.eval_metrics)
     eval_metrics = json.loads(eval_path.read_text()) if eval_path.exists() else None
     benchmark = detection_benchmark(Path(paths.detection_benchmark), run_workers(logs))
-    md, flat, alarms = build_report(logs, eval_metrics, cfg, benchmark)
+    study = Path(STUDY_FILE).read_text() if Path(STUDY_FILE).is_file() else ""  # a dep of the stage (dvc.yaml)
+    md, flat, alarms = build_report(logs, eval_metrics, cfg, benchmark, study)
     with atomic_outputs(paths.report_md, paths.report_figures, paths.report_plots, paths.report_metrics) as tmp:
         tmp[0].write_text(md)
         tmp[1].mkdir(parents=True)

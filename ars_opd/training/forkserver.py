@@ -71,11 +71,16 @@ def _stop_running() -> None:
     copy of that pipe, so the forkserver outlives (and the stop waits for) any child still running: a
     worker left over from an earlier launch would block every later launch for good. Terminating it first
     makes the wait its own exit; a child, if any, runs on unaffected."""
+    _terminate()
+    _mp_forkserver._forkserver._stop()
+
+
+def _terminate() -> None:
+    """SIGTERM the running forkserver, if any, and return at once (a forkserver already gone is no error)."""
     pid = getattr(_mp_forkserver._forkserver, "_forkserver_pid", None)
     if pid:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
-    _mp_forkserver._forkserver._stop()
 
 
 def start_early(threads_per_worker: int) -> None:
@@ -93,7 +98,4 @@ def _stop_at_exit() -> None:
     """Stop the forkserver when this process exits, without waiting for it: one still importing the engine
     (a stage that failed before it launched any worker) would otherwise keep the stage's stdout and stderr
     open, and whoever reads them (DVC, a test, a pipe) waiting, until its imports finish."""
-    pid = getattr(_mp_forkserver._forkserver, "_forkserver_pid", None)
-    if pid:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
+    _terminate()
