@@ -12,6 +12,7 @@ import pytest
 
 from ars_opd.teacher.server import app as teacher_server
 from ars_opd.teacher.server.handlers import BODY_LIMIT_KEY, ENGINE_KEY
+from ars_opd.teacher.server.options import ServerOptions
 from ars_opd.teacher.server.preparation import CHARS_MARGIN
 from server_thread import ServerThread
 from tiny_models import save_tiny_model
@@ -22,7 +23,7 @@ MODEL = "tiny"
 def _serve(tmp_path_factory, tokenizer, context: int) -> ServerThread:
     """The bundled server, in this process, on a tiny model whose context is ``context`` tokens."""
     model_dir = save_tiny_model(tmp_path_factory.mktemp(f"ctx{context}"), tokenizer, context=context)
-    return ServerThread(teacher_server.create_app(str(model_dir), MODEL, max_wait_ms=1))
+    return ServerThread(teacher_server.create_app(str(model_dir), ServerOptions(model_name=MODEL, max_wait_ms=1)))
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from ars_opd.lm.generation import decode_completion, generate_token_ids
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.teacher.server import app as teacher_server
 from ars_opd.teacher.server import handlers, sampling
+from ars_opd.teacher.server.options import ServerOptions
 from server_thread import ServerThread
 
 MODEL = "tiny-teacher"
@@ -61,7 +62,9 @@ def save_scaled_model(d: Path, tokenizer, num_layers: int, seed: int, scale: flo
 @pytest.fixture(scope="module")
 def server(model_dir):
     # a generous wait makes "concurrent requests share a batch" hold even on a busy 2-core machine
-    srv = ServerThread(teacher_server.create_app(str(model_dir), MODEL, max_batch_size=64, max_wait_ms=50))
+    srv = ServerThread(
+        teacher_server.create_app(str(model_dir), ServerOptions(model_name=MODEL, max_batch_size=64, max_wait_ms=50))
+    )
     yield srv
     srv.close()
 

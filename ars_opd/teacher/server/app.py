@@ -44,7 +44,7 @@ from aiohttp import web
 from ars_opd.teacher.server import handlers
 from ars_opd.teacher.server.engine import DTYPES, TeacherEngine
 from ars_opd.teacher.server.handlers import BODY_LIMIT_KEY, ENGINE_KEY, REQUEST_LOG_KEY
-from ars_opd.teacher.server.scoring import DEFAULT_MAX_LOGPROBS
+from ars_opd.teacher.server.options import ServerOptions
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 64 << 20  # the largest body any model gets (aiohttp's default of 1 MiB is too small)
@@ -66,32 +66,22 @@ def body_limit(max_prompt_chars: int | None) -> int:
 # -- application and process ---------------------------------------------------------------------------------
 
 
-def create_app(
-    model_dir: str,
-    model_name: str,
-    max_batch_size: int = 64,
-    max_wait_ms: float = 5.0,
-    threads: int | None = None,
-    device: str = "cpu",
-    dtype: str = "float32",
-    log_requests: str | None = None,
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-) -> web.Application:
+def create_app(model_dir: str, options: ServerOptions = ServerOptions()) -> web.Application:
     """Load the model and tokenizer from ``model_dir`` and build the aiohttp application serving it.
 
-    ``threads`` sets torch's intra-op thread count for this process (None: torch's default).
-    ``log_requests``: append one JSON line per accepted chat request (time, messages, max_tokens,
+    ``options.threads`` sets torch's intra-op thread count for this process (None: torch's default).
+    ``options.log_requests``: append one JSON line per accepted chat request (time, messages, max_tokens,
     temperature) to this file. The batcher starts and stops with the application (its cleanup context).
     """
-    if threads is not None:
-        torch.set_num_threads(threads)
-    engine = TeacherEngine(model_dir, model_name, max_batch_size, max_wait_ms, device, dtype, max_logprobs)
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    engine = TeacherEngine(model_dir, options)
     limit = body_limit(engine.requests.max_prompt_chars)
     app = web.Application(client_max_size=limit)
     app[ENGINE_KEY] = engine
     app[BODY_LIMIT_KEY] = limit
-    if log_requests:
-        app[REQUEST_LOG_KEY] = log_requests
+    if options.log_requests:
+        app[REQUEST_LOG_KEY] = options.log_requests
 
     async def batcher(_app: web.Application):
         await engine.start()
@@ -149,18 +139,7 @@ async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 0, re
 
 
 def run_server(
-    model_dir: str,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    ready_file: str | None = None,
-    model_name: str | None = None,
-    max_batch_size: int = 64,
-    max_wait_ms: float = 5.0,
-    threads: int | None = None,
-    device: str = "cpu",
-    dtype: str = "float32",
-    log_requests: str | None = None,
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    model_dir: str, options: ServerOptions = ServerOptions(), host: str = "127.0.0.1", port: int = 0, ready_file=None
 ) -> None:
     """Load the model, listen on ``host:port`` (0: an ephemeral port), and serve until SIGTERM/SIGINT.
 
@@ -168,9 +147,7 @@ def run_server(
     ``{"host", "port", "pid", "model"}``. Use a numeric host with port 0: a name that resolves to several
     addresses would get a different ephemeral port on each.
     """
-    name = model_name or Path(os.path.normpath(model_dir)).name
-    app = create_app(model_dir, name, max_batch_size, max_wait_ms, threads, device, dtype, log_requests, max_logprobs)
-    asyncio.run(serve(app, host, port, ready_file))
+    asyncio.run(serve(create_app(model_dir, options), host, port, ready_file))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -182,18 +159,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
     parser.add_argument("--ready-file", help="write {host, port, pid, model} as JSON here once serving")
-    parser.add_argument("--max-batch-size", type=int, default=64, help="most requests per generate call")
-    parser.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--device", default="cpu", help="torch device for the model (default: %(default)s)")
+    defaults = ServerOptions()  # the batching defaults are TeacherServerConfig's: one source
     parser.add_argument(
-        "--dtype", default="float32", choices=sorted(DTYPES), help="weights dtype (default: %(default)s)"
+        "--max-batch-size", type=int, default=defaults.max_batch_size, help="most requests per generate call"
+    )
+    parser.add_argument(
+        "--max-wait-ms", type=float, default=defaults.max_wait_ms, help="how long a batch waits for more requests"
+    )
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--device", default=defaults.device, help="torch device for the model (default: %(default)s)")
+    parser.add_argument(
+        "--dtype", default=defaults.dtype, choices=sorted(DTYPES), help="weights dtype (default: %(default)s)"
     )
     parser.add_argument("--log-requests", metavar="PATH", help="append one JSON line per chat request to PATH")
     parser.add_argument(
         "--max-logprobs",
         type=int,
-        default=DEFAULT_MAX_LOGPROBS,
+        default=defaults.max_logprobs,
         help="largest prompt_logprobs k a scoring request may ask (as vLLM's; default %(default)s)",
     )
     args = parser.parse_args(argv)
@@ -201,20 +183,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     # while the model loads, asyncio's handlers are not installed yet: exit quietly on SIGTERM then too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        run_server(
-            args.model_dir,
-            args.host,
-            args.port,
-            args.ready_file,
-            args.model_name,
-            args.max_batch_size,
-            args.max_wait_ms,
-            args.threads,
-            args.device,
-            args.dtype,
-            args.log_requests,
-            args.max_logprobs,
+        options = ServerOptions(
+            model_name=args.model_name,
+            max_batch_size=args.max_batch_size,
+            max_wait_ms=args.max_wait_ms,
+            threads=args.threads,
+            device=args.device,
+            dtype=args.dtype,
+            log_requests=args.log_requests,
+            max_logprobs=args.max_logprobs,
         )
+        run_server(args.model_dir, options, args.host, args.port, args.ready_file)
     except KeyboardInterrupt:  # Ctrl-C before serving started
         return 130
     return 0

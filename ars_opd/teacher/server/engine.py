@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -45,9 +47,10 @@ from transformers import (
 
 from ars_opd.lm.batching import pad_left
 from ars_opd.teacher.server.jobs import Job, Progress, ScoreJob
+from ars_opd.teacher.server.options import ServerOptions
 from ars_opd.teacher.server.preparation import RequestPreparer
 from ars_opd.teacher.server.sampling import RowSampler
-from ars_opd.teacher.server.scoring import DEFAULT_MAX_LOGPROBS, ScoreRequest, score_rows
+from ars_opd.teacher.server.scoring import ScoreRequest, score_rows
 from ars_opd.teacher.server.validation import ChatRequest, RequestError
 
 log = logging.getLogger(__name__)
@@ -99,25 +102,14 @@ class ServerStats:
 class TeacherEngine:
     """The loaded model and tokenizer, the queue of waiting requests, and the batcher that serves them."""
 
-    def __init__(
-        self,
-        model_dir: str,
-        model_name: str,
-        max_batch_size: int = 64,
-        max_wait_ms: float = 5.0,
-        device: str = "cpu",
-        dtype: str = "float32",
-        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-    ):
-        if max_batch_size < 1 or max_wait_ms < 0:
-            raise ValueError(f"need max_batch_size >= 1 and max_wait_ms >= 0, got {max_batch_size}, {max_wait_ms}")
-        self.model_name = model_name
-        self.max_batch_size, self.max_wait_s = max_batch_size, max_wait_ms / 1000.0
+    def __init__(self, model_dir: str, options: ServerOptions = ServerOptions()):
+        self.model_name = options.model_name or Path(os.path.normpath(model_dir)).name
+        self.max_batch_size, self.max_wait_s = options.max_batch_size, options.max_wait_ms / 1000.0
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if not self.tokenizer.chat_template:
             raise ValueError(f"the tokenizer in {model_dir} has no chat template; a chat server needs one")
-        self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(self.device).eval()
+        self.device = torch.device(options.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[options.dtype]).to(self.device).eval()
         eos = self.model.generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if self.tokenizer.eos_token_id is not None:
@@ -131,7 +123,9 @@ class TeacherEngine:
         self.model.generation_config = GenerationConfig(eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
         self.context_length = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.vocab = len(self.tokenizer)  # scored ids; embedding rows beyond the tokenizer are padding
-        self.requests = RequestPreparer(self.tokenizer, model_name, self.context_length, self.vocab, max_logprobs)
+        self.requests = RequestPreparer(
+            self.tokenizer, self.model_name, self.context_length, self.vocab, options.max_logprobs
+        )
         self._token_text: dict[int, str] = {}
         self.stats = ServerStats()
         self.stopping = False
@@ -251,7 +245,7 @@ class TeacherEngine:
         try:
             k = max(j.top_k for j in jobs)  # one top-k for the batch; each row keeps its own first k
             with torch.inference_mode():
-                rows = score_rows(self.model, [j.prompt_ids for j in jobs], k, self.vocab, self.pad_id, self.device)
+                rows = score_rows(self.model, [j.prompt_ids for j in jobs], k, self.vocab, self.pad_id)
         except Exception as e:  # a server fault: every waiting request learns it, the server keeps running
             log.exception("scoring failed for a batch of %d", len(jobs))
             for job in jobs:

@@ -30,9 +30,8 @@ from typing import Callable
 import torch
 
 from ars_opd.lm.head import OutputHead, last_hidden_states
+from ars_opd.teacher.server.options import DEFAULT_MAX_LOGPROBS
 from ars_opd.teacher.server.validation import UNSUPPORTED_FIELDS, RequestError, check_model
-
-DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 @dataclass(frozen=True)
@@ -135,17 +134,14 @@ class RowScores:
     next_token: int  # argmax after the last position (the greedy completion token)
 
 
+SCORE_CHUNK = 256  # positions per chunk of the head's log-softmax: bounds its (chunk x vocabulary) memory
+
+
 @torch.no_grad()
-def score_rows(
-    model: torch.nn.Module,
-    rows: list[list[int]],
-    k: int,
-    vocab: int,
-    pad_id: int,
-    device: torch.device,
-    chunk_size: int = 256,
-) -> list[RowScores]:
-    """Prompt log-probabilities of each row (right-padded into one batch; padding is never attended)."""
+def score_rows(model: torch.nn.Module, rows: list[list[int]], k: int, vocab: int, pad_id: int) -> list[RowScores]:
+    """Prompt log-probabilities of each row (right-padded into one batch on the model's device; padding is never
+    attended), ``SCORE_CHUNK`` positions of the head at a time."""
+    device, chunk_size = next(model.parameters()).device, SCORE_CHUNK
     T = max(len(r) for r in rows)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)  # (B, T)
     mask = torch.zeros((len(rows), T), dtype=torch.long)  # (B, T)

@@ -1,0 +1,40 @@
+"""What the bundled server is started with, in one record: ``ServerOptions``.
+
+Its batching defaults are ``TeacherServerConfig``'s (the params section a stage starts the server from), so
+the command line, ``create_app``, ``run_server`` and the engine read one source instead of repeating the
+numbers. ``max_logprobs`` defaults to vLLM's ``--max-logprobs`` (20).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ars_opd.config import TeacherServerConfig
+
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How the server serves one model directory (the directory itself is passed beside it)."""
+
+    model_name: str | None = None
+    """The id clients must send (None: the directory's name)."""
+    max_batch_size: int = TeacherServerConfig.max_batch_size
+    """Most rows in one generate call or scoring forward."""
+    max_wait_ms: float = TeacherServerConfig.max_wait_ms
+    """How long the first row of a batch waits for company."""
+    threads: int | None = None
+    """torch intra-op threads of the server process (None: torch's choice)."""
+    device: str = "cpu"
+    dtype: str = "float32"
+    log_requests: str | None = None
+    """Append one JSON line per accepted chat request to this file."""
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    """Largest ``prompt_logprobs`` k a scoring request may ask."""
+
+    def __post_init__(self):
+        if self.max_batch_size < 1 or self.max_wait_ms < 0:
+            raise ValueError(
+                f"need max_batch_size >= 1 and max_wait_ms >= 0, got {self.max_batch_size}, {self.max_wait_ms}"
+            )
