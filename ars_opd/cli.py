@@ -202,7 +202,7 @@ def _vllm_check(args: argparse.Namespace) -> int:
 
     from ars_opd.config import ArchConfig
     from ars_opd.data import synthetic
-    from ars_opd.models.builtin import build_causal_lm
+    from ars_opd.models.builtin import save_builtin_model
     from ars_opd.models.tokenizer import build_char_word_tokenizer
     from ars_opd.teacher.client.local_server import LocalServerError
     from ars_opd.teacher.client.vllm_server import VLLMOptions, vllm_server
@@ -215,8 +215,7 @@ def _vllm_check(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ars-opd-vllm-check-") as tmp:
         tokenizer = build_char_word_tokenizer(synthetic.instruction_words())
         arch = ArchConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=128)
-        build_causal_lm(arch, tokenizer, seed=0).save_pretrained(tmp)  # head size 32: one vLLM's CPU attention serves
-        tokenizer.save_pretrained(tmp)
+        save_builtin_model(tmp, arch, tokenizer)  # head size 32: one vLLM's CPU attention serves
         t0 = time.monotonic()
         try:
             with vllm_server(tmp, VLLMOptions(served_model_name="check")) as url:

@@ -1,6 +1,6 @@
 """Does one oversized prompt stall the bundled teacher server for everyone else?
 
-Builds a tiny model directory (the built-in tokenizer, a given context length; ``tests/tiny_models.py``),
+Builds a tiny model directory (the built-in tokenizer, a given context length; ``save_builtin_model``),
 starts ``ars-opd serve`` on it as its own process (``local_teacher_server``, as the stages do), sends one
 huge prompt, and meanwhile small requests (max_tokens 2): ``--small`` of them one after another, or all at
 once with ``--burst``. Prints one JSON line per scenario: the huge request's status and seconds, and the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -27,11 +28,11 @@ from pathlib import Path
 
 import aiohttp
 
-from ars_opd.config import TeacherServerConfig
+from ars_opd.config import ArchConfig, TeacherServerConfig
 from ars_opd.data import synthetic
+from ars_opd.models.builtin import save_builtin_model
 from ars_opd.models.tokenizer import build_char_word_tokenizer
 from ars_opd.teacher.client.local_server import local_teacher_server
-from tests.tiny_models import save_tiny_model
 
 SCENARIOS = ((256, 8_000_000), (256, 50_000), (200_000, 1_500_000))
 
@@ -39,8 +40,11 @@ SCENARIOS = ((256, 8_000_000), (256, 50_000), (200_000, 1_500_000))
 def serve(context: int, tmp: Path):
     """``ars-opd serve`` as its own process on a tiny model whose context is ``context`` tokens: a context
     manager yielding the server's base URL (``.../v1``); the process stops on leaving it."""
-    model_dir = save_tiny_model(
-        tmp / f"ctx{context}", build_char_word_tokenizer(synthetic.instruction_words()), context=context
+    arch = ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32)
+    model_dir = save_builtin_model(
+        tmp / f"ctx{context}",
+        dataclasses.replace(arch, max_position_embeddings=context),
+        build_char_word_tokenizer(synthetic.instruction_words()),
     )
     return local_teacher_server(
         str(model_dir), TeacherServerConfig(threads=1, max_wait_ms=1.0, startup_timeout_s=120), model_name="m"

@@ -110,3 +110,22 @@ def test_no_module_imports_another_modules_private_name():
 def test_the_floors_cover_every_library_module():
     for path in _library_files():
         _floor(_module_name(path))  # raises for a module on no floor
+
+
+def test_benchmarks_import_nothing_from_the_tests():
+    """A benchmark is run on its own (``python -m bench.x``): it may use the library and its sibling benchmarks,
+    never the test suite's helpers, which are not part of what a user runs."""
+    helpers = {p.stem for p in (REPO / "tests").glob("*.py")}
+    found = []
+    for path in sorted((REPO / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                top = name.split(".")[0]
+                if top == "tests" or top in helpers:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
+    assert not found, "\n".join(found)

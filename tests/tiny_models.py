@@ -1,4 +1,4 @@
-"""Tiny models on disk, for the tests (and bench/server_isolation.py) that need a model directory.
+"""Tiny models on disk, for the tests that need a model directory.
 
 ``save_tiny_model`` writes a one-layer built-in model (hidden 16) with its tokenizer: a self-contained
 Hugging Face directory, the shape of a user's local teacher or student, loadable by the teacher server
@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from ars_opd.config import ArchConfig, BaseConfig, ModelsConfig, SyntheticConfig
-from ars_opd.models.builtin import build_causal_lm
+from ars_opd.models.builtin import save_builtin_model
 from ars_opd.models.prepare import prepare_models
 
 TINY = ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32)
@@ -23,9 +23,7 @@ def save_tiny_model(directory: Path, tokenizer, seed: int = 0, context: int | No
     """``TINY`` (context ``context`` tokens, else ArchConfig's default) initialised from ``seed``, saved
     with ``tokenizer`` in ``directory``; returns ``directory``."""
     arch = TINY if context is None else dataclasses.replace(TINY, max_position_embeddings=context)
-    build_causal_lm(arch, tokenizer, seed=seed).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return save_builtin_model(directory, arch, tokenizer, seed)
 
 
 def prepare_local_models(root: Path, models: ModelsConfig, out: str = "models", metrics: str = "m.json") -> dict:

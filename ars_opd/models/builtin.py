@@ -66,6 +66,14 @@ def build_causal_lm(arch: ArchConfig, tokenizer: PreTrainedTokenizerBase, seed: 
     return model
 
 
+def save_builtin_model(directory, arch: ArchConfig, tokenizer: PreTrainedTokenizerBase, seed: int = 0):
+    """``build_causal_lm(arch, tokenizer, seed)`` saved with ``tokenizer`` in ``directory``: a self-contained Hugging
+    Face directory (what a server, vLLM included, or a stage loads). Returns ``directory``."""
+    build_causal_lm(arch, tokenizer, seed).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
