@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 
 from ars_opd.cli import main
-from ars_opd.evaluation.scenarios import (
-    collect,
+from ars_opd.evaluation.scenarios import collect, render
+from ars_opd.evaluation.stats import (
     detectable_difference,
     jonckheere,
     mean_ci,
-    render,
     student_t_cdf,
     student_t_quantile,
     welch_diff,

@@ -30,8 +30,9 @@ from ars_opd.evaluation.equal_budget import (
     interpolate,
     regime_paragraph,
 )
+from ars_opd.evaluation.experiments import walk_experiments
 from ars_opd.evaluation.first_error import has_steps, step_table
-from ars_opd.evaluation.scenarios import mean_ci, walk_experiments
+from ars_opd.evaluation.stats import mean_ci
 from ars_opd.evaluation.tables import fmt
 
 

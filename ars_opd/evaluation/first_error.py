@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ars_opd.evaluation.scenarios import mean_ci
+from ars_opd.evaluation.stats import mean_ci
 from ars_opd.evaluation.tables import fmt
 
 SHOWN = (
