@@ -124,9 +124,10 @@ def _pairs(items: list[str]) -> dict[str, str]:
 def _cmd_distillation(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ars_opd.evaluation import distillation, first_error, scenarios
+    from ars_opd.evaluation import distillation
+    from ars_opd.evaluation.experiments import exp_show_json
 
-    data = json.loads(Path(args.source).read_text()) if args.source else scenarios.exp_show_json()
+    data = json.loads(Path(args.source).read_text()) if args.source else exp_show_json()
     try:
         where = _pairs(args.where or [])
         regime_filters = {}
@@ -165,18 +166,7 @@ def _cmd_distillation(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     out = Path(args.out)
-    fig_dir = out.parent / out.stem  # e.g. reports/distillation/ beside reports/distillation.md
-    if args.family:  # one folder of figures per task family
-        fig_dir = fig_dir / "".join(c if c.isalnum() else "_" for c in args.family.lower())
-    fig_dir.mkdir(parents=True, exist_ok=True)
-    rel = fig_dir.relative_to(out.parent).as_posix()
-    figures = {}
-    for x_key in ("steps", "flops"):
-        distillation.curve_figure(runs, x_key, fig_dir / f"curves_{x_key}.png")
-        figures[x_key] = f"{rel}/curves_{x_key}.png"
-    if first_error.has_steps(runs):
-        first_error.first_error_figure(runs, fig_dir / "first_error.png")
-        figures["first_error"] = f"{rel}/first_error.png"
+    figures = distillation.write_figures(runs, out, args.family)
     commands = Path(args.commands).read_text() if args.commands else DISTILLATION_COMMANDS
     text, _ = distillation.render_study(runs, commands, figures, regimes)
     notes = Path(args.notes).read_text() if args.notes else ""
@@ -185,7 +175,7 @@ def _cmd_distillation(args: argparse.Namespace) -> int:
         section = distillation.as_family_section(text, args.family)
         text = distillation.merge_family_section(out.read_text() if out.is_file() else "", args.family, section)
     out.write_text(text)
-    print(f"wrote {out} and {fig_dir}/")
+    print(f"wrote {out} and its figures ({', '.join(figures.values())})")
     return 0
 
 

@@ -31,7 +31,7 @@ from ars_opd.evaluation.equal_budget import (
     regime_paragraph,
 )
 from ars_opd.evaluation.experiments import walk_experiments
-from ars_opd.evaluation.first_error import has_steps, step_table
+from ars_opd.evaluation.first_error import first_error_figure, has_steps, step_table
 from ars_opd.evaluation.stats import mean_ci
 from ars_opd.evaluation.tables import fmt
 
@@ -333,6 +333,26 @@ def _leads_to_start(sft_curve: list[dict], ev: dict) -> bool:
         and sft_curve[-1].get("steps") == start.get("steps")
         and sft_curve[-1].get("flops") == start.get("flops")
     )
+
+
+def write_figures(runs: list[dict], out: Path, family: str | None = None) -> dict[str, str]:
+    """The study's figures beside its markdown ``out``: learning curves by steps and by FLOPs, and where each
+    model first goes wrong when the tasks are long-horizon. In ``out``'s stem folder (``reports/distillation/``
+    beside ``reports/distillation.md``), one subfolder per task family; returns each figure's path relative to
+    ``out``'s folder, as ``render_study`` links them."""
+    fig_dir = out.parent / out.stem
+    if family:
+        fig_dir = fig_dir / "".join(c if c.isalnum() else "_" for c in family.lower())
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    rel = fig_dir.relative_to(out.parent).as_posix()
+    figures = {}
+    for x_key in ("steps", "flops"):
+        curve_figure(runs, x_key, fig_dir / f"curves_{x_key}.png")
+        figures[x_key] = f"{rel}/curves_{x_key}.png"
+    if has_steps(runs):
+        first_error_figure(runs, fig_dir / "first_error.png")
+        figures["first_error"] = f"{rel}/first_error.png"
+    return figures
 
 
 def curve_figure(runs: list[dict], x_key: str, path: Path) -> None:
