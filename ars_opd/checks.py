@@ -2,7 +2,8 @@
 
 For each stage: the files it promises exist; JSON and JSON Lines parse (a truncated or torn line is named
 with its file and line); rows have their schema; counts agree across stages (subset → teacher completions
-+ failures → training data); training logs have one row per step with finite values; every metric is a
++ failures → training data, whose manifest accounts for every row: kept, or dropped for a named reason such
+as ``dropped_teacher_truncated``); training logs have one row per step with finite values; every metric is a
 finite number within its range (accuracies and fractions in [0, 1], losses and divergences >= 0); the
 pinned models and a local data source still match the hashes their stages recorded.
 Returns the problems as "path: what is wrong" lines; none means the outputs are sound.
@@ -205,12 +206,28 @@ def check_teacher(p: PathsConfig, problems: Problems, subset: dict[str, list[dic
     _metrics(Path(p.teacher_metrics), problems)
 
 
+def check_data_counts(where: Path, counts: Any, problems: Problems) -> None:
+    """A training manifest's data counts account for every row read: kept + every ``dropped_*`` reason = rows
+    (``teacher_truncated`` and ``completion_truncated`` count rows kept or dropped, not a reason of their own)."""
+    if not isinstance(counts, dict) or "rows" not in counts or "kept" not in counts:
+        return
+    dropped = {k: v for k, v in counts.items() if k.startswith("dropped_")}
+    if counts["kept"] + sum(dropped.values()) != counts["rows"]:
+        problems.add(
+            where, f"data counts do not add up: kept {counts['kept']} + dropped {dropped} != rows {counts['rows']}"
+        )
+    for key in ("teacher_truncated", "completion_truncated"):
+        if not 0 <= counts.get(key, 0) <= counts["rows"]:
+            problems.add(where, f"data count {key} = {counts[key]} is not within 0..rows ({counts['rows']})")
+
+
 def check_training(stage: str, paths: PathsConfig, problems: Problems) -> None:
     out = paths.training(stage)
     for f in ("config.json", "model.safetensors"):
         if not (Path(out.model) / f).is_file():
             problems.add(Path(out.model) / f, "missing")
     manifest = _read_json(Path(out.manifest), problems)
+    check_data_counts(Path(out.manifest), (manifest or {}).get("data"), problems)
     steps_path = Path(out.steps)
     steps = _read_jsonl(steps_path, problems, ("step", "loss", "grad_norm", "worker_loss", "worker_tokens"))
     if steps is not None:

@@ -814,6 +814,9 @@ class SFTConfig(TrainLoopConfig):
     """Packed rows' attention (no L x L mask): flash varlen, flex (CUDA), sdpa per sequence; auto: best available."""
     chunk_size: int = 256
     """Positions per chunk of the cross-entropy from hidden states (bounds its (chunk x vocabulary) fp32 memory)."""
+    truncated_completions: Literal["keep", "drop"] = "keep"
+    """A teacher completion cut at teacher_gen.max_tokens (finish_reason length) never gets an EOS: keep trains
+    on it without an end, drop leaves the row out; counted either way. Also the control arm's (sft_continued)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -848,8 +851,9 @@ class OPDConfig(TrainLoopConfig):
     """Keep the weights every this many steps with the model (learning-curve points; also the loop of
     sft_continued, the control arm; 0: none)."""
     loss: str = "full_vocab"
-    """An objective of ars_opd.lm.opd_objectives: full_vocab (exact divergence over the vocabulary) or sampled_token
-    (policy-gradient estimator of reverse KL from the sampled tokens' teacher log-probabilities)."""
+    """An objective of ars_opd.lm.opd_objectives: full_vocab (exact divergence over the vocabulary), sampled_token
+    (an unbiased single-sample policy-gradient estimator of reverse KL's gradient from the sampled tokens' teacher
+    log-probabilities, not exact) or topk (a top-k approximation)."""
     beta: float = 1.0
     """Divergence: 0 forward KL, 1 reverse KL, in between generalised JSD (objectives that use beta)."""
     temperature: float = 1.0
@@ -866,6 +870,10 @@ class OPDConfig(TrainLoopConfig):
     """GKD λ: probability that a step uses student rollouts (else the teacher's cached completions)."""
     max_prompt_tokens: int = 256
     """Prompts longer than this are dropped (counted)."""
+    truncated_completions: Literal["keep", "drop"] = "keep"
+    """As sft.truncated_completions, for the teacher-text steps (on_policy_fraction < 1): a completion cut at
+    teacher_gen.max_tokens gets no EOS; keep trains on it without an end, drop leaves the row out (its prompt
+    too); counted. With on_policy_fraction 1 no teacher text is trained on and nothing is dropped."""
     rollout_cache: Literal["dynamic", "static"] = "dynamic"
     """Rollout KV cache: dynamic (transformers' generate) or static (preallocated, our loop, compiled on CUDA)."""
     teacher_dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -1136,7 +1144,8 @@ class ObjectiveRules:
     uses_beta: bool
     """Whether ``opd.beta`` means anything (else it must stay 1.0)."""
     exact_on_policy: bool
-    """The gradient is right only for pure student samples at the loss temperature (λ = 1, top_p = 1)."""
+    """Needs exactly on-policy samples: its gradient is an unbiased estimate only for pure student samples at the
+    loss temperature (λ = 1, top_p = 1)."""
 
 
 RULES: dict[str, ObjectiveRules] = {
@@ -1161,7 +1170,8 @@ def check_objective(cfg: OPDConfig) -> ObjectiveRules:
                 "opd.loss",
                 f"the {cfg.loss} loss needs the teacher's full distribution, which a "
                 "scoring endpoint does not return; with opd.teacher: endpoint use "
-                "sampled_token (exact) or topk (top-k approximation)",
+                "sampled_token (an unbiased single-sample estimator of reverse KL's gradient) or topk "
+                "(top-k approximation)",
             )
         if rules.teacher_signal == "token_logprobs" and cfg.temperature != 1.0:
             raise ConfigError(
@@ -1173,7 +1183,7 @@ def check_objective(cfg: OPDConfig) -> ObjectiveRules:
             )
     if not rules.uses_beta and cfg.beta != 1.0:
         raise ConfigError("opd.beta", f"the {cfg.loss} loss estimates reverse KL only; set beta: 1.0")
-    if rules.exact_on_policy:  # its gradient is right only for tokens drawn from q at the temperature
+    if rules.exact_on_policy:  # its gradient estimate is unbiased only for tokens drawn from q at the temperature
         if cfg.on_policy_fraction != 1.0:
             raise ConfigError(
                 "opd.on_policy_fraction",

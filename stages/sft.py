@@ -8,7 +8,14 @@ def main() -> None:
     p = load_params(sections=("paths", "models", "ddp", "sft", "control"))
     from ars_opd.training.sft import run_sft
 
-    summary = run_sft(p.sft, p.ddp, p.paths, adapter=p.models.student_adapter, control=p.control)
+    summary = run_sft(
+        p.sft,
+        p.ddp,
+        p.paths,
+        adapter=p.models.student_adapter,
+        control=p.control,
+        trust_remote_code=p.models.trust_remote_code,
+    )
     print(f"sft: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
 
 

@@ -6,6 +6,11 @@ prompt and completion separately (rather than templating the whole conversation 
 assistant turn) makes the prompt/response boundary exact for any template and makes the tokens a
 model is trained on identical to the tokens it sees when it generates.
 
+A teacher completion ends with EOS only where the teacher ended it (``teacher_ended``): a completion the
+teacher was cut off in at its length limit (``finish_reason: length``) gets none, so that no student learns
+to stop where a teacher ran out of ``max_tokens`` (``encode_teacher_completions``; whether such rows are
+trained on without an end or dropped is each training stage's ``truncated_completions``).
+
 Alpaca rows become one user message: ``### Instruction:\\n{instruction}`` followed, when the input is not
 empty, by ``\\n\\n### Input:\\n{input}``; the Alpaca "### Response:" part is the assistant turn.
 """
@@ -48,7 +53,9 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, conversations: list[list[
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def encode_completions(tokenizer: PreTrainedTokenizerBase, completions: list[str], add_eos: bool = True) -> list[list[int]]:
+def encode_completions(
+    tokenizer: PreTrainedTokenizerBase, completions: list[str], add_eos: bool = True
+) -> list[list[int]]:
     """``encode_completion`` for many completions in one batched tokenizer call."""
     if not completions:
         return []
@@ -66,3 +73,21 @@ def encode_completion(tokenizer: PreTrainedTokenizerBase, completion: str, add_e
             raise ValueError("tokenizer has no eos_token; cannot mark where a completion ends")
         ids.append(tokenizer.eos_token_id)
     return ids
+
+
+TRUNCATED = "length"  # the finish_reason of a completion cut at the length limit (max_tokens or the context)
+
+
+def teacher_ended(row: dict) -> bool:
+    """Whether the teacher ended this teacher_gen row's completion itself (EOS or a stop string): every
+    ``finish_reason`` but ``length``, the completion cut at ``max_tokens`` or the context, which has no end."""
+    return row.get("finish_reason") != TRUNCATED
+
+
+def encode_teacher_completions(tokenizer: PreTrainedTokenizerBase, rows: list[dict]) -> list[list[int]]:
+    """The ``completion`` tokens of teacher_gen rows, each followed by EOS where the teacher ended it
+    (``teacher_ended``) and by nothing where it was cut off, in one batched tokenizer call."""
+    ids = encode_completions(tokenizer, [r["completion"] for r in rows], add_eos=False)
+    if any(teacher_ended(r) for r in rows) and tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has no eos_token; cannot mark where a completion ends")
+    return [x + [tokenizer.eos_token_id] if teacher_ended(r) else x for x, r in zip(ids, rows)]

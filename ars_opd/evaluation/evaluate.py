@@ -11,8 +11,16 @@ prompts of the subset (the teacher_gen eval split, which carries the teacher's c
 - ``reverse_kl``: KL(q ‖ p) per token between the model q and the teacher p, exact over the vocabulary,
   averaged over the tokens of the model's *own* samples (temperature 1, seeded) — the quantity on-policy
   distillation minimises. 0 for the teacher by definition.
-- ``teacher_nll``: mean per-token negative log-likelihood of the teacher's completions (EOS included) under
-  the model — how well it imitates the teacher on the teacher's own text (the SFT objective).
+- ``teacher_nll``: mean per-token negative log-likelihood of the teacher's completions (EOS included where
+  the teacher ended the completion, none where it was cut off at its length limit:
+  ``ars_opd.data.prompts.teacher_ended``) under the model — how well it imitates the teacher on the teacher's
+  own text (the SFT objective).
+
+Generation decodes greedily, or samples softmax(z), and nothing else: a checkpoint's ``generation_config``
+(repetition penalty, min_p...) is not applied, and a completion ends at the first of any id the model stops
+at (its tokenizer's EOS and its ``generation_config.eos_token_id`` list), in the answers and in the reverse-KL
+mask alike (``ars_opd.lm.generation``). Every model loads with ``models.trust_remote_code``, and the padding id
+is the pipeline's one rule (``ars_opd.lm.batching.pad_token_id``).
 
 Learning curves: every snapshot a training stage kept (``snapshot_every``) and its final model, scored on
 the first ``evaluate.curve_examples`` held-out prompts, with the steps and FLOPs spent from scratch to
@@ -40,14 +48,14 @@ import torch
 from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
 from ars_opd.config import ConfigError, EvaluateConfig, PathsConfig, to_dict
 from ars_opd.data import synthetic
-from ars_opd.data.prompts import encode_completions, encode_prompts
+from ars_opd.data.prompts import encode_completions, encode_prompts, encode_teacher_completions
 from ars_opd.evaluation.arms import ARMS, MODELS, TRAINED
 from ars_opd.evaluation.steps import step_metrics
 from ars_opd.evaluation.tables import render_table
-from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
+from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels, pad_token_id
 from ars_opd.lm.cross_entropy import shifted_targets
 from ars_opd.lm.divergences import divergence_terms
-from ars_opd.lm.generation import decode_completion, generate_token_ids
+from ars_opd.lm.generation import decode_completion, eos_token_ids, generate_token_ids
 from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows, target_logprobs
 from ars_opd.lm.opd_objectives import TeacherLogits
 from ars_opd.lm.precision import frozen_model_dtype
@@ -66,7 +74,7 @@ def _load(
             trust_remote_code=trust_remote_code,
         )
     else:
-        model = load_model_dir(paths.training(name).model, stage=name)
+        model = load_model_dir(paths.training(name).model, stage=name, trust_remote_code=trust_remote_code)
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -81,6 +89,7 @@ def _reverse_kl_on_own_samples(
     model, teacher, tokenizer, prompts, cfg: EvaluateConfig, vocab: int, device: torch.device
 ) -> float:
     torch.manual_seed(cfg.seed)
+    eos = eos_token_ids(model, tokenizer)  # the model's own ends, in its samples and in the mask alike
     samples = generate_token_ids(
         model,
         tokenizer,
@@ -90,13 +99,12 @@ def _reverse_kl_on_own_samples(
         do_sample=True,
         temperature=1.0,
         top_p=1.0,
+        eos_ids=eos,
     )
     total, n = 0.0, 0
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     for i in range(0, len(prompts), cfg.batch_size):
-        b = build_rollout_batch(
-            prompts[i : i + cfg.batch_size], samples[i : i + cfg.batch_size], pad, tokenizer.eos_token_id
-        )
+        b = build_rollout_batch(prompts[i : i + cfg.batch_size], samples[i : i + cfg.batch_size], pad, eos)
         if not bool(b["loss_mask"].any()):
             continue
         teacher_rows = TeacherLogits(_hidden_rows(teacher, b, b["loss_mask"], device), OutputHead.of(teacher, vocab))
@@ -116,7 +124,7 @@ def _teacher_nll(
     model, tokenizer, prompts, completions, cfg: EvaluateConfig, vocab: int, device: torch.device
 ) -> float:
     total, n = 0.0, 0
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     for i in range(0, len(prompts), cfg.batch_size):
         b = pad_right_with_labels(prompts[i : i + cfg.batch_size], completions[i : i + cfg.batch_size], pad)
         mask, targets = shifted_targets(b["labels"])
@@ -171,8 +179,11 @@ def score_model(
     is_teacher: bool = False,
 ) -> tuple[dict, list[str]]:
     """(exact match overall and per task, reverse KL on own samples, teacher NLL; the greedy answers)."""
-    greedy = generate_token_ids(model, tokenizer, data.prompts, cfg.max_new_tokens, batch_size=cfg.batch_size)
-    texts = [decode_completion(tokenizer, g) for g in greedy]
+    eos = eos_token_ids(model, tokenizer)
+    greedy = generate_token_ids(
+        model, tokenizer, data.prompts, cfg.max_new_tokens, batch_size=cfg.batch_size, eos_ids=eos
+    )
+    texts = [decode_completion(tokenizer, g, eos) for g in greedy]
     m: dict = {}
     if any(data.checkable):
         per_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -203,6 +214,7 @@ def learning_curve(
     cfg: EvaluateConfig,
     vocab: int,
     device: torch.device,
+    trust_remote_code: bool = False,
 ) -> list[dict]:
     """A training stage's snapshots (``snapshots/step_N`` in its model directory) and its final model, each
     scored on ``data``, with the budget spent to reach it (``budget.json``: steps and FLOPs from scratch).
@@ -210,7 +222,10 @@ def learning_curve(
     model_dir = Path(paths.training(stage).model)
     final_steps = read_budget(model_dir)["steps"]
     dirs = [d for d in sorted((model_dir / SNAPSHOTS).glob("step_*")) if read_budget(d)["steps"] != final_steps]
-    return [curve_point(d, stage, teacher, tokenizer, data, cfg, vocab, device) for d in dirs + [model_dir]]
+    return [
+        curve_point(d, stage, teacher, tokenizer, data, cfg, vocab, device, trust_remote_code)
+        for d in dirs + [model_dir]
+    ]
 
 
 def curve_point(
@@ -222,26 +237,38 @@ def curve_point(
     cfg: EvaluateConfig,
     vocab: int,
     device: torch.device,
+    trust_remote_code: bool = False,
 ) -> dict:
     """One learning-curve point: the model in ``model_dir`` scored on ``data``, with its budget."""
-    model = load_model_dir(model_dir, stage=stage).to(device).eval().requires_grad_(False)
+    model = load_model_dir(model_dir, stage=stage, trust_remote_code=trust_remote_code)
+    model = model.to(device).eval().requires_grad_(False)
     m, _ = score_model(model, teacher, tokenizer, data, cfg, vocab, device)
     return {**read_budget(model_dir), **{k: m[k] for k in ("exact_match", "reverse_kl", "teacher_nll")}}
 
 
 def learning_curves(
-    paths: PathsConfig, teacher, tokenizer, data: HeldOut, cfg: EvaluateConfig, vocab: int, device: torch.device
+    paths: PathsConfig,
+    teacher,
+    tokenizer,
+    data: HeldOut,
+    cfg: EvaluateConfig,
+    vocab: int,
+    device: torch.device,
+    trust_remote_code: bool = False,
 ) -> dict:
     """Every training stage's curve; each arm's curve starts at the student both arms start from
     (``paths.distill_init``), so the arms can be read off at any budget between their start and end (the
     equal-FLOPs comparison interpolates there). When that student is the sft stage's model its final curve
     point is reused rather than scored again."""
-    curves = {stage: learning_curve(stage, paths, teacher, tokenizer, data, cfg, vocab, device) for stage in TRAINED}
+    curves = {
+        stage: learning_curve(stage, paths, teacher, tokenizer, data, cfg, vocab, device, trust_remote_code)
+        for stage in TRAINED
+    }
     init = Path(paths.distill_init)
     if init.resolve() == Path(paths.sft_model).resolve():
         start = dict(curves["sft"][-1])
     else:
-        start = curve_point(init, "sft", teacher, tokenizer, data, cfg, vocab, device)
+        start = curve_point(init, "sft", teacher, tokenizer, data, cfg, vocab, device, trust_remote_code)
     for arm in ARMS:
         curves[arm] = [{**start, "start": True}] + curves[arm]
     return curves
@@ -280,13 +307,13 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
             f"{paths.completions('eval')} has no rows: evaluation needs held-out prompts "
             "(teacher_gen.splits must include eval and data.eval_size > 0)"
         )
-    tokenizer = load_tokenizer(paths.models_dir)
+    tokenizer = load_tokenizer(paths.models_dir, trust_remote_code)
     vocab = len(tokenizer)
     check_answer_room(tokenizer, rows, cfg.max_new_tokens)
     data = HeldOut(
         rows,
         encode_prompts(tokenizer, [r["messages"] for r in rows]),
-        encode_completions(tokenizer, [r["completion"] for r in rows]),
+        encode_teacher_completions(tokenizer, rows),
         [r.get("task") in synthetic.TASK_NAMES and r.get("reference") is not None for r in rows],
     )
     teacher = _load(paths, "teacher", trust_remote_code, device, frozen_model_dtype(cfg.teacher_dtype, device))
@@ -305,7 +332,7 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
     curve_data = data.head(cfg.curve_examples) if cfg.curve_examples else data
     metrics["curves"] = {
         "examples": len(curve_data.rows),
-        **learning_curves(paths, teacher, tokenizer, curve_data, cfg, vocab, device),
+        **learning_curves(paths, teacher, tokenizer, curve_data, cfg, vocab, device, trust_remote_code),
     }
     table = render_table(metrics)
     with atomic_outputs(paths.eval_metrics, paths.eval_dir, paths.eval_live) as (metrics_tmp, out, live_tmp):

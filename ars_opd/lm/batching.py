@@ -7,24 +7,58 @@
 - ``build_rollout_batch``: prompt + sampled completion rows for scoring, each completion kept up to and
   including its first EOS, with the mask of the positions whose next token is a completion token.
 
+Two token rules every stage shares live here too. The pad id (``pad_token_id``): the tokenizer's pad token,
+else its EOS (Llama-3-style tokenizers have no pad token); padding is never read, so any real id serves.
+The end of a completion (``cut_at_first_eos``): the first of *any* EOS id. A model may stop at several
+(its ``generation_config.eos_token_id`` list, e.g. Qwen2.5-Instruct's ``<|im_end|>`` and
+``<|endoftext|>``: ``ars_opd.lm.generation.eos_token_ids``), and the same set ends a completion in the
+rollouts, in evaluation and in the loss mask.
+
 Masks come from lengths, never from comparing ids with the pad id, so everything here is correct when
 pad == EOS (as in many chat models). Labels are *unshifted* (aligned with ``input_ids``); the losses shift.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
 IGNORE_INDEX = -100
 
+EosIds = int | Collection[int] | None  # one EOS id, several (any of them ends a completion), or none
 
-def cut_at_first_eos(ids: Sequence[int], eos_id: int | None) -> tuple[list[int], bool]:
-    """Tokens up to and including the first EOS, and whether there was one."""
+
+def eos_set(eos: EosIds) -> frozenset[int]:
+    """The EOS ids of ``eos`` as a set (empty for None)."""
+    if eos is None:
+        return frozenset()
+    return frozenset((eos,) if isinstance(eos, int) else (int(e) for e in eos))
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id every batch of the pipeline pads with: the tokenizer's pad token, else its EOS token.
+
+    Padding is never read (masks come from lengths, labels are -100 there), so pad == EOS is correct; a
+    tokenizer with neither token is refused, since a batch of unequal rows needs some real id to pad with.
+    """
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            return int(value)
+    raise ValueError(
+        "the tokenizer has neither a pad token nor an EOS token, so batches of unequal rows cannot be padded "
+        "and completions cannot end: set its eos_token (and, optionally, pad_token) in tokenizer_config.json"
+    )
+
+
+def cut_at_first_eos(ids: Sequence[int], eos: EosIds) -> tuple[list[int], bool]:
+    """Tokens up to and including the first EOS (the first of any id in ``eos``), and whether there was one."""
     ids = list(ids)
-    if eos_id is not None and eos_id in ids:
-        return ids[: ids.index(eos_id) + 1], True
+    ends = eos_set(eos)
+    for i, t in enumerate(ids):
+        if t in ends:
+            return ids[: i + 1], True
     return ids, False
 
 
@@ -123,9 +157,10 @@ def pack_sequences(
 
 
 def build_rollout_batch(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int, eos_id: int | None
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int, eos_id: EosIds
 ) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion rows for scoring, the completion cut after its first EOS.
+    """Right-padded prompt+completion rows for scoring, the completion cut after its first EOS (the first of
+    any id in ``eos_id``: one id or the model's set).
 
     Returns input_ids, attention_mask (B, T); loss_mask (B, T) True at the positions whose next token is a
     completion token (EOS included); targets (B, T) those next tokens (-100 elsewhere); lengths and has_eos
@@ -133,7 +168,8 @@ def build_rollout_batch(
     """
     if not prompts or len(prompts) != len(completions):
         raise ValueError("need equal, non-zero numbers of prompts and completions")
-    cut = [cut_at_first_eos(c, eos_id) for c in completions]
+    ends = eos_set(eos_id)
+    cut = [cut_at_first_eos(c, ends) for c in completions]
     width = max(len(p) + len(c) for p, (c, _) in zip(prompts, cut))
     B = len(prompts)
     ids = torch.full((B, width), pad_id, dtype=torch.long)

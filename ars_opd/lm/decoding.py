@@ -15,7 +15,13 @@ about 3.6k tokens/s for a Qwen3-0.6B shape. Here:
   depend on the padding around it (tested: greedy output equals ``generate``'s);
 - sampling stays on the device (temperature, nucleus, then an exponential race, which needs no host sync),
   EOS is tracked on the device and checked on the host only every ``SYNC_EVERY`` steps; rows that ended keep
-  decoding pad tokens, which the caller drops (everything after the first EOS is cut).
+  decoding pad tokens, which the caller drops (everything after the first EOS is cut). Any id of the EOS set
+  ends a row (a model may stop at several, ``ars_opd.lm.generation.eos_token_ids``);
+- the decoding policy is the caller's alone (temperature, top_p): a checkpoint's ``generation_config``
+  (repetition penalty, min_p, top_k...) is never read, so a sample is a sample of softmax(z/τ);
+- ``GenerationCost`` counts the token positions that went through the model: the left-padded prompt batch
+  (padding included) and each decode step of every row, also of rows that ended, until the batch stops.
+  That is what the budget charges for sampling (``ars_opd.training.budget``).
 
 What this leaves out: speculative decoding, paged caches, continuous batching (a batch runs to its longest
 row), and architectures with sliding-window or hybrid caches (refused by ``StaticCache``'s own checks).
@@ -25,11 +31,12 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from ars_opd.lm.batching import pad_left
+from ars_opd.lm.batching import EosIds, eos_set, pad_left
 
 CACHE_BUCKET = 64  # cache lengths are rounded up to a multiple of this, so one cache serves many prompt widths
 SYNC_EVERY = 8  # decode steps between host checks of "every row has ended"
@@ -37,6 +44,14 @@ SYNC_EVERY = 8  # decode steps between host checks of "every row has ended"
 # per model: the static cache and the (compiled) decode step of each (batch, dtype, compile), kept across calls so
 # a training run compiles and records its CUDA graphs once, not once per rollout
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class GenerationCost:
+    """What generation computed: the token positions passed through the model's forward, padding and rows
+    that already ended included (what a batch costs, not what it keeps). Callers add to one across calls."""
+
+    forward_tokens: int = 0
 
 
 def sample_next(
@@ -104,17 +119,19 @@ def generate_static(
     model,
     prompt_ids: Sequence[Sequence[int]],
     pad_id: int,
-    eos_id: int | None,
+    eos_id: EosIds,
     max_new_tokens: int,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     compile: bool | None = None,
+    cost: GenerationCost | None = None,
 ) -> list[list[int]]:
     """``max_new_tokens`` new tokens per prompt (rows that ended continue with ``pad_id``; cut at EOS after).
 
-    model: a causal LM in eval mode; compile: torch.compile the decode step (default: on CUDA only).
+    model: a causal LM in eval mode; eos_id: one EOS id or several (any of them ends a row), None: none;
+    compile: torch.compile the decode step (default: on CUDA only); cost: adds the token positions computed.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
@@ -129,18 +146,24 @@ def generate_static(
     attention[:, :P] = mask.to(device)
     positions = (attention[:, :P].cumsum(-1) - 1).clamp(min=0)  # (B, P): a row's real tokens count from 0
     next_position = attention[:, :P].sum(-1, keepdim=True)  # (B, 1)
+    ends = eos_set(eos_id)
+    eos = torch.tensor(sorted(ends), dtype=torch.long, device=device) if ends else None
     logits = _forward(model, cache, cache_kw, ids.to(device), positions, attention)  # prefill, eager (its own shape)
+    computed = B * P
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     ended = torch.zeros(B, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         token = sample_next(logits, temperature if do_sample else 0.0, top_p, generator)
         token = torch.where(ended, torch.full_like(token, pad_id), token)
         tokens[:, t] = token
-        if eos_id is not None:
-            ended |= token == eos_id
-        if t + 1 == max_new_tokens or (eos_id is not None and (t + 1) % SYNC_EVERY == 0 and bool(ended.all())):
+        if eos is not None:
+            ended |= torch.isin(token, eos)
+        if t + 1 == max_new_tokens or (eos is not None and (t + 1) % SYNC_EVERY == 0 and bool(ended.all())):
             break
         attention[:, P + t] = 1
         # same shapes and cache every step: one compiled graph (clone: CUDA graphs reuse their output buffer)
         logits = decode(model, cache, cache_kw, token[:, None], next_position + t, attention).clone()
+        computed += B
+    if cost is not None:
+        cost.forward_tokens += computed
     return tokens.tolist()

@@ -196,9 +196,10 @@ def model_path(models_dir: str | Path, role: str) -> str:
     return verify_pin(models_dir, role, read_manifest(models_dir)[role])
 
 
-def load_tokenizer(models_dir: str | Path) -> PreTrainedTokenizerBase:
-    """The shared tokenizer the models stage checked and saved."""
-    return AutoTokenizer.from_pretrained(str(Path(models_dir) / "tokenizer"))
+def load_tokenizer(models_dir: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The shared tokenizer the models stage checked and saved (``trust_remote_code``: a tokenizer class of
+    the model's own code, as ``models.trust_remote_code`` allows)."""
+    return AutoTokenizer.from_pretrained(str(Path(models_dir) / "tokenizer"), trust_remote_code=trust_remote_code)
 
 
 def load_model(
@@ -221,9 +222,17 @@ def builtin_ref(models_dir: str | Path, role: str) -> ModelRef:
     return ModelRef(BUILTIN, BUILTIN, sha256_of_files(d), str(d))
 
 
-def load_model_dir(path: str | Path, device: torch.device | str = "cpu", stage: str = "sft") -> PreTrainedModel:
-    """A model directory written by a training stage (fp32), or a clear error naming the stage to run."""
+def load_model_dir(
+    path: str | Path, device: torch.device | str = "cpu", stage: str = "sft", trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """A model directory written by a training stage (fp32), or a clear error naming the stage to run.
+
+    trust_remote_code: ``models.trust_remote_code``; a student whose architecture is the model's own code
+    is saved with that code (``auto_map``), and loading it again needs the same permission as the first load.
+    """
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} holds no model: run the {stage} stage first (dvc repro {stage})")
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=trust_remote_code).to(
+        device
+    )

@@ -5,8 +5,11 @@ teacher, an SFT step does neither. Every micro-batch carries its FLOPs estimate 
 
 - training the student: 6·P_s FLOPs per token it processes (forward 2, backward 4), prompt included;
 - scoring with the teacher: 2·P_t per token of the scored sequences (a forward pass);
-- sampling rollouts: 2·P_s per token that passes through the student while generating (the prompt's
-  prefill and every generated token; the KV cache makes each new token one token's forward).
+- sampling rollouts: 2·P_s per token position the student's forward computes while generating, as
+  counted where it happens (``ars_opd.lm.generation.GenerationCost``): the left-padded prompt batch's
+  prefill, padding included, and one position per row for every decode step, also for rows that already
+  ended, since a batch steps until its last row ends or ``max_new_tokens`` (the KV cache makes each step
+  one token's forward per row).
 
 P is the number of parameters used in matrix products per token (``matmul_parameters``: every parameter,
 less an untied input embedding, which is a lookup). A student trained through a LoRA adapter

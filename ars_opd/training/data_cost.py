@@ -20,17 +20,19 @@ substitutions are not counted (a testing aid, never a real run).
 from __future__ import annotations
 
 from ars_opd.config import ControlConfig
+from ars_opd.data.prompts import teacher_ended
 from ars_opd.training.batch_plan import BatchGeometry, step_indices
 
 
 def generated_tokens(tokenizer, rows: list[dict]) -> list[int]:
     """Tokens the teacher generated for each teacher_gen row: its completion's tokens, and the EOS it ended
-    with (``finish_reason: stop``; a completion cut at the length limit has none). Thinking that teacher_gen
-    stripped (``strip_thinking``) is not counted: this is the text the run trains on."""
+    with (``ars_opd.data.prompts.teacher_ended``: a completion cut at the length limit has none, and is
+    trained on without one). Thinking that teacher_gen stripped (``strip_thinking``) is not counted: this is
+    the text the run trains on."""
     if not rows:
         return []
     ids = tokenizer([r["completion"] for r in rows], add_special_tokens=False)["input_ids"]
-    return [len(x) + (r.get("finish_reason") == "stop") for x, r in zip(ids, rows)]
+    return [len(x) + teacher_ended(r) for x, r in zip(ids, rows)]
 
 
 def charges_teacher_text(stage: str, control: ControlConfig) -> bool:

@@ -3,14 +3,19 @@
 Each step, on each worker: take this worker's share of the training prompts; with probability λ
 (``opd.on_policy_fraction``, GKD mixing) sample completions from the current student (no grad, KV cache,
 left-padded prompts), else take the teacher's cached completions; rebuild right-padded sequences that keep
-each completion up to and including its first EOS (``ars_opd.lm.batching.build_rollout_batch``); let the
+each completion up to and including its first EOS, the first of any id the student stops at
+(``ars_opd.lm.generation.eos_token_ids``, also in the loss mask: ``ars_opd.lm.batching.build_rollout_batch``); let the
 frozen teacher score them and train the student on the objective ``opd.loss`` chosen from
 ``ars_opd.lm.opd_objectives``, from both models' last hidden states one chunk of positions at a time (no
 (tokens × vocabulary) logits on either side). Rollouts use
 transformers' generate, or with ``opd.rollout_cache: static`` a preallocated KV cache and a decode loop of
-our own (compiled on CUDA). The λ draw depends only on (seed, step), so every worker makes the same choice,
-and the log records it (``gkd_source``). It runs on the shared engine (exact token normalisation, clipping,
-resume) with the consistency hook.
+our own (compiled on CUDA); either way the rollouts are samples of softmax(z/τ) within the nucleus and
+nothing else (a checkpoint's generation_config, e.g. a repetition penalty, is not applied:
+``ars_opd.lm.generation``). The λ draw depends only on (seed, step), so every worker makes the same choice,
+and the log records it (``gkd_source``). The teacher's completions end with EOS only where the teacher ended
+them; one cut at its length limit is trained on without an end, or dropped with ``opd.truncated_completions:
+drop`` (``ars_opd.data.prompts.teacher_ended``; counted in the manifest). It runs on the shared engine (exact
+token normalisation, clipping, resume) with the consistency hook.
 
 The teacher (``ars_opd.training.opd_teachers``, chosen, started and checked by
 ``ars_opd.training.opd_teacher_setup``) is ``opd.teacher: local``, the model in every worker (eval mode,
@@ -18,8 +23,8 @@ no grad; bf16 on CUDA by default, ``opd.teacher_dtype``), or ``endpoint``, a ser
 ``prompt_logprobs`` (``opd.teacher_endpoint``; ``local`` there starts the bundled server for the pinned
 teacher): the trainer then never loads teacher weights, each step's sequences are scored at once with bounded
 concurrency and retries, and before any worker starts the endpoint must answer, serve the model and
-tokenize a probe text as the student's tokenizer does. Endpoint losses: ``sampled_token`` (exact, at τ = 1)
-and ``topk``.
+tokenize a probe text as the student's tokenizer does. Endpoint losses: ``sampled_token`` (at τ = 1; an
+unbiased single-sample estimator of reverse KL's gradient, not the exact divergence) and ``topk``.
 
 White-box rule: teacher and student must share the tokenizer (checked at start, clear error otherwise).
 Vocabulary rule: logits are compared over the tokenizer's ids 0..len(tokenizer)-1 only; embedding rows
@@ -28,6 +33,12 @@ beyond it (e.g. 151,936 vs 152,064) are padding and are sliced off both sides.
 Per-step task columns: teacher_logprob (mean log p_T of the trained tokens at τ = 1), response_length,
 eos_rate, on_policy, and the seconds spent sampling (gen_s) and in the teacher's forward to its hidden states
 (teacher_s; with ``full_vocab`` its head runs inside the chunked loss).
+
+Budget (``ars_opd.training.budget``): sampling is charged 2·P_s per token position the student's forward
+computed while generating (``ars_opd.lm.generation.GenerationCost``): the left-padded prompt batch, padding
+included, and every decode step of every row, also of rows that already ended, until the batch's last row
+ends or ``max_new_tokens``; not each row's kept completion. It is counted on the step's first micro-batch
+(one generate call serves them all).
 """
 
 from __future__ import annotations
@@ -39,9 +50,9 @@ import time
 import torch
 
 from ars_opd.config import AdapterConfig, ControlConfig, DDPConfig, OPDConfig, PathsConfig
-from ars_opd.data.prompts import encode_completions, encode_prompts
-from ars_opd.lm.batching import build_rollout_batch
-from ars_opd.lm.generation import generate_token_ids
+from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
+from ars_opd.lm.batching import build_rollout_batch, eos_set, pad_token_id
+from ars_opd.lm.generation import GenerationCost, eos_token_ids, generate_token_ids
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.opd_objectives import check_config, get_objective
 from ars_opd.lm.optim import autocast_context
@@ -91,6 +102,7 @@ class OPDTask:
         item_tasks: list[str | None] | None = None,
         student_params: int = 0,
         teacher_params: int = 0,
+        eos_ids: tuple[int, ...] | None = None,
     ):
         self.prompts, self.teacher_completions, self.teacher = prompts, teacher_completions, teacher
         self.tokenizer, self.cfg, self.geometry = tokenizer, cfg, geometry
@@ -98,7 +110,10 @@ class OPDTask:
         self.fault, self.item_tasks = fault, item_tasks or [None] * len(prompts)
         self.student_params, self.teacher_params = student_params, teacher_params  # ars_opd.training.budget
         self.objective = get_objective(cfg.loss)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_token_id(tokenizer)
+        # what ends a completion, in the rollouts and in the loss mask alike: the student's EOS ids (default: the
+        # tokenizer's alone)
+        self.eos_ids = eos_ids if eos_ids is not None else tuple(eos_set(tokenizer.eos_token_id))
 
     def metric_names(self) -> list[str]:
         return ["teacher_logprob", "response_length", "eos_rate", "gen_s", "teacher_s", "on_policy"]
@@ -118,6 +133,7 @@ class OPDTask:
         prompts = [self.prompts[i] for i in idx]
         on_policy = self.source(step) == "student"
         t0 = time.perf_counter()
+        sampling = GenerationCost()
         if on_policy:
             sample = self.cfg.sample_temperature > 0
             with autocast_context(self.cfg.precision, self.device):  # rollouts in the training precision
@@ -132,6 +148,8 @@ class OPDTask:
                     top_p=self.cfg.top_p,
                     cache=self.cfg.rollout_cache,
                     synced=is_sharded(model) and self.geometry.workers > 1,
+                    eos_ids=self.eos_ids,
+                    cost=sampling,
                 )
         else:
             completions = [self.teacher_completions[i][: self.cfg.max_new_tokens] for i in idx]
@@ -143,7 +161,7 @@ class OPDTask:
                     prompts[j : j + self.geometry.micro_batch],
                     completions[j : j + self.geometry.micro_batch],
                     self.pad_id,
-                    self.tokenizer.eos_token_id,
+                    self.eos_ids,
                 )
             )
         t0 = time.perf_counter()
@@ -164,10 +182,10 @@ class OPDTask:
             t = {k: v.to(self.device) for k, v in b.items() if k not in ("lengths", "has_eos")}
             real = int(b["attention_mask"].sum())
             generated = int(b["lengths"].sum()) if on_policy else 0
-            prefill = sum(len(p) for p in prompts[j : j + self.geometry.micro_batch]) if on_policy else 0
-            flops = (6 * self.student_params + 2 * self.teacher_params) * real + 2 * self.student_params * (
-                prefill + generated
-            )
+            # sampling: what the student's forward computed for the whole step (one generate call), not the kept
+            # tokens: padded prompts, and rows that ended still step until the batch's last row does
+            sampled = sampling.forward_tokens if n == 0 else 0
+            flops = (6 * self.student_params + 2 * self.teacher_params) * real + 2 * self.student_params * sampled
             out.append(
                 MicroBatch(
                     t, int(b["loss_mask"].sum()), n_seq, real, meta, flops=float(flops), generated_tokens=generated
@@ -198,11 +216,21 @@ class OPDTask:
 
 
 def _encode(tokenizer, rows: list[dict], cfg: OPDConfig):
-    """(prompts, teacher completions, task labels, counts) of the rows whose prompt fits the budget."""
+    """(prompts, teacher completions, task labels, counts) of the rows whose prompt fits the budget. A teacher
+    completion has an EOS only where the teacher ended it; with ``truncated_completions: drop`` and teacher-text
+    steps (on_policy_fraction < 1) a row whose completion the teacher was cut off in is left out."""
     prompts = encode_prompts(tokenizer, [r["messages"] for r in rows])
-    completions = encode_completions(tokenizer, [r["completion"] for r in rows])
-    keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
-    counts = {"rows": len(rows), "kept": len(keep), "dropped_prompt_over_budget": len(rows) - len(keep)}
+    completions = encode_teacher_completions(tokenizer, rows)
+    fits = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
+    drop_cut = cfg.truncated_completions == "drop" and cfg.on_policy_fraction < 1
+    keep = [i for i in fits if not (drop_cut and not teacher_ended(rows[i]))]
+    counts = {
+        "rows": len(rows),
+        "kept": len(keep),
+        "dropped_prompt_over_budget": len(rows) - len(fits),
+        "dropped_teacher_truncated": len(fits) - len(keep),
+        "teacher_truncated": sum(not teacher_ended(r) for r in rows),
+    }
     return ([prompts[i] for i in keep], [completions[i] for i in keep], [rows[i].get("task") for i in keep], counts)
 
 
@@ -234,6 +262,7 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         item_tasks=tasks,
         student_params=matmul_parameters(model),
         teacher_params=teacher_params,
+        eos_ids=eos_token_ids(model, tokenizer),
     )
     fingerprint = {
         "init": student.init,

@@ -2,9 +2,15 @@
 
 Each row becomes prompt ids (chat template with the generation prompt) + completion ids + EOS; labels are
 the completion tokens and -100 on the prompt and padding, so the loss is on response tokens only.
+A completion the teacher was cut off in at its length limit (``finish_reason: length``) gets no EOS
+(``ars_opd.data.prompts.encode_teacher_completions``): the student must not learn to stop where the teacher
+ran out of tokens. ``sft.truncated_completions`` keeps such a row without an end (default) or drops it.
 Budgets (``sft.max_prompt_tokens``, ``max_completion_tokens``, ``max_seq_len``): a prompt over budget
-drops the row (a cut prompt is a different task), a long completion is truncated, and a row left with no
-room for any completion token is dropped; all are counted in the stage manifest, never silent.
+drops the row (a cut prompt is a different task), a long completion is truncated (and so loses its EOS too),
+and a row left with no room for any completion token is dropped; all are counted in the stage manifest
+(``teacher_truncated``: rows the teacher cut, ``dropped_*``: each reason a row was left out), never silent.
+The pad id is the one rule of ``ars_opd.lm.batching.pad_token_id`` (a tokenizer without a pad token pads
+with EOS).
 
 Batches are right-padded, or with ``packing: true`` padding-free (``ars_opd.lm.batching.pack_sequences``,
 attended by ``ars_opd.lm.attention``'s varlen implementations without an (L × L) mask: tested to give the
@@ -21,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ars_opd.config import AdapterConfig, ControlConfig, DDPConfig, OPDConfig, PathsConfig, SFTConfig, TrainLoopConfig
-from ars_opd.data.prompts import encode_completions, encode_prompts
+from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
 from ars_opd.lm.attention import packed_attention_implementation, packed_model_inputs, use_packed_attention
-from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels
+from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels, pad_token_id
 from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden
 from ars_opd.lm.head import OutputHead, last_hidden_states
 from ars_opd.lm.precision import resolve_device
@@ -49,18 +55,23 @@ class EncodedData:
 def encode_sft_rows(tokenizer, rows: list[dict], cfg: SFTConfig) -> EncodedData:
     """Encode prompt+completion rows under the budgets; count what was dropped or truncated and why."""
     prompts = encode_prompts(tokenizer, [r["messages"] for r in rows]) if rows else []
-    completions = encode_completions(tokenizer, [r["completion"] for r in rows]) if rows else []
+    completions = encode_teacher_completions(tokenizer, rows) if rows else []
     counts = {
         "rows": len(rows),
         "kept": 0,
         "dropped_prompt_over_budget": 0,
+        "dropped_teacher_truncated": 0,
         "dropped_no_room_for_completion": 0,
         "completion_truncated": 0,
+        "teacher_truncated": sum(not teacher_ended(r) for r in rows),
     }
     keep_p, keep_c, tasks, generated = [], [], [], []
     for row, p, c, g in zip(rows, prompts, completions, generated_tokens(tokenizer, rows)):
         if len(p) > cfg.max_prompt_tokens:
             counts["dropped_prompt_over_budget"] += 1
+            continue
+        if cfg.truncated_completions == "drop" and not teacher_ended(row):
+            counts["dropped_teacher_truncated"] += 1
             continue
         room = min(cfg.max_completion_tokens, cfg.max_seq_len - len(p))
         if room <= 0:
@@ -168,7 +179,7 @@ def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         sampler_seed=setup.sampler_seed,
         rank=setup.ctx.rank,
         device=setup.ctx.device,
-        pad_id=setup.tokenizer.pad_token_id,
+        pad_id=pad_token_id(setup.tokenizer),
         fault=setup.fault,
         vocab=len(setup.tokenizer),
         flops_per_token=6.0 * matmul_parameters(model),
@@ -194,12 +205,14 @@ def run_sft(
     progress: bool = True,
     adapter: AdapterConfig = AdapterConfig(),
     control: ControlConfig = ControlConfig(),
+    trust_remote_code: bool = False,
 ) -> dict:
-    """The sft stage: start the workers, train, write outputs. Returns rank 0's summary."""
+    """The sft stage: start the workers, train, write outputs. Returns rank 0's summary.
+    ``trust_remote_code`` (``models.trust_remote_code``) reaches every load of the student."""
     if cfg.packing:  # before any worker starts: a packed attention this machine cannot train with is a config error
         packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
-    check_adapter(adapter, paths.models_dir)
-    job = TrainingJob("sft", cfg, ddp, paths, progress=progress, adapter=adapter, control=control)
+    check_adapter(adapter, paths.models_dir, trust_remote_code)
+    job = TrainingJob("sft", cfg, ddp, paths, trust_remote_code, progress=progress, adapter=adapter, control=control)
     return launch_stage(sft_worker, job)
 
 
@@ -219,12 +232,16 @@ def run_sft_continued(
     progress: bool = True,
     adapter: AdapterConfig = AdapterConfig(),
     control: ControlConfig = ControlConfig(),
+    trust_remote_code: bool = False,
 ) -> dict:
     """The sft_continued stage: OPD's control arm, more SFT from the same start, with OPD's loop, on the SFT
-    stage's rows again or on fresh ones (``control``)."""
+    stage's rows again or on fresh ones (``control``), under the SFT stage's data rules (budgets,
+    ``truncated_completions``)."""
     cfg = continued_sft_config(sft, opd)
     if cfg.packing:
         packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
-    check_adapter(adapter, paths.models_dir)
-    job = TrainingJob("sft_continued", cfg, ddp, paths, progress=progress, adapter=adapter, control=control)
+    check_adapter(adapter, paths.models_dir, trust_remote_code)
+    job = TrainingJob(
+        "sft_continued", cfg, ddp, paths, trust_remote_code, progress=progress, adapter=adapter, control=control
+    )
     return launch_stage(sft_worker, job)

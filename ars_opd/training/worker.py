@@ -42,7 +42,7 @@ class TrainingJob:
     cfg: TrainLoopConfig
     ddp: DDPConfig  # ddp.seed is the training seed
     paths: PathsConfig
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # models.trust_remote_code: passed to every load of the student (and teacher)
     progress: bool = True
     runtime: dict = field(default_factory=dict)
     """Run-time settings that do not change the result (e.g. a scoring endpoint's resolved URL): kept out of
@@ -99,7 +99,7 @@ def starting_student(job: TrainingJob, device: torch.device) -> StartingStudent:
         published = None
     else:
         start = Path(job.paths.distill_init)
-        model = load_model_dir(start, "cpu", stage="sft")
+        model = load_model_dir(start, "cpu", stage="sft", trust_remote_code=job.trust_remote_code)
         init, budget = sha256_of_files(start), read_budget(start)
         published = adapter_of(start)
     how = "none"
@@ -124,7 +124,7 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         sampler_seed, rng_seed = scenario_seeds(job.ddp.scenario, stage_seed, ctx.rank)
         set_seeds(rng_seed)
         geometry = BatchGeometry.check(job.cfg.global_batch_size, ctx.world_size, job.cfg.micro_batch_size, job.stage)
-        tokenizer = load_tokenizer(job.paths.models_dir)
+        tokenizer = load_tokenizer(job.paths.models_dir, job.trust_remote_code)
         fault = Fault(job.ddp.inject, job.stage, ctx.rank, stage_seed)
         seeds = tuple(scenario_seeds(job.ddp.scenario, stage_seed, r)[0] for r in range(ctx.world_size))
         run = prepare(job, WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault, seeds))
