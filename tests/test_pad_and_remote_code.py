@@ -15,6 +15,7 @@ evaluate run in this process (one worker each), while a spy on ``AutoModelForCau
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -34,9 +35,7 @@ TRUNCATED = 3  # train rows whose completion the teacher was cut off in
 
 
 def _workspace(root: Path, tokenizer) -> None:
-    """Local teacher and student without a pad token, pinned by the models stage; teacher rows written."""
-    from ars_opd.models.prepare import prepare_models
-
+    """Local teacher and student without a pad token, and teacher rows (the models stage runs under the spy)."""
     tok = copy.deepcopy(tokenizer)
     tok.pad_token = None
     assert tok.pad_token_id is None and tok.eos_token_id is not None
@@ -56,9 +55,6 @@ def _workspace(root: Path, tokenizer) -> None:
     cwd = os.getcwd()
     os.chdir(root)  # paths in params.yaml are relative to the repository root, here ``root``
     try:
-        prepare_models(
-            BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics, progress=False
-        )
         rows = teacher_rows(48, seed=3)
         for r in rows[:TRUNCATED]:
             r["finish_reason"] = "length"
@@ -69,10 +65,23 @@ def _workspace(root: Path, tokenizer) -> None:
         os.chdir(cwd)
 
 
+@contextlib.contextmanager
+def _inside(root: Path):
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, char_tokenizer):
-    """The four stages run once under the spy: (root, params, {stage: [(what, path, trust_remote_code)]})."""
+    """The models stage and the four training and evaluation stages run once under the spy: (root, params,
+    {stage: [(what, path, trust_remote_code)]})."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ars_opd.models.prepare import prepare_models
 
     root = tmp_path_factory.mktemp("nopad")
     _workspace(root, char_tokenizer)
@@ -89,6 +98,12 @@ def pipeline(tmp_path_factory, char_tokenizer):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(AutoModelForCausalLM, "from_pretrained", spy("model", AutoModelForCausalLM.from_pretrained))
         mp.setattr(AutoTokenizer, "from_pretrained", spy("tokenizer", AutoTokenizer.from_pretrained))
+        current[0] = "models"  # pins the local models and saves the shared tokenizer (loads it back)
+        p = load_params(root / "params.yaml")
+        with _inside(root):
+            prepare_models(
+                BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics, progress=False
+            )
         for stage in STAGES:
             current[0] = stage
             run_stage_here(root, stage)
@@ -121,7 +136,7 @@ def test_trust_remote_code_reaches_every_load(pipeline):
     def where(path: str) -> Path:  # stages open relative paths from the repository root, here ``root``
         return (Path(path) if Path(path).is_absolute() else root / path).resolve()
 
-    for stage in STAGES:
+    for stage in ("models", *STAGES):
         assert calls.get(stage), f"{stage} loaded nothing"
         refused = [c for c in calls[stage] if c[2] is not True]
         assert not refused, f"{stage}: loads without trust_remote_code=True: {refused}"

@@ -130,7 +130,7 @@ def prepare_models(
         else:
             metrics, refs = _pin_pretrained(out, cfg)
             paths = {role: Path(ref.path) for role, ref in refs.items()}
-        tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+        tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"), trust_remote_code=cfg.trust_remote_code)
         manifest = {
             role: {**ref.to_json(), "embedding_rows": embedding_rows(str(paths[role]))} for role, ref in refs.items()
         }

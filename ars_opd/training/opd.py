@@ -307,7 +307,7 @@ def run_opd(
     if cfg.teacher == "local":
         return launch_stage(opd_worker, job)
     with scoring_endpoint(cfg, paths) as (url, model):
-        check_scoring_endpoint(url, model, cfg, paths)
+        check_scoring_endpoint(url, model, cfg, paths, trust_remote_code)
         # the resolved URL is run-time only: a bundled server's port changes every run, and must not keep a
         # checkpoint from resuming (job.runtime is outside the checkpoint fingerprint)
         return launch_stage(opd_worker, dataclasses.replace(job, runtime={"scoring_url": url, "scoring_model": model}))

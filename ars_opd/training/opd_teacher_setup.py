@@ -94,7 +94,9 @@ def scoring_endpoint(cfg: OPDConfig, paths: PathsConfig) -> Iterator[tuple[str, 
         yield url, LOCAL_MODEL_NAME
 
 
-def check_scoring_endpoint(url: str, model: str, cfg: OPDConfig, paths: PathsConfig) -> None:
+def check_scoring_endpoint(
+    url: str, model: str, cfg: OPDConfig, paths: PathsConfig, trust_remote_code: bool = False
+) -> None:
     """Before step 0: the endpoint answers, serves ``model``, tokenizes as the student does, and returns
     log-probabilities (not logits) for a probe scored with the run's k (so ``--max-logprobs`` is checked too)."""
     import asyncio
@@ -108,7 +110,7 @@ def check_scoring_endpoint(url: str, model: str, cfg: OPDConfig, paths: PathsCon
             await check_tokenizer(
                 client,
                 model,
-                load_tokenizer(paths.models_dir),
+                load_tokenizer(paths.models_dir, trust_remote_code),
                 settings,
                 ENDPOINT_SECTION,
                 k=cfg.topk if cfg.loss == "topk" else 1,
