@@ -145,6 +145,9 @@ class PathsConfig:
     """report: flat metrics for dvc exp show."""
     detection_benchmark: str = "reports/detection.jsonl"
     """bench/detection.py's committed output, which the report quotes (false-alarm rate, detection delays)."""
+    distillation_study: str = "reports/distillation.md"
+    """The seed study's file (``ars-opd distillation --out``); the report quotes its long-horizon section's
+    measurement of the regime where OPD is expected to win."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -32,7 +32,7 @@ from ars_opd.evaluation.consistency_report import (
 )
 from ars_opd.evaluation.detector import Alarm, standardised_residuals
 from ars_opd.evaluation.distillation import curve_figure
-from ars_opd.evaluation.equal_budget import STUDY_FILE, budget_note, compare, headline, regime_note
+from ars_opd.evaluation.equal_budget import budget_note, compare, headline, regime_note
 from ars_opd.evaluation.tables import render_table
 
 STAGES = ("sft", "opd", "sft_continued")
@@ -169,7 +169,8 @@ def write_report(cfg: ReportConfig, paths: PathsConfig) -> dict:
     eval_path = Path(paths.eval_metrics)
     eval_metrics = json.loads(eval_path.read_text()) if eval_path.exists() else None
     benchmark = detection_benchmark(Path(paths.detection_benchmark), run_workers(logs))
-    study = Path(STUDY_FILE).read_text() if Path(STUDY_FILE).is_file() else ""  # a dep of the stage (dvc.yaml)
+    study_file = Path(paths.distillation_study)  # a dep of the stage (dvc.yaml)
+    study = study_file.read_text() if study_file.is_file() else ""
     md, flat, alarms = build_report(logs, eval_metrics, cfg, benchmark, study)
     with atomic_outputs(paths.report_md, paths.report_figures, paths.report_plots, paths.report_metrics) as tmp:
         tmp[0].write_text(md)
