@@ -221,8 +221,10 @@ def test_budgets_drop_and_truncate_with_counts(char_tokenizer):
         "rows": 4,
         "kept": 2,
         "dropped_prompt_over_budget": 1,
+        "dropped_teacher_truncated": 0,
         "dropped_no_room_for_completion": 1,
         "completion_truncated": 1,
+        "teacher_truncated": 0,
     }
     assert [len(c) for c in data.completions] == [4, 10]
 
