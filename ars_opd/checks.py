@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ars_opd.artifacts import JsonlLineError, file_sha256, files_sha256, iter_jsonl
-from ars_opd.config import PathsConfig
+from ars_opd.config import TRAINING_STAGES, PathsConfig
 
-STAGES = ("models", "subset", "teacher_gen", "sft", "opd", "sft_continued", "evaluate", "report")
-TRAINING_STAGES = ("sft", "opd", "sft_continued")
+STAGES = ("models", "subset", "teacher_gen", *TRAINING_STAGES, "evaluate", "report")
 
 
 class Problems(list):

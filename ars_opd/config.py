@@ -34,6 +34,11 @@ import yaml
 
 PARAMS_FILE = "params.yaml"
 
+# the training stages, in pipeline order: each has a params section of its own or shares one (sft_continued
+# runs OPD's loop on SFT's data), outputs ``paths.<stage>_{model,log,live,checkpoints}`` and a dvc.yaml stage
+# running ``python -m stages.<stage>`` (tested). The one list: stages/, checks, evaluate and report derive theirs.
+TRAINING_STAGES = ("sft", "opd", "sft_continued")
+
 # the built-in synthetic tasks (``synthetic.tasks`` names some of them); ``ars_opd.data.synthetic`` holds one
 # generator and one instruction per name, in this order (tested)
 TASK_NAMES = ("add", "reverse", "sort_digits", "length", "uppercase", "count_letter", "running_sum", "shift_steps")
@@ -162,7 +167,7 @@ class PathsConfig:
         return str(Path(self.teacher_dir) / f"{split}.jsonl")
 
     def training(self, stage: str) -> "TrainingPaths":
-        """The outputs of a training stage (``sft`` or ``opd``)."""
+        """The outputs of a training stage (one of ``TRAINING_STAGES``)."""
         return TrainingPaths(*(getattr(self, f"{stage}_{part}") for part in TrainingPaths._fields))
 
 
@@ -676,8 +681,11 @@ class InjectConfig:
 
 
 @dataclass(frozen=True)
-class DDPConfig:
-    """Data-parallel workers (torch DDP) shared by the training stages."""
+class ParallelConfig:
+    """How the training stages run in parallel, and what they watch and seed: the workers and their layout
+    (DDP or FSDP2, device, backend, buckets), the training seed and seed scenario, the consistency monitor,
+    fault injection and resharded resumes. The params section is still ``ddp`` (its YAML key is kept stable;
+    the class was ``DDPConfig`` until it held more than DDP's settings)."""
 
     workers: int = 2
     """Worker processes the stage starts on this machine (ignored under an outside torchrun/accelerate launch)."""
@@ -1014,7 +1022,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "inputs": InputsConfig,
     "teacher_gen": TeacherGenConfig,
-    "ddp": DDPConfig,
+    "ddp": ParallelConfig,
     "sft": SFTConfig,
     "opd": OPDConfig,
     "control": ControlConfig,
@@ -1102,7 +1110,7 @@ class Params:
     data: DataConfig | None = None
     inputs: InputsConfig | None = None
     teacher_gen: TeacherGenConfig | None = None
-    ddp: DDPConfig | None = None
+    ddp: ParallelConfig | None = None
     sft: SFTConfig | None = None
     opd: OPDConfig | None = None
     control: ControlConfig | None = None
@@ -1245,7 +1253,13 @@ def check_params(params: Params, base: str | Path = ".") -> None:
 
 
 def launched_externally() -> bool:
-    """True inside a worker started by torchrun / accelerate launch (they set WORLD_SIZE and RANK)."""
+    """True inside a worker started by torchrun / accelerate launch (they set WORLD_SIZE, RANK and MASTER_ADDR).
+
+    The one rule, asked by ``load_params`` (the batch split is then the launcher's world's), by
+    ``ars_opd.training.distributed.launch`` (run here instead of starting workers) and by ``stages`` (no
+    forkserver head start). All three of the launcher's variables, not WORLD_SIZE alone: a WORLD_SIZE left in
+    the environment by something else does not make a process a worker of a world it cannot join, and the
+    head start must be taken exactly when ``launch`` will start local workers."""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ
 
 

@@ -40,7 +40,7 @@ import time
 import torch
 from workload import PRESETS, BenchRun, preset_model, random_sft_task
 
-from ars_opd.config import DDPConfig
+from ars_opd.config import ParallelConfig
 from ars_opd.training.distributed import init_worker, launch, shutdown_worker
 
 PARTS = ("hook", "stats", "metrics", "noise_scale", "drift", "drift_gather")
@@ -84,7 +84,7 @@ def worker(job: dict) -> dict:
         total = job["warmup"] + job["rounds"] * job["round_steps"]
         vocab = PRESETS[job["preset"]]["vocab_size"]
         cfg, task = random_sft_task(ctx, vocab, total, job["micro"], job["seq"], precision="auto")
-        ddp_cfg = DDPConfig(workers=ctx.world_size)
+        ddp_cfg = ParallelConfig(workers=ctx.world_size)
         runs = {
             name: BenchRun.start(
                 preset_model(job["preset"], ctx.device), ctx, cfg, ddp_cfg, name == "with", gram_every=50

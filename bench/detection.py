@@ -39,7 +39,7 @@ import torch
 import yaml
 from detection_null import STAGES, run_missing
 
-from ars_opd.config import ArchConfig, DDPConfig, InjectConfig, ReportConfig, SFTConfig, parse_section
+from ars_opd.config import ArchConfig, InjectConfig, ParallelConfig, ReportConfig, SFTConfig, parse_section
 from ars_opd.data import synthetic
 from ars_opd.data.prompts import alpaca_messages
 from ars_opd.evaluation.detector import detect, rate_interval
@@ -127,7 +127,7 @@ def run_seed(job: dict) -> list[dict]:
             vocab=len(tok),
         )
         strategy = job.get("strategy", "ddp")
-        ddp = wrap_model(model, ctx, DDPConfig(workers=ctx.world_size, strategy=strategy), cfg)
+        ddp = wrap_model(model, ctx, ParallelConfig(workers=ctx.world_size, strategy=strategy), cfg)
         hook = (ShardedConsistencyHook if strategy == "fsdp" else ConsistencyHook)(ctx.world_size, gram_every=0)
         hook.attach(ddp)
         opt = make_optimizer(model, cfg)

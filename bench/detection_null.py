@@ -25,16 +25,16 @@ from pathlib import Path
 
 import yaml
 
-from ars_opd.config import DDPConfig, OPDConfig, PathsConfig, SFTConfig, parse_section
+from ars_opd.config import OPDConfig, ParallelConfig, PathsConfig, SFTConfig, parse_section
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("sft", "opd")
 
 
-def stage_configs(params: dict, workers: int, seed: int) -> tuple[DDPConfig, SFTConfig, OPDConfig]:
+def stage_configs(params: dict, workers: int, seed: int) -> tuple[ParallelConfig, SFTConfig, OPDConfig]:
     """The committed sections with K workers and a training seed; a micro-batch larger than a worker's share
     of the global batch is cut to that share (a K = 4 run of the default needs micro-batches of 8)."""
-    ddp = parse_section(DDPConfig, {**params["ddp"], "workers": workers, "seed": seed}, "ddp")
+    ddp = parse_section(ParallelConfig, {**params["ddp"], "workers": workers, "seed": seed}, "ddp")
     out = []
     for name, cls in (("sft", SFTConfig), ("opd", OPDConfig)):
         sec = dict(params[name])

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def worker(job: dict) -> dict:
-    from ars_opd.config import DDPConfig
+    from ars_opd.config import ParallelConfig
     from ars_opd.data import synthetic
     from ars_opd.data.prompts import alpaca_messages
     from ars_opd.lm.batching import pad_right_with_labels
@@ -67,7 +67,7 @@ def worker(job: dict) -> dict:
         set_seeds(3)
         model = build_causal_lm(ArchConfig(**job["arch"]), tok, seed=5)
         task = SFTTask(data, cfg, geometry, sampler_seed=17, rank=ctx.rank, device=ctx.device, pad_id=tok.pad_token_id)
-        ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size))
+        ddp = wrap_ddp(model, ctx, ParallelConfig(workers=ctx.world_size))
         hook = ConsistencyHook(ctx.world_size)
         hook.attach(ddp)
         opt = make_optimizer(model, cfg)

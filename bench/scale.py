@@ -39,7 +39,7 @@ import torch
 from loss_memory import cpu_extra_peak
 from workload import PRESETS, BenchRun, preset_model, random_sft_task
 
-from ars_opd.config import AdapterConfig, DDPConfig
+from ars_opd.config import AdapterConfig, ParallelConfig
 from ars_opd.models.adapters import attach
 from ars_opd.training.distributed import init_worker, launch, shutdown_worker
 
@@ -84,7 +84,7 @@ def _run_strategy(job: dict, strategy: str, ctx) -> dict:
     total = 2 + job["rounds"] * job["round_steps"]
     cfg, task = random_sft_task(ctx, vocab, total, job["micro"], job["seq"], max_grad_norm=1.0)
     sharded = strategy.startswith("fsdp")
-    ddp_cfg = DDPConfig(
+    ddp_cfg = ParallelConfig(
         workers=ctx.world_size,
         strategy="fsdp" if sharded else "ddp",
         fsdp_reshard_after_forward=strategy != "fsdp-kept",

@@ -22,7 +22,7 @@ import time
 import torch
 from workload import PRESETS, preset_model
 
-from ars_opd.config import DDPConfig, SFTConfig
+from ars_opd.config import ParallelConfig, SFTConfig
 from ars_opd.lm.attention import use_packed_attention
 from ars_opd.lm.optim import make_optimizer
 from ars_opd.training.batch_plan import BatchGeometry
@@ -85,7 +85,7 @@ def main() -> None:
         )
         geometry = BatchGeometry.check(micro, ctx.world_size, micro, "sft")
         task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0, vocab=vocab)
-        ddp = wrap_ddp(model, ctx, DDPConfig(workers=1))
+        ddp = wrap_ddp(model, ctx, ParallelConfig(workers=1))
         opt = make_optimizer(model, cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         state, real, total, elapsed = TrainerState(), 0, 0, 0.0

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ars_opd.config import DDPConfig, SFTConfig
+from ars_opd.config import ParallelConfig, SFTConfig
 from ars_opd.lm.optim import make_optimizer, make_scheduler
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.checkpoint import TrainerState
@@ -135,7 +135,7 @@ class BenchRun(NamedTuple):
 
     @classmethod
     def start(
-        cls, model: torch.nn.Module, ctx: WorkerContext, cfg: SFTConfig, ddp_cfg: DDPConfig, monitor: bool, **hook
+        cls, model: torch.nn.Module, ctx: WorkerContext, cfg: SFTConfig, ddp_cfg: ParallelConfig, monitor: bool, **hook
     ) -> BenchRun:
         """Wrap ``model`` for ``ddp_cfg.strategy``, attach the monitor if ``monitor`` (``hook``: its options)."""
         wrapped = wrap_model(model, ctx, ddp_cfg, cfg)

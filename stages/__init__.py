@@ -23,8 +23,10 @@ Each stage reads its params before it imports the code that runs it (torch, tran
 are refused in a fraction of a second.
 
 A training stage (sft, opd, sft_continued) that will start two or more local workers on CPU also starts
-their forkserver here, before its own imports (``ars_opd.training.forkserver.start_early``): the two import
-torch and transformers side by side instead of one after the other.
+their forkserver in ``run_stage``, before its ``main`` imports the engine
+(``ars_opd.training.forkserver.start_early``): the two import torch and transformers side by side instead of
+one after the other. Importing this package starts nothing (a test, a tool or a stage module imported for its
+``main`` gets no process it did not ask for); the training stages import torch only inside ``main``.
 """
 
 from __future__ import annotations
@@ -65,18 +67,19 @@ def _require_environment() -> None:
 
 _require_environment()
 
-TRAINING_STAGES = ("stages.sft", "stages.opd", "stages.sft_continued")
-
 
 def _start_workers_early() -> None:
     """Start the workers' forkserver if this process is a training stage that will fork them: run as
-    ``python -m stages.<training stage>``, not under an outside launcher, ``ddp.workers`` ≥ 2 and no CUDA in
-    sight (CUDA workers are spawned). Only a head start: where it guesses wrong, ``launch`` still does the
-    right thing, and bad params are left for the stage to report."""
+    ``python -m stages.<training stage>``, not under an outside launcher (``launched_externally``, the rule
+    ``launch`` itself follows), ``ddp.workers`` ≥ 2 and no CUDA in sight (CUDA workers are spawned). Only a
+    head start: where it guesses wrong, ``launch`` still does the right thing, and bad params are left for the
+    stage to report."""
+    from ars_opd.config import TRAINING_STAGES, launched_externally
+
     argv = list(getattr(sys, "orig_argv", []))
-    if "-m" not in argv[:-1] or argv[argv.index("-m") + 1] not in TRAINING_STAGES:
+    if "-m" not in argv[:-1] or argv[argv.index("-m") + 1] not in {f"stages.{s}" for s in TRAINING_STAGES}:
         return
-    if "WORLD_SIZE" in os.environ:
+    if launched_externally():
         return
     try:
         from ars_opd.config import load_params
@@ -92,14 +95,13 @@ def _start_workers_early() -> None:
     start_early(ddp.threads_per_worker)
 
 
-_start_workers_early()
-
-
 def run_stage(main: Callable[[], None]) -> None:
     """Run a stage's ``main``; a ``ConfigError`` prints ``ars-opd <stage>: invalid params: <message>`` and
-    exits 2, an ``EndpointError`` ``ars-opd <stage>: <message>`` and exits 4; anything else propagates."""
+    exits 2, an ``EndpointError`` ``ars-opd <stage>: <message>`` and exits 4; anything else propagates.
+    A training stage's forkserver starts first (``_start_workers_early``)."""
     from ars_opd.config import ConfigError
 
+    _start_workers_early()
     stage = os.path.splitext(os.path.basename(main.__code__.co_filename))[0]
     try:
         main()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ars_opd.config import ArchConfig, DDPConfig, SFTConfig
+from ars_opd.config import ArchConfig, ParallelConfig, SFTConfig
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.distributed import init_worker, shutdown_worker
@@ -56,7 +56,7 @@ def _grad_probe(job: dict, ctx) -> dict:
     task = SFTTask(
         data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=tok.pad_token_id, vocab=len(tok)
     )
-    ddp_cfg = DDPConfig(
+    ddp_cfg = ParallelConfig(
         workers=ctx.world_size,
         gradient_as_bucket_view=job.get("bucket_view", True),
         strategy=job.get("strategy", "ddp"),
@@ -163,7 +163,7 @@ def _consistency_probe(job: dict, ctx) -> list:
     ddp = wrap_ddp(
         model,
         ctx,
-        DDPConfig(
+        ParallelConfig(
             workers=ctx.world_size,
             bucket_cap_mb=job.get("bucket_cap_mb", 0.002),
             gradient_as_bucket_view=job.get("bucket_view", True),
@@ -233,7 +233,7 @@ def bitwise_probe(job: dict) -> bool:
             ddp = wrap_ddp(
                 model,
                 ctx,
-                DDPConfig(workers=ctx.world_size, bucket_cap_mb=0.002, gradient_as_bucket_view=job["bucket_view"]),
+                ParallelConfig(workers=ctx.world_size, bucket_cap_mb=0.002, gradient_as_bucket_view=job["bucket_view"]),
             )
             if with_hook:
                 hook = ConsistencyHook(ctx.world_size)
@@ -291,7 +291,7 @@ def fault_probe(job: dict) -> dict:
         for mode in ("healthy", "fault"):
             model = tiny_model(tok)
             task = FixedTask(job["batches"], ctx, tok.pad_token_id, False)
-            ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size, bucket_cap_mb=0.002))
+            ddp = wrap_ddp(model, ctx, ParallelConfig(workers=ctx.world_size, bucket_cap_mb=0.002))
             if mode == "healthy":
                 n = torch.tensor([float(sum(b.n_tokens for b in task.micro))], dtype=torch.float64)
                 dist.all_reduce(n)
@@ -375,7 +375,7 @@ def noise_scale_probe(job: dict) -> dict:
                 per_seq.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double())
                 counts.append(int(n))
                 model.zero_grad(set_to_none=True)
-        ddp = wrap_ddp(model, ctx, DDPConfig(workers=ctx.world_size, bucket_cap_mb=0.002))
+        ddp = wrap_ddp(model, ctx, ParallelConfig(workers=ctx.world_size, bucket_cap_mb=0.002))
         hook = ConsistencyHook(ctx.world_size)
         hook.attach(ddp)
         hook.begin_step(0)

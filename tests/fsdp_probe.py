@@ -74,7 +74,7 @@ def fsdp_fault_probe(job: dict) -> list[dict]:
     import copy
     import random
 
-    from ars_opd.config import ArchConfig, DDPConfig, InjectConfig
+    from ars_opd.config import ArchConfig, InjectConfig, ParallelConfig
     from ars_opd.data import synthetic
     from ars_opd.data.prompts import alpaca_messages
     from ars_opd.lm.optim import make_optimizer, make_scheduler
@@ -111,7 +111,7 @@ def fsdp_fault_probe(job: dict) -> list[dict]:
             pad_id=tok.pad_token_id,
             vocab=len(tok),
         )
-        sharded = wrap_model(model, ctx, DDPConfig(workers=ctx.world_size, strategy="fsdp"), cfg)
+        sharded = wrap_model(model, ctx, ParallelConfig(workers=ctx.world_size, strategy="fsdp"), cfg)
         hook = ShardedConsistencyHook(ctx.world_size)
         hook.attach(sharded)
         opt = make_optimizer(model, cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ars_opd.config import DDPConfig, SFTConfig
+from ars_opd.config import ParallelConfig, SFTConfig
 from ars_opd.training.distributed import init_worker, shutdown_worker
 from ddp_probe import FixedTask, tiny_model
 
@@ -34,7 +34,7 @@ def one_worker_probe(job: dict) -> dict:
         out = {}
         for strategy in ("ddp", "fsdp"):
             model = tiny_model(tok)
-            wrapped = wrap_model(model, ctx, DDPConfig(workers=1, strategy=strategy), cfg)
+            wrapped = wrap_model(model, ctx, ParallelConfig(workers=1, strategy=strategy), cfg)
             hook = (ShardedConsistencyHook if strategy == "fsdp" else ConsistencyHook)(1)
             hook.attach(wrapped)
             task = FixedTask(job["batches"], ctx, tok.pad_token_id, False)

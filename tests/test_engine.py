@@ -193,11 +193,11 @@ def test_packed_attention_choice():
 
 
 def test_sft_refuses_packed_attention_it_cannot_train_with_before_starting_workers():
-    from ars_opd.config import DDPConfig, PathsConfig
+    from ars_opd.config import ParallelConfig, PathsConfig
     from ars_opd.training.sft import run_sft
 
     with pytest.raises(ValueError, match="sft.packed_attention: flex trains on CUDA only"):
-        run_sft(SFTConfig(packing=True, packed_attention="flex"), DDPConfig(device="cpu"), PathsConfig())
+        run_sft(SFTConfig(packing=True, packed_attention="flex"), ParallelConfig(device="cpu"), PathsConfig())
 
 
 def test_pack_sequences_boundaries(char_tokenizer):
@@ -315,7 +315,7 @@ class _ScaledTask:
 def _fit_in_process(tmp_path, char_tokenizer, scale, **cfg_kw):
     import json
 
-    from ars_opd.config import DDPConfig, TrainingPaths
+    from ars_opd.config import ParallelConfig, TrainingPaths
     from ars_opd.training.distributed import init_worker, shutdown_worker
     from ars_opd.training.loop import fit
     from ars_opd.training.task import RunHooks, RunIdentity
@@ -333,7 +333,7 @@ def _fit_in_process(tmp_path, char_tokenizer, scale, **cfg_kw):
             live=str(tmp_path / "live"),
             checkpoints=str(tmp_path / "ckpt"),
         )
-        fit(ctx, model, task, cfg, DDPConfig(workers=1), out, RunIdentity("fp"), RunHooks(progress=False))
+        fit(ctx, model, task, cfg, ParallelConfig(workers=1), out, RunIdentity("fp"), RunHooks(progress=False))
         return [json.loads(line) for line in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
     finally:
         shutdown_worker()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ars_opd.config import ConfigError, DDPConfig, InjectConfig, parse_section
+from ars_opd.config import ConfigError, InjectConfig, ParallelConfig, parse_section
 from ars_opd.lm.batching import IGNORE_INDEX
 from ars_opd.training.consistency import noise_scale_terms
 from ars_opd.training.distributed import launch
@@ -23,7 +23,9 @@ def _fault(kind, magnitude, rank=1, start=5, task=None, me=1):
 
 
 def test_inject_config_validates_each_kind():
-    assert parse_section(DDPConfig, {"inject": {"kind": "loss_scale", "magnitude": 2}}, "ddp").inject.magnitude == 2.0
+    assert (
+        parse_section(ParallelConfig, {"inject": {"kind": "loss_scale", "magnitude": 2}}, "ddp").inject.magnitude == 2.0
+    )
     for raw, key in (
         ({"kind": "loss_scale", "magnitude": 1.0}, "ddp.inject.magnitude"),
         ({"kind": "label_noise", "magnitude": 1.5}, "ddp.inject.magnitude"),
@@ -32,10 +34,12 @@ def test_inject_config_validates_each_kind():
         ({"kind": "bitflip", "magnitude": 1}, "ddp.inject.kind"),
     ):
         with pytest.raises(ConfigError) as e:
-            parse_section(DDPConfig, {"inject": raw}, "ddp")
+            parse_section(ParallelConfig, {"inject": raw}, "ddp")
         assert e.value.key == key
     with pytest.raises(ConfigError) as e:
-        parse_section(DDPConfig, {"workers": 2, "inject": {"kind": "loss_scale", "magnitude": 2, "rank": 3}}, "ddp")
+        parse_section(
+            ParallelConfig, {"workers": 2, "inject": {"kind": "loss_scale", "magnitude": 2, "rank": 3}}, "ddp"
+        )
     assert e.value.key == "ddp.inject.rank"
 
 

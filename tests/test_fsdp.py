@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 from ars_opd.artifacts import read_jsonl
-from ars_opd.config import ConfigError, DDPConfig, InjectConfig, load_params
+from ars_opd.config import ConfigError, InjectConfig, ParallelConfig, load_params
 from ars_opd.training.distributed import launch
 from fsdp_probe import fsdp_consistency_probe
 from micro import distill_workspace, run_stage_here
@@ -206,7 +206,7 @@ def test_a_checkpoint_of_another_layout_resumes_only_when_asked(tmp_path):
 
 def test_fsdp_refusals_name_the_key(tmp_path):
     with pytest.raises(ConfigError) as e:
-        DDPConfig(strategy="fsdp", inject=InjectConfig(kind="param_desync", magnitude=0.1))
+        ParallelConfig(strategy="fsdp", inject=InjectConfig(kind="param_desync", magnitude=0.1))
     assert e.value.key == "inject.kind" and "no replicas" in str(e.value)
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["ddp"]["strategy"] = "fsdp"

@@ -129,3 +129,32 @@ def test_benchmarks_import_nothing_from_the_tests():
                 if top == "tests" or top in helpers:
                     found.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
     assert not found, "\n".join(found)
+
+
+def _dvc_stages() -> dict:
+    import yaml
+
+    return yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+
+
+def test_the_training_stages_are_listed_once_and_dvc_yaml_agrees():
+    """``ars_opd.config.TRAINING_STAGES`` is the one list: the training stages of dvc.yaml (those that keep
+    resumable checkpoints, ``${paths.<stage>_checkpoints}``) are it, in pipeline order, each run as
+    ``python -m stages.<stage>``; the lists of checks, evaluation and stages/ are derived from it."""
+    from ars_opd import checks
+    from ars_opd.config import TRAINING_STAGES
+    from ars_opd.evaluation import arms
+
+    stages = _dvc_stages()
+    assert set(TRAINING_STAGES) <= set(stages)
+    outs = {
+        name: [next(iter(o)) if isinstance(o, dict) else o for o in stage.get("outs", [])]
+        for name, stage in stages.items()
+    }
+    training = tuple(name for name, o in outs.items() if f"${{paths.{name}_checkpoints}}" in o)
+    assert training == TRAINING_STAGES
+    for name in TRAINING_STAGES:
+        assert stages[name]["cmd"] == f"python -m stages.{name}"
+        assert (REPO / "stages" / f"{name}.py").is_file()
+    assert tuple(stages) == checks.STAGES  # every stage, in dvc.yaml's order
+    assert arms.TRAINED == TRAINING_STAGES

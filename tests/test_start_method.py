@@ -62,8 +62,9 @@ def test_an_unknown_start_method_is_refused():
 
 
 def _started_early(root, stage: str, ddp: dict) -> dict:
-    """Import ``stages`` as ``python -m <stage>`` would in a workspace with these ddp params: whether the
-    forkserver is running afterwards, and whether torch was imported on the way."""
+    """Import ``stages`` and run a stage's ``main`` (here one that does nothing) as ``python -m <stage>``
+    would in a workspace with these ddp params: whether the forkserver is running afterwards, and whether
+    torch was imported on the way. Importing ``stages`` alone must start nothing."""
     import json
     import subprocess
     import sys
@@ -75,6 +76,8 @@ def _started_early(root, stage: str, ddp: dict) -> dict:
     probe = (
         "import sys, json; sys.orig_argv[:] = [sys.executable, '-m', %r]; import stages; "
         "from multiprocessing import forkserver as f; "
+        "assert f._forkserver._forkserver_pid is None, 'importing stages started a forkserver'; "
+        "stages.run_stage(lambda: None); "
         "print(json.dumps({'running': f._forkserver._forkserver_pid is not None, "
         "'torch': 'torch' in sys.modules}))" % stage
     )
@@ -124,3 +127,28 @@ def test_a_new_forkserver_does_not_wait_for_a_child_of_the_old_one_still_running
     kept, took = out.stdout.split()
     assert kept == "False"  # the environment changed: a new forkserver
     assert float(took) < 30  # not the child's 60 s (before the fix it waited for the child)
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="CUDA in sight: workers are spawned, nothing to start")
+def test_importing_stages_starts_nothing(monkeypatch):
+    """``import stages`` as a training stage's ``python -m`` has no side effect: the forkserver head start
+    waits for ``run_stage``."""
+    import importlib
+    import sys
+    import types
+
+    import stages
+    from ars_opd import config
+    from ars_opd.training import forkserver
+
+    calls = []
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-m", "stages.sft"])
+    monkeypatch.setattr(forkserver, "start_early", lambda *a, **k: calls.append(a))
+    ddp = config.ParallelConfig(workers=2, device="cpu")
+    monkeypatch.setattr(config, "load_params", lambda *a, **k: types.SimpleNamespace(ddp=ddp))
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    importlib.reload(stages)
+    assert calls == []
+    stages.run_stage(lambda: None)  # where the head start is taken
+    assert calls == [(ddp.threads_per_worker,)]

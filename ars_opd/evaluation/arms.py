@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
-MODELS = ("base", "sft", "opd", "sft_continued", "teacher")
-TRAINED = ("sft", "opd", "sft_continued")  # models the training stages write (with budgets and snapshots)
+from ars_opd.config import TRAINING_STAGES
+
+TRAINED = TRAINING_STAGES  # models the training stages write (with budgets and snapshots)
+MODELS = ("base", *TRAINED, "teacher")
 ARMS = ("opd", "sft_continued")  # the arms that start from the SFT student with equal steps

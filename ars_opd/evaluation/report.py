@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from ars_opd.artifacts import atomic_outputs, read_jsonl, write_json
-from ars_opd.config import PathsConfig, ReportConfig
+from ars_opd.config import TRAINING_STAGES, PathsConfig, ReportConfig
 from ars_opd.evaluation.arms import ARMS, MODELS
 from ars_opd.evaluation.consistency_report import (
     DEFINITIONS,
@@ -34,8 +34,6 @@ from ars_opd.evaluation.detector import Alarm, standardised_residuals
 from ars_opd.evaluation.distillation import curve_figure
 from ars_opd.evaluation.equal_budget import budget_note, compare, headline, regime_note
 from ars_opd.evaluation.tables import render_table
-
-STAGES = ("sft", "opd", "sft_continued")
 
 
 def load_steps(path: Path) -> pd.DataFrame:
@@ -162,9 +160,9 @@ PLOT_COLUMNS = (
 
 def write_report(cfg: ReportConfig, paths: PathsConfig) -> dict:
     """Run the stage: read logs, evaluation and benchmark; write report.md, figures, plot series and metrics."""
-    logs = {s: load_steps(Path(paths.training(s).steps)) for s in STAGES}
+    logs = {s: load_steps(Path(paths.training(s).steps)) for s in TRAINING_STAGES}
     if all(df.empty for df in logs.values()):
-        where = ", ".join(paths.training(s).steps for s in STAGES)
+        where = ", ".join(paths.training(s).steps for s in TRAINING_STAGES)
         raise FileNotFoundError(f"no training log found ({where}): run sft/opd first")
     eval_path = Path(paths.eval_metrics)
     eval_metrics = json.loads(eval_path.read_text()) if eval_path.exists() else None

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from ars_opd.artifacts import dumps_canonical, files_sha256, read_jsonl, write_json, write_jsonl
 from ars_opd.config import ConfigError
 from ars_opd.training.distributed import WorkerContext
+from ars_opd.training.sharding import is_sharded
 
 STEPS_LOG = "steps.jsonl"
 LATEST = "latest.json"
@@ -115,12 +116,6 @@ class TrainerState:
     resharded_from: dict | None = None  # {"workers", "strategy"} of a checkpoint of another layout
 
 
-def _sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def save_checkpoint(
     ckpt_dir: Path,
     ctx: WorkerContext,
@@ -150,7 +145,7 @@ def save_checkpoint(
         for rank, rng_state in enumerate(rng):
             torch.save(rng_state, tmp / f"rng_rank{rank}.pt")
     dist.barrier()
-    sharded = _sharded(model)
+    sharded = is_sharded(model)
     if sharded:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -394,7 +389,7 @@ def resume_checkpoint(
     state, history = TrainerState(), []
     if ctx.is_main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-    if _sharded(model) and ctx.world_size > 1:
+    if is_sharded(model) and ctx.world_size > 1:
         require_shared(ckpt_dir, ctx)
     found, why = None, ""
     if ctx.is_main:

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ars_opd.config import DDPConfig, TrainingPaths, TrainLoopConfig
+from ars_opd.config import ParallelConfig, TrainingPaths, TrainLoopConfig
 from ars_opd.lm.optim import autocast_context, clip_gradients, make_optimizer, make_scheduler
 from ars_opd.training.budget import BudgetTotals
 from ars_opd.training.checkpoint import TrainerState, resume_checkpoint, save_checkpoint
@@ -248,7 +248,7 @@ def fit(
     model: torch.nn.Module,
     task: TrainingTask,
     cfg: TrainLoopConfig,
-    ddp_cfg: DDPConfig,
+    ddp_cfg: ParallelConfig,
     out: TrainingPaths,
     run: RunIdentity,
     hooks: RunHooks = RunHooks(),

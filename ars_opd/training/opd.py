@@ -49,7 +49,7 @@ import time
 
 import torch
 
-from ars_opd.config import AdapterConfig, ControlConfig, DDPConfig, OPDConfig, PathsConfig
+from ars_opd.config import AdapterConfig, ControlConfig, OPDConfig, ParallelConfig, PathsConfig
 from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
 from ars_opd.lm.batching import build_rollout_batch, eos_set, pad_token_id
 from ars_opd.lm.generation import GenerationCost, eos_token_ids, generate_token_ids
@@ -286,7 +286,7 @@ def opd_worker(job: TrainingJob) -> dict:
 
 def run_opd(
     cfg: OPDConfig,
-    ddp: DDPConfig,
+    ddp: ParallelConfig,
     paths: PathsConfig,
     trust_remote_code: bool = False,
     progress: bool = True,

@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ars_opd.config import AdapterConfig, ControlConfig, DDPConfig, OPDConfig, PathsConfig, SFTConfig, TrainLoopConfig
+from ars_opd.config import (
+    AdapterConfig,
+    ControlConfig,
+    OPDConfig,
+    ParallelConfig,
+    PathsConfig,
+    SFTConfig,
+    TrainLoopConfig,
+)
 from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
 from ars_opd.lm.attention import packed_attention_implementation, packed_model_inputs, use_packed_attention
 from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels, pad_token_id
@@ -200,7 +208,7 @@ def sft_worker(job: TrainingJob) -> dict:
 
 def run_sft(
     cfg: SFTConfig,
-    ddp: DDPConfig,
+    ddp: ParallelConfig,
     paths: PathsConfig,
     progress: bool = True,
     adapter: AdapterConfig = AdapterConfig(),
@@ -227,7 +235,7 @@ def continued_sft_config(sft: SFTConfig, opd: OPDConfig) -> SFTConfig:
 def run_sft_continued(
     sft: SFTConfig,
     opd: OPDConfig,
-    ddp: DDPConfig,
+    ddp: ParallelConfig,
     paths: PathsConfig,
     progress: bool = True,
     adapter: AdapterConfig = AdapterConfig(),

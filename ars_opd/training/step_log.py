@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ars_opd.config import DDPConfig
+from ars_opd.config import ParallelConfig
 from ars_opd.training.budget import BudgetTotals
 from ars_opd.training.checkpoint import TrainerState
 from ars_opd.training.faults import Fault
@@ -51,7 +51,7 @@ def step_row(
     result: StepResult,
     lr: float,
     step_s: float,
-    ddp_cfg: DDPConfig,
+    ddp_cfg: ParallelConfig,
     fault: Fault | None,
     noise_scale: NoiseScale,
     totals: BudgetTotals,

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from ars_opd.artifacts import provenance, write_json
-from ars_opd.config import AdapterConfig, ControlConfig, DDPConfig, PathsConfig, TrainLoopConfig, to_dict
+from ars_opd.config import AdapterConfig, ControlConfig, ParallelConfig, PathsConfig, TrainLoopConfig, to_dict
 from ars_opd.models.adapters import adapter_of, attach, is_adapted, resume, save_trained, trainable_parameters
 from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer, read_manifest, sha256_of_files
 from ars_opd.seeding import derive_seed, scenario_seeds, set_seeds
@@ -40,7 +40,7 @@ class TrainingJob:
 
     stage: str  # "sft" | "opd" | "sft_continued": names the params section and the paths
     cfg: TrainLoopConfig
-    ddp: DDPConfig  # ddp.seed is the training seed
+    ddp: ParallelConfig  # ddp.seed is the training seed
     paths: PathsConfig
     trust_remote_code: bool = False  # models.trust_remote_code: passed to every load of the student (and teacher)
     progress: bool = True

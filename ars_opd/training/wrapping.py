@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ars_opd.config import DDPConfig, TrainLoopConfig
+from ars_opd.config import ParallelConfig, TrainLoopConfig
 from ars_opd.training.distributed import WorkerContext
 from ars_opd.training.sharding import is_sharded, no_gradient_sync, shard_model
 
 
-def wrap_ddp(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig) -> DDP:
+def wrap_ddp(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: ParallelConfig) -> DDP:
     return DDP(
         model,
         device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
@@ -25,7 +25,7 @@ def wrap_ddp(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig) -> 
     )
 
 
-def wrap_model(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: DDPConfig, cfg: TrainLoopConfig):
+def wrap_model(model: torch.nn.Module, ctx: WorkerContext, ddp_cfg: ParallelConfig, cfg: TrainLoopConfig):
     """The model the engine trains: DDP-wrapped (``ddp.strategy: ddp``) or sharded in place (``fsdp``)."""
     if ddp_cfg.strategy == "fsdp":
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and ctx.device.type == "cuda")

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from ars_opd.config import TeacherServerConfig
 
@@ -34,10 +34,12 @@ def local_teacher_server(
     model_name: str = LOCAL_MODEL_NAME,
     log_requests: str | None = None,
     max_logprobs: int | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[str]:
     """Start the bundled server for ``model_dir`` on 127.0.0.1 (ephemeral port); yield its base URL.
 
     ``max_logprobs``: the largest ``prompt_logprobs`` k it answers (OPD scoring; the server's default if None).
+    ``extra_args``: further command-line flags (e.g. ``--weight-updates`` for a rollout engine).
     """
     with tempfile.TemporaryDirectory(prefix="ars-opd-serve-") as tmp:
         ready = Path(tmp) / "ready.json"
@@ -66,6 +68,7 @@ def local_teacher_server(
             cmd += ["--log-requests", log_requests]
         if max_logprobs is not None:
             cmd += ["--max-logprobs", str(max_logprobs)]
+        cmd += list(extra_args)
         # the server runs this process's ars_opd (a worktree or checkout), not whichever one is installed
         root = str(Path(__file__).resolve().parents[3])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}

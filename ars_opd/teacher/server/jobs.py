@@ -78,3 +78,8 @@ class Job(_Answered):
     done: bool = False
     cancelled: bool = False
     """Set by the handler when it stops listening (client gone); the row is then dropped."""
+    stop_ids: frozenset[int] = frozenset()
+    """Token ids that end this row besides the model's EOS ids (``stop_token_ids``)."""
+    logprobs: list[float] | None = None
+    """When a list: the generation thread appends each sampled token's raw log-probability (log-softmax of
+    the logits at temperature 1, fp32) as the row grows."""
