@@ -1,0 +1,121 @@
+"""Which weights is the engine serving? A probe after every sync, checked against the trainer's own forward.
+
+After the trainer publishes version v and the engine reports it loaded, the engine scores one fixed probe
+sequence (its ``prompt_logprobs``) and the trainer runs the same sequence through the weights it just
+published. The two must agree within ``probe_bound`` at every position before any rollout of version v is
+used; otherwise ``StaleEngineError`` stops the stage, naming the engine and the version. This is what catches
+an engine that answers "loaded" and keeps serving other weights (vLLM issue #32718; on vLLM CPU a stock
+``reload_weights`` leaves a tied output head stale, 4.8e-6 from "new embedding, old head"), or a load that
+failed part-way.
+
+What the check can and cannot tell apart: it proves the engine computes the published version's
+log-probabilities on the probe to within the bound. It tells a stale engine from a fresh one only when the
+update moved the probe's log-probabilities by more than twice the bound; the trainer knows by how much (it
+keeps the previous version's probe), and reports that separation with every sync (``probe_separation``), so a
+reader sees which syncs were distinguishable. With the default learning rates every update moves the probe by
+orders of magnitude more than the bound.
+
+The bound (``probe_bound``) is the fp32 rounding model of the tests (``tests/tolerances.py``, repeated here
+because the library cannot import the tests): two forwards of one decoder, each within
+Σ_k γ_{n_k}·max|logit| of the exact log-probabilities over the reduction lengths n_k of the layers, the head
+and the log-softmax; worst-case n, not the typical √n, as the margin for the model's assumption that the
+layers pass errors on without gain. An engine in another precision (bf16) is not covered by this model: such
+a run must state its tolerance (``opd.engine.probe_tolerance``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+U32 = 2.0**-24  # fp32 unit roundoff
+
+
+class StaleEngineError(RuntimeError):
+    """The engine's log-probabilities on the probe are not those of the version the trainer published."""
+
+
+def _gamma(n: int, u: float) -> float:
+    if n * u >= 1:
+        raise ValueError(f"{n} roundings at u = {u} leave no bound")
+    return n * u / (1 - n * u)
+
+
+def decoder_lengths(config, seq_len: int) -> list[int]:
+    """Reduction lengths of one forward through a Llama/Qwen3-layout decoder (per layer: the norms, the q/k/v,
+    attention and output products, the MLP; about ten elementwise operations), then the final norm."""
+    h = config.hidden_size
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    per_layer = [h, h, d, seq_len, seq_len, config.num_attention_heads * d, h, h, config.intermediate_size, 10]
+    return per_layer * config.num_hidden_layers + [h]
+
+
+def probe_bound(config, seq_len: int, max_abs_logit: float, vocab: int) -> float:
+    """Bound on |engine − trainer| for any log-probability of the probe: twice one fp32 forward's bound."""
+    lengths = decoder_lengths(config, seq_len) + [config.hidden_size]
+    lengths.append(vocab + 7 * max_abs_logit + 4 * math.log(vocab) + 4)  # the log-softmax
+    one = sum(_gamma(math.ceil(n), U32) for n in lengths) * max(max_abs_logit, 1.0)
+    return 2 * one
+
+
+def probe_ids(vocab: int, length: int, seed: int) -> list[int]:
+    """A fixed sequence of token ids (the same for every sync of a run): seeded, any ids of the vocabulary."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+@torch.no_grad()
+def trainer_logprobs(model: torch.nn.Module, ids: list[int], device: torch.device) -> tuple[torch.Tensor, float]:
+    """log p(ids[t] | ids[:t]) for t ≥ 1 under ``model`` in fp32, as float64 (len − 1,), and max |logit|.
+    Every rank calls when the model is sharded (the forward is a collective)."""
+    from ars_opd.lm.head import OutputHead, last_hidden_states
+
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    hidden = last_hidden_states(model, x, torch.ones_like(x))[0, :-1].float()  # (T-1, H)
+    head = OutputHead.of(model)
+    logits = head.logits(hidden).float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None]).squeeze(-1)
+    return logp.double().cpu(), float(logits.abs().max())
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One sync's check: the engine's distance from the published version, the bound, and how far the update
+    moved the probe (None at the first sync)."""
+
+    version: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    bound: float
+    separation: float | None
+
+    @property
+    def distinguishable(self) -> bool | None:
+        """Whether a stale engine (still on the previous version) would have failed this check."""
+        return None if self.separation is None else self.separation > 2 * self.bound
+
+
+def check_probe(
+    engine: list[float], trainer: torch.Tensor, previous: torch.Tensor | None, bound: float, where: str, version: int
+) -> ProbeResult:
+    """Compare the engine's probe log-probabilities with the trainer's; raise ``StaleEngineError`` past the bound."""
+    got = torch.tensor(engine, dtype=torch.float64)
+    if got.shape != trainer.shape:
+        raise StaleEngineError(f"the engine at {where} scored {got.numel()} probe positions, expected {trainer.numel()}")
+    diff = (got - trainer).abs()
+    separation = None if previous is None else float((trainer - previous).abs().max())
+    result = ProbeResult(version, float(diff.max()), float(diff.mean()), bound, separation)
+    if not bool(torch.isfinite(got).all()) or result.max_abs_diff > bound:
+        stale = ""
+        if previous is not None and float((got - previous).abs().max()) <= bound:
+            stale = " It matches the previous version: the engine did not take the new weights."
+        raise StaleEngineError(
+            f"the rollout engine at {where} does not serve policy version {version}: its log-probabilities on the "
+            f"probe differ from the trainer's by up to {result.max_abs_diff:.3g} (bound {bound:.3g}).{stale} "
+            "No rollout of this version is used. Check that the engine loads our weight files (vLLM: started "
+            "with the ars-opd worker extension; see the README's engine rollouts section)."
+        )
+    return result

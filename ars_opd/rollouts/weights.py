@@ -1,0 +1,90 @@
+"""Publishing the trainer's weights to a rollout engine: one safetensors file per policy version.
+
+Transport ``filesystem``: rank 0 writes the student's whole state dict, under the Hugging Face names the
+engine's loader expects (those of ``save_pretrained``), to ``<sync_dir>/policy-v<version>.safetensors``, first
+under a temporary name and then renamed, so an engine never reads a half-written file. The engine then loads
+that path (``ars_opd.rollouts.engine_api.EngineClient.load_weights``: our worker extension on vLLM, the
+bundled server's route).
+
+What goes in the file:
+
+- a plain student: its ``state_dict()``;
+- a LoRA-adapted student: the merged weights, W + the adapter's delta (``merged_state_dict``), since an
+  engine serving the base model can take whole tensors but not our adapter's layout; only the base's names
+  travel;
+- a sharded (FSDP2) student: the full state dict, gathered to rank 0 (a collective: every rank calls).
+
+A tied output head (``lm_head.weight`` sharing the embedding's tensor) is left out, as ``save_pretrained``
+leaves it out: the engine ties it itself, and safetensors refuses two names for one tensor. Older versions
+are removed once a newer one is written (the engine has loaded what it needs by then).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ars_opd.models.adapters import is_adapted, merged_state_dict
+
+PREFIX = "policy-v"
+
+
+@dataclass(frozen=True)
+class Published:
+    """One version on disk: where, how many bytes, and how long gathering and writing took."""
+
+    path: Path
+    version: int
+    bytes: int
+    seconds: float
+
+
+def engine_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The student's weights under the plain model's names, contiguous, on the CPU (rank 0; {} elsewhere when
+    sharded). Every rank calls: gathering a sharded model is a collective."""
+    from ars_opd.training.sharding import full_state_dict, is_sharded
+
+    if is_sharded(model):
+        if is_adapted(model):
+            raise NotImplementedError(
+                "engine rollouts with a sharded (ddp.strategy: fsdp) LoRA student are not supported: "
+                "use ddp.strategy: ddp, or opd.rollouts: trainer"
+            )
+        state = full_state_dict(model)
+    elif is_adapted(model):
+        state = merged_state_dict(model)
+    else:
+        state = model.state_dict()
+    return _untied(model, state)
+
+
+def _untied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop names that share a tensor with an earlier one (a tied head), as save_pretrained does."""
+    base = model.get_base_model() if is_adapted(model) else model
+    tied = bool(getattr(getattr(base, "config", None), "tie_word_embeddings", False))
+    out = {}
+    for name, tensor in state.items():
+        if tied and name.endswith("lm_head.weight"):
+            continue
+        out[name] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def write_version(state: dict[str, torch.Tensor], sync_dir: Path, version: int) -> Published:
+    """Rank 0: write ``state`` as version ``version`` atomically and remove older versions."""
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    sync_dir.mkdir(parents=True, exist_ok=True)
+    final = sync_dir / f"{PREFIX}{version:07d}.safetensors"
+    tmp = sync_dir / f".{final.name}.{os.getpid()}.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt", "ars_opd_policy_version": str(version)})
+    os.replace(tmp, final)
+    for old in sync_dir.glob(f"{PREFIX}*.safetensors"):
+        if old != final:
+            old.unlink(missing_ok=True)
+    return Published(final, version, final.stat().st_size, time.perf_counter() - t0)

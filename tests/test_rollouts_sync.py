@@ -1,0 +1,99 @@
+"""The trainer's side of engine rollouts without an engine: the weight files and the version probe.
+
+- A published version, loaded into a fresh model of the same architecture, gives exactly the trainer's
+  weights (a tied head left out and re-tied); a LoRA student publishes its merged weights (oracle: peft's own
+  ``merge_and_unload``).
+- The probe's bound holds between the trainer's fp32 forward and a float64 oracle of the same weights (the
+  bound is for two fp32 forwards; one fp32 against an exact oracle must sit within half of it), and the check
+  refuses an engine that still serves the previous version, saying so.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ars_opd.config import ArchConfig
+from ars_opd.models.builtin import build_causal_lm
+from ars_opd.rollouts.verify import StaleEngineError, check_probe, probe_bound, probe_ids, trainer_logprobs
+from ars_opd.rollouts.weights import PREFIX, engine_state_dict, write_version
+
+ARCH = ArchConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=96)
+
+
+@pytest.fixture
+def student(char_tokenizer):
+    return build_causal_lm(ARCH, char_tokenizer, seed=3).eval()
+
+
+def _perturbed(model, seed):
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return other
+
+
+def test_a_published_version_loads_back_exactly_and_leaves_the_tied_head_out(student, char_tokenizer, tmp_path):
+    from safetensors.torch import load_file
+
+    assert student.config.tie_word_embeddings
+    first = write_version(engine_state_dict(student), tmp_path, 0)
+    newer = _perturbed(student, 1)
+    published = write_version(engine_state_dict(newer), tmp_path, 1)
+    assert not first.path.exists(), "an older version stays after a newer one was written"
+    assert [p.name for p in tmp_path.iterdir()] == [f"{PREFIX}0000001.safetensors"]  # no temporary left
+    state = load_file(str(published.path))
+    assert "lm_head.weight" not in state
+    fresh = build_causal_lm(ARCH, char_tokenizer, seed=99)
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
+    for (name, a), b in zip(newer.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
+
+
+def test_a_lora_student_publishes_its_merged_weights(student):
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(copy.deepcopy(student), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # a trained adapter: B is zero at initialisation
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(7))
+    state = engine_state_dict(adapted)
+    oracle = copy.deepcopy(adapted).merge_and_unload().state_dict()
+    oracle.pop("lm_head.weight")
+    assert state.keys() == oracle.keys()
+    for name, t in oracle.items():
+        # W + B·A·scale computed by peft and by our merge: the same fp32 ops
+        torch.testing.assert_close(state[name], t, rtol=0, atol=0, msg=name)
+    assert not torch.equal(state["model.layers.0.self_attn.q_proj.weight"], student.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_the_probe_bound_covers_the_trainer_against_a_float64_oracle(student):
+    ids = probe_ids(student.config.vocab_size, 33, seed=5)
+    got, max_logit = trainer_logprobs(student, ids, torch.device("cpu"))
+    oracle = copy.deepcopy(student).double()
+    with torch.no_grad():
+        logits = oracle(torch.tensor([ids])).logits[0, :-1]
+        exact = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+    bound = probe_bound(student.config, len(ids) - 1, max_logit, student.config.vocab_size)
+    assert float((got - exact).abs().max()) <= bound / 2
+    assert bound < 1e-2  # small enough to see any real change of weights (a perturbation moves nats, below)
+
+
+def test_the_probe_refuses_an_engine_that_kept_the_previous_version(student):
+    ids = probe_ids(student.config.vocab_size, 33, seed=5)
+    old, _ = trainer_logprobs(student, ids, torch.device("cpu"))
+    new, max_logit = trainer_logprobs(_perturbed(student, 2), ids, torch.device("cpu"))
+    bound = probe_bound(student.config, len(ids) - 1, max_logit, student.config.vocab_size)
+    ok = check_probe((new + 0.25 * bound).tolist(), new, old, bound, "http://engine", 4)
+    assert ok.max_abs_diff <= bound and ok.distinguishable
+    with pytest.raises(StaleEngineError, match=r"does not serve policy version 4.*matches the previous version"):
+        check_probe(old.tolist(), new, old, bound, "http://engine", 4)
+    with pytest.raises(StaleEngineError, match="scored 3 probe positions"):
+        check_probe([0.0, 0.0, 0.0], new, old, bound, "http://engine", 4)
