@@ -4,9 +4,13 @@
 tokenizer, listens on 127.0.0.1, and writes ``{"host", "port", "pid", "model"}`` to the ready file once it
 answers. Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /stats`` (batching counters),
 ``POST /v1/chat/completions``, plain or streamed as Server-Sent Events in OpenAI's chunk format,
-``POST /v1/completions`` for scoring only (token-id prompts, ``max_tokens`` 0 or 1, ``echo``,
-``prompt_logprobs: k``, answered in exactly vLLM's shape: ``ars_opd.teacher.server.scoring``), and vLLM's
-``POST /tokenize``. Each chat request's messages go through the directory's chat template (generation
+``POST /v1/completions`` for scoring (token-id prompts with ``prompt_logprobs: k``, ``max_tokens`` 0 or 1,
+``echo``, answered in exactly vLLM's shape: ``ars_opd.teacher.server.scoring``) and, without
+``prompt_logprobs``, for generating from one token-id prompt (a rollout engine's request:
+``ars_opd.teacher.server.generation``), vLLM's ``POST /tokenize``, and, with ``--weight-updates``, vLLM's
+``POST /collective_rpc`` for one method, ``ars_opd_load_weights`` (load a published safetensors file between
+batches: ``ars_opd.teacher.server.weights``; ``--ignore-weight-updates`` is a fault injection for tests).
+Each chat request's messages go through the directory's chat template (generation
 prompt appended); requests are answered by the route handlers of ``ars_opd.teacher.server.handlers``,
 prepared by ``ars_opd.teacher.server.preparation`` (validated by ``ars_opd.teacher.server.validation``) and
 batched, chat and scoring rows alike, by ``ars_opd.teacher.server.engine``. This module builds the
@@ -19,7 +23,7 @@ template and tokenization run in threads, off the event loop; a prompt with more
 context can hold is refused with 400 before it is tokenized (``ars_opd.teacher.server.preparation``).
 
 What it deliberately leaves out: authentication, TLS, tool/function calls, logprobs, ``n`` > 1,
-penalties and logit bias, response formats, text generation through ``/v1/completions``, continuous batching
+penalties and logit bias, response formats, text prompts on ``/v1/completions``, top-k, continuous batching
 (a batch runs until its longest row ends; requests that arrive meanwhile form the next batch) and
 multi-GPU placement, ``trust_remote_code`` models. Such request fields are refused with 400 rather than
 silently ignored. On SIGTERM/SIGINT the server stops at the running batch's next decoding step and answers
@@ -100,6 +104,7 @@ def create_app(model_dir: str, options: ServerOptions = ServerOptions()) -> web.
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/tokenize", handlers.tokenize)
+    app.router.add_post("/collective_rpc", handlers.collective_rpc)
     return app
 
 
@@ -178,6 +183,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=defaults.max_logprobs,
         help="largest prompt_logprobs k a scoring request may ask (as vLLM's; default %(default)s)",
     )
+    parser.add_argument(
+        "--weight-updates",
+        action="store_true",
+        help="serve POST /collective_rpc {method: ars_opd_load_weights, kwargs: {path}}: load a safetensors file "
+        "into the served model (a rollout engine)",
+    )
+    parser.add_argument(
+        "--ignore-weight-updates",
+        action="store_true",
+        help="FAULT INJECTION for tests: answer weight loads with success but keep the old weights (a stale engine)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # while the model loads, asyncio's handlers are not installed yet: exit quietly on SIGTERM then too
@@ -192,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=args.dtype,
             log_requests=args.log_requests,
             max_logprobs=args.max_logprobs,
+            weight_updates=args.weight_updates or args.ignore_weight_updates,
+            ignore_weight_updates=args.ignore_weight_updates,
         )
         run_server(args.model_dir, options, args.host, args.port, args.ready_file)
     except KeyboardInterrupt:  # Ctrl-C before serving started

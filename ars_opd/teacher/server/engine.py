@@ -14,7 +14,12 @@ temperature, top_p, max_tokens, seed and stop strings:
 The rows and the events that answer them are ``ars_opd.teacher.server.jobs``. Scoring rows
 (``/v1/completions`` with ``prompt_logprobs``, ``ars_opd.teacher.server.scoring``) wait in the same
 queue and are taken into the same batches; a batch's scoring rows run as one right-padded forward before its
-chat rows generate.
+chat rows generate. Token-id generation rows (``/v1/completions`` without ``prompt_logprobs``,
+``ars_opd.teacher.server.generation``) are chat rows without a template: they also stop at their request's
+``stop_token_ids`` and keep each sampled token's raw log-probability (``RowSampler.raw_logprob``).
+
+Weight loads (``load_weights``, the ``/collective_rpc`` route) take the lock each batch holds while it runs
+and load on the generation thread, so they fall between batches and no row sees a half-loaded model.
 
 The model's ``generation_config.json`` sampling defaults are ignored: the request's parameters (OpenAI
 defaults: temperature 1, top_p 1) decide the decoding alone. On stop, the running batch ends at its next
@@ -30,6 +35,7 @@ import asyncio
 import logging
 import os
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,12 +52,14 @@ from transformers import (
 )
 
 from ars_opd.lm.batching import pad_left
+from ars_opd.teacher.server.generation import GenerateRequest
 from ars_opd.teacher.server.jobs import Job, Progress, ScoreJob
 from ars_opd.teacher.server.options import ServerOptions
 from ars_opd.teacher.server.preparation import RequestPreparer
 from ars_opd.teacher.server.sampling import RowSampler
 from ars_opd.teacher.server.scoring import ScoreRequest, score_rows
 from ars_opd.teacher.server.validation import ChatRequest, RequestError
+from ars_opd.teacher.server.weights import load_state_file
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +69,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class _RowProgress(StoppingCriteria):
     """Called by ``generate`` after every decoding step: advances each row and returns which rows are done."""
 
-    def __init__(self, jobs: Sequence[Job], engine: "TeacherEngine"):
-        self.jobs, self.engine = jobs, engine
+    def __init__(self, jobs: Sequence[Job], engine: "TeacherEngine", sampler: RowSampler):
+        self.jobs, self.engine, self.sampler = jobs, engine, sampler
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         last = input_ids[:, -1].tolist()
-        for job, token in zip(self.jobs, last):
+        for row, (job, token) in enumerate(zip(self.jobs, last)):
             if job.done:  # generate pads finished rows; nothing to record
                 continue
             if self.engine.stopping:
@@ -74,7 +82,7 @@ class _RowProgress(StoppingCriteria):
             elif job.cancelled:
                 job.done = True
             else:
-                self.engine.advance(job, token)
+                self.engine.advance(job, token, self.sampler.raw_logprob(row, token))
         return torch.tensor([j.done for j in self.jobs], dtype=torch.bool, device=input_ids.device)
 
 
@@ -97,6 +105,10 @@ class ServerStats:
     """Scoring forwards run (one per batch of prompts)."""
     tokens_scored: int = 0
     """Prompt tokens scored."""
+    generations: int = 0
+    """Token-id generation requests accepted (``/v1/completions`` without ``prompt_logprobs``)."""
+    weight_loads: int = 0
+    """Weight files loaded through ``/collective_rpc`` (pretended ones included, under the fault option)."""
 
 
 class TeacherEngine:
@@ -105,6 +117,7 @@ class TeacherEngine:
     def __init__(self, model_dir: str, options: ServerOptions = ServerOptions()):
         self.model_name = options.model_name or Path(os.path.normpath(model_dir)).name
         self.max_batch_size, self.max_wait_s = options.max_batch_size, options.max_wait_ms / 1000.0
+        self.options = options
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if not self.tokenizer.chat_template:
             raise ValueError(f"the tokenizer in {model_dir} has no chat template; a chat server needs one")
@@ -132,11 +145,13 @@ class TeacherEngine:
         self._pending: asyncio.Queue[Job] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._batcher: asyncio.Task | None = None
+        self._model_lock: asyncio.Lock | None = None  # held by a batch while it runs, and by a weight load
 
     # -- event loop side --------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._pending = asyncio.Queue()
+        self._model_lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
         self.requests.start()
         self._batcher = asyncio.create_task(self._batch_loop(), name="teacher-batcher")
@@ -183,6 +198,49 @@ class TeacherEngine:
         self._pending.put_nowait(job)
         return job
 
+    def submit_generation(self, request: GenerateRequest) -> Job:
+        """One queued row for a token-id generation request (``ars_opd.teacher.server.generation``)."""
+        if self.stopping or self._pending is None:
+            raise RequestError(503, "the server is shutting down", "unavailable")
+        job = Job(
+            prompt_ids=request.prompt_ids,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed % (1 << 64) if request.seed is not None else secrets.randbits(63),
+            stop=(),
+            stream=False,
+            loop=asyncio.get_running_loop(),
+            events=asyncio.Queue(),
+            stop_ids=request.stop_ids,
+            logprobs=[] if request.logprobs else None,
+        )
+        self.stats.generations += 1
+        self._pending.put_nowait(job)
+        return job
+
+    async def load_weights(self, path: str) -> dict:
+        """Load a safetensors file into the served model between batches: {"loaded", "seconds"}.
+
+        Takes the lock a batch holds while it runs, then loads on the generation thread, so no batch ever
+        runs on a half-loaded model; a file that does not fit the model is refused before any tensor is
+        copied (``ars_opd.teacher.server.weights``). Under the fault option ``ignore_weight_updates`` it
+        reads and checks the file, answers the same, and keeps the old weights.
+        """
+        if self.stopping or self._model_lock is None:
+            raise RequestError(503, "the server is shutting down", "unavailable")
+        async with self._model_lock:
+            result = await asyncio.get_running_loop().run_in_executor(self._executor, self._load_weights, path)
+        self.stats.weight_loads += 1
+        return result
+
+    def _load_weights(self, path: str) -> dict:
+        start = time.perf_counter()
+        loaded = load_state_file(self.model, path, apply=not self.options.ignore_weight_updates)
+        if self.options.ignore_weight_updates:
+            log.warning("fault injection: pretended to load %s and kept the old weights", path)
+        return {"loaded": loaded, "seconds": time.perf_counter() - start}
+
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -196,10 +254,11 @@ class TeacherEngine:
                 # requests arriving while these run wait in the queue and form the next batch
                 scoring = [j for j in batch if isinstance(j, ScoreJob)]
                 generating = [j for j in batch if not isinstance(j, ScoreJob)]
-                if scoring:
-                    await loop.run_in_executor(self._executor, self._score_batch, scoring)
-                if generating:
-                    await loop.run_in_executor(self._executor, self._generate_batch, generating)
+                async with self._model_lock:  # a weight load waits until the batch is done
+                    if scoring:
+                        await loop.run_in_executor(self._executor, self._score_batch, scoring)
+                    if generating:
+                        await loop.run_in_executor(self._executor, self._generate_batch, generating)
             except asyncio.CancelledError:  # stopping: answer the rows taken from the queue but not finished
                 for job in batch:
                     if not job.done:
@@ -215,6 +274,7 @@ class TeacherEngine:
         stats.largest_batch = max(stats.largest_batch, len(jobs))
         stats.generating = True
         ids, mask = pad_left([j.prompt_ids for j in jobs], self.pad_id)  # (B, T) each
+        sampler = RowSampler(jobs, self.device, self.vocab)
         try:
             with torch.inference_mode():
                 # position ids come from the attention mask inside generate, so left padding is invisible
@@ -223,8 +283,8 @@ class TeacherEngine:
                     attention_mask=mask.to(self.device),
                     do_sample=False,
                     max_new_tokens=max(j.max_tokens for j in jobs),
-                    logits_processor=LogitsProcessorList([RowSampler(jobs, self.device)]),
-                    stopping_criteria=StoppingCriteriaList([_RowProgress(jobs, self)]),
+                    logits_processor=LogitsProcessorList([sampler]),
+                    stopping_criteria=StoppingCriteriaList([_RowProgress(jobs, self, sampler)]),
                 )
         except Exception as e:  # a server fault: every waiting request learns it, the server keeps running
             log.exception("generate failed for a batch of %d", len(jobs))
@@ -266,11 +326,15 @@ class TeacherEngine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=True)
 
-    def advance(self, job: Job, token: int) -> None:
-        """Record ``token`` for ``job``, decide whether the row is finished, and post its progress."""
+    def advance(self, job: Job, token: int, logprob: float | None = None) -> None:
+        """Record ``token`` (and its raw ``logprob`` when the job keeps them) for ``job``, decide whether the
+        row is finished, and post its progress."""
         job.completion_ids.append(token)
+        if job.logprobs is not None:
+            job.logprobs.append(logprob)
         n = len(job.completion_ids)
-        finish = "stop" if token in self.eos_ids else "length" if n >= job.max_tokens else None
+        stops = token in self.eos_ids or token in job.stop_ids
+        finish = "stop" if stops else "length" if n >= job.max_tokens else None
         # decoding every step costs a little; only streams and stop strings need the text before the end
         if finish or job.stream or job.stop:
             text = self.decode(job.completion_ids)

@@ -23,6 +23,7 @@ from typing import Sequence
 from aiohttp import web
 
 from ars_opd.teacher.server.engine import TeacherEngine
+from ars_opd.teacher.server.generation import GenerateRequest
 from ars_opd.teacher.server.jobs import Failure, Job
 from ars_opd.teacher.server.scoring import vllm_prompt_logprobs
 from ars_opd.teacher.server.validation import ChatRequest, RequestError
@@ -111,10 +112,14 @@ async def _read_body(request: web.Request) -> bytes:
 
 
 async def completions(request: web.Request) -> web.Response:
-    """Scoring: vLLM-shaped ``prompt_logprobs`` for token-id prompts (``ars_opd.teacher.server.scoring``)."""
+    """Scoring (with ``prompt_logprobs``): vLLM-shaped ``prompt_logprobs`` for token-id prompts
+    (``ars_opd.teacher.server.scoring``); generation (without): one token-id prompt's completion
+    (``ars_opd.teacher.server.generation``)."""
     engine = request.app[ENGINE_KEY]
     try:
-        score = await engine.requests.prepare_score_async(await _read_body(request))
+        score = await engine.requests.prepare_completion_async(await _read_body(request))
+        if isinstance(score, GenerateRequest):
+            return await _generation(engine, score)
         jobs = engine.submit_scores(score)
     except RequestError as e:
         return e.response()
@@ -129,6 +134,88 @@ async def completions(request: web.Request) -> web.Response:
     # formatting k entries per position (and their JSON) is CPU work: off the event loop, as preparing is
     text = await asyncio.get_running_loop().run_in_executor(None, _score_response, engine, score, rows)
     return web.Response(text=text, content_type="application/json")
+
+
+async def _generation(engine: TeacherEngine, gen: GenerateRequest) -> web.Response:
+    """Generate one completion and answer in vLLM's completions shape (``token_ids`` when asked, the sampled
+    tokens' raw ``logprobs.token_logprobs`` when ``logprobs`` is 0)."""
+    job = engine.submit_generation(gen)
+    try:
+        while True:
+            event = await job.events.get()
+            if isinstance(event, Failure):
+                return RequestError(event.status, event.message).response()
+            if event.finish_reason is not None:
+                break
+    finally:
+        job.cancelled = True  # no-op when finished; otherwise the batch drops the row at its next step
+    ids = list(job.completion_ids)
+    tok = engine.tokenizer
+    logprobs = None
+    if job.logprobs is not None:
+        logprobs = {
+            "tokens": [engine.decode_token(t) for t in ids],
+            "token_logprobs": list(job.logprobs),
+            "top_logprobs": None,
+            "text_offset": None,
+        }
+    choice = {
+        "index": 0,
+        "text": tok.decode(ids, skip_special_tokens=gen.skip_special_tokens),
+        "logprobs": logprobs,
+        "finish_reason": event.finish_reason,
+        # vLLM's: the stop_token_ids entry that ended it (None for the model's EOS or a length cut)
+        "stop_reason": ids[-1] if ids and ids[-1] in gen.stop_ids and ids[-1] not in engine.eos_ids else None,
+    }
+    if gen.return_token_ids:
+        choice["prompt_token_ids"], choice["token_ids"] = list(gen.prompt_ids), ids
+    return web.json_response(
+        {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": engine.model_name,
+            "choices": [choice],
+            "usage": _usage(len(gen.prompt_ids), len(ids)),
+        }
+    )
+
+
+RPC_METHODS = ("ars_opd_load_weights",)
+
+
+async def collective_rpc(request: web.Request) -> web.Response:
+    """vLLM's dev route ``POST /collective_rpc`` for the one method this server has: ``{"method":
+    "ars_opd_load_weights", "kwargs": {"path"}}`` -> ``{"results": [{"loaded", "seconds"}]}`` (one worker).
+    Only with ``ServerOptions.weight_updates`` (``--weight-updates``); else 404."""
+    engine = request.app[ENGINE_KEY]
+    if not engine.options.weight_updates:
+        return RequestError(
+            404,
+            "weight updates are off on this server: start it with --weight-updates (ServerOptions.weight_updates)"
+            " to serve /collective_rpc",
+            "not_found",
+        ).response()
+    try:
+        try:
+            body = json.loads(await _read_body(request))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+        if not isinstance(body, dict) or body.get("method") not in RPC_METHODS:
+            method = body.get("method") if isinstance(body, dict) else None
+            raise RequestError(
+                400,
+                f"unknown method {method!r}: this server serves {', '.join(RPC_METHODS)}",
+                "invalid_value",
+                "method",
+            )
+        kwargs = body.get("kwargs") or {}
+        if not isinstance(kwargs, dict) or set(kwargs) != {"path"}:
+            raise RequestError(400, "'kwargs' must be {\"path\": <safetensors file>}", "invalid_value", "kwargs")
+        result = await engine.load_weights(kwargs["path"])
+    except RequestError as e:
+        return e.response()
+    return web.json_response({"results": [result]})
 
 
 def _score_response(engine: TeacherEngine, score, rows) -> str:

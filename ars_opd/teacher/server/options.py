@@ -32,9 +32,18 @@ class ServerOptions:
     """Append one JSON line per accepted chat request to this file."""
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     """Largest ``prompt_logprobs`` k a scoring request may ask."""
+    weight_updates: bool = False
+    """Serve ``POST /collective_rpc`` ``{"method": "ars_opd_load_weights", "kwargs": {"path"}}``: load a
+    safetensors file into the served model (a rollout engine whose trainer publishes weights). Off: 404."""
+    ignore_weight_updates: bool = False
+    """FAULT INJECTION, for tests only: answer weight loads with success but keep the old weights (a stale
+    engine, as vLLM issue #32718), so that the trainer's version check can be shown to catch it. Needs
+    ``weight_updates``."""
 
     def __post_init__(self):
         if self.max_batch_size < 1 or self.max_wait_ms < 0:
             raise ValueError(
                 f"need max_batch_size >= 1 and max_wait_ms >= 0, got {self.max_batch_size}, {self.max_wait_ms}"
             )
+        if self.ignore_weight_updates and not self.weight_updates:
+            raise ValueError("ignore_weight_updates (a fault injection) needs weight_updates")

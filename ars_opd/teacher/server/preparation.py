@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from jinja2 import TemplateError
 
 from ars_opd.data.prompts import encode_prompt
+from ars_opd.teacher.server.generation import GenerateRequest, parse_generate_request
 from ars_opd.teacher.server.scoring import ScoreRequest, parse_score_request
 from ars_opd.teacher.server.validation import ChatRequest, RequestError, parse_chat_request
 
@@ -111,3 +112,19 @@ class RequestPreparer:
         if self._pool is None:
             raise RequestError(503, "the server is not serving", "unavailable")
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.prepare_score, body)
+
+    def prepare_completion(self, body: bytes) -> ScoreRequest | GenerateRequest:
+        """Raw ``/v1/completions`` body -> a scoring request when it has ``prompt_logprobs``, else a
+        generation request (``ars_opd.teacher.server.generation``); ``RequestError`` on a 4xx."""
+        try:
+            decoded = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+        if isinstance(decoded, dict) and decoded.get("prompt_logprobs") is not None:
+            return parse_score_request(decoded, self.model_name, self.vocab, self.context_length, self.max_logprobs)
+        return parse_generate_request(decoded, self.model_name, self.vocab, self.context_length)
+
+    async def prepare_completion_async(self, body: bytes) -> ScoreRequest | GenerateRequest:
+        if self._pool is None:
+            raise RequestError(503, "the server is not serving", "unavailable")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.prepare_completion, body)
