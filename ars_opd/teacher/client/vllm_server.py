@@ -18,6 +18,11 @@ reserves ``--gpu-memory-utilization`` (0.92) of the NUMA node's memory and refus
 processes hold more than the rest. vLLM's CPU attention serves head sizes 32, 64, 80, 96, 112, 128, 160, 192,
 224 and 256 only (``SUPPORTED_HEAD_SIZES``): ``check_head_size`` refuses another before a minute of start-up.
 
+``weight_sync=True`` makes it a rollout engine that the trainer publishes weights to: the worker extension
+``ars_opd/rollouts/vllm_extension.py`` (copied beside the server as ``ars_opd_vllm_ext.py``, on its
+PYTHONPATH), ``VLLM_SERVER_DEV_MODE=1`` for ``/collective_rpc``, ``--generation-config vllm`` and
+``--no-enable-chunked-prefill``; that module's docstring says why each.
+
 Which interpreter: ``$ARS_OPD_VLLM_PYTHON`` when set (a GPU machine's own ``pip install vllm``), else
 ``.venv-vllm/bin/python`` in the checkout. Nothing here imports vLLM; the client side talks to it over HTTP.
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,6 +51,9 @@ VLLM_VENV = ".venv-vllm"
 PYTHON_ENV = "ARS_OPD_VLLM_PYTHON"
 SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 REPO = Path(__file__).resolve().parents[3]
+WEIGHT_SYNC_EXTENSION = REPO / "ars_opd" / "rollouts" / "vllm_extension.py"
+WEIGHT_SYNC_MODULE = "ars_opd_vllm_ext"  # the copy's module name: nothing else of ars_opd/rollouts is on vLLM's path
+WEIGHT_SYNC_CLASS = f"{WEIGHT_SYNC_MODULE}.ArsOpdWeightSync"
 
 
 class VLLMUnavailableError(LocalServerError):
@@ -67,6 +76,8 @@ class VLLMOptions:
     seed: int = 0
     worker_extension_cls: str | None = None
     extra_args: tuple[str, ...] = ()
+    weight_sync: bool = False
+    """A rollout engine: the weight-sync worker extension and its flags (see the module docstring)."""
     startup_timeout_s: float = 300.0
 
 
@@ -133,8 +144,13 @@ def vllm_command(python: Path, model_dir: str | Path, host: str, port: int, opts
     ]
     if opts.enforce_eager:
         cmd.append("--enforce-eager")
-    if opts.worker_extension_cls:
-        cmd += ["--worker-extension-cls", opts.worker_extension_cls]
+    if opts.weight_sync and opts.worker_extension_cls not in (None, WEIGHT_SYNC_CLASS):
+        raise ValueError(f"weight_sync needs the worker extension {WEIGHT_SYNC_CLASS}, not {opts.worker_extension_cls}")
+    extension = WEIGHT_SYNC_CLASS if opts.weight_sync else opts.worker_extension_cls
+    if extension:
+        cmd += ["--worker-extension-cls", extension]
+    if opts.weight_sync:
+        cmd += ["--generation-config", "vllm", "--no-enable-chunked-prefill"]
     return cmd + list(opts.extra_args)
 
 
@@ -181,6 +197,14 @@ class VLLMServer:
         self._tmp = None if log_path is not None else tempfile.TemporaryDirectory(prefix="ars-opd-vllm-")
         self.log_path = Path(log_path) if log_path is not None else Path(self._tmp.name) / "vllm.log"
         self.proc: subprocess.Popen | None = None
+        self._ext_dir: tempfile.TemporaryDirectory | None = None
+
+    def _weight_sync_env(self, env: dict) -> None:
+        """Copy the worker extension into a directory of its own and put it on vLLM's PYTHONPATH; dev mode on."""
+        self._ext_dir = tempfile.TemporaryDirectory(prefix="ars-opd-vllm-ext-")
+        shutil.copyfile(WEIGHT_SYNC_EXTENSION, Path(self._ext_dir.name) / f"{WEIGHT_SYNC_MODULE}.py")
+        env["PYTHONPATH"] = self._ext_dir.name
+        env["VLLM_SERVER_DEV_MODE"] = "1"
 
     def start(self) -> VLLMServer:
         python = vllm_python()
@@ -189,6 +213,8 @@ class VLLMServer:
         env.pop("PYTHONPATH", None)  # the project's packages are not vLLM's
         if self.opts.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.opts.cpus
+        if self.opts.weight_sync:
+            self._weight_sync_env(env)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 vllm_command(python, self.model_dir, self.host, self.port, self.opts),
@@ -230,6 +256,9 @@ class VLLMServer:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        if self._ext_dir is not None:
+            self._ext_dir.cleanup()
+            self._ext_dir = None
 
 
 @contextlib.contextmanager
