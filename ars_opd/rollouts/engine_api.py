@@ -1,0 +1,289 @@
+"""The trainer's client of a rollout engine: an OpenAI-compatible server serving the student (the bundled
+server with ``--weight-updates``, or vLLM started with ``VLLMOptions(weight_sync=True)``).
+
+``EngineClient`` speaks four requests, the same bodies to both servers:
+
+- ``generate(prompts, spec, seeds)``: one ``POST /v1/completions`` per prompt, ``{"model", "prompt": [ids],
+  "max_tokens", "temperature", "top_p", "top_k": 0, "min_p": 0, "presence_penalty": 0, "frequency_penalty": 0,
+  "repetition_penalty": 1, "logprobs": 0, "return_token_ids": true, "seed", "stop_token_ids",
+  "skip_special_tokens": false}``; the penalties are sent at their neutral values so that no server default
+  (a checkpoint's generation_config) can apply. Each answer gives ``choices[0].token_ids`` (the sampled ids,
+  with the EOS id a rollout stopped on), ``choices[0].logprobs.token_logprobs`` (each sampled token's raw
+  log-probability: the model's log-softmax at temperature 1, vLLM's ``--logprobs-mode raw_logprobs``) and
+  ``finish_reason``. One request per prompt, each with its own seed, is the seeding scheme vLLM CPU survives
+  (with ``--no-enable-chunked-prefill``: see ``ars_opd.rollouts.vllm_extension``), and what makes a rerun draw
+  the same rollouts where the engine is deterministic. At most ``concurrency`` requests are in flight; the
+  answers come back in the prompts' order, all of them or an error (never a partial list).
+- ``load_weights(path)``: ``POST /collective_rpc {"method": "ars_opd_load_weights", "kwargs": {"path"}}`` ->
+  the first worker's ``{"loaded", "seconds", ...}``.
+- ``prompt_logprobs(ids)``: a scoring request (``prompt_logprobs: 0``, ``max_tokens: 1``, temperature 1):
+  log p(ids[i] | ids[:i]) for i >= 1, under the served weights (the version probe).
+- ``check_alive()``: ``GET /health``.
+
+Errors (all ``EndpointError``s: one complete line, naming the URL): ``EngineDeadError`` when the engine
+cannot serve any more (``/health`` 503, a 500 "EngineCore encountered an issue", or nothing listening), not
+retried; ``EngineResponseError`` for an answer that lacks what a rollout needs (``token_ids`` when the
+server ignores ``return_token_ids``, ``token_logprobs``, a known ``finish_reason``); ``EngineRequestError``
+for a refused request (4xx) or one that still fails after the retries of ``ClientSettings.limits``
+(timeouts, 429, other 5xx, as every endpoint client retries: ``ars_opd.teacher.client.endpoint``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError, FinalError, RetryableError, with_retries
+from ars_opd.teacher.client.score import parse_prompt_logprobs
+
+DEAD_ENGINE_MARKER = "EngineCore encountered an issue"  # vLLM's 500 body once its engine core died
+LOAD_METHOD = "ars_opd_load_weights"
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How rollouts are sampled: softmax(logits / temperature) within the top-p nucleus, up to
+    ``max_new_tokens``, ending at any of ``eos_ids`` (sent as ``stop_token_ids``; the model's own EOS ids stop
+    too)."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    eos_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One completion: the sampled ids (ending with the EOS id when it stopped on one), each one's raw
+    log-probability under the served weights, and ``finish_reason`` ("stop" or "length")."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class EngineError(EndpointError):
+    """A rollout engine failed; the message names its URL."""
+
+
+class EngineDeadError(EngineError):
+    """The engine cannot serve any more (its core died, or nothing listens): restart it."""
+
+
+class EngineResponseError(EngineError):
+    """The engine answered without what a rollout needs."""
+
+
+class EngineRequestError(EngineError):
+    """The engine refused a request, or it kept failing after the retries."""
+
+
+def server_root(url: str) -> str:
+    """The server root: ``url`` without a trailing ``/`` and ``/v1``."""
+    base = url.rstrip("/")
+    return base[:-3] if base.endswith("/v1") else base
+
+
+class EngineClient:
+    """A rollout engine at ``url`` (its root, or root + ``/v1``) serving ``model``; see the module docstring."""
+
+    def __init__(self, url: str, model: str, settings: ClientSettings | None = None, concurrency: int = 16):
+        self.root = server_root(url)
+        self.url = f"{self.root}/v1"
+        self.model = model
+        self.settings = settings if settings is not None else ClientSettings(base_url=self.url)
+        self.concurrency = max(1, concurrency)
+
+    # -- the four requests -----------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> list[Rollout]:
+        """One rollout per prompt, in order, each sampled with its own seed; all of them or an error."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds: one seed per prompt")
+        return asyncio.run(self._generate(prompts, spec, seeds))
+
+    def load_weights(self, path: str) -> dict:
+        """Have the engine load the safetensors file ``path`` (a path the engine reads); its first worker's
+        answer, ``{"loaded": n_tensors, "seconds": s, ...}``."""
+        body = {"method": LOAD_METHOD, "kwargs": {"path": str(path)}}
+        answer = asyncio.run(self._one("/collective_rpc", body, retry=False))
+        results = answer.get("results")
+        if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+            raise EngineResponseError(
+                f"the rollout engine {self.root} answered /collective_rpc {LOAD_METHOD} with {str(answer)[:200]}, "
+                "not {'results': [{'loaded', 'seconds'}]}: is it vLLM with the ars_opd worker extension "
+                "(VLLMOptions.weight_sync) or the bundled server with --weight-updates?"
+            )
+        return results[0]
+
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """log p(ids[i] | ids[:i]) for i = 1..len(ids)-1 under the served weights (temperature 1)."""
+        body = {"model": self.model, "prompt": list(ids), "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        answer = asyncio.run(self._one("/v1/completions", body))
+        try:
+            return parse_prompt_logprobs(answer["choices"][0]["prompt_logprobs"], list(ids)).logprobs
+        except (KeyError, IndexError, TypeError, RetryableError) as e:
+            raise EngineResponseError(
+                f"the rollout engine {self.root} answered a prompt_logprobs request without usable prompt "
+                f"log-probabilities ({e})"
+            ) from None
+
+    def check_alive(self) -> None:
+        """``GET /health``: returns when the engine serves; ``EngineDeadError`` naming the URL otherwise."""
+        asyncio.run(self._health())
+
+    # -- HTTP ------------------------------------------------------------------------------------------------
+
+    def _session(self) -> aiohttp.ClientSession:
+        limits = self.settings.limits
+        headers = {} if self.settings.api_key in ("", "EMPTY") else {"Authorization": f"Bearer {self.settings.api_key}"}
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.concurrency),
+            timeout=aiohttp.ClientTimeout(total=limits.request_timeout_s, connect=min(10.0, limits.request_timeout_s)),
+            headers=headers,
+        )
+
+    def _dead(self, why: str) -> EngineDeadError:
+        return EngineDeadError(
+            f"the rollout engine at {self.root} is dead: {why}. Its log holds the cause (for vLLM, the "
+            "EngineCore traceback); restart the engine, then re-sync the weights before the next rollout"
+        )
+
+    async def _health(self, session: aiohttp.ClientSession | None = None) -> None:
+        own = session is None
+        session = session or self._session()
+        try:
+            async with session.get(f"{self.root}/health") as r:
+                if r.status == 503:
+                    raise self._dead("GET /health answers 503")
+                if r.status >= 400:
+                    raise EngineRequestError(f"the rollout engine at {self.root} answers GET /health with {r.status}")
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            raise self._dead(f"GET /health failed ({type(e).__name__}: {e})") from None
+        finally:
+            if own:
+                await session.close()
+
+    async def _post(self, session: aiohttp.ClientSession, path: str, body: dict) -> dict:
+        """One POST; ``RetryableError`` / ``FinalError`` as the shared retry loop expects, ``EngineDeadError``
+        at once for a dead engine."""
+        try:
+            async with session.post(f"{self.root}{path}", json=body) as r:
+                text = await r.text()
+                status = r.status
+        except asyncio.TimeoutError:
+            raise RetryableError("timeout") from None
+        except aiohttp.ClientConnectionError as e:
+            raise RetryableError(f"connection_error: {e}") from None
+        if status >= 500 and DEAD_ENGINE_MARKER in text:
+            raise self._dead(f"POST {path} answered {status} '{DEAD_ENGINE_MARKER}'")
+        if status == 503:
+            await self._health(session)  # raises EngineDeadError when /health says so too
+        if status >= 400:
+            detail = " ".join(text.split())[:300]
+            if status in (400, 401, 403, 404, 413, 422):
+                raise FinalError(f"http_{status}: {detail}", status)
+            raise RetryableError(f"http_{status}: {detail}")
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            raise RetryableError(f"malformed_response: not JSON: {text[:120]!r}") from None
+        if not isinstance(answer, dict):
+            raise RetryableError(f"malformed_response: body is {type(answer).__name__}, not a JSON object")
+        return answer
+
+    async def _with_retries(self, session: aiohttp.ClientSession, path: str, body: dict, retry: bool = True) -> dict:
+        async def call() -> dict:
+            return await self._post(session, path, body)
+
+        try:
+            if not retry:
+                try:
+                    return await call()
+                except RetryableError as e:
+                    raise FinalError(e.reason) from None
+            answer, _ = await with_retries(call, self.settings)
+            return answer
+        except (RetryableError, FinalError) as e:
+            tries = f" after {e.attempts} attempt(s)" if e.attempts else ""
+            raise EngineRequestError(
+                f"the rollout engine at {self.root} failed POST {path}{tries}: {e.reason}"
+            ) from None
+
+    async def _one(self, path: str, body: dict, retry: bool = True) -> dict:
+        async with self._session() as session:
+            return await self._with_retries(session, path, body, retry)
+
+    async def _generate(self, prompts: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> list[Rollout]:
+        gate = asyncio.Semaphore(self.concurrency)
+        async with self._session() as session:
+
+            async def one(prompt: list[int], seed: int) -> Rollout:
+                async with gate:
+                    answer = await self._with_retries(
+                        session, "/v1/completions", self._generate_body(prompt, spec, seed)
+                    )
+                return self._rollout(answer, spec)
+
+            # the first error cancels the other requests: all rollouts or an error, never a partial list
+            tasks = [asyncio.ensure_future(one(p, s)) for p, s in zip(prompts, seeds)]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+    def _generate_body(self, prompt: list[int], spec: SamplingSpec, seed: int) -> dict:
+        return {
+            "model": self.model,
+            "prompt": list(prompt),
+            "max_tokens": spec.max_new_tokens,
+            "temperature": spec.temperature,
+            "top_p": spec.top_p,
+            "top_k": 0,
+            "min_p": 0.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "seed": int(seed),
+            "stop_token_ids": list(spec.eos_ids),
+            "skip_special_tokens": False,
+        }
+
+    def _rollout(self, answer: dict[str, Any], spec: SamplingSpec) -> Rollout:
+        try:
+            choice = answer["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise EngineResponseError(
+                f"the rollout engine at {self.root} answered without choices: {str(answer)[:200]}"
+            )
+        ids = choice.get("token_ids")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise EngineResponseError(
+                f"the rollout engine at {self.root} returned no choices[0].token_ids: it does not support "
+                "return_token_ids (vLLM >= 0.10.2 and the bundled server do); rollouts are never re-tokenised from text"
+            )
+        lps = (choice.get("logprobs") or {}).get("token_logprobs")
+        ok = isinstance(lps, list) and len(lps) == len(ids)
+        if not ok or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in lps):
+            raise EngineResponseError(
+                f"the rollout engine at {self.root} returned no finite logprobs.token_logprobs for each of the "
+                f"{len(ids)} sampled tokens (got {str(lps)[:120]}); it must honour logprobs: 0"
+            )
+        finish = choice.get("finish_reason")
+        if finish not in FINISH_REASONS or not ids or len(ids) > spec.max_new_tokens:
+            raise EngineResponseError(
+                f"the rollout engine at {self.root} returned {len(ids)} tokens with finish_reason {finish!r} "
+                f"for max_tokens {spec.max_new_tokens}"
+            )
+        return Rollout([int(t) for t in ids], [float(v) for v in lps], finish)
