@@ -89,3 +89,38 @@ def vllm_teacher(tmp_path_factory):
     finally:
         for server in servers:
             server.stop()
+
+
+# the rollout engine's student: heads of 32 (vLLM's CPU attention), tied embeddings, scaled for sharp laws
+VLLM_STUDENT_ARCH = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 128}
+
+
+@dataclass(frozen=True)
+class VLLMStudent:
+    """A built-in student (``test_engine_server.save_student``: tied embeddings, a generation_config that must
+    not leak) served by one real vLLM as a rollout engine (``VLLMOptions(weight_sync=True)``): ``url`` is root +
+    ``/v1``, ``root`` the server root (``/collective_rpc``)."""
+
+    model_dir: Path
+    url: str
+    root: str
+    model: str = "student"
+
+
+@pytest.fixture(scope="module")
+def vllm_student(tmp_path_factory, char_tokenizer):
+    """Started for the module that asks for it and stopped after it (about 40 s to start); an error, never a
+    skip, when it cannot start."""
+    from ars_opd.config import ArchConfig
+    from ars_opd.teacher.client.vllm_server import VLLMOptions, VLLMServer
+    from test_engine_server import save_student
+
+    model_dir = save_student(tmp_path_factory.mktemp("vllm_student"), char_tokenizer, ArchConfig(**VLLM_STUDENT_ARCH))
+    log = tmp_path_factory.mktemp("vllm-student-logs") / "vllm.log"
+    server = VLLMServer(model_dir, VLLMOptions(served_model_name="student", weight_sync=True), log_path=log)
+    try:
+        server.start()
+        url = server.wait_ready()
+        yield VLLMStudent(model_dir, url, server.root)
+    finally:
+        server.stop()
