@@ -546,6 +546,67 @@ class TeacherServerConfig:
 
 
 @dataclass(frozen=True)
+class RolloutEngineConfig:
+    """The inference engine that samples OPD's rollouts (``opd.rollouts: engine``; ``ars_opd.rollouts``)."""
+
+    server: str = "bundled"
+    """bundled (our server, started for the stage), vllm (a real vLLM from .venv-vllm or $ARS_OPD_VLLM_PYTHON,
+    started for the stage) or the http(s) base URL of a running server started with our worker extension."""
+    model: str = "student"
+    """Served model name (the name the started engines register; for a URL, the name it serves)."""
+    sync_every: int = 1
+    """Publish the trainer's weights to the engine every this many optimizer steps (1: on-policy)."""
+    transport: Literal["filesystem", "nccl"] = "filesystem"
+    """filesystem: rank 0 writes safetensors the engine reloads; nccl: vLLM's weight-transfer routes (CUDA only;
+    not in this build)."""
+    sync_dir: str | None = None
+    """Where versions are written (must be readable by the engine); null: <checkpoint dir>/engine-sync."""
+    max_lag: int = 0
+    """Rollouts of step s come from weights of version s - max_lag at the oldest: 0 (synchronous), 1 or 2."""
+    concurrency: int = 16
+    """Rollout requests in flight per worker (one request per prompt)."""
+    request_timeout_s: float = 300.0
+    """Per-request timeout."""
+    max_attempts: int = 3
+    """Attempts per request (a dead engine is never retried)."""
+    probe_tokens: int = 32
+    """Length of the fixed probe sequence the engine scores after every sync."""
+    probe_tolerance: float | None = None
+    """Largest |engine - trainer| log-probability on the probe; null: the derived fp32 bound (fp32 engines only)."""
+    max_importance_weight: float = 2.0
+    """Truncation c of the importance weight min(c, q_now / q_sampler) of sampled_token under max_lag >= 1."""
+    max_model_len: int = 512
+    """Context length the started vLLM reserves (prompt + rollout)."""
+    cpus: str | None = None
+    """A started vLLM's cores (VLLM_CPU_OMP_THREADS_BIND, e.g. "0"); null: vLLM's choice."""
+    startup_timeout_s: float = 300.0
+    """Give up if a started engine is not ready after this long."""
+    bundled: TeacherServerConfig = field(default_factory=TeacherServerConfig)
+    """The bundled engine's batching and threads."""
+
+    def __post_init__(self):
+        _require(
+            self.server in ("bundled", "vllm") or self.server.startswith(("http://", "https://")),
+            "server",
+            f"must be bundled, vllm or an http(s) base URL, got {self.server!r}",
+        )
+        _require(bool(self.model), "model", "must name the served model")
+        _require(self.sync_every >= 1, "sync_every", f"must be >= 1, got {self.sync_every}")
+        _require(self.max_lag in (0, 1, 2), "max_lag", f"must be 0, 1 or 2, got {self.max_lag}")
+        _require(1 <= self.concurrency <= 4096, "concurrency", f"must be in 1..4096, got {self.concurrency}")
+        _require(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
+        _require(self.max_attempts >= 1, "max_attempts", f"must be >= 1, got {self.max_attempts}")
+        _require(self.probe_tokens >= 2, "probe_tokens", f"must be >= 2, got {self.probe_tokens}")
+        _require(
+            self.probe_tolerance is None or self.probe_tolerance > 0,
+            "probe_tolerance",
+            f"must be > 0 or null, got {self.probe_tolerance}",
+        )
+        _require(self.max_importance_weight >= 1, "max_importance_weight", "must be >= 1")
+        _require(self.max_model_len > 0, "max_model_len", f"must be > 0, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
 class EndpointConfig:
     """An OpenAI-compatible endpoint, and how the client talks to it (bounded concurrency, retries)."""
 
@@ -898,6 +959,11 @@ class OPDConfig(TrainLoopConfig):
     """The scoring endpoint (opd.teacher: endpoint): 'local' starts the bundled server for the models-stage teacher."""
     teacher_server: TeacherServerConfig = field(default_factory=TeacherServerConfig)
     """The bundled server (opd.teacher: endpoint with teacher_endpoint.endpoint 'local' only)."""
+    rollouts: Literal["trainer", "engine"] = "trainer"
+    """Who samples the student's rollouts: trainer (each training worker, transformers generate or the static
+    loop) or engine (an inference server serving the student, synced after updates: opd.engine)."""
+    engine: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
+    """The rollout engine (opd.rollouts: engine only)."""
 
     def __post_init__(self):
         super().__post_init__()
