@@ -1,7 +1,7 @@
 """Step-time overhead of everything the consistency monitor adds to a training step, and of each part.
 
 Starts ``--workers`` DDP workers (gloo on CPU, NCCL on GPU) through the engine's launcher. Each worker holds
-two identical copies of a model and runs the engine's own ``train_step`` on both: "with" has the
+two identical copies of a model and runs the engine's own ``Trainer.step`` on both: "with" has the
 consistency hook (per-worker norms and cross terms, per-rank statistics, the gradient noise scale) and the
 replica-drift fingerprint check every ``--drift-every`` steps; "without" has neither. A step is forward +
 backward + all-reduce + clipping + AdamW + the log's gather.

@@ -102,9 +102,10 @@ def run_seed(job: dict) -> list[dict]:
     from ars_opd.training.consistency import ConsistencyHook
     from ars_opd.training.distributed import init_worker, shutdown_worker
     from ars_opd.training.faults import Fault
-    from ars_opd.training.loop import train_step
+    from ars_opd.training.loop import Trainer
     from ars_opd.training.sft import SFTTask, encode_sft_rows
     from ars_opd.training.sharding import ShardedConsistencyHook
+    from ars_opd.training.worker import WorkerSetup
     from ars_opd.training.wrapping import wrap_model
 
     ctx = init_worker("cpu", "gloo", threads=1)
@@ -119,11 +120,7 @@ def run_seed(job: dict) -> list[dict]:
         task = SFTTask(
             data,
             cfg,
-            geometry,
-            sampler_seed=derive_seed(seed, "bench-sampler"),
-            rank=ctx.rank,
-            device=ctx.device,
-            pad_id=tok.pad_token_id,
+            WorkerSetup(ctx, tok, geometry, sampler_seed=derive_seed(seed, "bench-sampler"), stage_seed=0, fault=None),
             vocab=len(tok),
         )
         strategy = job.get("strategy", "ddp")
@@ -136,9 +133,18 @@ def run_seed(job: dict) -> list[dict]:
         def run(state: TrainerState, until: int, fault: Fault | None) -> list[dict]:
             rows = []
             while state.step < until:
-                r = train_step(
-                    ddp, task, opt, sched, ctx, cfg, state, hook, fault, 0 if strategy == "fsdp" else job["drift_every"]
-                )  # no replicas when sharded
+                r = Trainer(
+                    model=ddp,
+                    task=task,
+                    opt=opt,
+                    sched=sched,
+                    ctx=ctx,
+                    cfg=cfg,
+                    state=state,
+                    monitor=hook,
+                    fault=fault,
+                    drift_every=0 if strategy == "fsdp" else job["drift_every"],
+                ).step()  # no replicas when sharded
                 rows.append(
                     {
                         "step": state.step,

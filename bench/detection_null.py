@@ -49,6 +49,7 @@ def run_null(pipeline: Path, params: dict, workers: int, seed: int, rows_dir: Pa
     stage's student is kept there too: that seed's opd starts from it (``paths.distill_init``)."""
     from ars_opd.training.opd import run_opd
     from ars_opd.training.sft import run_sft
+    from ars_opd.training.worker import TrainingJob
 
     paths = parse_section(PathsConfig, params["paths"], "paths")
     ddp, sft, opd = stage_configs(params, workers, seed)
@@ -67,9 +68,9 @@ def run_null(pipeline: Path, params: dict, workers: int, seed: int, rows_dir: Pa
         os.chdir(work)
         t0 = time.perf_counter()
         if stage == "sft":
-            run_sft(sft, ddp, paths, progress=False)
+            run_sft(TrainingJob("sft", sft, ddp, paths, progress=False))
         else:
-            run_opd(opd, ddp, paths, progress=False)
+            run_opd(TrainingJob("opd", opd, ddp, paths, progress=False))
         seconds = round(time.perf_counter() - t0, 1)
         out.mkdir(parents=True, exist_ok=True)
         if stage == "sft":

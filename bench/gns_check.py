@@ -50,8 +50,9 @@ def worker(job: dict) -> dict:
     from ars_opd.training.checkpoint import TrainerState
     from ars_opd.training.consistency import ConsistencyHook, noise_scale_terms
     from ars_opd.training.distributed import gather_floats, init_worker, shutdown_worker
-    from ars_opd.training.loop import accumulate_gradients, train_step
+    from ars_opd.training.loop import Trainer
     from ars_opd.training.sft import SFTTask, encode_sft_rows
+    from ars_opd.training.worker import WorkerSetup
     from ars_opd.training.wrapping import wrap_ddp
 
     ctx = init_worker("cpu", "gloo", threads=1)
@@ -66,7 +67,7 @@ def worker(job: dict) -> dict:
         geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "bench")
         set_seeds(3)
         model = build_causal_lm(ArchConfig(**job["arch"]), tok, seed=5)
-        task = SFTTask(data, cfg, geometry, sampler_seed=17, rank=ctx.rank, device=ctx.device, pad_id=tok.pad_token_id)
+        task = SFTTask(data, cfg, WorkerSetup(ctx, tok, geometry, sampler_seed=17, stage_seed=0, fault=None))
         ddp = wrap_ddp(model, ctx, ParallelConfig(workers=ctx.world_size))
         hook = ConsistencyHook(ctx.world_size)
         hook.attach(ddp)
@@ -74,14 +75,14 @@ def worker(job: dict) -> dict:
         sched = make_scheduler(opt, cfg, cfg.steps)
         state = TrainerState()
         while state.step < job["train_steps"]:  # bring the student to a mid-training checkpoint
-            train_step(ddp, task, opt, sched, ctx, cfg, state, hook)
+            Trainer(model=ddp, task=task, opt=opt, sched=sched, ctx=ctx, cfg=cfg, state=state, monitor=hook).step()
             state.step += 1
         model.zero_grad(set_to_none=True)
         g2_sum = trace_sum = tokens = 0.0
         for step in range(job["train_steps"], job["train_steps"] + job["steps"]):  # frozen: no optimiser step
             micro = task.micro_batches(step, model)
             hook.begin_step(step)
-            _, local_tokens, global_tokens, *_ = accumulate_gradients(ddp, task, micro, ctx, cfg)
+            _, local_tokens, global_tokens, *_ = Trainer(model=ddp, task=task, ctx=ctx, cfg=cfg).accumulate(micro)
             g = gather_floats(
                 torch.cat([torch.tensor([float(local_tokens)], dtype=torch.float64), hook.local_stats(ctx.device)]),
                 ctx.device,

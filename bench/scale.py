@@ -1,7 +1,7 @@
 """Per-rank memory, step time and consistency overhead of ddp, fsdp and ddp + LoRA (JSON lines).
 
 Starts ``--workers`` workers (gloo on CPU) through the engine's launcher; each runs the engine's own
-``train_step`` on a Llama-shaped student (``--preset``; ``cpu-50m``: 48.5M parameters, vocabulary 32,000,
+``Trainer.step`` on a Llama-shaped student (``--preset``; ``cpu-50m``: 48.5M parameters, vocabulary 32,000,
 10 layers of width 512, tied head) for each strategy in turn:
 
 - ``ddp``: the whole student on every worker (DDP);

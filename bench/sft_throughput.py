@@ -1,6 +1,6 @@
 """SFT training throughput: padded vs padding-free packed batches on an Alpaca-like length mix.
 
-Runs the engine's real SFT path (``SFTTask`` micro-batches, ``accumulate_gradients`` with the global
+Runs the engine's real SFT path (``SFTTask`` micro-batches, ``Trainer.accumulate`` with the global
 token normalisation, clipping, AdamW) in one worker and prints one JSON line per configuration:
 device, params, attention (packed rows: ``ars_opd.lm.attention``'s choice), tokens_per_s (real, non-padding
 tokens), mfu (6 * params * tokens/s over the device's bf16 dense peak; null on CPU), padding_fraction.
@@ -18,6 +18,7 @@ import argparse
 import json
 import random
 import time
+from types import SimpleNamespace
 
 import torch
 from workload import PRESETS, preset_model
@@ -28,8 +29,9 @@ from ars_opd.lm.optim import make_optimizer
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.checkpoint import TrainerState
 from ars_opd.training.distributed import init_worker, shutdown_worker
-from ars_opd.training.loop import accumulate_gradients, optimizer_step
+from ars_opd.training.loop import Trainer
 from ars_opd.training.sft import EncodedData, SFTTask
+from ars_opd.training.worker import WorkerSetup
 from ars_opd.training.wrapping import wrap_ddp
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -84,18 +86,24 @@ def main() -> None:
             precision="auto",
         )
         geometry = BatchGeometry.check(micro, ctx.world_size, micro, "sft")
-        task = SFTTask(data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0, vocab=vocab)
+        task = SFTTask(
+            data,
+            cfg,
+            WorkerSetup(ctx, SimpleNamespace(pad_token_id=0), geometry, sampler_seed=0, stage_seed=0, fault=None),
+            vocab=vocab,
+        )
         ddp = wrap_ddp(model, ctx, ParallelConfig(workers=1))
         opt = make_optimizer(model, cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         state, real, total, elapsed = TrainerState(), 0, 0, 0.0
+        trainer = Trainer(ctx=ctx, model=ddp, task=task, cfg=cfg, opt=opt, sched=sched, state=state)
         for step in range(steps + 2):
             if gpu:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             mb = task.micro_batches(step, model)
-            accumulate_gradients(ddp, task, mb, ctx, cfg)
-            optimizer_step(model, opt, sched, cfg, 1.0, state)
+            trainer.accumulate(mb)
+            trainer.optimizer_step(1.0)
             if gpu:
                 torch.cuda.synchronize()
             if step >= 2:  # warm-up steps not counted

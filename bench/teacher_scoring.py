@@ -40,8 +40,10 @@ from ars_opd.models.tokenizer import build_char_word_tokenizer
 from ars_opd.teacher.client.endpoint import ClientSettings
 from ars_opd.teacher.client.local_server import local_teacher_server
 from ars_opd.training.batch_plan import BatchGeometry
-from ars_opd.training.opd import OPDTask
+from ars_opd.training.distributed import WorkerContext
+from ars_opd.training.opd import OPDData, OPDTask
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
+from ars_opd.training.worker import WorkerSetup
 
 MODEL = "ars-opd-teacher"
 
@@ -168,6 +170,8 @@ def main() -> None:
                 warmup_steps=0,
             )
             geometry = BatchGeometry.check(a.batch, 1, a.micro, "opd")
+            ctx = WorkerContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+            setup = WorkerSetup(ctx, tokenizer, geometry, sampler_seed=0, stage_seed=0, fault=None)
             result = {
                 "bench": "opd_step",
                 "loss": cfg.loss,
@@ -183,18 +187,7 @@ def main() -> None:
                 ("endpoint", endpoint(url, len(tokenizer), 8, a.topk)),
             ):
                 torch.manual_seed(0)
-                task = OPDTask(
-                    prompts,
-                    completions,
-                    scorer,
-                    cfg,
-                    geometry,
-                    tokenizer=tokenizer,
-                    sampler_seed=0,
-                    seed=0,
-                    rank=0,
-                    device=torch.device("cpu"),
-                )
+                task = OPDTask(OPDData(prompts, completions), scorer, cfg, setup)
                 result[f"{name}_step_s"] = round(statistics.median(step_time(task, student, a.steps)), 4)
                 if isinstance(scorer, EndpointTeacher):
                     scorer.close()

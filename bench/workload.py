@@ -8,7 +8,7 @@ student and data, so they build them here, once:
 - ``random_sft_task``: ``SFTTask`` over random token ids (half the sequence prompt, half completion, drawn
   from ``random.Random(rank)``), one micro-batch per worker per step;
 - ``BenchRun``: one copy of the student as the engine trains it (wrapped for the strategy, with or
-  without the consistency monitor, AdamW and its schedule), stepped by the engine's own ``train_step``.
+  without the consistency monitor, AdamW and its schedule), stepped by the engine's own ``Trainer.step``.
 
 The scripts import it by its bare name, as they import one another (``python bench/<script>.py`` puts
 bench/ on the path); ``bench/gpu.py`` does not, since it needs torch and transformers only.
@@ -17,6 +17,7 @@ bench/ on the path); ``bench/gpu.py`` does not, since it needs torch and transfo
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -27,10 +28,11 @@ from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.checkpoint import TrainerState
 from ars_opd.training.consistency import ConsistencyHook
 from ars_opd.training.distributed import WorkerContext
-from ars_opd.training.loop import train_step
+from ars_opd.training.loop import Trainer
 from ars_opd.training.sft import EncodedData, SFTTask
 from ars_opd.training.sharding import ShardedConsistencyHook
 from ars_opd.training.step_log import StepResult
+from ars_opd.training.worker import WorkerSetup
 from ars_opd.training.wrapping import unwrapped, wrap_model
 
 PRESETS = {
@@ -121,7 +123,11 @@ def random_sft_task(
         **cfg,
     )
     geometry = BatchGeometry.check(config.global_batch_size, ctx.world_size, config.micro_batch_size, "bench")
-    return config, SFTTask(data, config, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=0)
+    return config, SFTTask(
+        data,
+        config,
+        WorkerSetup(ctx, SimpleNamespace(pad_token_id=0), geometry, sampler_seed=0, stage_seed=0, fault=None),
+    )
 
 
 class BenchRun(NamedTuple):
@@ -152,9 +158,18 @@ class BenchRun(NamedTuple):
         return unwrapped(self.wrapped)
 
     def step(self, task: SFTTask, ctx: WorkerContext, cfg: SFTConfig, drift_every: int = 0) -> StepResult:
-        """One engine step (``train_step``), the drift check every ``drift_every`` steps (0: never)."""
-        result = train_step(
-            self.wrapped, task, self.opt, self.sched, ctx, cfg, self.state, self.hook, None, drift_every
+        """One engine step (``Trainer.step``), the drift check every ``drift_every`` steps (0: never)."""
+        trainer = Trainer(
+            ctx=ctx,
+            model=self.wrapped,
+            task=task,
+            cfg=cfg,
+            opt=self.opt,
+            sched=self.sched,
+            state=self.state,
+            monitor=self.hook,
+            drift_every=drift_every,
         )
+        result = trainer.step()
         self.state.step += 1
         return result

@@ -7,10 +7,9 @@ from stages import run_stage
 def main() -> None:
     p = load_params(sections=("paths", "models", "ddp", "opd", "control"))
     from ars_opd.training.opd import run_opd
+    from ars_opd.training.worker import TrainingJob
 
-    summary = run_opd(
-        p.opd, p.ddp, p.paths, p.models.trust_remote_code, adapter=p.models.student_adapter, control=p.control
-    )
+    summary = run_opd(TrainingJob.from_params("opd", p))
     print(f"opd: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
 
 

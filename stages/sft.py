@@ -7,15 +7,9 @@ from stages import run_stage
 def main() -> None:
     p = load_params(sections=("paths", "models", "ddp", "sft", "control"))
     from ars_opd.training.sft import run_sft
+    from ars_opd.training.worker import TrainingJob
 
-    summary = run_sft(
-        p.sft,
-        p.ddp,
-        p.paths,
-        adapter=p.models.student_adapter,
-        control=p.control,
-        trust_remote_code=p.models.trust_remote_code,
-    )
+    summary = run_sft(TrainingJob.from_params("sft", p))
     print(f"sft: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
 
 

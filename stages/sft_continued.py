@@ -8,16 +8,9 @@ from stages import run_stage
 def main() -> None:
     p = load_params(sections=("paths", "models", "ddp", "sft", "opd", "control"))
     from ars_opd.training.sft import run_sft_continued
+    from ars_opd.training.worker import TrainingJob
 
-    summary = run_sft_continued(
-        p.sft,
-        p.opd,
-        p.ddp,
-        p.paths,
-        adapter=p.models.student_adapter,
-        control=p.control,
-        trust_remote_code=p.models.trust_remote_code,
-    )
+    summary = run_sft_continued(TrainingJob.from_params("sft_continued", p))
     print(f"sft_continued: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, data {summary['data']}")
 
 

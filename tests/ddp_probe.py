@@ -9,8 +9,9 @@ from ars_opd.config import ArchConfig, ParallelConfig, SFTConfig
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.distributed import init_worker, shutdown_worker
-from ars_opd.training.loop import accumulate_gradients
+from ars_opd.training.loop import Trainer
 from ars_opd.training.sft import EncodedData, SFTTask
+from ars_opd.training.worker import WorkerSetup
 from ars_opd.training.wrapping import wrap_ddp, wrap_model
 
 ARCH = ArchConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -53,9 +54,7 @@ def _grad_probe(job: dict, ctx) -> dict:
         max_seq_len=job.get("pack_length", 512),
     )
     geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "sft")
-    task = SFTTask(
-        data, cfg, geometry, sampler_seed=0, rank=ctx.rank, device=ctx.device, pad_id=tok.pad_token_id, vocab=len(tok)
-    )
+    task = SFTTask(data, cfg, WorkerSetup(ctx, tok, geometry, sampler_seed=0, stage_seed=0, fault=None), vocab=len(tok))
     ddp_cfg = ParallelConfig(
         workers=ctx.world_size,
         gradient_as_bucket_view=job.get("bucket_view", True),
@@ -64,7 +63,7 @@ def _grad_probe(job: dict, ctx) -> dict:
     )
     ddp = wrap_model(model, ctx, ddp_cfg, cfg)  # DDP, or the model itself sharded in place (fsdp)
     micro = task.micro_batches(0, model)
-    local_sum, _, global_tokens, *_ = accumulate_gradients(ddp, task, micro, ctx, cfg)
+    local_sum, _, global_tokens, *_ = Trainer(model=ddp, task=task, ctx=ctx, cfg=cfg).accumulate(micro)
     total = torch.tensor([local_sum], dtype=torch.float64)
     dist.all_reduce(total)
     full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731  (sharded: gathered)
@@ -189,7 +188,7 @@ def monitored_step(wrapped, hook, task, ctx, cfg, brute: dict, reduced_grads) ->
     from ars_opd.training.consistency import consistency_metrics
     from ars_opd.training.distributed import gather_floats
 
-    local_sum, local_tokens, *_ = accumulate_gradients(wrapped, task, task.micro, ctx, cfg)
+    local_sum, local_tokens, *_ = Trainer(model=wrapped, task=task, ctx=ctx, cfg=cfg).accumulate(task.micro)
     g = gather_floats(
         torch.cat([torch.tensor([local_sum / local_tokens], dtype=torch.float64), hook.local_stats(ctx.device)]),
         ctx.device,
@@ -239,7 +238,7 @@ def bitwise_probe(job: dict) -> bool:
                 hook = ConsistencyHook(ctx.world_size)
                 hook.attach(ddp)
                 hook.begin_step(0)
-            accumulate_gradients(ddp, task, task.micro, ctx, cfg)
+            Trainer(model=ddp, task=task, ctx=ctx, cfg=cfg).accumulate(task.micro)
             grads.append([p.grad.clone() for p in model.parameters()])
             del ddp
         return all(torch.equal(a, b) for a, b in zip(*grads))
@@ -304,7 +303,9 @@ def fault_probe(job: dict) -> dict:
             hook.begin_step(0)
             inject = InjectConfig(kind=job["kind"], rank=job["rank"], start_step=0, magnitude=job["magnitude"])
             fault = Fault(inject, "sft", ctx.rank, 0) if mode == "fault" else None
-            local_sum, local_tokens, *_ = accumulate_gradients(ddp, task, task.micro, ctx, cfg, fault, 0)
+            local_sum, local_tokens, *_ = Trainer(model=ddp, task=task, ctx=ctx, cfg=cfg, fault=fault).accumulate(
+                task.micro
+            )
             g = gather_floats(
                 torch.cat(
                     [torch.tensor([local_sum, float(local_tokens)], dtype=torch.float64), hook.local_stats(ctx.device)]
@@ -379,7 +380,7 @@ def noise_scale_probe(job: dict) -> dict:
         hook = ConsistencyHook(ctx.world_size)
         hook.attach(ddp)
         hook.begin_step(0)
-        _, local_tokens, *_ = accumulate_gradients(ddp, task, task.micro, ctx, cfg)
+        _, local_tokens, *_ = Trainer(model=ddp, task=task, ctx=ctx, cfg=cfg).accumulate(task.micro)
         g = gather_floats(
             torch.cat([torch.tensor([float(local_tokens)], dtype=torch.float64), hook.local_stats(ctx.device)]),
             ctx.device,

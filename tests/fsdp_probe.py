@@ -84,9 +84,10 @@ def fsdp_fault_probe(job: dict) -> list[dict]:
     from ars_opd.training.batch_plan import BatchGeometry
     from ars_opd.training.checkpoint import TrainerState
     from ars_opd.training.faults import Fault
-    from ars_opd.training.loop import train_step
+    from ars_opd.training.loop import Trainer
     from ars_opd.training.sft import SFTTask, encode_sft_rows
     from ars_opd.training.sharding import ShardedConsistencyHook
+    from ars_opd.training.worker import WorkerSetup
     from ars_opd.training.wrapping import wrap_model
 
     ctx = init_worker("cpu", "gloo", threads=1, timeout_s=300)
@@ -102,14 +103,7 @@ def fsdp_fault_probe(job: dict) -> list[dict]:
         model = build_causal_lm(ArchConfig(**job["arch"]), tok, 3)
         set_seeds(5)
         task = SFTTask(
-            data,
-            cfg,
-            geometry,
-            sampler_seed=11,
-            rank=ctx.rank,
-            device=ctx.device,
-            pad_id=tok.pad_token_id,
-            vocab=len(tok),
+            data, cfg, WorkerSetup(ctx, tok, geometry, sampler_seed=11, stage_seed=0, fault=None), vocab=len(tok)
         )
         sharded = wrap_model(model, ctx, ParallelConfig(workers=ctx.world_size, strategy="fsdp"), cfg)
         hook = ShardedConsistencyHook(ctx.world_size)
@@ -120,7 +114,18 @@ def fsdp_fault_probe(job: dict) -> list[dict]:
         def run(state, until, fault):
             rows = []
             while state.step < until:
-                r = train_step(sharded, task, opt, sched, ctx, cfg, state, hook, fault, 0)
+                r = Trainer(
+                    model=sharded,
+                    task=task,
+                    opt=opt,
+                    sched=sched,
+                    ctx=ctx,
+                    cfg=cfg,
+                    state=state,
+                    monitor=hook,
+                    fault=fault,
+                    drift_every=0,
+                ).step()
                 rows.append(
                     {
                         "step": state.step,

@@ -18,12 +18,12 @@ def _tokenizer():
 
 
 def one_worker_probe(job: dict) -> dict:
-    """``job["steps"]`` engine steps (``train_step``) of the same tiny model and batches at K = 1 under each
+    """``job["steps"]`` engine steps (``Trainer.step``) of the same tiny model and batches at K = 1 under each
     strategy, with its consistency hook: each step's pre-clip norm, statistics and noise-scale terms."""
     from ars_opd.lm.optim import make_optimizer, make_scheduler
     from ars_opd.training.checkpoint import TrainerState
     from ars_opd.training.consistency import ConsistencyHook
-    from ars_opd.training.loop import train_step
+    from ars_opd.training.loop import Trainer
     from ars_opd.training.sharding import ShardedConsistencyHook
     from ars_opd.training.wrapping import wrap_model
 
@@ -42,7 +42,18 @@ def one_worker_probe(job: dict) -> dict:
             sched = make_scheduler(opt, cfg, cfg.steps)
             state, rows = TrainerState(), []
             for _ in range(job["steps"]):
-                r = train_step(wrapped, task, opt, sched, ctx, cfg, state, hook, None, 0)
+                r = Trainer(
+                    model=wrapped,
+                    task=task,
+                    opt=opt,
+                    sched=sched,
+                    ctx=ctx,
+                    cfg=cfg,
+                    state=state,
+                    monitor=hook,
+                    fault=None,
+                    drift_every=0,
+                ).step()
                 rows.append(
                     {
                         "grad_norm": r.grad_norm,
@@ -65,7 +76,7 @@ def reduction_probe(job: dict) -> str | None:
     ``force_sum`` (``set_force_sum_reduction_for_comms``). The hook's refusal message, or None."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ars_opd.training.loop import accumulate_gradients
+    from ars_opd.training.loop import Trainer
     from ars_opd.training.sharding import (
         ShardedConsistencyHook,
         UnreadableReductionError,
@@ -91,7 +102,7 @@ def reduction_probe(job: dict) -> str | None:
         task = FixedTask(job["batches"], ctx, tok.pad_token_id, False)
         cfg = SFTConfig(steps=1, warmup_steps=0, global_batch_size=8, micro_batch_size=1)
         try:
-            accumulate_gradients(model, task, task.micro, ctx, cfg)
+            Trainer(model=model, task=task, ctx=ctx, cfg=cfg).accumulate(task.micro)
         except UnreadableReductionError as e:
             return str(e)
         return None

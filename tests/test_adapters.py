@@ -3,6 +3,7 @@ the adapter, bad targets are refused before any worker starts, and the stages pu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from datetime import timedelta
@@ -266,17 +267,19 @@ def test_a_module_to_save_matching_nothing_is_refused_naming_the_key(char_tokeni
 
 
 def test_stages_refuse_a_bad_adapter_before_any_worker_starts(monkeypatch):
-    from ars_opd.training import opd, sft
+    from ars_opd.training import opd, sft, worker
+    from ars_opd.training.worker import TrainingJob
 
     started = []
     for module in (sft, opd):
         monkeypatch.setattr(module, "launch_stage", lambda *a, **k: started.append(a))
-        monkeypatch.setattr(module, "check_adapter", lambda *a, **k: (_ for _ in ()).throw(ConfigError("k", "bad")))
+    monkeypatch.setattr(worker, "check_adapter", lambda *a, **k: (_ for _ in ()).throw(ConfigError("k", "bad")))
     p = load_params(REPO / "params.yaml")
+    p = dataclasses.replace(p, models=dataclasses.replace(p.models, student_adapter=LORA))
     for run in (
-        lambda: sft.run_sft(p.sft, p.ddp, p.paths, adapter=LORA),
-        lambda: sft.run_sft_continued(p.sft, p.opd, p.ddp, p.paths, adapter=LORA),
-        lambda: opd.run_opd(p.opd, p.ddp, p.paths, adapter=LORA),
+        lambda: sft.run_sft(TrainingJob.from_params("sft", p)),
+        lambda: sft.run_sft_continued(TrainingJob.from_params("sft_continued", p)),
+        lambda: opd.run_opd(TrainingJob.from_params("opd", p)),
     ):
         with pytest.raises(ConfigError):
             run()

@@ -18,6 +18,7 @@ from ars_opd.models.loading import load_model, sha256_of_files
 from ars_opd.training.budget import matmul_parameters, read_budget, write_budget
 from ars_opd.training.opd import run_opd
 from ars_opd.training.sft import continued_sft_config, run_sft_continued
+from ars_opd.training.worker import TrainingJob
 from micro import distill_workspace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,8 +90,8 @@ def test_arms_start_from_the_same_student_and_their_budgets_add_up(tmp_path):
         }
         write_budget(init, start)
         init_sha = sha256_of_files(init)
-        run_opd(p.opd, p.ddp, p.paths, progress=False)
-        run_sft_continued(p.sft, p.opd, p.ddp, p.paths, progress=False)
+        run_opd(TrainingJob.from_params("opd", p, progress=False))
+        run_sft_continued(TrainingJob.from_params("sft_continued", p, progress=False))
         logs = {arm: read_jsonl(p.paths.training(arm).steps) for arm in ("opd", "sft_continued")}
         manifests = {
             arm: json.loads(Path(p.paths.training(arm).manifest).read_text()) for arm in ("opd", "sft_continued")

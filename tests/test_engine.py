@@ -15,7 +15,7 @@ from ars_opd.lm.cross_entropy import causal_lm_token_loss_sum
 from ars_opd.training.batch_plan import BatchConfigError, BatchGeometry, epoch_shard, step_indices
 from ars_opd.training.checkpoint import TrainerState
 from ars_opd.training.distributed import launch
-from ars_opd.training.loop import NonFiniteError, optimizer_step
+from ars_opd.training.loop import NonFiniteError, Trainer
 from ars_opd.training.sft import encode_sft_rows
 from ddp_probe import grad_probe, tiny_model
 from tolerances import chain_bound, decoder_lengths, forward_bound, gamma, softmax_length, two_computations
@@ -195,9 +195,11 @@ def test_packed_attention_choice():
 def test_sft_refuses_packed_attention_it_cannot_train_with_before_starting_workers():
     from ars_opd.config import ParallelConfig, PathsConfig
     from ars_opd.training.sft import run_sft
+    from ars_opd.training.worker import TrainingJob
 
+    cfg = SFTConfig(packing=True, packed_attention="flex")
     with pytest.raises(ValueError, match="sft.packed_attention: flex trains on CUDA only"):
-        run_sft(SFTConfig(packing=True, packed_attention="flex"), ParallelConfig(device="cpu"), PathsConfig())
+        run_sft(TrainingJob("sft", cfg, ParallelConfig(device="cpu"), PathsConfig()))
 
 
 def test_pack_sequences_boundaries(char_tokenizer):
@@ -260,6 +262,11 @@ def _one_param_model(grad_value: float):
     return model, opt, sched
 
 
+def optimizer_step(model, opt, sched, cfg, loss, state):
+    """The engine's optimiser step alone: a ``Trainer`` of just what that step reads."""
+    return Trainer(ctx=None, model=model, task=None, cfg=cfg, opt=opt, sched=sched, state=state).optimizer_step(loss)
+
+
 def test_clipping_is_explicit_and_logged_pre_clip():
     cfg = TrainLoopConfig(max_grad_norm=1.0)
     model, opt, sched = _one_param_model(3.0)  # norm 6
@@ -317,7 +324,6 @@ def _fit_in_process(tmp_path, char_tokenizer, scale, **cfg_kw):
 
     from ars_opd.config import ParallelConfig, TrainingPaths
     from ars_opd.training.distributed import init_worker, shutdown_worker
-    from ars_opd.training.loop import fit
     from ars_opd.training.task import RunHooks, RunIdentity
     from ddp_probe import FixedTask
 
@@ -333,7 +339,8 @@ def _fit_in_process(tmp_path, char_tokenizer, scale, **cfg_kw):
             live=str(tmp_path / "live"),
             checkpoints=str(tmp_path / "ckpt"),
         )
-        fit(ctx, model, task, cfg, ParallelConfig(workers=1), out, RunIdentity("fp"), RunHooks(progress=False))
+        trainer = Trainer.build(ctx, model, task, cfg, ParallelConfig(workers=1), RunHooks(progress=False))
+        trainer.fit(out, RunIdentity("fp"))
         return [json.loads(line) for line in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
     finally:
         shutdown_worker()

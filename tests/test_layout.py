@@ -158,3 +158,45 @@ def test_the_training_stages_are_listed_once_and_dvc_yaml_agrees():
         assert (REPO / "stages" / f"{name}.py").is_file()
     assert tuple(stages) == checks.STAGES  # every stage, in dvc.yaml's order
     assert arms.TRAINED == TRAINING_STAGES
+
+
+def _parameter_count(fn: ast.FunctionDef | ast.AsyncFunctionDef, in_class: bool) -> int:
+    a = fn.args
+    names = [*a.posonlyargs, *a.args, *a.kwonlyargs]
+    if in_class and names and names[0].arg in ("self", "cls"):
+        names = names[1:]
+    return len(names) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+MAX_PARAMETERS = 6
+NARROW = ("ars_opd/training", "ars_opd/teacher/server")
+
+
+def wide_functions(limit: int = MAX_PARAMETERS, roots: tuple[str, ...] = NARROW) -> list[str]:
+    """``path:line name (n parameters)`` for every function of ``roots`` taking more than ``limit`` parameters
+    (positional, keyword and keyword-only; ``*args`` and ``**kwargs`` one each; not ``self``/``cls``)."""
+    found = []
+
+    def visit(node, path, in_class):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _parameter_count(child, in_class)
+                if n > limit:
+                    found.append(f"{path.relative_to(REPO)}:{child.lineno} {child.name} ({n} parameters)")
+                visit(child, path, False)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, path, True)
+            else:
+                visit(child, path, in_class)
+
+    for root in roots:
+        for path in sorted((REPO / root).rglob("*.py")):
+            visit(ast.parse(path.read_text()), path, False)
+    return found
+
+
+def test_no_engine_or_server_function_takes_more_than_six_parameters():
+    """A wide signature is a value threaded by hand: the engine and the teacher's server pass records
+    (``Trainer``, ``Checkpoints``, ``TrainingJob``, ``ServerOptions``) instead."""
+    wide = wide_functions()
+    assert not wide, f"functions over {MAX_PARAMETERS} parameters:\n" + "\n".join(wide)

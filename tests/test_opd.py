@@ -15,6 +15,7 @@ from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.models.loading import load_model, load_tokenizer
 from ars_opd.training.distributed import launch
 from ars_opd.training.opd import run_opd, uses_student_rollouts
+from ars_opd.training.worker import TrainingJob
 from ddp_probe import gkd_probe
 from micro import distill_workspace
 
@@ -81,7 +82,7 @@ def test_opd_stage_end_to_end_on_micro_config(tmp_path, loss, lam):
     try:
         p = load_params("params.yaml")
         before = {k: v.clone() for k, v in load_model(p.paths.models_dir, "student").state_dict().items()}
-        summary = run_opd(p.opd, p.ddp, p.paths, progress=False)
+        summary = run_opd(TrainingJob.from_params("opd", p, progress=False))
         steps = read_jsonl(p.paths.training("opd").steps)
         after = load_model_dir_state(Path(p.paths.opd_model))
     finally:

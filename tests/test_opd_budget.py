@@ -27,8 +27,10 @@ from ars_opd.lm.decoding import SYNC_EVERY
 from ars_opd.lm.generation import eos_token_ids
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.budget import matmul_parameters
-from ars_opd.training.opd import OPDTask
+from ars_opd.training.distributed import WorkerContext
+from ars_opd.training.opd import ModelSizes, OPDData, OPDTask
 from ars_opd.training.opd_teachers import LocalTeacher
+from ars_opd.training.worker import WorkerSetup
 
 PAD, EOS, VOCAB = 0, 2, 40
 ENDS = (2, 3, 4, 5, 6, 7)  # the model's generation_config EOS ids (the tokenizer names 2 alone)
@@ -71,19 +73,13 @@ def test_sampling_flops_count_every_position_the_student_computed(cache):
         global_batch_size=8, micro_batch_size=4, max_new_tokens=max_new, rollout_cache=cache, precision="fp32"
     )
     p_s, p_t = matmul_parameters(student), matmul_parameters(teacher)
+    ctx = WorkerContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     task = OPDTask(
-        prompts,
-        [[EOS]] * len(prompts),
+        OPDData(prompts, [[EOS]] * len(prompts)),
         LocalTeacher(teacher.eval(), VOCAB),
         cfg,
-        BatchGeometry.check(8, 1, 4, "opd"),
-        tokenizer=_Tok,
-        sampler_seed=3,
-        seed=4,
-        rank=0,
-        device=torch.device("cpu"),
-        student_params=p_s,
-        teacher_params=p_t,
+        WorkerSetup(ctx, _Tok, BatchGeometry.check(8, 1, 4, "opd"), sampler_seed=3, stage_seed=4, fault=None),
+        sizes=ModelSizes(p_s, p_t),
         eos_ids=eos_token_ids(student, _Tok),  # as prepare_opd passes them
     )
     seen = []

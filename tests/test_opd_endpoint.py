@@ -23,6 +23,7 @@ from ars_opd.teacher.client.generate import LOCAL_MODEL_NAME, local_teacher_serv
 from ars_opd.teacher.client.score import ScoringError
 from ars_opd.training.opd import run_opd
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
+from ars_opd.training.worker import TrainingJob
 from fake_endpoint import FaultyProxy
 from micro import distill_workspace, teacher_rows
 from tolerances import forward_bound, two_computations
@@ -180,7 +181,7 @@ def _run(root: Path) -> tuple[list[dict], dict]:
     os.chdir(root)
     try:
         p = load_params("params.yaml")
-        summary = run_opd(p.opd, p.ddp, p.paths, progress=False)
+        summary = run_opd(TrainingJob.from_params("opd", p, progress=False))
         return read_jsonl(p.paths.training("opd").steps), summary
     finally:
         os.chdir(cwd)
@@ -243,8 +244,9 @@ def test_endpoint_opd_worker_never_loads_teacher_weights(tmp_path, monkeypatch):
     recorded, and none reads the teacher's directory (the bundled server, another process, does)."""
     from transformers import AutoModelForCausalLM
 
+    from ars_opd.teacher.client.endpoint import ClientSettings
     from ars_opd.training.opd import opd_worker
-    from ars_opd.training.worker import TrainingJob
+    from ars_opd.training.worker import ScoringEndpoint
 
     _workspace(
         tmp_path,
@@ -275,7 +277,7 @@ def test_endpoint_opd_worker_never_loads_teacher_weights(tmp_path, monkeypatch):
             p.ddp,
             p.paths,
             progress=False,
-            runtime={"scoring_url": url, "scoring_model": LOCAL_MODEL_NAME},
+            scoring=ScoringEndpoint(url, LOCAL_MODEL_NAME, ClientSettings(url, "EMPTY", p.opd.teacher_endpoint)),
         )
         summary = opd_worker(job)
     assert summary["steps"] == 2

@@ -7,7 +7,9 @@ package. A rerun with the same fingerprint resumes from the latest checkpoint (t
 from the step number, ``ars_opd.training.batch_plan``); one with another configuration, other data or
 changed code starts afresh and says so, so a rerun never publishes a model of other inputs. DVC reruns a
 stage exactly when such inputs change. Loading uses ``torch.load(weights_only=True)``; resumed runs are
-bit-identical to uninterrupted ones on CPU (tested).
+bit-identical to uninterrupted ones on CPU (tested). A run builds one ``Checkpoints`` (its directory,
+model, optimizer, schedule, fingerprints and strategy), then calls ``resume()`` once and ``save(state, rows)``
+at each checkpoint step.
 
 Formats. Under DDP rank 0 writes the whole model (``model.safetensors``) and optimizer (``optimizer.pt``).
 A sharded student (``ddp.strategy: fsdp``) is saved by every rank through ``torch.distributed.checkpoint``
@@ -15,7 +17,7 @@ A sharded student (``ddp.strategy: fsdp``) is saved by every rank through ``torc
 world size, DDP, or one worker (resharding).
 
 Machines. The checkpoint directory is rank 0's: rank 0 alone decides whether to resume and from which
-checkpoint (``resume_checkpoint``; the decision is broadcast, so a rank that sees another directory, or none,
+checkpoint (``Checkpoints.resume``; the decision is broadcast, so a rank that sees another directory, or none,
 on another machine follows it instead of diverging), and under DDP rank 0 alone reads and writes it: the
 other ranks' RNG states are gathered to it when saving, and on a resume it sends every rank the weights,
 the optimizer and scheduler state, its RNG state and the log. So a DDP run over several machines needs no
@@ -116,72 +118,105 @@ class TrainerState:
     resharded_from: dict | None = None  # {"workers", "strategy"} of a checkpoint of another layout
 
 
-def save_checkpoint(
-    ckpt_dir: Path,
-    ctx: WorkerContext,
-    model: torch.nn.Module,
-    opt,
-    sched,
-    state: TrainerState,
-    fingerprint: str,
-    steps_log: list[dict],
-    keep: int,
-    layout_fingerprint: str | None = None,
-    strategy: str = "ddp",
-) -> None:
-    """All workers call this. Rank 0 writes the checkpoint (every rank's RNG state gathered to it, and the
-    weights and optimizer under DDP); a sharded student's every rank writes its own shards (DCP) into the
-    directory ``resume_checkpoint`` found shared. Atomic switch of ``latest``."""
-    from safetensors.torch import save_model
+@dataclass(kw_only=True)
+class Checkpoints:
+    """One run's checkpoints, built once (by keyword) with what every save and the resume need: the directory
+    (rank 0's), the worker's context, the student (unwrapped: whole, or sharded in place), its optimizer and
+    schedule, the run's fingerprints, the strategy and how many to keep. Then ``resume()`` once before the
+    first step and ``save(state, rows)`` at each checkpoint step; all ranks call both."""
 
-    final = ckpt_dir / f"step_{state.step:07d}"
-    tmp = ckpt_dir / f".step_{state.step:07d}.tmp"
-    if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    rng = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(_rng_state(), rng, dst=0)  # every rank's RNG state, written by rank 0 (module doc)
-    if ctx.is_main:
-        for rank, rng_state in enumerate(rng):
-            torch.save(rng_state, tmp / f"rng_rank{rank}.pt")
-    dist.barrier()
-    sharded = is_sharded(model)
-    if sharded:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    directory: Path
+    ctx: WorkerContext
+    model: torch.nn.Module
+    opt: Any
+    sched: Any
+    fingerprint: str  # the run's configuration and inputs: what a checkpoint must match to resume
+    layout_fingerprint: str | None = None  # the same but the worker layout (``LAYOUT_KEYS``): a resharded resume
+    strategy: str = "ddp"
+    reshard: bool = False  # ddp.reshard_resume: resume a checkpoint of another layout of the same run
+    keep: int = 2  # checkpoint_every's directories kept (the latest ones of this run)
 
-        dcp.save(
-            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-            checkpoint_id=str(tmp / DCP_DIR),
-        )
-    if ctx.is_main:
-        if not sharded:
-            save_model(model, str(tmp / "model.safetensors"))
-            torch.save(opt.state_dict(), tmp / "optimizer.pt")
-        torch.save(sched.state_dict(), tmp / "scheduler.pt")
-        saved = {k: v for k, v in state.__dict__.items() if k != "resharded_from"}
-        write_json(
-            tmp / "state.json",
-            {
-                **saved,
-                "fingerprint": fingerprint,
-                "world_size": ctx.world_size,
-                "layout_fingerprint": layout_fingerprint,
-                "strategy": strategy,
-                "format": DCP_DIR if sharded else "safetensors",
-            },
-        )
-        write_jsonl(tmp / STEPS_LOG, steps_log)
-    dist.barrier()
-    if ctx.is_main:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        latest_tmp = ckpt_dir / f".{LATEST}.tmp"
-        write_json(latest_tmp, {"step": state.step, "dir": final.name, "fingerprint": fingerprint})
-        os.replace(latest_tmp, ckpt_dir / LATEST)
-        for p in superseded(ckpt_dir, fingerprint, keep):
-            shutil.rmtree(p, ignore_errors=True)
-    dist.barrier()
+    def save(self, state: TrainerState, steps_log: list[dict]) -> None:
+        """All workers call this. Rank 0 writes the checkpoint (every rank's RNG state gathered to it, and the
+        weights and optimizer under DDP); a sharded student's every rank writes its own shards (DCP) into the
+        directory ``resume`` found shared. Atomic switch of ``latest``."""
+        from safetensors.torch import save_model
+
+        ctx, model, ckpt_dir, fingerprint = self.ctx, self.model, self.directory, self.fingerprint
+        final = ckpt_dir / f"step_{state.step:07d}"
+        tmp = ckpt_dir / f".step_{state.step:07d}.tmp"
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        rng = [None] * ctx.world_size if ctx.is_main else None
+        dist.gather_object(_rng_state(), rng, dst=0)  # every rank's RNG state, written by rank 0 (module doc)
+        if ctx.is_main:
+            for rank, rng_state in enumerate(rng):
+                torch.save(rng_state, tmp / f"rng_rank{rank}.pt")
+        dist.barrier()
+        sharded = is_sharded(model)
+        if sharded:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+            dcp.save(
+                {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, self.opt)},
+                checkpoint_id=str(tmp / DCP_DIR),
+            )
+        if ctx.is_main:
+            if not sharded:
+                save_model(model, str(tmp / "model.safetensors"))
+                torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
+            torch.save(self.sched.state_dict(), tmp / "scheduler.pt")
+            saved = {k: v for k, v in state.__dict__.items() if k != "resharded_from"}
+            write_json(
+                tmp / "state.json",
+                {
+                    **saved,
+                    "fingerprint": fingerprint,
+                    "world_size": ctx.world_size,
+                    "layout_fingerprint": self.layout_fingerprint,
+                    "strategy": self.strategy,
+                    "format": DCP_DIR if sharded else "safetensors",
+                },
+            )
+            write_jsonl(tmp / STEPS_LOG, steps_log)
+        dist.barrier()
+        if ctx.is_main:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            latest_tmp = ckpt_dir / f".{LATEST}.tmp"
+            write_json(latest_tmp, {"step": state.step, "dir": final.name, "fingerprint": fingerprint})
+            os.replace(latest_tmp, ckpt_dir / LATEST)
+            for p in superseded(ckpt_dir, fingerprint, self.keep):
+                shutil.rmtree(p, ignore_errors=True)
+        dist.barrier()
+
+    def resume(self) -> tuple[Found | None, TrainerState, list[dict]]:
+        """All ranks call: the checkpoint resumed (None: none matches), the run's state and its log so far (a
+        fresh state and an empty log when none matches); rank 0 says why it resumes or starts afresh.
+
+        Rank 0 alone looks for the checkpoint, in its own ``directory``, and every rank follows its decision
+        (other ranks may see another directory, or none, on another machine). A sharded student first checks
+        that every rank sees rank 0's directory (``require_shared``), since each rank writes its own shards."""
+        ctx, ckpt_dir = self.ctx, self.directory
+        state, history = TrainerState(), []
+        if ctx.is_main:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if is_sharded(self.model) and ctx.world_size > 1:
+            require_shared(ckpt_dir, ctx)
+        found, why = None, ""
+        if ctx.is_main:
+            found, why = find_checkpoint(
+                ckpt_dir, self.fingerprint, ctx.world_size, self.layout_fingerprint, self.reshard, self.strategy
+            )
+        found, why = _broadcast((found, why), ctx)
+        if found is not None:
+            state, history = load_checkpoint(found.path, ctx, self.model, self.opt, self.sched)
+            state.resharded_from = found.resharded_from
+        if ctx.is_main and (found is not None or why != "no checkpoint"):
+            print(f"checkpoints: {why}", flush=True)
+        return found, state, history
 
 
 def superseded(ckpt_dir: Path, fingerprint: str, keep: int) -> list[Path]:
@@ -367,40 +402,6 @@ def load_checkpoint(
     state = TrainerState(**{k: raw[k] for k in TrainerState.__dataclass_fields__ if k in raw})
     state.resumed_from = state.step
     return state, _broadcast(read_jsonl(path / STEPS_LOG) if ctx.is_main else None, ctx)
-
-
-def resume_checkpoint(
-    ckpt_dir: Path,
-    ctx: WorkerContext,
-    model: torch.nn.Module,
-    opt,
-    sched,
-    fingerprint: str,
-    layout_fingerprint: str | None,
-    reshard: bool,
-    strategy: str,
-) -> tuple[Found | None, TrainerState, list[dict]]:
-    """All ranks call: the checkpoint resumed (None: none matches), the run's state and its log so far (a
-    fresh state and an empty log when none matches); rank 0 says why it resumes or starts afresh.
-
-    Rank 0 alone looks for the checkpoint, in its own ``ckpt_dir``, and every rank follows its decision
-    (other ranks may see another directory, or none, on another machine). A sharded student first checks
-    that every rank sees rank 0's directory (``require_shared``), since each rank writes its own shards."""
-    state, history = TrainerState(), []
-    if ctx.is_main:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-    if is_sharded(model) and ctx.world_size > 1:
-        require_shared(ckpt_dir, ctx)
-    found, why = None, ""
-    if ctx.is_main:
-        found, why = find_checkpoint(ckpt_dir, fingerprint, ctx.world_size, layout_fingerprint, reshard, strategy)
-    found, why = _broadcast((found, why), ctx)
-    if found is not None:
-        state, history = load_checkpoint(found.path, ctx, model, opt, sched)
-        state.resharded_from = found.resharded_from
-    if ctx.is_main and (found is not None or why != "no checkpoint"):
-        print(f"checkpoints: {why}", flush=True)
-    return found, state, history
 
 
 def require_shared(ckpt_dir: Path, ctx: WorkerContext) -> None:

@@ -46,22 +46,22 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from ars_opd.config import AdapterConfig, ControlConfig, OPDConfig, ParallelConfig, PathsConfig
+from ars_opd.config import OPDConfig
 from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
 from ars_opd.lm.batching import build_rollout_batch, eos_set, pad_token_id
 from ars_opd.lm.generation import GenerationCost, eos_token_ids, generate_token_ids
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
-from ars_opd.lm.opd_objectives import check_config, get_objective
+from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.lm.optim import autocast_context
-from ars_opd.models.adapters import check_adapter
 from ars_opd.models.loading import read_manifest
 from ars_opd.seeding import derive_seed
-from ars_opd.training.batch_plan import BatchGeometry, step_indices
+from ars_opd.training.batch_plan import step_indices
 from ars_opd.training.budget import matmul_parameters
-from ars_opd.training.faults import Fault
 from ars_opd.training.opd_teacher_setup import build_teacher, check_scoring_endpoint, scoring_endpoint
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.sharding import is_sharded
@@ -69,7 +69,7 @@ from ars_opd.training.task import MicroBatch
 from ars_opd.training.train_rows import train_rows
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
 
-__all__ = ["EndpointTeacher", "LocalTeacher", "OPDTask", "run_opd", "uses_student_rollouts"]
+__all__ = ["EndpointTeacher", "LocalTeacher", "ModelSizes", "OPDData", "OPDTask", "run_opd", "uses_student_rollouts"]
 
 
 def uses_student_rollouts(seed: int, step: int, on_policy_fraction: float) -> bool:
@@ -77,38 +77,48 @@ def uses_student_rollouts(seed: int, step: int, on_policy_fraction: float) -> bo
     return random.Random(derive_seed(seed, f"gkd-step-{step}")).random() < on_policy_fraction
 
 
+@dataclass
+class OPDData:
+    """The encoded prompts a run trains on, with the teacher's cached completions and each row's task label."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]  # the teacher's, for GKD's teacher-text steps
+    tasks: list[str | None] | None = None  # each row's task label (synthetic data), for a task-selective fault
+    counts: dict = field(default_factory=dict)  # rows kept and dropped, for the manifest
+
+
+class ModelSizes(NamedTuple):
+    """Matrix-multiply parameter counts for the budget's FLOPs (``ars_opd.training.budget``)."""
+
+    student: int = 0
+    teacher: int = 0
+
+
 class OPDTask:
     """Rollouts (or cached teacher completions) for this worker, scored by the teacher.
 
-    The data, the scorer, the config and the batch geometry are positional; the worker's place (tokenizer,
-    seeds, rank, device, fault) and the budget's parameter counts are keyword-only, so that no call passes
-    a row of bare numbers whose order it could get wrong.
+    It takes the data, the scorer, the config and the worker's place in the run (``WorkerSetup``: tokenizer,
+    batch geometry, seeds, rank, device, fault); the budget's parameter counts and the EOS ids are
+    keyword-only, so that no call passes a row of bare numbers whose order it could get wrong.
     """
 
     def __init__(
         self,
-        prompts: list[list[int]],
-        teacher_completions: list[list[int]],
+        data: OPDData,
         teacher: LocalTeacher | EndpointTeacher,
         cfg: OPDConfig,
-        geometry: BatchGeometry,
+        setup: WorkerSetup,
         *,
-        tokenizer,
-        sampler_seed: int,
-        seed: int,
-        rank: int,
-        device: torch.device,
-        fault: Fault | None = None,
-        item_tasks: list[str | None] | None = None,
-        student_params: int = 0,
-        teacher_params: int = 0,
+        sizes: ModelSizes = ModelSizes(),
         eos_ids: tuple[int, ...] | None = None,
     ):
-        self.prompts, self.teacher_completions, self.teacher = prompts, teacher_completions, teacher
-        self.tokenizer, self.cfg, self.geometry = tokenizer, cfg, geometry
-        self.sampler_seed, self.seed, self.rank, self.device = sampler_seed, seed, rank, device
-        self.fault, self.item_tasks = fault, item_tasks or [None] * len(prompts)
-        self.student_params, self.teacher_params = student_params, teacher_params  # ars_opd.training.budget
+        tokenizer = setup.tokenizer
+        self.prompts, self.teacher_completions, self.teacher = data.prompts, data.completions, teacher
+        self.tokenizer, self.cfg, self.geometry = tokenizer, cfg, setup.geometry
+        self.sampler_seed, self.seed = setup.sampler_seed, setup.stage_seed
+        self.rank, self.device = setup.ctx.rank, setup.ctx.device
+        self.fault, self.item_tasks = setup.fault, data.tasks or [None] * len(data.prompts)
+        self.student_params, self.teacher_params = sizes  # ars_opd.training.budget
         self.objective = get_objective(cfg.loss)
         self.pad_id = pad_token_id(tokenizer)
         # what ends a completion, in the rollouts and in the loss mask alike: the student's EOS ids (default: the
@@ -215,10 +225,10 @@ class OPDTask:
         }
 
 
-def _encode(tokenizer, rows: list[dict], cfg: OPDConfig):
-    """(prompts, teacher completions, task labels, counts) of the rows whose prompt fits the budget. A teacher
-    completion has an EOS only where the teacher ended it; with ``truncated_completions: drop`` and teacher-text
-    steps (on_policy_fraction < 1) a row whose completion the teacher was cut off in is left out."""
+def _encode(tokenizer, rows: list[dict], cfg: OPDConfig) -> OPDData:
+    """The rows whose prompt fits the budget, encoded, and the counts. A teacher completion has an EOS only
+    where the teacher ended it; with ``truncated_completions: drop`` and teacher-text steps
+    (on_policy_fraction < 1) a row whose completion the teacher was cut off in is left out."""
     prompts = encode_prompts(tokenizer, [r["messages"] for r in rows])
     completions = encode_teacher_completions(tokenizer, rows)
     fits = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
@@ -231,7 +241,9 @@ def _encode(tokenizer, rows: list[dict], cfg: OPDConfig):
         "dropped_teacher_truncated": len(fits) - len(keep),
         "teacher_truncated": sum(not teacher_ended(r) for r in rows),
     }
-    return ([prompts[i] for i in keep], [completions[i] for i in keep], [rows[i].get("task") for i in keep], counts)
+    return OPDData(
+        [prompts[i] for i in keep], [completions[i] for i in keep], [rows[i].get("task") for i in keep], counts
+    )
 
 
 def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
@@ -244,24 +256,15 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         raise ValueError(f"the student has {rows_out} output rows but the tokenizer {vocab} ids")
     teacher, teacher_params, teacher_manifest = build_teacher(job, setup, vocab)
     rows, identity = train_rows(job.paths, job.stage, job.control)
-    prompts, completions, tasks, counts = _encode(tokenizer, rows, job.cfg)
-    if not prompts:
-        raise ValueError(f"no OPD prompts left after the budget: {counts}")
+    data = _encode(tokenizer, rows, job.cfg)
+    if not data.prompts:
+        raise ValueError(f"no OPD prompts left after the budget: {data.counts}")
     task = OPDTask(
-        prompts,
-        completions,
+        data,
         teacher,
         job.cfg,
-        setup.geometry,
-        tokenizer=tokenizer,
-        sampler_seed=setup.sampler_seed,
-        seed=setup.stage_seed,
-        rank=ctx.rank,
-        device=ctx.device,
-        fault=setup.fault,
-        item_tasks=tasks,
-        student_params=matmul_parameters(model),
-        teacher_params=teacher_params,
+        setup,
+        sizes=ModelSizes(matmul_parameters(model), teacher_params),
         eos_ids=eos_token_ids(model, tokenizer),
     )
     fingerprint = {
@@ -273,7 +276,7 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         model,
         task,
         fingerprint,
-        counts,
+        data.counts,
         manifest={"vocab": vocab, "adapter_start": student.adapter, **teacher_manifest},
         on_step=lambda s: {"gkd_source": task.source(s)},
         budget_start=student.budget,
@@ -284,30 +287,18 @@ def opd_worker(job: TrainingJob) -> dict:
     return run_worker(job, prepare_opd)
 
 
-def run_opd(
-    cfg: OPDConfig,
-    ddp: ParallelConfig,
-    paths: PathsConfig,
-    trust_remote_code: bool = False,
-    progress: bool = True,
-    adapter: AdapterConfig = AdapterConfig(),
-    control: ControlConfig = ControlConfig(),
-) -> dict:
-    """The opd stage: start the workers, distil, write outputs. Returns rank 0's summary.
+def run_opd(job: TrainingJob) -> dict:
+    """The opd stage: check the job, start the workers, distil, write outputs. Returns rank 0's summary.
 
     With ``opd.teacher: endpoint`` the endpoint is checked (reachable, serving the model, same tokenizer)
     before any worker starts, and the bundled server (``teacher_endpoint.endpoint: local``) runs for the
     stage's duration; under an outside launcher every process does this for itself.
     """
-    # before any worker starts: a loss the rollouts cannot serve is a config error (load_params runs this
-    # too; here for configs built in code)
-    check_config(cfg)
-    check_adapter(adapter, paths.models_dir, trust_remote_code)
-    job = TrainingJob("opd", cfg, ddp, paths, trust_remote_code, progress, adapter=adapter, control=control)
-    if cfg.teacher == "local":
+    job.check()  # before any worker starts: e.g. a loss the rollouts cannot serve is a config error
+    if job.cfg.teacher == "local":
         return launch_stage(opd_worker, job)
-    with scoring_endpoint(cfg, paths) as (url, model):
-        check_scoring_endpoint(url, model, cfg, paths, trust_remote_code)
-        # the resolved URL is run-time only: a bundled server's port changes every run, and must not keep a
-        # checkpoint from resuming (job.runtime is outside the checkpoint fingerprint)
-        return launch_stage(opd_worker, dataclasses.replace(job, runtime={"scoring_url": url, "scoring_model": model}))
+    with scoring_endpoint(job.cfg, job.paths) as endpoint:
+        check_scoring_endpoint(endpoint, job)
+        # the resolved endpoint is run-time only: a bundled server's port changes every run, and must not keep a
+        # checkpoint from resuming (job.scoring is outside the checkpoint fingerprint)
+        return launch_stage(opd_worker, dataclasses.replace(job, scoring=endpoint))

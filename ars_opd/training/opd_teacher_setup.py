@@ -8,7 +8,8 @@ parameters for the budget from its config alone, so the trainer never loads teac
 Once per stage, before any worker starts (``run_opd``), ``scoring_endpoint`` resolves the endpoint: the
 configured URL, or ``local``, the bundled server started for the pinned teacher for the stage's duration;
 ``check_scoring_endpoint`` then refuses one that does not answer, does not serve the model, tokenizes
-otherwise than the student, or returns anything but log-probabilities for the run's k.
+otherwise than the student, or returns anything but log-probabilities for the run's k. The resolved
+endpoint (``ScoringEndpoint``: URL, model, client settings) rides to the workers on the job.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ars_opd.teacher.client.local_server import LOCAL_MODEL_NAME, local_teacher_
 from ars_opd.teacher.client.score import check_tokenizer
 from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
-from ars_opd.training.worker import TrainingJob, WorkerSetup
+from ars_opd.training.worker import ScoringEndpoint, TrainingJob, WorkerSetup
 
 ENDPOINT_SECTION = "opd.teacher_endpoint"
 
@@ -45,18 +46,17 @@ def build_teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[Loc
     """(the teacher that scores this worker's rollouts, its parameter count for the budget, manifest entries)."""
     ctx, cfg = setup.ctx, job.cfg
     if cfg.teacher == "endpoint":  # no teacher weights in the trainer, only the count from the teacher's config
-        url, model = job.runtime["scoring_url"], job.runtime["scoring_model"]
-        settings = ClientSettings(
-            url, api_key(cfg.teacher_endpoint.api_key_env, ENDPOINT_SECTION), cfg.teacher_endpoint
-        )
-        teacher = EndpointTeacher(settings, model, vocab, cfg.topk)
+        endpoint = job.scoring
+        if endpoint is None:
+            raise ValueError("opd.teacher: endpoint, but the job carries no scoring endpoint (run_opd resolves it)")
+        teacher = EndpointTeacher(endpoint.settings, endpoint.model, vocab, cfg.topk)
         return (
             teacher,
             _teacher_params_from_config(job.paths.models_dir, job.trust_remote_code),
             {
                 "teacher": "endpoint",
-                "teacher_model": model,
-                "teacher_endpoint": "local" if cfg.teacher_endpoint.endpoint == "local" else url,
+                "teacher_model": endpoint.model,
+                "teacher_endpoint": "local" if cfg.teacher_endpoint.endpoint == "local" else endpoint.url,
             },
         )
     from transformers import AutoTokenizer
@@ -82,26 +82,26 @@ def build_teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[Loc
 
 
 @contextlib.contextmanager
-def scoring_endpoint(cfg: OPDConfig, paths: PathsConfig) -> Iterator[tuple[str, str]]:
-    """(base URL, model name) of the scoring endpoint; 'local' starts the bundled server for the pinned teacher."""
+def scoring_endpoint(cfg: OPDConfig, paths: PathsConfig) -> Iterator[ScoringEndpoint]:
+    """The scoring endpoint for the stage's duration, with its client settings (the API key read here, once);
+    'local' starts the bundled server for the pinned teacher."""
     ep = cfg.teacher_endpoint
+    key = api_key(ep.api_key_env, ENDPOINT_SECTION)
     if ep.endpoint != "local":
-        yield ep.endpoint, ep.model
+        yield ScoringEndpoint(ep.endpoint, ep.model, ClientSettings(ep.endpoint, key, ep))
         return
     with local_teacher_server(
         model_path(paths.models_dir, "teacher"), cfg.teacher_server, max_logprobs=max(cfg.topk, 1)
     ) as url:
-        yield url, LOCAL_MODEL_NAME
+        yield ScoringEndpoint(url, LOCAL_MODEL_NAME, ClientSettings(url, key, ep))
 
 
-def check_scoring_endpoint(
-    url: str, model: str, cfg: OPDConfig, paths: PathsConfig, trust_remote_code: bool = False
-) -> None:
-    """Before step 0: the endpoint answers, serves ``model``, tokenizes as the student does, and returns
+def check_scoring_endpoint(endpoint: ScoringEndpoint, job: TrainingJob) -> None:
+    """Before step 0: the endpoint answers, serves its model, tokenizes as the student does, and returns
     log-probabilities (not logits) for a probe scored with the run's k (so ``--max-logprobs`` is checked too)."""
     import asyncio
 
-    settings = ClientSettings(url, api_key(cfg.teacher_endpoint.api_key_env, ENDPOINT_SECTION), cfg.teacher_endpoint)
+    cfg, settings, model = job.cfg, endpoint.settings, endpoint.model
 
     async def check() -> None:
         client = make_client(settings)
@@ -110,7 +110,7 @@ def check_scoring_endpoint(
             await check_tokenizer(
                 client,
                 model,
-                load_tokenizer(paths.models_dir, trust_remote_code),
+                load_tokenizer(job.paths.models_dir, job.trust_remote_code),
                 settings,
                 ENDPOINT_SECTION,
                 k=cfg.topk if cfg.loss == "topk" else 1,

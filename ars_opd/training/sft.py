@@ -21,34 +21,30 @@ tokenizer's ids only (embedding rows beyond it are padding).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-from ars_opd.config import (
-    AdapterConfig,
-    ControlConfig,
-    OPDConfig,
-    ParallelConfig,
-    PathsConfig,
-    SFTConfig,
-    TrainLoopConfig,
-)
+from ars_opd.config import SFTConfig
 from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
-from ars_opd.lm.attention import packed_attention_implementation, packed_model_inputs, use_packed_attention
+from ars_opd.lm.attention import packed_model_inputs, use_packed_attention
 from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels, pad_token_id
 from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden
 from ars_opd.lm.head import OutputHead, last_hidden_states
-from ars_opd.lm.precision import resolve_device
-from ars_opd.models.adapters import check_adapter
-from ars_opd.training.batch_plan import BatchGeometry, step_indices
+from ars_opd.training.batch_plan import step_indices
 from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.data_cost import TeacherText, charges_teacher_text, generated_tokens
-from ars_opd.training.faults import Fault
 from ars_opd.training.task import MicroBatch
 from ars_opd.training.train_rows import train_rows
-from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
+from ars_opd.training.worker import (  # noqa: F401  (continued_sft_config: where the arms ask it)
+    PreparedRun,
+    TrainingJob,
+    WorkerSetup,
+    continued_sft_config,
+    launch_stage,
+    run_worker,
+    starting_student,
+)
 
 
 @dataclass
@@ -99,29 +95,26 @@ def encode_sft_rows(tokenizer, rows: list[dict], cfg: SFTConfig) -> EncodedData:
 class SFTTask:
     """Micro-batches of teacher completions for one worker; loss = summed token cross-entropy.
 
-    The data, the config and the batch geometry are positional; the worker's place (seed, rank, device,
-    fault), the padding id, the vocabulary and the budget's FLOPs are keyword-only, so that no call passes
-    a row of bare numbers whose order it could get wrong.
+    It takes the data, the config and the worker's place in the run (``WorkerSetup``: batch geometry,
+    data-order seed, rank, device, fault, and the tokenizer, whose pad id pads); the vocabulary and the
+    budget's terms are keyword-only, so that no call passes a row of bare numbers whose order it could get
+    wrong.
     """
 
     def __init__(
         self,
         data: EncodedData,
         cfg: SFTConfig,
-        geometry: BatchGeometry,
+        setup: WorkerSetup,
         *,
-        sampler_seed: int,
-        rank: int,
-        device: torch.device,
-        pad_id: int,
-        fault: Fault | None = None,
         vocab: int | None = None,
         flops_per_token: float = 0.0,
         teacher_text: TeacherText | None = None,
     ):
-        self.data, self.cfg, self.geometry = data, cfg, geometry
-        self.sampler_seed, self.rank, self.device, self.pad_id = sampler_seed, rank, device, pad_id
-        self.fault = fault
+        self.data, self.cfg, self.geometry = data, cfg, setup.geometry
+        self.sampler_seed, self.rank, self.device = setup.sampler_seed, setup.ctx.rank, setup.ctx.device
+        self.pad_id = pad_token_id(setup.tokenizer)
+        self.fault = setup.fault
         self.vocab = vocab  # scored ids 0..vocab-1 (None: every output row)
         self.flops_per_token = flops_per_token  # 6 · P_s: forward and backward (ars_opd.training.budget)
         self.teacher_text = teacher_text  # the rows' teacher tokens this run charges (None: none)
@@ -183,12 +176,7 @@ def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     task = SFTTask(
         data,
         job.cfg,
-        setup.geometry,
-        sampler_seed=setup.sampler_seed,
-        rank=setup.ctx.rank,
-        device=setup.ctx.device,
-        pad_id=pad_token_id(setup.tokenizer),
-        fault=setup.fault,
+        setup,
         vocab=len(setup.tokenizer),
         flops_per_token=6.0 * matmul_parameters(model),
         teacher_text=TeacherText(
@@ -206,50 +194,15 @@ def sft_worker(job: TrainingJob) -> dict:
     return run_worker(job, prepare_sft)
 
 
-def run_sft(
-    cfg: SFTConfig,
-    ddp: ParallelConfig,
-    paths: PathsConfig,
-    progress: bool = True,
-    adapter: AdapterConfig = AdapterConfig(),
-    control: ControlConfig = ControlConfig(),
-    trust_remote_code: bool = False,
-) -> dict:
-    """The sft stage: start the workers, train, write outputs. Returns rank 0's summary.
-    ``trust_remote_code`` (``models.trust_remote_code``) reaches every load of the student."""
-    if cfg.packing:  # before any worker starts: a packed attention this machine cannot train with is a config error
-        packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
-    check_adapter(adapter, paths.models_dir, trust_remote_code)
-    job = TrainingJob("sft", cfg, ddp, paths, trust_remote_code, progress=progress, adapter=adapter, control=control)
+def run_sft(job: TrainingJob) -> dict:
+    """The sft stage, or sft_continued (OPD's control arm: more SFT from the same start, with OPD's loop, on
+    the SFT stage's rows again or on fresh ones, ``control``, under the SFT stage's data rules): check the
+    job, start the workers, train, write outputs. Returns rank 0's summary. ``trust_remote_code``
+    (``models.trust_remote_code``) reaches every load of the student."""
+    job.check()  # before any worker starts: e.g. a packed attention this machine cannot train with
     return launch_stage(sft_worker, job)
 
 
-def continued_sft_config(sft: SFTConfig, opd: OPDConfig) -> SFTConfig:
-    """OPD's optimisation loop (steps, batch, learning-rate schedule, clipping, checkpoints) with SFT's data
-    budgets: the control arm differs from OPD in its objective and data alone."""
-    loop = {f.name: getattr(opd, f.name) for f in dataclasses.fields(TrainLoopConfig)}
-    own = {f.name: getattr(sft, f.name) for f in dataclasses.fields(SFTConfig) if f.name not in loop}
-    return SFTConfig(**loop, **own)
-
-
-def run_sft_continued(
-    sft: SFTConfig,
-    opd: OPDConfig,
-    ddp: ParallelConfig,
-    paths: PathsConfig,
-    progress: bool = True,
-    adapter: AdapterConfig = AdapterConfig(),
-    control: ControlConfig = ControlConfig(),
-    trust_remote_code: bool = False,
-) -> dict:
-    """The sft_continued stage: OPD's control arm, more SFT from the same start, with OPD's loop, on the SFT
-    stage's rows again or on fresh ones (``control``), under the SFT stage's data rules (budgets,
-    ``truncated_completions``)."""
-    cfg = continued_sft_config(sft, opd)
-    if cfg.packing:
-        packed_attention_implementation(cfg.packed_attention, resolve_device(ddp.device))
-    check_adapter(adapter, paths.models_dir, trust_remote_code)
-    job = TrainingJob(
-        "sft_continued", cfg, ddp, paths, trust_remote_code, progress=progress, adapter=adapter, control=control
-    )
-    return launch_stage(sft_worker, job)
+def run_sft_continued(job: TrainingJob) -> dict:
+    """The sft_continued stage (``TrainingJob.from_params("sft_continued", ...)`` gives its job): ``run_sft``."""
+    return run_sft(job)

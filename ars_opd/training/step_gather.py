@@ -1,7 +1,7 @@
 """What one rank contributes to a step, and the layout of the step's one all-gather of it.
 
-``accumulate_gradients`` (``ars_opd.training.loop``) returns this rank's ``Accumulated``: its summed loss
-and tokens, the global token count, the task's metric sums and its budget. ``train_step`` packs that with the
+``Trainer.accumulate`` (``ars_opd.training.loop``) returns this rank's ``Accumulated``: its summed loss
+and tokens, the global token count, the task's metric sums and its budget. ``Trainer.step`` packs that with the
 consistency monitor's local statistics into one float64 row per worker (``StepColumns.pack``), all-gathers
 the rows once, and reads the (K, columns) matrix by the same column names, so the layout is written once.
 """

@@ -1,6 +1,6 @@
 """The per-step record of a training run: what a step reports, its log row, and where rank 0 writes it.
 
-``step_row`` lays out one step's columns (their names and order are the log's format: a change of either
+``StepRows.row`` lays out one step's columns (their names and order are the log's format: a change of either
 is a change of every ``steps.jsonl``), ``StepLogger`` writes them: ``steps.jsonl`` holds one JSON line per
 step with the per-worker columns, the rich record pandas reads later; DVCLive gets the scalars that
 ``dvc plots`` and ``dvc exp show`` read. Columns whose name ends in ``_s`` are wall-clock seconds: they go
@@ -24,9 +24,10 @@ from ars_opd.training.faults import Fault
 from ars_opd.training.noise_scale import NoiseScale
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepResult:
-    """What one optimiser step reports (``ars_opd.training.loop.train_step``): the source of its log row."""
+    """What one optimiser step reports (``ars_opd.training.loop.Trainer.step``): the source of its log row.
+    Built by keyword: its fields are many, and several of the same type."""
 
     loss: float
     tokens: int
@@ -46,44 +47,46 @@ class StepResult:
     monitor_s: dict[str, float] = field(default_factory=dict)
 
 
-def step_row(
-    state: TrainerState,
-    result: StepResult,
-    lr: float,
-    step_s: float,
-    ddp_cfg: ParallelConfig,
-    fault: Fault | None,
-    noise_scale: NoiseScale,
-    totals: BudgetTotals,
-) -> dict:
-    """The log row of step ``state.step`` (the counters in ``state`` already count it); advances the
-    run's noise scale and budget totals by the step's terms."""
-    return {
-        "step": state.step,
-        "loss": result.loss,
-        "tokens": result.tokens,
-        "lr": lr,
-        "grad_norm": result.grad_norm,
-        "clip_coef": result.clip_coef,
-        "clipped": result.clipped,
-        "clipped_total": state.clipped_steps,
-        "skipped": result.skipped,
-        "skipped_total": state.skipped_steps,
-        "step_s": round(step_s, 5),
-        "worker_loss": result.worker_loss,
-        "worker_tokens": result.worker_tokens,
-        "scenario": ddp_cfg.scenario,
-        "strategy": ddp_cfg.strategy,
-        "fault": fault.cfg.kind if fault is not None and fault.active(state.step) else None,
-        "drift_mismatch": result.drift,  # null: not checked this step; []: every replica identical
-        **{f"task/{k}": v for k, v in result.metrics.items()},
-        **{f"consistency/{k}": v for k, v in result.consistency.items()},
-        "gns/g2": result.noise_scale[0],
-        "gns/trace": result.noise_scale[1],
-        "gns/b_simple": noise_scale.update(*result.noise_scale),
-        **{f"budget/{k}": v for k, v in result.budget.items()},
-        **totals.update(result.budget),
-    }
+@dataclass
+class StepRows:
+    """Lays out the run's log rows, one per step, and carries what accumulates across them: the noise
+    scale's running estimate and the budget totals (both start from the log a resumed run replays)."""
+
+    parallel: ParallelConfig  # the scenario and strategy columns
+    fault: Fault | None
+    noise_scale: NoiseScale
+    totals: BudgetTotals
+
+    def row(self, state: TrainerState, result: StepResult, lr: float, step_s: float) -> dict:
+        """The log row of step ``state.step`` (the counters in ``state`` already count it); advances the
+        run's noise scale and budget totals by the step's terms."""
+        fault = self.fault
+        return {
+            "step": state.step,
+            "loss": result.loss,
+            "tokens": result.tokens,
+            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "clip_coef": result.clip_coef,
+            "clipped": result.clipped,
+            "clipped_total": state.clipped_steps,
+            "skipped": result.skipped,
+            "skipped_total": state.skipped_steps,
+            "step_s": round(step_s, 5),
+            "worker_loss": result.worker_loss,
+            "worker_tokens": result.worker_tokens,
+            "scenario": self.parallel.scenario,
+            "strategy": self.parallel.strategy,
+            "fault": fault.cfg.kind if fault is not None and fault.active(state.step) else None,
+            "drift_mismatch": result.drift,  # null: not checked this step; []: every replica identical
+            **{f"task/{k}": v for k, v in result.metrics.items()},
+            **{f"consistency/{k}": v for k, v in result.consistency.items()},
+            "gns/g2": result.noise_scale[0],
+            "gns/trace": result.noise_scale[1],
+            "gns/b_simple": self.noise_scale.update(*result.noise_scale),
+            **{f"budget/{k}": v for k, v in result.budget.items()},
+            **self.totals.update(result.budget),
+        }
 
 
 def run_summary(rows: list[dict], state: TrainerState, totals: BudgetTotals) -> dict:

@@ -6,11 +6,11 @@ micro-batches (SFT: slices of the data; OPD: rollouts) with their loss-token cou
 the *summed* token loss, so that the engine alone decides the normaliser. The task interface depends on
 nothing of the engine, so a task module need not import the engine.
 
-Besides the task, the caller of ``fit`` hands the engine two small records, defined here (below both the
-engine and the stage workers that call it): ``RunIdentity``, what tells the run from another (its
-fingerprints, which a checkpoint must match to resume, and the budget its starting model already spent),
-and ``RunHooks``, what the run calls or shows besides the task (extra log columns, an injected fault, the
-progress bar).
+Besides the task, the caller of the engine (``Trainer.build``, then ``fit``) hands it two small records,
+defined here (below both the engine and the stage workers that call it): ``RunIdentity``, what tells the
+run from another (its fingerprints, which a checkpoint must match to resume, and the budget its starting
+model already spent), and ``RunHooks``, what the run calls or shows besides the task (extra log columns, an
+injected fault, the progress bar).
 """
 
 from __future__ import annotations

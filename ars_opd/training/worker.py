@@ -3,7 +3,7 @@
 ``run_worker(job, prepare)`` is the body of one data-parallel worker of a training stage (``sft``,
 ``opd``, ``sft_continued``): join the process group, derive this rank's seeds from the stage seed and the seed scenario,
 load the shared tokenizer, let the stage's ``prepare`` build the model and the task, train with
-``ars_opd.training.loop.fit`` (resuming from a matching checkpoint), and on rank 0 write the stage's
+``ars_opd.training.loop.Trainer`` (resuming from a matching checkpoint), and on rank 0 write the stage's
 outputs: the model directory (``paths.<stage>_model``, the only output later stages read) and the run
 log directory (``paths.<stage>_log``: ``steps.jsonl`` and ``manifest.json``). ``launch_stage`` starts the
 workers (``ars_opd.training.distributed.launch``).
@@ -15,13 +15,35 @@ import dataclasses
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from ars_opd.artifacts import provenance, write_json
-from ars_opd.config import AdapterConfig, ControlConfig, ParallelConfig, PathsConfig, TrainLoopConfig, to_dict
-from ars_opd.models.adapters import adapter_of, attach, is_adapted, resume, save_trained, trainable_parameters
+from ars_opd.config import (
+    TRAINING_STAGES,
+    AdapterConfig,
+    ControlConfig,
+    OPDConfig,
+    ParallelConfig,
+    Params,
+    PathsConfig,
+    SFTConfig,
+    TrainLoopConfig,
+    to_dict,
+)
+from ars_opd.lm.attention import packed_attention_implementation
+from ars_opd.lm.opd_objectives import check_config
+from ars_opd.lm.precision import resolve_device
+from ars_opd.models.adapters import (
+    adapter_of,
+    attach,
+    check_adapter,
+    is_adapted,
+    resume,
+    save_trained,
+    trainable_parameters,
+)
 from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer, read_manifest, sha256_of_files
 from ars_opd.seeding import derive_seed, scenario_seeds, set_seeds
 from ars_opd.training.batch_plan import BatchGeometry
@@ -29,28 +51,81 @@ from ars_opd.training.budget import SNAPSHOTS, read_budget, write_budget
 from ars_opd.training.checkpoint import config_fingerprint, layout_free
 from ars_opd.training.distributed import WorkerContext, init_worker, launch, shutdown_worker
 from ars_opd.training.faults import Fault
-from ars_opd.training.loop import fit
+from ars_opd.training.loop import Trainer
 from ars_opd.training.snapshots import snapshot_dir
 from ars_opd.training.task import RunHooks, RunIdentity, TrainingTask
+
+if TYPE_CHECKING:  # the HTTP client is imported only by a run that scores through an endpoint
+    from ars_opd.teacher.client.endpoint import ClientSettings
+
+
+def continued_sft_config(sft: SFTConfig, opd: OPDConfig) -> SFTConfig:
+    """OPD's optimisation loop (steps, batch, learning-rate schedule, clipping, checkpoints) with SFT's data
+    budgets: the control arm differs from OPD in its objective and data alone."""
+    loop = {f.name: getattr(opd, f.name) for f in dataclasses.fields(TrainLoopConfig)}
+    own = {f.name: getattr(sft, f.name) for f in dataclasses.fields(SFTConfig) if f.name not in loop}
+    return SFTConfig(**loop, **own)
+
+
+@dataclass(frozen=True)
+class ScoringEndpoint:
+    """A served teacher as this run reaches it: the resolved base URL, the model name it serves, and the
+    client settings (the endpoint params and the API key, read once before any worker starts). Run-time only:
+    a bundled server's port changes every run, so it stays out of the checkpoint fingerprint."""
+
+    url: str
+    model: str
+    settings: ClientSettings
 
 
 @dataclass(frozen=True)
 class TrainingJob:
-    """Everything a worker needs (picklable: crosses into spawned processes)."""
+    """Everything a worker needs (picklable: crosses into spawned processes). A stage builds it once from its
+    params (``from_params``); the stage's ``run_*`` checks it once (``check``) before any worker starts."""
 
-    stage: str  # "sft" | "opd" | "sft_continued": names the params section and the paths
+    stage: str  # one of TRAINING_STAGES: names the params section and the paths
     cfg: TrainLoopConfig
     ddp: ParallelConfig  # ddp.seed is the training seed
     paths: PathsConfig
     trust_remote_code: bool = False  # models.trust_remote_code: passed to every load of the student (and teacher)
     progress: bool = True
-    runtime: dict = field(default_factory=dict)
-    """Run-time settings that do not change the result (e.g. a scoring endpoint's resolved URL): kept out of
-    the checkpoint fingerprint, so a rerun with another port still resumes."""
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     """``models.student_adapter``: train the whole student (kind null) or a LoRA adapter on it."""
     control: ControlConfig = field(default_factory=ControlConfig)
     """``control``: train rows held back from sft and opd, and whether the control arm trains on them."""
+    scoring: ScoringEndpoint | None = None
+    """OPD with ``opd.teacher: endpoint``: the endpoint, resolved by ``run_opd`` for the stage's duration.
+    Outside the checkpoint fingerprint (``run_worker`` fingerprints cfg, ddp, adapter and the data), so a
+    rerun against another port still resumes."""
+
+    @classmethod
+    def from_params(cls, stage: str, params: Params, progress: bool = True) -> TrainingJob:
+        """The job of training stage ``stage`` from the parsed params (sections paths, models, ddp, control
+        and the stage's own: sft, opd, or both for sft_continued, which runs OPD's loop on SFT's data)."""
+        if stage not in TRAINING_STAGES:
+            raise ValueError(f"not a training stage: {stage!r} (one of {TRAINING_STAGES})")
+        cfg = continued_sft_config(params.sft, params.opd) if stage == "sft_continued" else getattr(params, stage)
+        models = params.models
+        return cls(
+            stage,
+            cfg,
+            params.ddp,
+            params.paths,
+            trust_remote_code=models.trust_remote_code if models is not None else False,
+            progress=progress,
+            adapter=models.student_adapter if models is not None else AdapterConfig(),
+            control=params.control if params.control is not None else ControlConfig(),
+        )
+
+    def check(self) -> None:
+        """Refuse, before any worker starts, what the workers could not train: an OPD loss the rollouts cannot
+        serve (``load_params`` refuses it too, before torch is imported; this covers jobs built in code), a
+        packed attention this machine has not, an adapter that would not wrap the student."""
+        if self.stage == "opd":
+            check_config(self.cfg)
+        if getattr(self.cfg, "packing", False):
+            packed_attention_implementation(self.cfg.packed_attention, resolve_device(self.ddp.device))
+        check_adapter(self.adapter, self.paths.models_dir, self.trust_remote_code)
 
 
 @dataclass
@@ -62,7 +137,7 @@ class WorkerSetup:
     geometry: BatchGeometry
     sampler_seed: int  # this rank's data-order seed under the scenario
     stage_seed: int  # the stage's seed, the same on every rank (e.g. for GKD draws)
-    fault: Fault  # the injected fault as this rank sees it (a no-op unless ddp.inject names this stage)
+    fault: Fault | None  # the injected fault as this rank sees it (a no-op unless ddp.inject names this stage)
     sampler_seeds: tuple[int, ...] = ()  # every rank's data-order seed, by rank (the world's draws of a step)
 
 
@@ -130,23 +205,15 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         run = prepare(job, WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault, seeds))
         run.model.train()
         out = job.paths.training(job.stage)
-        adapter = {"adapter": to_dict(job.adapter)} if job.adapter.enabled else {}
-        ddp = {k: v for k, v in to_dict(job.ddp).items() if k != "reshard_resume"}
-        fingerprint = config_fingerprint({job.stage: to_dict(job.cfg), "ddp": ddp, **adapter, **run.fingerprint})
+        # the job's configuration in plain form, once: the fingerprints and the manifest read it
+        cfg, ddp_all, adapter_cfg = to_dict(job.cfg), to_dict(job.ddp), to_dict(job.adapter)
+        adapter = {"adapter": adapter_cfg} if job.adapter.enabled else {}
+        ddp = {k: v for k, v in ddp_all.items() if k != "reshard_resume"}
+        fingerprint = config_fingerprint({job.stage: cfg, "ddp": ddp, **adapter, **run.fingerprint})
         # what a resharded resume must match: the same run in any worker layout (ars_opd.training.checkpoint)
-        layout = config_fingerprint(
-            {job.stage: to_dict(job.cfg), "ddp": layout_free(ddp), **adapter, **run.fingerprint}
-        )
-        state, log, totals, trained = fit(
-            ctx,
-            run.model,
-            run.task,
-            job.cfg,
-            job.ddp,
-            out,
-            RunIdentity(fingerprint, layout, run.budget_start),
-            RunHooks(run.on_step, fault, job.progress),
-        )
+        layout = config_fingerprint({job.stage: cfg, "ddp": layout_free(ddp), **adapter, **run.fingerprint})
+        trainer = Trainer.build(ctx, run.model, run.task, job.cfg, job.ddp, RunHooks(run.on_step, fault, job.progress))
+        state, log, totals, trained = trainer.fit(out, RunIdentity(fingerprint, layout, run.budget_start))
         if ctx.is_main:
             shutil.rmtree(Path(out.model) / "adapter", ignore_errors=True)  # a previous run's adapter
             save_trained(trained, Path(out.model), read_manifest(job.paths.models_dir)["student"]["revision"])
@@ -170,9 +237,9 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
                     "strategy": job.ddp.strategy,
                     "trainable_parameters": trainable_parameters(run.model),
                     "parameters": sum(p.numel() for p in {id(p): p for p in run.model.parameters()}.values()),
-                    "adapter": to_dict(job.adapter) if is_adapted(run.model) else None,
+                    "adapter": adapter_cfg if is_adapted(run.model) else None,
                     **run.manifest,
-                    **provenance({job.stage: to_dict(job.cfg), "ddp": to_dict(job.ddp)}),
+                    **provenance({job.stage: cfg, "ddp": ddp_all}),
                 },
             )
         return {
