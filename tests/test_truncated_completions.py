@@ -85,7 +85,8 @@ def test_opd_teacher_text_follows_the_same_rule(char_tokenizer, rule, lam, dropp
     """OPD trains on teacher text only on its GKD teacher steps (λ < 1): there a truncated completion has no
     EOS, or its row is dropped; with λ = 1 its prompt stays (the completion is never read)."""
     tok, rows = char_tokenizer, _rows()
-    prompts, completions, _, counts = _encode(tok, rows, OPDConfig(on_policy_fraction=lam, truncated_completions=rule))
+    data = _encode(tok, rows, OPDConfig(on_policy_fraction=lam, truncated_completions=rule))
+    prompts, completions, counts = data.prompts, data.completions, data.counts
     ended = [a for a in ANSWERS if not (dropped and a[1] == "length")]
     assert completions == [
         _text_ids(tok, text) + ([tok.eos_token_id] if reason == "stop" else []) for text, reason in ended
