@@ -575,14 +575,14 @@ class RolloutEngineConfig:
     """Largest |engine - trainer| log-probability on the probe; null: the derived fp32 bound (fp32 engines only)."""
     max_importance_weight: float = 2.0
     """Truncation c of the importance weight min(c, q_now / q_sampler) of sampled_token under max_lag >= 1."""
-    max_model_len: int = 512
-    """Context length the started vLLM reserves (prompt + rollout)."""
+    max_model_len: int | None = None
+    """Context length a started vLLM reserves (prompt + rollout); null: the student's max_position_embeddings."""
     cpus: str | None = None
     """A started vLLM's cores (VLLM_CPU_OMP_THREADS_BIND, e.g. "0"); null: vLLM's choice."""
     startup_timeout_s: float = 300.0
     """Give up if a started engine is not ready after this long."""
-    bundled: TeacherServerConfig = field(default_factory=TeacherServerConfig)
-    """The bundled engine's batching and threads."""
+    bundled: TeacherServerConfig = field(default_factory=lambda: TeacherServerConfig(threads=1))
+    """The bundled engine's batching and threads (one: it shares the machine with the training workers)."""
 
     def __post_init__(self):
         _require(
@@ -603,7 +603,11 @@ class RolloutEngineConfig:
             f"must be > 0 or null, got {self.probe_tolerance}",
         )
         _require(self.max_importance_weight >= 1, "max_importance_weight", "must be >= 1")
-        _require(self.max_model_len > 0, "max_model_len", f"must be > 0, got {self.max_model_len}")
+        _require(
+            self.max_model_len is None or self.max_model_len > 0,
+            "max_model_len",
+            f"must be > 0, got {self.max_model_len}",
+        )
 
 
 @dataclass(frozen=True)
@@ -1260,6 +1264,13 @@ def check_objective(cfg: OPDConfig) -> ObjectiveRules:
             )
     if not rules.uses_beta and cfg.beta != 1.0:
         raise ConfigError("opd.beta", f"the {cfg.loss} loss estimates reverse KL only; set beta: 1.0")
+    lagged = cfg.rollouts == "engine" and cfg.engine.max_lag > 0
+    if lagged and rules.exact_on_policy and cfg.temperature != 1.0:
+        raise ConfigError(
+            "opd.temperature",
+            f"the {cfg.loss} loss with opd.engine.max_lag {cfg.engine.max_lag} weights each token by q_now / "
+            "q_sampler, and the engine reports log-probabilities at temperature 1; set 1.0, or max_lag: 0",
+        )
     if rules.exact_on_policy:  # its gradient estimate is unbiased only for tokens drawn from q at the temperature
         if cfg.on_policy_fraction != 1.0:
             raise ConfigError(

@@ -20,6 +20,7 @@ FLOORS = (
     ("ars_opd.lm",),
     ("ars_opd.models",),
     ("ars_opd.teacher", "ars_opd.checks"),
+    ("ars_opd.rollouts",),
     ("ars_opd.training",),
     ("ars_opd.evaluation",),
     ("ars_opd.cli",),

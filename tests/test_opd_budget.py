@@ -28,7 +28,7 @@ from ars_opd.lm.generation import eos_token_ids
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.distributed import WorkerContext
-from ars_opd.training.opd import ModelSizes, OPDData, OPDTask
+from ars_opd.training.opd import ModelSizes, OPDData, OPDTask, RolloutSetup
 from ars_opd.training.opd_teachers import LocalTeacher
 from ars_opd.training.worker import WorkerSetup
 
@@ -80,7 +80,7 @@ def test_sampling_flops_count_every_position_the_student_computed(cache):
         cfg,
         WorkerSetup(ctx, _Tok, BatchGeometry.check(8, 1, 4, "opd"), sampler_seed=3, stage_seed=4, fault=None),
         sizes=ModelSizes(p_s, p_t),
-        eos_ids=eos_token_ids(student, _Tok),  # as prepare_opd passes them
+        rollouts=RolloutSetup(eos_ids=eos_token_ids(student, _Tok)),  # as prepare_opd passes them
     )
     seen = []
 

@@ -71,7 +71,8 @@ def test_a_lora_student_publishes_its_merged_weights(student):
     for name, t in oracle.items():
         # W + B·A·scale computed by peft and by our merge: the same fp32 ops
         torch.testing.assert_close(state[name], t, rtol=0, atol=0, msg=name)
-    assert not torch.equal(state["model.layers.0.self_attn.q_proj.weight"], student.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(state[q], student.state_dict()[q])
 
 
 def test_the_probe_bound_covers_the_trainer_against_a_float64_oracle(student):

@@ -106,10 +106,27 @@ class Objective(ObjectiveRules):
         beta: float,
         temperature: float,
         chunk_size: int,
+        *,
+        row_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, int]:
-        """(summed loss over the M rows with grad to ``hidden`` (M, H) and the head, M)."""
+        """(summed loss over the M rows with grad to ``hidden`` (M, H) and the head, M). ``row_weights`` (M,):
+        each row's loss and gradient scaled by its weight (importance weights of rollouts sampled by an older
+        policy; ``ars_opd.training.opd``)."""
         terms = self.terms(teacher, targets, beta, temperature)
+        if row_weights is not None:
+            terms = _weighted(terms, row_weights)
         return chunked_head_loss(hidden, head, terms, chunk_size), int(hidden.shape[0])
+
+
+def _weighted(terms: RowTerms, weights: torch.Tensor) -> RowTerms:
+    """``terms`` with row i's value and gradient multiplied by weights[i] (a constant: no gradient through it)."""
+
+    def weighted(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        value, grad = terms(z, start, end, need_grad)
+        w = weights[start:end].to(value.dtype)
+        return value * w, (None if grad is None else grad.mul_(w[:, None].to(grad.dtype)))
+
+    return weighted
 
 
 def _full_vocab(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:

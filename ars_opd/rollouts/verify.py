@@ -104,7 +104,9 @@ def check_probe(
     """Compare the engine's probe log-probabilities with the trainer's; raise ``StaleEngineError`` past the bound."""
     got = torch.tensor(engine, dtype=torch.float64)
     if got.shape != trainer.shape:
-        raise StaleEngineError(f"the engine at {where} scored {got.numel()} probe positions, expected {trainer.numel()}")
+        raise StaleEngineError(
+            f"the engine at {where} scored {got.numel()} probe positions, expected {trainer.numel()}"
+        )
     diff = (got - trainer).abs()
     separation = None if previous is None else float((trainer - previous).abs().max())
     result = ProbeResult(version, float(diff.max()), float(diff.mean()), bound, separation)

@@ -46,15 +46,17 @@ class Published:
 def engine_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The student's weights under the plain model's names, contiguous, on the CPU (rank 0; {} elsewhere when
     sharded). Every rank calls: gathering a sharded model is a collective."""
-    from ars_opd.training.sharding import full_state_dict, is_sharded
+    from torch.distributed.fsdp import FSDPModule
 
-    if is_sharded(model):
+    if isinstance(model, FSDPModule):  # sharded by FSDP2 (ars_opd.training.sharding)
         if is_adapted(model):
             raise NotImplementedError(
                 "engine rollouts with a sharded (ddp.strategy: fsdp) LoRA student are not supported: "
                 "use ddp.strategy: ddp, or opd.rollouts: trainer"
             )
-        state = full_state_dict(model)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     elif is_adapted(model):
         state = merged_state_dict(model)
     else:

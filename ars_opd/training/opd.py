@@ -43,22 +43,27 @@ ends or ``max_new_tokens``; not each row's kept completion. It is counted on the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from ars_opd.config import OPDConfig
+from ars_opd.config import OPDConfig, launched_externally
 from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
 from ars_opd.lm.batching import build_rollout_batch, eos_set, pad_token_id
 from ars_opd.lm.generation import GenerationCost, eos_token_ids, generate_token_ids
-from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
+from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows, target_logprobs
 from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.lm.optim import autocast_context
-from ars_opd.models.loading import read_manifest
+from ars_opd.models.loading import model_path, read_manifest
+from ars_opd.rollouts.engine_api import EngineClient, SamplingSpec
+from ars_opd.rollouts.engines import BUNDLED, VLLM, rollout_endpoint
+from ars_opd.rollouts.schedule import ENGINE_METRICS, EngineRollouts, RolloutPlan, engine_step_metrics, place_on_mask
 from ars_opd.seeding import derive_seed
 from ars_opd.training.batch_plan import step_indices
 from ars_opd.training.budget import matmul_parameters
@@ -69,7 +74,16 @@ from ars_opd.training.task import MicroBatch
 from ars_opd.training.train_rows import train_rows
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
 
-__all__ = ["EndpointTeacher", "LocalTeacher", "ModelSizes", "OPDData", "OPDTask", "run_opd", "uses_student_rollouts"]
+__all__ = [
+    "EndpointTeacher",
+    "LocalTeacher",
+    "ModelSizes",
+    "OPDData",
+    "OPDTask",
+    "RolloutSetup",
+    "run_opd",
+    "uses_student_rollouts",
+]
 
 
 def uses_student_rollouts(seed: int, step: int, on_policy_fraction: float) -> bool:
@@ -94,12 +108,21 @@ class ModelSizes(NamedTuple):
     teacher: int = 0
 
 
+class RolloutSetup(NamedTuple):
+    """How this worker's rollouts are made: the ids that end one (the student's EOS ids; None: the tokenizer's),
+    and the engine that samples them (``opd.rollouts: engine``; None: this worker samples)."""
+
+    eos_ids: tuple[int, ...] | None = None
+    engine: EngineRollouts | None = None
+
+
 class OPDTask:
     """Rollouts (or cached teacher completions) for this worker, scored by the teacher.
 
     It takes the data, the scorer, the config and the worker's place in the run (``WorkerSetup``: tokenizer,
     batch geometry, seeds, rank, device, fault); the budget's parameter counts and the EOS ids are
-    keyword-only, so that no call passes a row of bare numbers whose order it could get wrong.
+    keyword-only (the EOS ids and the engine in ``RolloutSetup``), so that no call passes a row of bare numbers
+    whose order it could get wrong.
     """
 
     def __init__(
@@ -110,7 +133,7 @@ class OPDTask:
         setup: WorkerSetup,
         *,
         sizes: ModelSizes = ModelSizes(),
-        eos_ids: tuple[int, ...] | None = None,
+        rollouts: RolloutSetup = RolloutSetup(),
     ):
         tokenizer = setup.tokenizer
         self.prompts, self.teacher_completions, self.teacher = data.prompts, data.completions, teacher
@@ -123,10 +146,13 @@ class OPDTask:
         self.pad_id = pad_token_id(tokenizer)
         # what ends a completion, in the rollouts and in the loss mask alike: the student's EOS ids (default: the
         # tokenizer's alone)
+        eos_ids = rollouts.eos_ids
         self.eos_ids = eos_ids if eos_ids is not None else tuple(eos_set(tokenizer.eos_token_id))
+        self.engine = rollouts.engine  # opd.rollouts: engine (ars_opd.rollouts.schedule); None: this worker samples
 
     def metric_names(self) -> list[str]:
-        return ["teacher_logprob", "response_length", "eos_rate", "gen_s", "teacher_s", "on_policy"]
+        names = ["teacher_logprob", "response_length", "eos_rate", "gen_s", "teacher_s", "on_policy"]
+        return names + (list(ENGINE_METRICS) if self.engine is not None else [])
 
     def teacher_tokens(self, step: int) -> int:
         """0: OPD's teacher-text steps (GKD) train on the SFT stage's rows, which the SFT stage paid for
@@ -136,15 +162,34 @@ class OPDTask:
     def source(self, step: int) -> str:
         return "student" if uses_student_rollouts(self.seed, step, self.cfg.on_policy_fraction) else "teacher"
 
-    def micro_batches(self, step: int, model: torch.nn.Module) -> list[MicroBatch]:
+    def _indices(self, step: int) -> list[int]:
         idx = step_indices(step, len(self.prompts), self.geometry, self.sampler_seed, self.rank)
         if self.fault is not None:
             idx = self.fault.select(step, idx, self.item_tasks)
+        return idx
+
+    def _rollout_prompts(self, step: int) -> list[list[int]] | None:
+        """This worker's prompts at ``step`` if it samples the student then (the engine asks ahead), else None."""
+        if step >= self.cfg.steps or self.source(step) != "student":
+            return None
+        return [self.prompts[i] for i in self._indices(step)]
+
+    def micro_batches(self, step: int, model: torch.nn.Module) -> list[MicroBatch]:
+        idx = self._indices(step)
         prompts = [self.prompts[i] for i in idx]
         on_policy = self.source(step) == "student"
         t0 = time.perf_counter()
         sampling = GenerationCost()
-        if on_policy:
+        engine_meta: dict[str, tuple[float, float]] = {}
+        engine_logprobs = None
+        if self.engine is not None:  # sync if due and ask ahead, on every step (teacher-text steps included)
+            self.engine.prepare(step, model, self.device, self._rollout_prompts)
+        if on_policy and self.engine is not None:
+            got = self.engine.take(step, prompts)
+            completions, engine_logprobs = got.completions, got.logprobs
+            sampling.forward_tokens = got.tokens  # the engine's forward: each prompt once, then each sampled token
+            engine_meta = engine_step_metrics(got)
+        elif on_policy:
             sample = self.cfg.sample_temperature > 0
             with autocast_context(self.cfg.precision, self.device):  # rollouts in the training precision
                 completions = generate_token_ids(
@@ -166,14 +211,17 @@ class OPDTask:
         gen_s = time.perf_counter() - t0
         built = []
         for j in range(0, len(prompts), self.geometry.micro_batch):
-            built.append(
-                build_rollout_batch(
-                    prompts[j : j + self.geometry.micro_batch],
-                    completions[j : j + self.geometry.micro_batch],
-                    self.pad_id,
-                    self.eos_ids,
-                )
+            batch = build_rollout_batch(
+                prompts[j : j + self.geometry.micro_batch],
+                completions[j : j + self.geometry.micro_batch],
+                self.pad_id,
+                self.eos_ids,
             )
+            if engine_logprobs is not None:
+                batch["engine_logprobs"] = place_on_mask(
+                    batch["loss_mask"], engine_logprobs[j : j + self.geometry.micro_batch]
+                )
+            built.append(batch)
         t0 = time.perf_counter()
         # an endpoint teacher scores the whole step's sequences here, at once (a local one does nothing)
         self.teacher.attach(built, self.objective)
@@ -189,6 +237,7 @@ class OPDTask:
             if n == 0:
                 meta["gen_s"] = (gen_s, 1.0)
                 meta["teacher_s"] = (attach_s, 0.0)  # loss_sum adds the per-micro-batch part and the count
+                meta.update(engine_meta)
             t = {k: v.to(self.device) for k, v in b.items() if k not in ("lengths", "has_eos")}
             real = int(b["attention_mask"].sum())
             generated = int(b["lengths"].sum()) if on_policy else 0
@@ -210,19 +259,33 @@ class OPDTask:
         t0 = time.perf_counter()
         scores = self.teacher.score(t, self.objective, self.cfg.temperature)
         teacher_s = time.perf_counter() - t0
+        head = OutputHead.of(model, self.teacher.vocab)
+        targets = t["targets"][mask]
+        extra, weights = {}, None
+        if "engine_logprobs" in t:  # engine rollouts: the sampler's log p of each token against ours now
+            extra, weights = self._against_engine(hidden, head, targets, t["engine_logprobs"][mask])
         loss_sum, n = self.objective.loss(
-            hidden,
-            OutputHead.of(model, self.teacher.vocab),
-            scores,
-            t["targets"][mask],
-            self.cfg.beta,
-            self.cfg.temperature,
-            self.cfg.chunk_size,
+            hidden, head, scores, targets, self.cfg.beta, self.cfg.temperature, self.cfg.chunk_size, row_weights=weights
         )
         return loss_sum, {
             "teacher_logprob": (float(scores.target_logprobs().sum()), float(n)),
             "teacher_s": (teacher_s, 1.0 if batch.meta.get("gen_s") else 0.0),
+            **extra,
         }
+
+    @torch.no_grad()
+    def _against_engine(self, hidden, head, targets, engine_lp) -> tuple[dict, torch.Tensor | None]:
+        """|log q_now − log q_engine| of the sampled tokens (0 up to rounding at lag 0: the engine served these
+        very weights), and for ``sampled_token`` with a lag the truncated importance weights
+        min(c, q_now / q_sampler) that correct its estimator for the older policy that sampled."""
+        now = target_logprobs(hidden.detach(), head, targets, (1.0,), self.cfg.chunk_size)[0]
+        diff = (now - engine_lp.float()).abs()
+        extra = {"engine_abs_dlogp": (float(diff.sum()), float(diff.numel()))}
+        weights = None
+        if self.cfg.loss == "sampled_token" and self.cfg.engine.max_lag > 0:
+            weights = torch.exp(now - engine_lp.float()).clamp(max=self.cfg.engine.max_importance_weight)
+            extra["importance_weight"] = (float(weights.sum()), float(weights.numel()))
+        return extra, weights
 
 
 def _encode(tokenizer, rows: list[dict], cfg: OPDConfig) -> OPDData:
@@ -259,13 +322,14 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     data = _encode(tokenizer, rows, job.cfg)
     if not data.prompts:
         raise ValueError(f"no OPD prompts left after the budget: {data.counts}")
+    eos_ids = eos_token_ids(model, tokenizer)
     task = OPDTask(
         data,
         teacher,
         job.cfg,
         setup,
         sizes=ModelSizes(matmul_parameters(model), teacher_params),
-        eos_ids=eos_token_ids(model, tokenizer),
+        rollouts=RolloutSetup(eos_ids, _engine_rollouts(job, setup, eos_ids) if job.cfg.rollouts == "engine" else None),
     )
     fingerprint = {
         "init": student.init,
@@ -283,6 +347,25 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     )
 
 
+def _engine_rollouts(job: TrainingJob, setup: WorkerSetup, eos_ids: tuple[int, ...]) -> EngineRollouts:
+    """This worker's side of the rollout engine that ``run_opd`` started or named."""
+    ep, cfg = job.rollout_engine, job.cfg
+    if ep is None:
+        raise ValueError("opd.rollouts: engine, but the job carries no rollout engine (run_opd resolves it)")
+    plan = RolloutPlan(
+        steps=cfg.steps,
+        max_lag=cfg.engine.max_lag,
+        sync_every=cfg.engine.sync_every,
+        sync_dir=Path(ep.sync_dir),
+        seed=setup.stage_seed,
+        probe_tokens=cfg.engine.probe_tokens,
+        probe_tolerance=cfg.engine.probe_tolerance,
+    )
+    spec = SamplingSpec(cfg.sample_temperature, cfg.top_p, cfg.max_new_tokens, tuple(eos_ids))
+    client = EngineClient(ep.url, ep.model, ep.settings, cfg.engine.concurrency)
+    return EngineRollouts(client, plan, spec, setup.ctx.rank, setup.ctx.world_size)
+
+
 def opd_worker(job: TrainingJob) -> dict:
     return run_worker(job, prepare_opd)
 
@@ -295,10 +378,27 @@ def run_opd(job: TrainingJob) -> dict:
     stage's duration; under an outside launcher every process does this for itself.
     """
     job.check()  # before any worker starts: e.g. a loss the rollouts cannot serve is a config error
-    if job.cfg.teacher == "local":
-        return launch_stage(opd_worker, job)
-    with scoring_endpoint(job.cfg, job.paths) as endpoint:
+    with contextlib.ExitStack() as stack:
+        if job.cfg.rollouts == "engine":
+            job = dataclasses.replace(job, rollout_engine=stack.enter_context(_rollout_engine(job)))
+        if job.cfg.teacher == "local":
+            return launch_stage(opd_worker, job)
+        endpoint = stack.enter_context(scoring_endpoint(job.cfg, job.paths))
         check_scoring_endpoint(endpoint, job)
-        # the resolved endpoint is run-time only: a bundled server's port changes every run, and must not keep a
-        # checkpoint from resuming (job.scoring is outside the checkpoint fingerprint)
+        # the resolved endpoints are run-time only: a started server's port changes every run, and must not keep a
+        # checkpoint from resuming (job.scoring and job.rollout_engine are outside the checkpoint fingerprint)
         return launch_stage(opd_worker, dataclasses.replace(job, scoring=endpoint))
+
+
+def _rollout_engine(job: TrainingJob):
+    """The rollout engine for the stage (``ars_opd.rollouts.engines``), serving the models-stage student (the
+    first sync loads the run's starting weights into it). Started engines live in this process: under an outside
+    launcher with several processes each would start its own, and only rank 0's would get the weights."""
+    engine = job.cfg.engine
+    if engine.server in (BUNDLED, VLLM) and launched_externally() and job.ddp.workers > 1:
+        raise ValueError(
+            f"opd.engine.server: {engine.server} starts an engine in each launched process, but only rank 0 "
+            "publishes weights: under torchrun start the engine once yourself and set opd.engine.server to its URL"
+        )
+    student_dir = model_path(job.paths.models_dir, "student")
+    return rollout_endpoint(engine, student_dir, Path(job.paths.opd_checkpoints) / "engine")

@@ -55,7 +55,8 @@ from ars_opd.training.loop import Trainer
 from ars_opd.training.snapshots import snapshot_dir
 from ars_opd.training.task import RunHooks, RunIdentity, TrainingTask
 
-if TYPE_CHECKING:  # the HTTP client is imported only by a run that scores through an endpoint
+if TYPE_CHECKING:  # the HTTP client is imported only by a run that scores or samples through an endpoint
+    from ars_opd.rollouts.engines import RolloutEndpoint
     from ars_opd.teacher.client.endpoint import ClientSettings
 
 
@@ -94,6 +95,9 @@ class TrainingJob:
     control: ControlConfig = field(default_factory=ControlConfig)
     """``control``: train rows held back from sft and opd, and whether the control arm trains on them."""
     scoring: ScoringEndpoint | None = None
+    rollout_engine: RolloutEndpoint | None = None
+    """OPD with ``opd.rollouts: engine``: the engine that samples, resolved by ``run_opd`` for the stage's
+    duration; outside the checkpoint fingerprint like ``scoring``."""
     """OPD with ``opd.teacher: endpoint``: the endpoint, resolved by ``run_opd`` for the stage's duration.
     Outside the checkpoint fingerprint (``run_worker`` fingerprints cfg, ddp, adapter and the data), so a
     rerun against another port still resumes."""

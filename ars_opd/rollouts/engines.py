@@ -1,0 +1,96 @@
+"""Starting the rollout engine for the opd stage: the bundled server, a real vLLM, or a server already running.
+
+``opd.engine.server``:
+
+- ``bundled``: our server (``python -m ars_opd.teacher.server``) with weight updates on, the embedded
+  default: nothing to install;
+- ``vllm``: vLLM from its own environment (``ars_opd.teacher.client.vllm_server``), started with our weight
+  sync worker extension, chunked prefill off (per-request seeds otherwise crash vLLM CPU's engine) and
+  vLLM's own generation defaults (never the checkpoint's);
+- an ``http(s)://`` URL: a server the user started (the README gives the exact vLLM command); it must have
+  the extension loaded and ``VLLM_SERVER_DEV_MODE=1``, which the first sync checks.
+
+Either started server serves the models-stage student directory (architecture and tokenizer); the first sync,
+before the first rollout, replaces its weights with the run's starting student (the SFT model, merged with its
+adapter if any), and the probe proves it (``ars_opd.rollouts.verify``). The engine runs for the stage's
+duration in the launching process; workers only talk to it over HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from ars_opd.teacher.client.endpoint import ClientSettings
+
+BUNDLED = "bundled"
+VLLM = "vllm"
+
+
+@dataclass(frozen=True)
+class RolloutEndpoint:
+    """The rollout engine as this run reaches it: its URL, the served model's name, the client settings, and the
+    directory rank 0 writes versions to (readable by the engine). Run-time only: a started engine's port
+    changes every run, so it stays out of the checkpoint fingerprint."""
+
+    url: str
+    model: str
+    settings: ClientSettings
+    sync_dir: str
+
+
+@contextlib.contextmanager
+def rollout_endpoint(engine, student_dir: str, log_dir: Path) -> Iterator[RolloutEndpoint]:
+    """The engine for the stage's duration (``rollout_engine``), with its client settings and a sync directory:
+    ``engine.sync_dir``, or a temporary one removed at the end (a version is as large as the student)."""
+    from ars_opd.config import EndpointConfig
+
+    with contextlib.ExitStack() as stack:
+        sync_dir = engine.sync_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="ars-opd-engine-sync-"))
+        url = stack.enter_context(rollout_engine(engine, student_dir, log_dir))
+        limits = EndpointConfig(
+            endpoint=url,
+            model=engine.model,
+            concurrency=engine.concurrency,
+            request_timeout_s=engine.request_timeout_s,
+            max_attempts=engine.max_attempts,
+        )
+        yield RolloutEndpoint(url, engine.model, ClientSettings(url, "EMPTY", limits), str(sync_dir))
+
+
+@contextlib.contextmanager
+def rollout_engine(engine, student_dir: str, log_dir: Path) -> Iterator[str]:
+    """Start (or name) the engine described by ``engine`` (``RolloutEngineConfig``); yield its base URL."""
+    if engine.transport != "filesystem":
+        raise ValueError(
+            f"opd.engine.transport: {engine.transport} needs vLLM on CUDA with its weight-transfer routes; "
+            "this build syncs through the filesystem only (opd.engine.transport: filesystem)"
+        )
+    if engine.server == BUNDLED:
+        from ars_opd.teacher.client.local_server import local_teacher_server
+
+        with local_teacher_server(
+            student_dir, engine.bundled, model_name=engine.model, extra_args=("--weight-updates",)
+        ) as url:
+            yield url
+    elif engine.server == VLLM:
+        from ars_opd.teacher.client.vllm_server import VLLMOptions, check_head_size, vllm_server
+
+        check_head_size(student_dir)
+        config = json.loads((Path(student_dir) / "config.json").read_text())
+        opts = VLLMOptions(
+            served_model_name=engine.model,
+            max_model_len=engine.max_model_len or int(config["max_position_embeddings"]),
+            cpus=engine.cpus,
+            weight_sync=True,
+            startup_timeout_s=engine.startup_timeout_s,
+        )
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with vllm_server(student_dir, opts, log_path=log_dir / "vllm-rollouts.log") as url:
+            yield url
+    else:
+        yield engine.server
