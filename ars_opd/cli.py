@@ -22,7 +22,8 @@ Subcommands:
 - ``ars-opd vllm serve MODEL_DIR [--port P] [--name N] [-- COMMAND ...]``: serve a local model directory with
   vLLM on 127.0.0.1 with the flags OPD scoring needs (``ars_opd.teacher.client.vllm_server``); with a COMMAND,
   run it with the server's URL in ``$ARS_OPD_VLLM_URL``, stop the server and exit with the command's status
-  (``make repro-vllm``); without one, serve until Ctrl-C.
+  (``make repro-vllm``); without one, serve until Ctrl-C. ``--rollout-engine`` serves a student for
+  ``opd.rollouts: engine`` (``ars_opd.rollouts``).
 """
 
 from __future__ import annotations
@@ -243,6 +244,7 @@ def _vllm_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_logprobs=args.max_logprobs,
         logprobs_mode=args.logprobs_mode,
+        weight_sync=args.rollout_engine,
     )
     command = args.command_line
     try:
@@ -320,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--logprobs-mode", default="raw_logprobs", help="vLLM's --logprobs-mode (default raw_logprobs: OPD needs it)"
     )
     vs.add_argument("--log", default=None, help="write the server's output here (default: a temporary file)")
+    vs.add_argument(
+        "--rollout-engine",
+        action="store_true",
+        help="serve a student for opd.rollouts: engine (our weight-sync worker extension, dev mode, vLLM's own "
+        "generation defaults, chunked prefill off)",
+    )
     vs.set_defaults(func=_vllm_serve, command_line=[])  # `-- COMMAND ...` after the options: split off in main
     return parser
 

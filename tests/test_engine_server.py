@@ -39,6 +39,7 @@ from ars_opd.rollouts.engine_api import (
     EngineResponseError,
     SamplingSpec,
 )
+from ars_opd.rollouts.verify import StaleEngineError, check_probe, probe_bound, probe_ids, trainer_logprobs
 from ars_opd.teacher.server import app as teacher_server
 from ars_opd.teacher.server.options import ServerOptions
 from server_thread import ServerThread
@@ -477,8 +478,17 @@ def test_vllm_extension_refreshes_the_tied_head_where_reload_weights_leaves_it_s
         )
         assert status == 200, answer
         stock = {name: served_gap(client, m, probe, vocab) for name, m in (("new", new), ("hybrid", hybrid))}
+        # the trainer's version probe refuses the stale head (ars_opd.rollouts.verify)
+        ids = probe_ids(vocab, 33, seed=0)
+        new_lp, max_logit = trainer_logprobs(new, ids, torch.device("cpu"))
+        old_lp, _ = trainer_logprobs(old, ids, torch.device("cpu"))
+        bound = probe_bound(new.config, len(ids) - 1, max_logit, new.config.vocab_size)
+        with pytest.raises(StaleEngineError, match="does not serve policy version 1"):
+            check_probe(client.prompt_logprobs(ids), new_lp, old_lp, bound, client.url, 1)
         result = client.load_weights(str(path))
         ours = {name: served_gap(client, m, probe, vocab) for name, m in (("new", new), ("hybrid", hybrid))}
+        fresh = check_probe(client.prompt_logprobs(ids), new_lp, old_lp, bound, client.url, 1)
+        assert fresh.max_abs_diff <= bound and fresh.distinguishable
     finally:
         restored = client.load_weights(str(original))
     back = served_gap(client, old, probe, vocab)
