@@ -12,6 +12,7 @@ workers (``ars_opd.training.distributed.launch``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,6 +219,10 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         layout = config_fingerprint({job.stage: cfg, "ddp": layout_free(ddp), **adapter, **run.fingerprint})
         trainer = Trainer.build(ctx, run.model, run.task, job.cfg, job.ddp, RunHooks(run.on_step, fault, job.progress))
         state, log, totals, trained = trainer.fit(out, RunIdentity(fingerprint, layout, run.budget_start))
+        # the wrapped model (DDP's reducer, FSDP's hooks) must go while the process group lives: destroyed after
+        # shutdown_worker, a rank's teardown can block for good (seen in CI once the trainer outlived the loop)
+        del trainer
+        gc.collect()
         if ctx.is_main:
             shutil.rmtree(Path(out.model) / "adapter", ignore_errors=True)  # a previous run's adapter
             save_trained(trained, Path(out.model), read_manifest(job.paths.models_dir)["student"]["revision"])
