@@ -8,6 +8,7 @@ the teacher's own HF forward in this process, and a counting proxy in front of v
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -42,6 +43,7 @@ from ars_opd.teacher.client.score import NotLogprobsError, ScoringError, check_t
 from ars_opd.training.opd import run_opd
 from ars_opd.training.opd_teacher_setup import check_scoring_endpoint
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
+from ars_opd.training.worker import ScoringEndpoint, TrainingJob
 from fake_endpoint import FaultyProxy
 from tolerances import forward_bound, two_computations
 
@@ -302,7 +304,7 @@ def _opd_run(root: Path) -> list[dict]:
     os.chdir(root)
     try:
         p = load_params("params.yaml")
-        run_opd(p.opd, p.ddp, p.paths, progress=False)
+        run_opd(TrainingJob.from_params("opd", p, progress=False))
         return read_jsonl(p.paths.training("opd").steps)
     finally:
         os.chdir(cwd)
@@ -384,9 +386,14 @@ def test_a_raw_logits_server_is_refused_before_step_zero(vllm_teacher):
     try:
         p = load_params("params.yaml")
         cfg = OPDConfig(teacher="endpoint", loss="topk", topk=5)
-        check_scoring_endpoint(vllm_teacher.url, "teacher", cfg, p.paths)
+        job = dataclasses.replace(TrainingJob.from_params("opd", p), cfg=cfg)
+
+        def endpoint(url: str) -> ScoringEndpoint:
+            return ScoringEndpoint(url, "teacher", ClientSettings(url, "EMPTY", cfg.teacher_endpoint))
+
+        check_scoring_endpoint(endpoint(vllm_teacher.url), job)
         with pytest.raises(NotLogprobsError, match="--logprobs-mode raw_logprobs"):
-            check_scoring_endpoint(vllm_teacher.raw_logits_url, "teacher", cfg, p.paths)
+            check_scoring_endpoint(endpoint(vllm_teacher.raw_logits_url), job)
     finally:
         os.chdir(cwd)
     assert issubclass(NotLogprobsError, EndpointError)  # a stage prints it alone and exits 4
