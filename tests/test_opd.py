@@ -95,6 +95,11 @@ def test_opd_stage_end_to_end_on_micro_config(tmp_path, loss, lam):
             "task/teacher_logprob",
             "task/response_length",
             "task/eos_rate",
+            "task/truncation_rate",
+            "task/correct_rate",
+            "task/divergence_first_half",
+            "task/divergence_second_half",
+            "lr",
             "consistency/grad_direction_consistency",
             "grad_norm",
             "worker_loss",
@@ -103,6 +108,7 @@ def test_opd_stage_end_to_end_on_micro_config(tmp_path, loss, lam):
         assert "task/gen_s" not in r and "task/teacher_s" not in r  # wall-clock columns: DVCLive only
         assert r["task/teacher_logprob"] <= 0 and 0 <= r["task/eos_rate"] <= 1
         assert 1 <= r["task/response_length"] <= 6
+        assert 0 <= r["task/correct_rate"] <= 1 and 0 <= r["task/truncation_rate"] <= 1 - r["task/eos_rate"]
         if loss == "full_vocab":
             assert r["loss"] >= 0  # a divergence
         assert r["task/on_policy"] == (1.0 if r["gkd_source"] == "student" else 0.0)

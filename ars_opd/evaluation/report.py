@@ -6,7 +6,8 @@ present, the committed detection benchmark (``reports/detection.jsonl``), and wr
 every alarm of the consistency detector with its rank), PNG figures, per-step CSV series for
 ``dvc plots`` and a flat metrics JSON for ``dvc exp show``.
 
-The sections come from ``ars_opd.evaluation.equal_budget`` (did distillation work) and
+The sections come from ``ars_opd.evaluation.equal_budget`` (did distillation work),
+``ars_opd.evaluation.rollout_dashboard`` (how a rollout-trained stage's samples changed) and
 ``ars_opd.evaluation.consistency_report`` (the workers); this module assembles them. ``build_report`` does the
 arithmetic and the text; ``write_report`` does the I/O.
 """
@@ -33,6 +34,7 @@ from ars_opd.evaluation.consistency_report import (
 from ars_opd.evaluation.detector import Alarm, standardised_residuals
 from ars_opd.evaluation.distillation import curve_figure
 from ars_opd.evaluation.equal_budget import budget_note, compare, headline, regime_note
+from ars_opd.evaluation.rollout_dashboard import dashboard_section, has_rollouts
 from ars_opd.evaluation.tables import render_table
 
 
@@ -77,6 +79,12 @@ def build_report(
             for key in ("exact_match", "reverse_kl", "teacher_nll"):
                 if m.get(key) is not None:
                     flat[f"eval/{model}/{key}"] = m[key]
+    dashboards = [dashboard_section(stage, df) for stage, df in stage_logs.items() if not df.empty and has_rollouts(df)]
+    if dashboards:
+        md += ["## The rollouts", ""]
+        for part, part_flat in dashboards:
+            md += part
+            flat.update(part_flat)
     md += ["## Worker consistency", "", DEFINITIONS, "", "### The detector", "", detector_text(cfg), ""]
     if benchmark is not None:
         md += benchmark[0]

@@ -193,3 +193,12 @@ def build_rollout_batch(
         "lengths": torch.tensor([len(c) for c, _ in cut]),
         "has_eos": torch.tensor([e for _, e in cut]),
     }
+
+
+def in_first_half(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(M,) bool over the True entries of ``loss_mask`` (B, T), in row-major order (the order a loss's M scored
+    rows come in): whether each is in the first half of its row's scored positions, i.e. the j-th (from 0) of L
+    with 2j < L (of an odd L the middle one goes to the first half)."""
+    ordinal = loss_mask.long().cumsum(1) - 1
+    length = loss_mask.sum(1, keepdim=True)
+    return (2 * ordinal < length)[loss_mask]

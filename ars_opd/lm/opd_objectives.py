@@ -108,14 +108,29 @@ class Objective(ObjectiveRules):
         chunk_size: int,
         *,
         row_weights: torch.Tensor | None = None,
+        record: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, int]:
         """(summed loss over the M rows with grad to ``hidden`` (M, H) and the head, M). ``row_weights`` (M,):
         each row's loss and gradient scaled by its weight (importance weights of rollouts sampled by an older
-        policy; ``ars_opd.training.opd``)."""
+        policy; ``ars_opd.training.opd``). ``record`` (M,) fp32, if given, receives each row's own value, before
+        any weight (the per-token divergence the step log splits by position)."""
         terms = self.terms(teacher, targets, beta, temperature)
+        if record is not None:
+            terms = _recorded(terms, record)
         if row_weights is not None:
             terms = _weighted(terms, row_weights)
         return chunked_head_loss(hidden, head, terms, chunk_size), int(hidden.shape[0])
+
+
+def _recorded(terms: RowTerms, out: torch.Tensor) -> RowTerms:
+    """``terms`` that also copy each row's value into ``out`` (the loss walks every row once, chunk by chunk)."""
+
+    def recorded(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        value, grad = terms(z, start, end, need_grad)
+        out[start:end] = value.detach().float()
+        return value, grad
+
+    return recorded
 
 
 def _weighted(terms: RowTerms, weights: torch.Tensor) -> RowTerms:

@@ -30,9 +30,16 @@ White-box rule: teacher and student must share the tokenizer (checked at start, 
 Vocabulary rule: logits are compared over the tokenizer's ids 0..len(tokenizer)-1 only; embedding rows
 beyond it (e.g. 151,936 vs 152,064) are padding and are sliced off both sides.
 
-Per-step task columns: teacher_logprob (mean log p_T of the trained tokens at τ = 1), response_length,
-eos_rate, on_policy, and the seconds spent sampling (gen_s) and in the teacher's forward to its hidden states
-(teacher_s; with ``full_vocab`` its head runs inside the chunked loss).
+Per-step task columns, the dashboard a user reads first when OPD goes wrong (steps.jsonl, DVCLive, the
+report's rollout section; ``lr`` is the engine's column): teacher_logprob (mean log p_T of the trained tokens at
+τ = 1), response_length (tokens, EOS included), eos_rate, truncation_rate (completions that reached
+``max_new_tokens`` without an EOS), correct_rate (the share of the step's completions whose answer is correct,
+checked as the evaluation checks it: ``ars_opd.data.synthetic.is_correct_for``; only where every row carries a
+task and a reference, i.e. the synthetic tasks), divergence_first_half and divergence_second_half (the
+objective's per-token value, reverse KL under the default β = 1, averaged over the tokens in the first and the
+second half of each completion: ``ars_opd.lm.batching.in_first_half``), on_policy, and the seconds spent
+sampling (gen_s) and in the teacher's forward to its hidden states (teacher_s; with ``full_vocab`` its head runs
+inside the chunked loss).
 
 Budget (``ars_opd.training.budget``): sampling is charged 2·P_s per token position the student's forward
 computed while generating (``ars_opd.lm.generation.GenerationCost``): the left-padded prompt batch, padding
@@ -55,8 +62,9 @@ import torch
 
 from ars_opd.config import OPDConfig, launched_externally
 from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
-from ars_opd.lm.batching import build_rollout_batch, eos_set, pad_token_id
-from ars_opd.lm.generation import GenerationCost, eos_token_ids, generate_token_ids
+from ars_opd.data.synthetic import is_correct_for
+from ars_opd.lm.batching import build_rollout_batch, eos_set, in_first_half, pad_token_id
+from ars_opd.lm.generation import GenerationCost, decode_completion, eos_token_ids, generate_token_ids
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows, target_logprobs
 from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.lm.optim import autocast_context
@@ -99,6 +107,13 @@ class OPDData:
     completions: list[list[int]]  # the teacher's, for GKD's teacher-text steps
     tasks: list[str | None] | None = None  # each row's task label (synthetic data), for a task-selective fault
     counts: dict = field(default_factory=dict)  # rows kept and dropped, for the manifest
+    references: list[str | None] | None = None  # each row's reference answer (synthetic data), for correct_rate
+
+    def checkable(self) -> bool:
+        """Whether every row's answer can be checked: a task label and a reference on each (the synthetic tasks)."""
+        return bool(self.tasks and self.references) and all(
+            t is not None and r is not None for t, r in zip(self.tasks, self.references)
+        )
 
 
 class ModelSizes(NamedTuple):
@@ -141,6 +156,7 @@ class OPDTask:
         self.sampler_seed, self.seed = setup.sampler_seed, setup.stage_seed
         self.rank, self.device = setup.ctx.rank, setup.ctx.device
         self.fault, self.item_tasks = setup.fault, data.tasks or [None] * len(data.prompts)
+        self.references = data.references if data.checkable() else None  # None: no correct_rate column
         self.student_params, self.teacher_params = sizes  # ars_opd.training.budget
         self.objective = get_objective(cfg.loss)
         self.pad_id = pad_token_id(tokenizer)
@@ -151,7 +167,9 @@ class OPDTask:
         self.engine = rollouts.engine  # opd.rollouts: engine (ars_opd.rollouts.schedule); None: this worker samples
 
     def metric_names(self) -> list[str]:
-        names = ["teacher_logprob", "response_length", "eos_rate", "gen_s", "teacher_s", "on_policy"]
+        names = ["teacher_logprob", "response_length", "eos_rate", "truncation_rate"]
+        names += ["correct_rate"] if self.references is not None else []
+        names += ["divergence_first_half", "divergence_second_half", "gen_s", "teacher_s", "on_policy"]
         return names + (list(ENGINE_METRICS) if self.engine is not None else [])
 
     def teacher_tokens(self, step: int) -> int:
@@ -229,11 +247,16 @@ class OPDTask:
         out = []
         for n, (j, b) in enumerate(zip(range(0, len(prompts), self.geometry.micro_batch), built)):
             n_seq = b["lengths"].numel()
+            cut = (~b["has_eos"]) & (b["lengths"] >= self.cfg.max_new_tokens)
             meta = {
                 "response_length": (float(b["lengths"].sum()), float(n_seq)),
                 "eos_rate": (float(b["has_eos"].sum()), float(n_seq)),
+                "truncation_rate": (float(cut.sum()), float(n_seq)),
                 "on_policy": (float(on_policy), 1.0),
             }
+            if self.references is not None:
+                rows = idx[j : j + self.geometry.micro_batch]
+                meta["correct_rate"] = (float(self._correct(rows, completions[j : j + n_seq])), float(n_seq))
             if n == 0:
                 meta["gen_s"] = (gen_s, 1.0)
                 meta["teacher_s"] = (attach_s, 0.0)  # loss_sum adds the per-micro-batch part and the count
@@ -264,14 +287,34 @@ class OPDTask:
         extra, weights = {}, None
         if "engine_logprobs" in t:  # engine rollouts: the sampler's log p of each token against ours now
             extra, weights = self._against_engine(hidden, head, targets, t["engine_logprobs"][mask])
+        per_token = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         loss_sum, n = self.objective.loss(
-            hidden, head, scores, targets, self.cfg.beta, self.cfg.temperature, self.cfg.chunk_size, row_weights=weights
+            hidden,
+            head,
+            scores,
+            targets,
+            self.cfg.beta,
+            self.cfg.temperature,
+            self.cfg.chunk_size,
+            row_weights=weights,
+            record=per_token,
         )
+        first = in_first_half(mask)
         return loss_sum, {
             "teacher_logprob": (float(scores.target_logprobs().sum()), float(n)),
+            "divergence_first_half": (float(per_token[first].sum()), float(first.sum())),
+            "divergence_second_half": (float(per_token[~first].sum()), float((~first).sum())),
             "teacher_s": (teacher_s, 1.0 if batch.meta.get("gen_s") else 0.0),
             **extra,
         }
+
+    def _correct(self, rows: list[int], completions: list[list[int]]) -> int:
+        """How many of these completions (token ids, cut at the first EOS when decoded) answer their row
+        correctly, as the evaluation checks it."""
+        return sum(
+            is_correct_for(self.item_tasks[i], decode_completion(self.tokenizer, c, self.eos_ids), self.references[i])
+            for i, c in zip(rows, completions)
+        )
 
     @torch.no_grad()
     def _against_engine(self, hidden, head, targets, engine_lp) -> tuple[dict, torch.Tensor | None]:
@@ -305,7 +348,11 @@ def _encode(tokenizer, rows: list[dict], cfg: OPDConfig) -> OPDData:
         "teacher_truncated": sum(not teacher_ended(r) for r in rows),
     }
     return OPDData(
-        [prompts[i] for i in keep], [completions[i] for i in keep], [rows[i].get("task") for i in keep], counts
+        [prompts[i] for i in keep],
+        [completions[i] for i in keep],
+        [rows[i].get("task") for i in keep],
+        counts,
+        [rows[i].get("reference") for i in keep],
     )
 
 

@@ -1,0 +1,260 @@
+"""The rollout dashboard (issue: why OPD falls below its start): each column against an oracle of its own.
+
+- ``correct_rate``: the task's share against a brute-force check of the completions the step trained on, read
+  back from its micro-batches (the targets under the loss mask), decoded and compared with the answer
+  recomputed from the instruction and input alone (``synthetic.expected_answer``), not the rows' reference;
+- ``truncation_rate``: the completions without an EOS that reached ``max_new_tokens``, counted from the same;
+- ``divergence_first_half`` / ``_second_half``: per-token reverse KL from a float64 oracle of both models'
+  logits (torch.distributions), split by a loop over each completion's positions, within the derived fp32
+  bound of the loss's rows (``tests.tolerances.loss_bound``);
+- the report's table: each span's mean against pandas on the rows of that span.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pandas as pd
+import pytest
+import torch
+from torch.distributions import Categorical, kl_divergence
+
+from ars_opd.config import OPDConfig
+from ars_opd.data import synthetic
+from ars_opd.data.prompts import alpaca_messages, encode_prompts, encode_teacher_completions
+from ars_opd.evaluation.rollout_dashboard import dashboard_section, windows_of
+from ars_opd.lm.batching import in_first_half
+from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
+from ars_opd.training.batch_plan import BatchGeometry
+from ars_opd.training.distributed import WorkerContext
+from ars_opd.training.opd import ModelSizes, OPDData, OPDTask, RolloutSetup
+from ars_opd.training.opd_teachers import LocalTeacher
+from ars_opd.training.worker import WorkerSetup
+from tests.tolerances import linear_bound, loss_bound
+
+MAX_NEW = 6
+
+
+def _model(vocab: int, seed: int, eos: int, pad: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():  # far from uniform, so the halves' divergences differ
+        model.get_output_embeddings().weight.mul_(4.0)
+    return model
+
+
+def _rows(n: int) -> list[dict]:
+    """Synthetic rows whose teacher completion is right on even rows and wrong on odd ones; every third wrong
+    one too long for ``MAX_NEW`` (cut there, so no EOS: truncated)."""
+    rows = synthetic.generate(n, seed=3, tasks=("add", "reverse", "uppercase"))
+    for i, r in enumerate(rows):
+        r["messages"] = alpaca_messages(r["instruction"], r["input"])
+        r["reference"] = right = r["output"]
+        r["completion"] = right if i % 2 == 0 else (right + "x" * MAX_NEW if i % 3 == 1 else right + "9")
+        r["finish_reason"] = "stop"
+    return rows
+
+
+def _task(tok, rows, on_policy_fraction: float, seed: int = 1):
+    vocab = len(tok)
+    student = _model(vocab, seed, tok.eos_token_id, tok.pad_token_id)
+    teacher = _model(vocab, seed + 10, tok.eos_token_id, tok.pad_token_id)
+    prompts = encode_prompts(tok, [r["messages"] for r in rows])
+    data = OPDData(
+        prompts,
+        encode_teacher_completions(tok, rows),
+        [r["task"] for r in rows],
+        {},
+        [r["reference"] for r in rows],
+    )
+    cfg = OPDConfig(
+        global_batch_size=len(rows),
+        micro_batch_size=4,
+        max_new_tokens=MAX_NEW,
+        on_policy_fraction=on_policy_fraction,
+        precision="fp32",
+    )
+    ctx = WorkerContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    task = OPDTask(
+        data,
+        LocalTeacher(teacher, vocab),
+        cfg,
+        WorkerSetup(ctx, tok, BatchGeometry.check(len(rows), 1, 4, "opd"), sampler_seed=3, stage_seed=4, fault=None),
+        sizes=ModelSizes(1, 1),
+        rollouts=RolloutSetup(eos_ids=(tok.eos_token_id,)),
+    )
+    return task, student, teacher, prompts
+
+
+def _trained_completions(batches) -> list[tuple[int, list[int]]]:
+    """(prompt length, completion ids) of every sequence the step trains on, read back from the micro-batches."""
+    out = []
+    for b in batches:
+        mask, targets = b.tensors["loss_mask"], b.tensors["targets"]
+        for i in range(mask.shape[0]):
+            pos = mask[i].nonzero().flatten().tolist()
+            out.append((pos[0] + 1, targets[i, pos].tolist()))
+    return out
+
+
+def _rate(batches, name: str) -> float:
+    s = sum(b.meta[name][0] for b in batches)
+    c = sum(b.meta[name][1] for b in batches)
+    return s / c
+
+
+@pytest.mark.parametrize("on_policy_fraction", [0.0, 1.0])
+def test_correct_and_truncation_rates_against_a_brute_force_check(char_tokenizer, on_policy_fraction):
+    tok = char_tokenizer
+    rows = _rows(16)
+    task, student, _, prompts = _task(tok, rows, on_policy_fraction)
+    by_prompt = {tuple(p): r for p, r in zip(prompts, rows)}
+    torch.manual_seed(0)
+    batches = task.micro_batches(0, student)
+    assert "correct_rate" in task.metric_names() and "truncation_rate" in task.metric_names()
+    correct = truncated = 0
+    seen = _trained_completions(batches)
+    for b_i, (plen, completion) in enumerate(seen):
+        # the batch's row: find it by its prompt ids (the step's order is the sampler's, unknown here)
+        b = batches[b_i // 4]
+        ids = b.tensors["input_ids"][b_i % 4, :plen].tolist()
+        row = by_prompt[tuple(ids)]
+        ended = completion[-1] == tok.eos_token_id
+        text = tok.decode(completion[:-1] if ended else completion, skip_special_tokens=True)
+        instruction, inp = row["instruction"], row["input"]
+        correct += text.strip() == synthetic.expected_answer(row["task"], instruction, inp).strip()
+        truncated += (not ended) and len(completion) >= MAX_NEW
+    assert len(seen) == 16
+    assert _rate(batches, "correct_rate") == correct / 16
+    assert _rate(batches, "truncation_rate") == truncated / 16
+    if on_policy_fraction == 0.0:  # the teacher's completions, made half right, a third of the wrong ones too long
+        assert correct == 8 and 0 < truncated < 8
+
+
+def test_no_correct_rate_without_references(char_tokenizer):
+    rows = _rows(8)
+    task, *_ = _task(char_tokenizer, rows, 1.0)
+    task.references = None  # what OPDTask keeps when a row lacks a task or a reference (an HF dataset)
+    assert "correct_rate" not in task.metric_names()
+    data = OPDData([[1]] * 2, [[2]] * 2, ["add", None], {}, ["3", "4"])
+    assert not data.checkable()
+    assert OPDData([[1]], [[2]], ["add"], {}, ["3"]).checkable()
+
+
+def test_in_first_half_against_a_loop():
+    rng = random.Random(0)
+    mask = torch.zeros(6, 20, dtype=torch.bool)
+    for i in range(6):
+        start, n = rng.randint(0, 8), rng.randint(1, 11)
+        mask[i, start : start + n] = True
+    expected = []
+    for i in range(6):
+        n = int(mask[i].sum())
+        expected += [j < (n + 1) // 2 for j in range(n)]  # the first ceil(n/2) positions
+    assert in_first_half(mask).tolist() == expected
+
+
+def test_divergence_halves_against_a_float64_oracle(char_tokenizer):
+    tok = char_tokenizer
+    rows = _rows(8)
+    task, student, teacher, _ = _task(tok, rows, 1.0, seed=2)
+    torch.manual_seed(1)
+    batches = task.micro_batches(0, student)
+    sums = {"divergence_first_half": [0.0, 0.0], "divergence_second_half": [0.0, 0.0]}
+    oracle = {"divergence_first_half": [0.0, 0.0, 0.0], "divergence_second_half": [0.0, 0.0, 0.0]}
+    vocab = len(tok)
+    for b in batches:
+        _, metrics = task.loss_sum(student, b)
+        for k in sums:
+            sums[k][0] += metrics[k][0]
+            sums[k][1] += metrics[k][1]
+        t = b.tensors
+        mask = t["loss_mask"]
+        with torch.no_grad():
+            hs = select_rows(last_hidden_states(student, t["input_ids"], t["attention_mask"]), mask)
+            ht = select_rows(last_hidden_states(teacher, t["input_ids"], t["attention_mask"]), mask)
+            ws, wt = OutputHead.of(student, vocab).weight, OutputHead.of(teacher, vocab).weight
+            zs, zt = torch.nn.functional.linear(hs.double(), ws.double()), torch.nn.functional.linear(ht.double(), wt.double())
+        per_row = kl_divergence(Categorical(logits=zs), Categorical(logits=zt))  # KL(q_student ‖ p_teacher)
+        _, bounds = loss_bound(
+            "divergence", zs, linear_bound(hs, ws), zt, linear_bound(ht, wt), t["targets"][mask], 1.0, 1.0, rows=True
+        )
+        m = 0
+        for i in range(mask.shape[0]):  # each completion's positions in order: the first ceil(n/2) are its first half
+            n = int(mask[i].sum())
+            for j in range(n):
+                k = "divergence_first_half" if j < (n + 1) // 2 else "divergence_second_half"
+                oracle[k][0] += float(per_row[m])
+                oracle[k][1] += 1
+                oracle[k][2] += float(bounds[m])
+                m += 1
+    for k in sums:
+        assert sums[k][1] == oracle[k][1] > 0
+        assert abs(sums[k][0] - oracle[k][0]) <= oracle[k][2], (k, sums[k][0], oracle[k][0], oracle[k][2])
+    # the two halves differ by more than their bounds: the split is visible, not a copy of one mean
+    first, second = (oracle[k][0] / oracle[k][1] for k in oracle)
+    assert abs(first - second) > (oracle["divergence_first_half"][2] + oracle["divergence_second_half"][2])
+
+
+def test_dashboard_spans_and_means():
+    rng = random.Random(0)
+    df = pd.DataFrame(
+        {
+            "step": list(range(23)),
+            "lr": [1e-3 * (i + 1) / 23 for i in range(23)],
+            "task/correct_rate": [rng.random() for _ in range(23)],
+            "task/response_length": [rng.uniform(1, 12) for _ in range(23)],
+            "task/eos_rate": [rng.random() for _ in range(23)],
+            "task/truncation_rate": [rng.random() for _ in range(23)],
+            "task/teacher_logprob": [-rng.random() for _ in range(23)],
+            "task/divergence_first_half": [rng.random() for _ in range(23)],
+            "task/divergence_second_half": [rng.random() for _ in range(23)],
+            "task/on_policy": [1.0] * 23,
+        }
+    )
+    spans = windows_of(23, 5)
+    assert spans[0][0] == 0 and spans[-1][1] == 23 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert windows_of(3, 5) == [(0, 1), (1, 2), (2, 3)]
+    md, flat = dashboard_section("opd", df)
+    table = [line for line in md if line.startswith("| ") and "–" in line]
+    assert len(table) == 5
+    a, b = spans[-1]
+    assert flat["opd/rollouts/correct_rate_end"] == pytest.approx(sum(df["task/correct_rate"][a:b]) / (b - a), rel=1e-12)
+    a, b = spans[0]
+    assert flat["opd/rollouts/lr_start"] == pytest.approx(sum(df["lr"][a:b]) / (b - a), rel=1e-12)
+    assert table[0].startswith(f"| {a}–{b - 1} |")
+
+
+def test_the_report_has_the_dashboard_for_a_rollout_stage_only():
+    from ars_opd.config import ReportConfig
+    from ars_opd.evaluation.report import build_report
+
+    n = 40
+    base = {
+        "step": list(range(n)),
+        "loss": [1.0] * n,
+        "lr": [1e-3] * n,
+        "grad_norm": [1.0] * n,
+        "worker_loss": [[1.0, 1.0]] * n,
+        "worker_tokens": [[10, 10]] * n,
+    }
+    opd = pd.DataFrame({**base, "task/divergence_first_half": [0.5] * n, "task/divergence_second_half": [0.2] * n})
+    md, flat, _ = build_report({"sft": pd.DataFrame(base), "opd": opd}, None, ReportConfig())
+    assert "### opd: the rollouts" in md and "### sft: the rollouts" not in md
+    assert flat["opd/rollouts/divergence_first_half_end"] == 0.5
+    assert not any(k.startswith("sft/rollouts/") for k in flat)
