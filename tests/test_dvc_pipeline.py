@@ -27,11 +27,33 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
+def _type_checking_only(node: ast.AST) -> bool:
+    """An ``if TYPE_CHECKING:`` block: imports for annotations alone, never run, so no output depends on them."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _run_time_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those inside ``if TYPE_CHECKING:`` blocks (their ``else`` runs and is kept)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if _type_checking_only(node):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
 def _ars_imports(path: Path, seen: set[str]) -> set[str]:
     """ars_opd files imported (transitively, at any depth in the file, packages' __init__ included) by a
     Python file, as paths relative to the repo."""
     tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+    for node in _run_time_nodes(tree):
         names = []
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ars_opd"):
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
@@ -188,3 +210,18 @@ def _teacher_data_cost_adds_up(work: Path, params: dict) -> None:
     cmp = compare(ev)
     extra = 2 * ev["teacher"]["matmul_parameters"] * budget["sft"]["teacher_tokens"]
     assert cmp["equal_total_flops"]["flops"] == cmp["equal_flops"]["flops"] + extra  # both arms carry SFT's cost
+
+
+def test_type_checking_imports_are_not_run_time_deps(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import typing\n"
+        "if TYPE_CHECKING:\n    from ars_opd.teacher.server import app\n"
+        "else:\n    from ars_opd import seeding\n"
+        "if typing.TYPE_CHECKING:\n    import ars_opd.rollouts.engines\n"
+        "def f():\n    from ars_opd import artifacts\n"
+    )
+    found = _ars_imports(src, set())
+    assert "ars_opd/seeding.py" in found and "ars_opd/artifacts.py" in found
+    assert not any(p.startswith(("ars_opd/teacher/", "ars_opd/rollouts/")) for p in found)
