@@ -8,12 +8,14 @@ a subprocess to check the ready file and a clean SIGTERM exit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -403,3 +405,69 @@ def test_module_runs_as_a_process_and_stops_cleanly_on_sigterm(model_dir, tmp_pa
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr, stderr
     assert not ready.exists()
+
+
+STAGE = """
+import json, sys, time
+from pathlib import Path
+from ars_opd.config import TeacherServerConfig
+from ars_opd.teacher.client.local_server import local_teacher_server
+
+with local_teacher_server(sys.argv[1], TeacherServerConfig(threads=1)) as url:
+    print(url, flush=True)
+    time.sleep(600)  # killed with SIGKILL here: no cleanup runs
+"""
+
+
+def _pid_listening(port: int) -> int | None:
+    """The PID of the process that listens on 127.0.0.1:``port`` (from /proc), or None."""
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[1].endswith(f":{port:04X}") and f[3] == "0A":  # LISTEN
+            inode = f[9]
+    if inode is None:
+        return None
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) == f"socket:[{inode}]":
+                return int(fd.parts[2])
+        except OSError:
+            continue
+    return None
+
+
+def test_a_started_server_stops_when_its_stage_is_killed(model_dir):
+    """The bundled server runs in its own session; a kill -9 of the stage that started it runs no cleanup. It
+    watches its parent (``--parent-pid``) and must be gone within seconds, not serve on orphaned."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    stage = subprocess.Popen(
+        [sys.executable, "-c", STAGE, str(model_dir)], cwd=repo, env=env, stdout=subprocess.PIPE, text=True
+    )
+    server_pid = None
+    try:
+        url = stage.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        server_pid = _pid_listening(port)
+        assert server_pid is not None and server_pid != stage.pid
+        urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30).read()  # serving
+        stage.kill()  # SIGKILL: the context manager's finally never runs
+        stage.wait()
+        deadline = time.monotonic() + 30  # the poll is 1 s; the rest is the graceful shutdown on a loaded machine
+        while Path(f"/proc/{server_pid}").exists() and time.monotonic() < deadline:
+            try:  # reap it if it became our child's orphan under a subreaper; else just wait for it to exit
+                if Path(f"/proc/{server_pid}/stat").read_text().split()[2] == "Z":
+                    break
+            except OSError:
+                break
+            time.sleep(0.2)
+        alive = Path(f"/proc/{server_pid}").exists() and Path(f"/proc/{server_pid}/stat").read_text().split()[2] != "Z"
+        assert not alive, f"the server {server_pid} still runs 30 s after its stage was killed"
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+        if server_pid is not None and Path(f"/proc/{server_pid}").exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server_pid, signal.SIGKILL)

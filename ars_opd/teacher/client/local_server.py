@@ -3,6 +3,9 @@
 ``local_teacher_server`` starts ``python -m ars_opd.teacher.server`` for a model directory on 127.0.0.1 (an
 ephemeral port, reported through a ready file), yields its base URL, and stops it afterwards, also on
 errors and Ctrl-C. The client side names the server only on that command line: nothing here imports it.
+The server runs in its own session (a Ctrl-C at the terminal reaches this process, which stops it in order)
+and watches this process (``--parent-pid``): a ``kill -9`` here, which runs no cleanup, stops it within a
+second or two instead of leaving it serving.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ def local_teacher_server(
             str(server.max_wait_ms),
             "--threads",
             str(server.threads),
+            "--parent-pid",  # it lives in its own session: without this a kill -9 of this process orphans it
+            str(os.getpid()),
         ]
         if log_requests:
             cmd += ["--log-requests", log_requests]

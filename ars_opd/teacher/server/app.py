@@ -117,8 +117,42 @@ def _write_ready_file(path: str, info: dict) -> None:
     os.replace(tmp, target)
 
 
-async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 0, ready_file: str | None = None) -> None:
-    """Serve ``app`` until SIGTERM or SIGINT, then shut down gracefully; the ready file lives while serving."""
+PARENT_POLL_S = 1.0  # how often a server started with a parent PID checks that the parent still runs
+
+
+def parent_alive(pid: int, was_child: bool) -> bool:
+    """Whether process ``pid`` still runs. A server started as its child asks for its own parent (a dead parent's
+    children are re-parented, and a reused PID cannot fool it); otherwise it probes the PID."""
+    if was_child:
+        return os.getppid() == pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
+    was_child = os.getppid() == pid
+    while not stop.is_set():
+        if not parent_alive(pid, was_child):
+            log.warning("the parent process %d is gone: shutting down", pid)
+            stop.set()
+            return
+        await asyncio.sleep(PARENT_POLL_S)
+
+
+async def serve(
+    app: web.Application,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    ready_file: str | None = None,
+    parent_pid: int | None = None,
+) -> None:
+    """Serve ``app`` until SIGTERM or SIGINT (or until process ``parent_pid`` is gone), then shut down gracefully;
+    the ready file lives while serving."""
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     wrote_ready_file = False
@@ -135,7 +169,10 @@ async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 0, re
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        watcher = asyncio.create_task(_watch_parent(parent_pid, stop)) if parent_pid is not None else None
         await stop.wait()
+        if watcher is not None:
+            watcher.cancel()
         log.info("shutting down")
     finally:
         if wrote_ready_file:
@@ -152,7 +189,7 @@ def run_server(
     ``{"host", "port", "pid", "model"}``. Use a numeric host with port 0: a name that resolves to several
     addresses would get a different ephemeral port on each.
     """
-    asyncio.run(serve(create_app(model_dir, options), host, port, ready_file))
+    asyncio.run(serve(create_app(model_dir, options), host, port, ready_file, options.parent_pid))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,6 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="FAULT INJECTION for tests: answer weight loads with success but keep the old weights (a stale engine)",
     )
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        help="stop when this process is gone (the stage that started the server, even after a kill -9 of it)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # while the model loads, asyncio's handlers are not installed yet: exit quietly on SIGTERM then too
@@ -210,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_logprobs=args.max_logprobs,
             weight_updates=args.weight_updates or args.ignore_weight_updates,
             ignore_weight_updates=args.ignore_weight_updates,
+            parent_pid=args.parent_pid,
         )
         run_server(args.model_dir, options, args.host, args.port, args.ready_file)
     except KeyboardInterrupt:  # Ctrl-C before serving started

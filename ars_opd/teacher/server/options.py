@@ -40,6 +40,10 @@ class ServerOptions:
     engine, as vLLM issue #32718), so that the trainer's version check can be shown to catch it. Needs
     ``weight_updates``."""
 
+    parent_pid: int | None = None
+    """Stop when this process is gone (the stage that started the server: a ``kill -9`` of it runs no cleanup,
+    and a server in its own session would otherwise serve on, orphaned, until someone kills it)."""
+
     def __post_init__(self):
         if self.max_batch_size < 1 or self.max_wait_ms < 0:
             raise ValueError(
