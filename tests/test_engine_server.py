@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import time
 import urllib.request
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import torch
 from aiohttp import web
 from safetensors.torch import save_file
 
-from ars_opd.config import ArchConfig
+from ars_opd.config import ArchConfig, EndpointConfig
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.rollouts.engine_api import (
     EngineClient,
@@ -40,6 +41,7 @@ from ars_opd.rollouts.engine_api import (
     SamplingSpec,
 )
 from ars_opd.rollouts.verify import StaleEngineError, check_probe, probe_bound, probe_ids, trainer_logprobs
+from ars_opd.teacher.client.endpoint import ClientSettings
 from ars_opd.teacher.server import app as teacher_server
 from ars_opd.teacher.server.options import ServerOptions
 from server_thread import ServerThread
@@ -414,6 +416,13 @@ def test_client_names_a_dead_engine_and_a_server_without_token_ids():
         old.close()
     with pytest.raises(EngineDeadError, match="127.0.0.1:9"):
         EngineClient("http://127.0.0.1:9", MODEL).check_alive()
+    # nothing listening: a generate's retries get no HTTP answer, then /health gets none either: dead, not a
+    # failed request (what vLLM's API server leaves once its EngineCore died: it exits)
+    quick = ClientSettings(
+        base_url="http://127.0.0.1:9/v1", limits=EndpointConfig(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.01)
+    )
+    with pytest.raises(EngineDeadError, match="127.0.0.1:9 is dead"):
+        EngineClient("http://127.0.0.1:9", MODEL, quick).generate([[1]], spec, [0])
     with pytest.raises(ValueError, match="one seed per prompt"):
         EngineClient("http://127.0.0.1:9", MODEL).generate([[1]], spec, [])
 
@@ -498,3 +507,35 @@ def test_vllm_extension_refreshes_the_tied_head_where_reload_weights_leaves_it_s
     assert back[0] <= back[1]
     # the control: the stock path alone leaves the tied head stale (documented on vLLM CPU 0.32)
     assert stock["hybrid"][0] <= stock["hybrid"][1] and stock["new"][0] > 1000 * stock["new"][1]
+
+
+@pytest.mark.vllm
+def test_vllm_dead_engine_is_named_dead_not_retried_into_a_request_error(vllm_student):
+    """A real dead engine: the EngineCore process of the module's vLLM killed. The request in flight gets vLLM's
+    500 "EngineCore encountered an issue"; the API server then exits, so later requests are refused. Both must
+    raise EngineDeadError naming the URL (the trainer stops and says to restart and re-sync), never an
+    EngineRequestError after retries nor a hang. Kills this module's vLLM: keep it the module's last test."""
+    import psutil
+
+    client = EngineClient(vllm_student.url, vllm_student.model)
+    spec = SamplingSpec(1.0, 1.0, 4, (2,))
+    assert len(client.generate([[5, 6, 7]], spec, [0])) == 1  # alive
+    port = vllm_student.root.rsplit(":", 1)[1]
+    servers = [  # this module's API server (the session's vLLM teachers run beside it, on other ports)
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "api_server" in " ".join(p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])
+    ]
+    assert len(servers) == 1, servers
+    cores = [c for c in servers[0].children(recursive=True) if "EngineCore" in " ".join(c.cmdline())]
+    assert cores, [c.cmdline() for c in servers[0].children(recursive=True)]
+    for c in cores:
+        c.kill()
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match=f"{vllm_student.root} is dead"):
+        client.generate([[5, 6, 7]] * 4, spec, [1, 2, 3, 4])
+    with pytest.raises(EngineDeadError, match=f"{vllm_student.root} is dead"):
+        client.generate([[5, 6, 7]], spec, [5])  # the API server is gone by now, or answers 500 again
+    with pytest.raises(EngineDeadError):
+        client.check_alive()
+    assert time.monotonic() - t0 < 120  # named at once or after the retries' backoff, never a hang

@@ -22,7 +22,9 @@ server with ``--weight-updates``, or vLLM started with ``VLLMOptions(weight_sync
 
 Errors (all ``EndpointError``s: one complete line, naming the URL): ``EngineDeadError`` when the engine
 cannot serve any more (``/health`` 503, a 500 "EngineCore encountered an issue", or nothing listening), not
-retried; ``EngineResponseError`` for an answer that lacks what a rollout needs (``token_ids`` when the
+retried (a request that got no HTTP answer through its retries asks ``/health`` before it gives up: vLLM's API
+server exits once its EngineCore died, so the requests after the first see a refused connection, which is a
+dead engine, not a failed request); ``EngineResponseError`` for an answer that lacks what a rollout needs (``token_ids`` when the
 server ignores ``return_token_ids``, ``token_logprobs``, a known ``finish_reason``); ``EngineRequestError``
 for a refused request (4xx) or one that still fails after the retries of ``ClientSettings.limits``
 (timeouts, 429, other 5xx, as every endpoint client retries: ``ars_opd.teacher.client.endpoint``).
@@ -42,6 +44,7 @@ from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError, Final
 from ars_opd.teacher.client.score import parse_prompt_logprobs
 
 DEAD_ENGINE_MARKER = "EngineCore encountered an issue"  # vLLM's 500 body once its engine core died
+NO_ANSWER = ("connection_error", "timeout")  # the reasons of _post's failures that got no HTTP answer
 LOAD_METHOD = "ars_opd_load_weights"
 FINISH_REASONS = ("stop", "length")
 
@@ -211,6 +214,8 @@ class EngineClient:
             answer, _ = await with_retries(call, self.settings)
             return answer
         except (RetryableError, FinalError) as e:
+            if e.reason.startswith(NO_ANSWER):  # no HTTP answer (refused, reset, timeout): is anything still serving?
+                await self._health(session)  # EngineDeadError when nothing listens or /health says 503
             tries = f" after {e.attempts} attempt(s)" if e.attempts else ""
             raise EngineRequestError(
                 f"the rollout engine at {self.root} failed POST {path}{tries}: {e.reason}"
