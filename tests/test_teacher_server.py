@@ -471,3 +471,46 @@ def test_a_started_server_stops_when_its_stage_is_killed(model_dir):
         if server_pid is not None and Path(f"/proc/{server_pid}").exists():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(server_pid, signal.SIGKILL)
+
+
+WRAPPED_STAGE = """
+import subprocess, sys, time
+from ars_opd.teacher.client.local_server import exit_with_parent
+
+proc = subprocess.Popen(exit_with_parent(["/bin/sleep", "600"]), start_new_session=True)
+print(proc.pid, flush=True)
+time.sleep(600)  # killed with SIGKILL here
+"""
+
+
+def test_a_command_wrapped_to_exit_with_its_parent_goes_when_the_stage_is_killed():
+    """What a started vLLM runs under (``exit_with_parent``; vLLM itself takes no parent flag): the wrapped
+    program, in a session of its own, gets SIGTERM when the stage that started it is killed with -9."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    stage = subprocess.Popen([sys.executable, "-c", WRAPPED_STAGE], cwd=repo, env=env, stdout=subprocess.PIPE, text=True)
+    child = int(stage.stdout.readline())
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{child}/cmdline").read_text().split("\0")[0] != "/bin/sleep" and time.monotonic() < deadline:
+            time.sleep(0.05)  # the wrapper has exec'd the program: same PID, death signal kept
+        assert Path(f"/proc/{child}/cmdline").read_text().split("\0")[:2] == ["/bin/sleep", "600"]
+        stage.kill()
+        stage.wait()
+        deadline = time.monotonic() + 10
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(child), "the wrapped program outlived the stage"
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+        if _running(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

