@@ -4,9 +4,7 @@
 #     git switch -c long-horizon-study && bash bench/long_horizon_sweep.sh
 # then copy reports/distillation.md and reports/distillation/long_horizon/ to your branch.
 #
-# 1. The base run: the whole pipeline on the family (the models stage trains the teacher on it), with
-#    FRESH rows of the train split held back for the fresh control (control.fresh_rows), committed.
-# 2. Its SFT student is pinned (paths.distill_init) as the one start of every arm, as in the default study.
+# 1-2. The base run and its pinned SFT student (bench/long_horizon_base.sh, shared with bench/opd_ablation.sh).
 # 3. Per training seed (ddp.seed), two experiments in the workspace: the control repeating the SFT stage's
 #    rows (repeat) and the control on the held-back rows (fresh: new prompts, two epochs over them). OPD is the same run in both (DVC's run cache
 #    restores it for the second), so each seed's OPD is compared with both controls.
@@ -15,26 +13,8 @@ set -euo pipefail
 SEEDS="${SEEDS:-1 2 3 4 5}"
 STEPS="${STEPS:-300}"               # each arm's steps (the opd loop)
 BATCH="${BATCH:-32}"                # each arm's global batch
-FRESH="${FRESH:-4800}"             # rows held back for the fresh control (it draws STEPS x BATCH: 2 epochs)
-TEACHER_STEPS="${TEACHER_STEPS:-2000}"
-INIT=data/study/long_horizon_sft_init
-BASE=(
-  -S 'synthetic.tasks=[running_sum,shift_steps]'
-  -S "models.teacher_training.steps=$TEACHER_STEPS"
-  -S "data.subset_size=$((2200 + FRESH))" -S "control.fresh_rows=$FRESH"
-  -S teacher_gen.max_tokens=64 -S opd.max_new_tokens=64 -S evaluate.max_new_tokens=64
-  -S "opd.steps=$STEPS" -S "opd.global_batch_size=$BATCH" -S opd.snapshot_every=50
-)
 t0=$(date +%s)
-if [ ! -f "$INIT.dvc" ]; then
-  dvc exp run "${BASE[@]}" -n long-horizon-base        # writes params.yaml in the workspace
-  dvc exp apply long-horizon-base 2>/dev/null || true
-  mkdir -p data/study && rm -rf "$INIT"
-  cp -r data/sft/model "$INIT" && rm -rf "$INIT/snapshots"
-  dvc add -q "$INIT"
-  git add params.yaml dvc.lock "$INIT.dvc" data/study/.gitignore
-  git commit -qm "long-horizon study: the base run and the fixed SFT start of every arm"
-fi
+source "$(dirname "$0")/long_horizon_base.sh"
 echo "base: $(( $(date +%s) - t0 )) s" >&2
 COMMON=(-S "paths.distill_init=$INIT" -S sft.steps=20 -S sft.warmup_steps=2 -S sft.snapshot_every=0
         -S evaluate.curve_examples=100)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Why OPD falls below its own start on the long-horizon family: one factor changed per arm, each arm run for OPD
+# and for its continued-SFT control at the same settings (the control runs OPD's loop: steps, batch and the
+# learning-rate schedule), from the same pinned SFT student (bench/long_horizon_base.sh), paired by training
+# seed. Run from a clean checkout on a throwaway branch:
+#     git switch -c opd-ablation && bash bench/opd_ablation.sh
+# then `ars-opd distillation` (printed at the end) writes reports/opd_ablation.md.
+#
+# Arms (ARMS picks a subset; each one dvc experiment per seed, named abl-<arm>-seed<seed>):
+#   default     the study's setting: lr 1e-3, 10 warmup steps from zero (a re-warm: SFT ended at 3e-4 and the
+#               optimizer state is fresh), cosine decay, rollouts at temperature 1, every step on-policy
+#   lr1e-4      peak lr 1e-4, the same warmup and decay
+#   lr3e-4      peak lr 3e-4, the same warmup and decay
+#   norewarm    no re-warm: constant lr 3e-4 (SFT's final rate), no warmup, no decay
+#   temp0.7     rollouts sampled at temperature 0.7 (the loss stays at opd.temperature 1)
+#   lambda0.5   GKD's mixed λ: half the steps on the teacher's completions
+# Per-sequence normalisation of the loss is not an option of this build (the engine normalises by the global
+# token count); it is not an arm.
+set -euo pipefail
+SEEDS="${SEEDS:-1 2 3 4 5}"
+STEPS="${STEPS:-300}"               # each arm's steps (the opd loop)
+BATCH="${BATCH:-32}"                # each arm's global batch
+ARMS="${ARMS:-default lr1e-4 lr3e-4 norewarm temp0.7 lambda0.5}"
+t0=$(date +%s)
+source "$(dirname "$0")/long_horizon_base.sh"
+echo "base: $(( $(date +%s) - t0 )) s" >&2
+COMMON=(-S "paths.distill_init=$INIT" -S sft.steps=20 -S sft.warmup_steps=2 -S sft.snapshot_every=0
+        -S evaluate.curve_examples=100 -S control.data=repeat -S "opd.steps=$STEPS" -S opd.snapshot_every=50)
+arm_params() {  # the overrides of an arm (every arm states all four knobs, so a --where can select it)
+  case "$1" in
+    default)   echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0" ;;
+    lr1e-4)    echo "-S opd.lr=0.0001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0" ;;
+    lr3e-4)    echo "-S opd.lr=0.0003 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0" ;;
+    norewarm)  echo "-S opd.lr=0.0003 -S opd.warmup_steps=0 -S opd.min_lr_ratio=1.0 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0" ;;
+    temp0.7)   echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=0.7 -S opd.on_policy_fraction=1.0" ;;
+    lambda0.5) echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=0.5" ;;
+    *) echo "unknown arm $1" >&2; exit 2 ;;
+  esac
+}
+for seed in $SEEDS; do
+  for arm in $ARMS; do
+    # shellcheck disable=SC2046
+    dvc exp run "${COMMON[@]}" $(arm_params "$arm") -S "ddp.seed=$seed" -n "abl-$arm-seed$seed"
+    echo "seed $seed $arm: $(( $(date +%s) - t0 )) s" >&2
+  done
+done
+dvc exp show --json --all-commits > /tmp/opd_ablation_exps.json
+echo "study: $(( $(date +%s) - t0 )) s; now: python bench/opd_ablation_report.py /tmp/opd_ablation_exps.json" >&2

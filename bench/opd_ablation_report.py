@@ -1,0 +1,135 @@
+"""The OPD ablation's table (bench/opd_ablation.sh): which factor explains OPD falling below its own start.
+
+Reads ``dvc exp show --json`` output of the ablation (experiments named ``abl-<arm>-seed<seed>``; the whole
+metrics of each are read from its commit, since ``exp show`` drops the learning curves) and, per arm, from
+the learning curves on the curve prompts (the same prompts at every point; the first point is the pinned SFT
+start, the same model for every arm and seed):
+
+- OPD's change from the start at its last point (exact match, reverse KL to the teacher), and the control's
+  (continued SFT at the arm's settings), each a mean over seeds with a 95% t-interval;
+- OPD − control at equal steps (the last points), paired by seed;
+- the arm's OPD change − the default arm's, paired by seed: a factor explains the drop when this is positive
+  (exact match) and its interval excludes 0.
+
+Prints one JSON line per arm, and with ``--out`` writes the markdown table.
+
+    python bench/opd_ablation_report.py /tmp/opd_ablation_exps.json --out reports/opd_ablation.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from ars_opd.config import PathsConfig
+from ars_opd.evaluation.distillation import param, with_curves
+from ars_opd.evaluation.experiments import walk_experiments
+from ars_opd.evaluation.stats import mean_ci
+
+NAME = re.compile(r"^abl-(?P<arm>.+)-seed(?P<seed>\d+)$")
+METRICS = ("exact_match", "reverse_kl")
+
+
+def runs_by_arm(data) -> dict[str, list[dict]]:
+    """{arm: [run, ...]}: the ablation's experiments (by name) with both arms evaluated, their curves read whole
+    from each experiment's commit."""
+    arms = defaultdict(list)
+    for name, params, metrics, is_experiment, rev in walk_experiments(data):
+        m = NAME.match(str(name))
+        if not (is_experiment and m and "opd" in metrics and "sft_continued" in metrics):
+            continue
+        arms[m["arm"]].append(
+            {
+                "name": name,
+                "seed": int(m["seed"]),
+                "evaluate": metrics,
+                "rev": rev,
+                "metrics_path": param(params, "paths.eval_metrics") or PathsConfig().eval_metrics,
+            }
+        )
+    return {arm: with_curves(runs) for arm, runs in arms.items()}
+
+
+def points(run: dict, arm: str) -> tuple[dict, dict]:
+    """(start, last) curve points of ``arm`` (``opd`` or ``sft_continued``) in one run."""
+    curve = run["evaluate"]["curves"][arm]
+    if not curve[0].get("start"):
+        raise ValueError(f"{run['name']}: the {arm} curve does not begin at the shared start")
+    return curve[0], curve[-1]
+
+
+def arm_line(arm: str, runs: list[dict], default: dict[int, float]) -> dict:
+    line = {"arm": arm, "seeds": sorted(r["seed"] for r in runs)}
+    for metric in METRICS:
+        opd_change, control_change, gap = [], [], []
+        for r in runs:
+            s, e = points(r, "opd")
+            cs, ce = points(r, "sft_continued")
+            opd_change.append(e[metric] - s[metric])
+            control_change.append(ce[metric] - cs[metric])
+            gap.append(e[metric] - ce[metric])
+        line[f"opd_change_{metric}"] = mean_ci(opd_change)
+        line[f"control_change_{metric}"] = mean_ci(control_change)
+        line[f"opd_minus_control_{metric}"] = mean_ci(gap)
+        if metric == "exact_match" and default:
+            paired = [c - default[r["seed"]] for c, r in zip(opd_change, runs) if r["seed"] in default]
+            line["opd_change_vs_default_exact_match"] = mean_ci(paired) if len(paired) >= 2 else None
+        line["start_" + metric] = points(runs[0], "opd")[0][metric]
+    return line
+
+
+def _fmt(ci, pct: bool) -> str:
+    if ci is None:
+        return "n/a"
+    m, lo, hi = ci
+    f = (lambda v: f"{100 * v:+.1f}") if pct else (lambda v: f"{v:+.3f}")
+    return f"{f(m)} [{f(lo)}, {f(hi)}]"
+
+
+def table(lines: list[dict]) -> str:
+    rows = [
+        "| arm | seeds | OPD: end − start, exact match (points) | control: end − start | OPD − control at equal "
+        "steps | OPD change − default's (paired) | OPD: end − start, reverse KL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for ln in lines:
+        rows.append(
+            f"| {ln['arm']} | {len(ln['seeds'])} | {_fmt(ln['opd_change_exact_match'], True)} | "
+            f"{_fmt(ln['control_change_exact_match'], True)} | {_fmt(ln['opd_minus_control_exact_match'], True)} | "
+            f"{_fmt(ln.get('opd_change_vs_default_exact_match'), True)} | {_fmt(ln['opd_change_reverse_kl'], False)} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("exps", type=Path, help="dvc exp show --json --all-commits output")
+    p.add_argument("--out", type=Path, help="write the markdown table here")
+    a = p.parse_args(argv)
+    by_arm = runs_by_arm(json.loads(a.exps.read_text()))
+    if "default" not in by_arm:
+        print("no default arm (abl-default-seed<N>) among the experiments", file=sys.stderr)
+        return 1
+    default = {}
+    for r in by_arm["default"]:
+        start, end = points(r, "opd")
+        default[r["seed"]] = end["exact_match"] - start["exact_match"]
+    lines = []
+    for arm in ["default", *sorted(k for k in by_arm if k != "default")]:
+        if len(by_arm[arm]) < 2:
+            print(f"arm {arm}: {len(by_arm[arm])} seed(s), at least 2 are needed for an interval", file=sys.stderr)
+            continue
+        ln = arm_line(arm, by_arm[arm], {} if arm == "default" else default)
+        print(json.dumps(ln), flush=True)
+        lines.append(ln)
+    if a.out:
+        a.out.write_text(table(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
