@@ -1,0 +1,85 @@
+"""bench/opd_ablation_report.py's arithmetic on a made-up ``dvc exp show --json``: the per-arm changes from the
+shared start, OPD − control, and the arm's OPD change against the default's paired by seed, each against a
+mean and t-interval computed here from the numbers put in."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from ars_opd.evaluation.stats import student_t_quantile
+
+REPO = Path(__file__).resolve().parents[1]
+START = {"exact_match": 0.48, "reverse_kl": 0.50, "start": True, "steps": 0}
+
+
+def _exp(name: str, seed: int, opd_end: float, control_end: float) -> dict:
+    def curve(end: float) -> list[dict]:
+        return [
+            START,
+            {"exact_match": (START["exact_match"] + end) / 2, "reverse_kl": 0.6, "steps": 50},
+            {"exact_match": end, "reverse_kl": 0.4 + end, "steps": 100},
+        ]
+
+    metrics = {
+        "opd": {"exact_match": opd_end},
+        "sft_continued": {"exact_match": control_end},
+        "curves": {"opd": curve(opd_end), "sft_continued": curve(control_end)},
+    }
+    return {
+        "rev": f"rev-{name}",
+        "name": name,
+        "data": {
+            "params": {"params.yaml": {"data": {"ddp": {"seed": seed}}}},
+            "metrics": {"data/metrics/evaluate.json": {"data": metrics}},
+        },
+    }
+
+
+def _ci(x: list[float]) -> list[float]:
+    n, m = len(x), sum(x) / len(x)
+    sd = math.sqrt(sum((v - m) ** 2 for v in x) / (n - 1))
+    h = student_t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+    return [m, m - h, m + h]
+
+
+def test_ablation_table_against_hand_computed_means(tmp_path):
+    ends = {"default": ([0.12, 0.15, 0.10], [0.25, 0.29, 0.23]), "lr1e-4": ([0.47, 0.52, 0.44], [0.30, 0.28, 0.31])}
+    revs = [
+        _exp(f"abl-{arm}-seed{s}", s, opd[i], ctl[i])
+        for arm, (opd, ctl) in ends.items()
+        for i, s in enumerate((1, 2, 3))
+    ]
+    revs.append(_exp("lh-repeat-seed1", 1, 0.9, 0.9))  # another study's experiment: left out
+    data = [{"rev": "workspace", "data": {}, "experiments": [{"name": None, "revs": revs}]}]
+    src = tmp_path / "exps.json"
+    src.write_text(json.dumps(data))
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "opd_ablation_report.py"), str(src), "--out", str(tmp_path / "t.md")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    lines = {d["arm"]: d for d in map(json.loads, out.stdout.splitlines())}
+    assert set(lines) == {"default", "lr1e-4"}
+    for arm, (opd, ctl) in ends.items():
+        ln = lines[arm]
+        assert ln["seeds"] == [1, 2, 3] and ln["start_exact_match"] == START["exact_match"]
+        for key, want in (
+            ("opd_change_exact_match", [e - START["exact_match"] for e in opd]),
+            ("control_change_exact_match", [e - START["exact_match"] for e in ctl]),
+            ("opd_minus_control_exact_match", [a - b for a, b in zip(opd, ctl)]),
+            ("opd_change_reverse_kl", [0.4 + e - START["reverse_kl"] for e in opd]),
+        ):
+            assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(ln[key], _ci(want))), (arm, key)
+    paired = [a - b for a, b in zip(ends["lr1e-4"][0], ends["default"][0])]
+    assert all(
+        math.isclose(a, b, abs_tol=1e-12)
+        for a, b in zip(lines["lr1e-4"]["opd_change_vs_default_exact_match"], _ci(paired))
+    )
+    table = (tmp_path / "t.md").read_text()
+    assert "| lr1e-4 | 3 |" in table and "| default | 3 |" in table
