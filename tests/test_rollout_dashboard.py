@@ -189,7 +189,10 @@ def test_divergence_halves_against_a_float64_oracle(char_tokenizer):
             hs = select_rows(last_hidden_states(student, t["input_ids"], t["attention_mask"]), mask)
             ht = select_rows(last_hidden_states(teacher, t["input_ids"], t["attention_mask"]), mask)
             ws, wt = OutputHead.of(student, vocab).weight, OutputHead.of(teacher, vocab).weight
-            zs, zt = torch.nn.functional.linear(hs.double(), ws.double()), torch.nn.functional.linear(ht.double(), wt.double())
+            zs, zt = (
+                torch.nn.functional.linear(hs.double(), ws.double()),
+                torch.nn.functional.linear(ht.double(), wt.double()),
+            )
         per_row = kl_divergence(Categorical(logits=zs), Categorical(logits=zt))  # KL(q_student ‖ p_teacher)
         _, bounds = loss_bound(
             "divergence", zs, linear_bound(hs, ws), zt, linear_bound(ht, wt), t["targets"][mask], 1.0, 1.0, rows=True
@@ -234,7 +237,9 @@ def test_dashboard_spans_and_means():
     table = [line for line in md if line.startswith("| ") and "–" in line]
     assert len(table) == 5
     a, b = spans[-1]
-    assert flat["opd/rollouts/correct_rate_end"] == pytest.approx(sum(df["task/correct_rate"][a:b]) / (b - a), rel=1e-12)
+    assert flat["opd/rollouts/correct_rate_end"] == pytest.approx(
+        sum(df["task/correct_rate"][a:b]) / (b - a), rel=1e-12
+    )
     a, b = spans[0]
     assert flat["opd/rollouts/lr_start"] == pytest.approx(sum(df["lr"][a:b]) / (b - a), rel=1e-12)
     assert table[0].startswith(f"| {a}–{b - 1} |")

@@ -488,7 +488,9 @@ def test_a_command_wrapped_to_exit_with_its_parent_goes_when_the_stage_is_killed
     program, in a session of its own, gets SIGTERM when the stage that started it is killed with -9."""
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    stage = subprocess.Popen([sys.executable, "-c", WRAPPED_STAGE], cwd=repo, env=env, stdout=subprocess.PIPE, text=True)
+    stage = subprocess.Popen(
+        [sys.executable, "-c", WRAPPED_STAGE], cwd=repo, env=env, stdout=subprocess.PIPE, text=True
+    )
     child = int(stage.stdout.readline())
     try:
         deadline = time.monotonic() + 30

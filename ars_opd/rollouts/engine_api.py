@@ -24,10 +24,11 @@ Errors (all ``EndpointError``s: one complete line, naming the URL): ``EngineDead
 cannot serve any more (``/health`` 503, a 500 "EngineCore encountered an issue", or nothing listening), not
 retried (a request that got no HTTP answer through its retries asks ``/health`` before it gives up: vLLM's API
 server exits once its EngineCore died, so the requests after the first see a refused connection, which is a
-dead engine, not a failed request); ``EngineResponseError`` for an answer that lacks what a rollout needs (``token_ids`` when the
-server ignores ``return_token_ids``, ``token_logprobs``, a known ``finish_reason``); ``EngineRequestError``
-for a refused request (4xx) or one that still fails after the retries of ``ClientSettings.limits``
-(timeouts, 429, other 5xx, as every endpoint client retries: ``ars_opd.teacher.client.endpoint``).
+dead engine, not a failed request); ``EngineResponseError`` for an answer that lacks what a rollout needs
+(``token_ids`` when the server ignores ``return_token_ids``, ``token_logprobs``, a known ``finish_reason``);
+``EngineRequestError`` for a refused request (4xx) or one that still fails after the retries of
+``ClientSettings.limits`` (timeouts, 429, other 5xx, as every endpoint client retries:
+``ars_opd.teacher.client.endpoint``).
 """
 
 from __future__ import annotations
