@@ -51,7 +51,9 @@ def exit_with_parent(cmd: Sequence[str], python: str | None = None) -> list[str]
     For a server started in a session of its own (``start_new_session``: a Ctrl-C at the terminal reaches the
     stage, which then stops the server in order): a ``kill -9`` of the stage runs no cleanup, and without this
     the server would serve on, orphaned (vLLM also idles at a fifth of a core). ``python`` runs the few lines
-    that set the death signal before the exec (default: this interpreter).
+    that set the death signal before the exec (default: this interpreter). Linux sends the signal when the
+    *thread* that started the child exits, so start such a server from a thread that outlives it (the stages
+    and the CLI start theirs from the main thread).
     """
     return [python or sys.executable, "-c", _EXIT_WITH_PARENT, str(os.getpid()), *cmd]
 
