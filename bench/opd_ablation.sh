@@ -14,19 +14,23 @@
 #   norewarm    no re-warm: constant lr 3e-4 (SFT's final rate), no warmup, no decay
 #   temp0.7     rollouts sampled at temperature 0.7 (the loss stays at opd.temperature 1)
 #   lambda0.5   GKD's mixed λ: half the steps on the teacher's completions
+#   fkl         forward KL (opd.beta 0) on the student's rollouts: reverse KL's gradient on a token the student
+#               gives almost no mass is that mass times the log ratio, so a confidently wrong start barely
+#               moves toward the teacher's token; forward KL pulls it there (p − q)
+#   jsd0.5      generalised JSD at β 0.5, between the two
 # Per-sequence normalisation of the loss is not an option of this build (the engine normalises by the global
 # token count); it is not an arm.
 set -euo pipefail
 SEEDS="${SEEDS:-1 2 3 4 5}"
 STEPS="${STEPS:-300}"               # each arm's steps (the opd loop)
 BATCH="${BATCH:-32}"                # each arm's global batch
-ARMS="${ARMS:-default lr1e-4 lr3e-4 norewarm temp0.7 lambda0.5}"
+ARMS="${ARMS:-default lr1e-4 lr3e-4 norewarm temp0.7 lambda0.5 fkl jsd0.5}"
 t0=$(date +%s)
 source "$(dirname "$0")/long_horizon_base.sh"
 echo "base: $(( $(date +%s) - t0 )) s" >&2
 COMMON=(-S "paths.distill_init=$INIT" -S sft.steps=20 -S sft.warmup_steps=2 -S sft.snapshot_every=0
         -S evaluate.curve_examples=100 -S control.data=repeat -S "opd.steps=$STEPS" -S opd.snapshot_every=50)
-arm_params() {  # the overrides of an arm (every arm states all four knobs, so a --where can select it)
+arm_params() {  # the overrides of an arm (each differs from the default in one knob)
   case "$1" in
     default)   echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0" ;;
     lr1e-4)    echo "-S opd.lr=0.0001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0" ;;
@@ -34,6 +38,8 @@ arm_params() {  # the overrides of an arm (every arm states all four knobs, so a
     norewarm)  echo "-S opd.lr=0.0003 -S opd.warmup_steps=0 -S opd.min_lr_ratio=1.0 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0" ;;
     temp0.7)   echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=0.7 -S opd.on_policy_fraction=1.0" ;;
     lambda0.5) echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=0.5" ;;
+    fkl)       echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=0.0" ;;
+    jsd0.5)    echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=0.5" ;;
     *) echo "unknown arm $1" >&2; exit 2 ;;
   esac
 }
