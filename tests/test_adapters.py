@@ -4,6 +4,7 @@ the adapter, bad targets are refused before any worker starts, and the stages pu
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 from datetime import timedelta
@@ -123,6 +124,10 @@ def test_ddp_all_reduces_only_the_adapter(char_tokenizer):
         ddp.register_comm_hook(None, hook)
         ids = torch.randint(0, 40, (2, 7))
         ddp(input_ids=ids, labels=ids).loss.backward()
+        # the reducer (it holds the group) must go while the group lives: destroyed after it, its destructor's
+        # thread join can block for good (this test hung in CI)
+        del ddp, hook
+        gc.collect()
     finally:
         dist.destroy_process_group()
     total = sum(p.numel() for p in model.parameters())

@@ -35,6 +35,7 @@ What this module leaves out: model parallelism, fault-tolerant restarts
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -257,7 +258,12 @@ def init_worker(
 
 
 def shutdown_worker() -> None:
+    """Destroy the process group, after collecting what no one references any more: a DDP model in a reference
+    cycle (its hooks hold it) is freed only by the cyclic collector, and its reducer destroyed after the group
+    can block for good (a thread join in ProcessGroupGloo's destructor; seen in CI). A model still referenced
+    must be dropped by its holder before this (``run_worker`` drops its trainer)."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
