@@ -30,14 +30,16 @@ source "$(dirname "$0")/long_horizon_base.sh"
 echo "base: $(( $(date +%s) - t0 )) s" >&2
 COMMON=(-S "paths.distill_init=$INIT" -S sft.steps=20 -S sft.warmup_steps=2 -S sft.snapshot_every=0
         -S evaluate.curve_examples=100 -S control.data=repeat -S "opd.steps=$STEPS" -S opd.snapshot_every=50)
-arm_params() {  # the overrides of an arm (each differs from the default in one knob)
+# The overrides of an arm. Each states every knob any arm changes: `dvc exp run` in the workspace leaves the
+# previous experiment's params applied, so a knob left out would carry over from the arm before.
+arm_params() {
   case "$1" in
-    default)   echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0" ;;
-    lr1e-4)    echo "-S opd.lr=0.0001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0" ;;
-    lr3e-4)    echo "-S opd.lr=0.0003 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0" ;;
-    norewarm)  echo "-S opd.lr=0.0003 -S opd.warmup_steps=0 -S opd.min_lr_ratio=1.0 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0" ;;
-    temp0.7)   echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=0.7 -S opd.on_policy_fraction=1.0" ;;
-    lambda0.5) echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=0.5" ;;
+    default)   echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0" ;;
+    lr1e-4)    echo "-S opd.lr=0.0001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0" ;;
+    lr3e-4)    echo "-S opd.lr=0.0003 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0" ;;
+    norewarm)  echo "-S opd.lr=0.0003 -S opd.warmup_steps=0 -S opd.min_lr_ratio=1.0 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0" ;;
+    temp0.7)   echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=0.7 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0" ;;
+    lambda0.5) echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=0.5 -S opd.beta=1.0" ;;
     fkl)       echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=0.0" ;;
     jsd0.5)    echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=0.5" ;;
     *) echo "unknown arm $1" >&2; exit 2 ;;

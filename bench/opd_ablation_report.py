@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ars_opd.config import PathsConfig
-from ars_opd.evaluation.distillation import param, with_curves
+from ars_opd.evaluation.distillation import has_curves, param, with_curves
 from ars_opd.evaluation.experiments import walk_experiments
 from ars_opd.evaluation.stats import mean_ci
 
@@ -42,6 +42,8 @@ def runs_by_arm(data) -> dict[str, list[dict]]:
         m = NAME.match(str(name))
         if not (is_experiment and m and "opd" in metrics and "sft_continued" in metrics):
             continue
+        if rev == "workspace":  # a running experiment: exp show lists it with the workspace's (another run's) files
+            continue
         arms[m["arm"]].append(
             {
                 "name": name,
@@ -51,7 +53,14 @@ def runs_by_arm(data) -> dict[str, list[dict]]:
                 "metrics_path": param(params, "paths.eval_metrics") or PathsConfig().eval_metrics,
             }
         )
-    return {arm: with_curves(runs) for arm, runs in arms.items()}
+    out = {}
+    for arm, runs in arms.items():
+        whole = with_curves(runs)
+        missing = [r["name"] for r in whole if not has_curves(r["evaluate"])]
+        if missing:  # their commits could not be read here: run this inside the repository that holds them
+            print(f"no learning curves for {', '.join(missing)}: left out", file=sys.stderr)
+        out[arm] = [r for r in whole if has_curves(r["evaluate"])]
+    return out
 
 
 def points(run: dict, arm: str) -> tuple[dict, dict]:
