@@ -557,8 +557,9 @@ class RolloutEngineConfig:
     sync_every: int = 1
     """Publish the trainer's weights to the engine every this many optimizer steps (1: on-policy)."""
     transport: Literal["filesystem", "nccl"] = "filesystem"
-    """filesystem: rank 0 writes safetensors the engine reloads; nccl: vLLM's weight-transfer routes (CUDA only;
-    not in this build)."""
+    """filesystem: rank 0 writes safetensors the engine reloads; nccl: rank 0 broadcasts them into a CUDA vLLM
+    through vLLM's weight-transfer routes (``ars_opd.rollouts.nccl_sync``; the trainer on CUDA, not the bundled
+    engine)."""
     sync_dir: str | None = None
     """Where versions are written (must be readable by the engine); null: <checkpoint dir>/engine-sync."""
     max_lag: int = 0
@@ -1319,6 +1320,15 @@ def check_params(params: Params, base: str | Path = ".") -> None:
             "static rollouts stop each worker at its own EOS, and a sharded "
             "student (ddp.strategy: fsdp) needs every worker to run the same forwards; use dynamic",
         )
+    if params.opd is not None and params.opd.rollouts == "engine" and params.opd.engine.transport == "nccl":
+        if params.opd.engine.server == "bundled":
+            raise ConfigError(
+                "opd.engine.transport",
+                "nccl is vLLM's weight transfer on GPUs; the bundled engine loads files: use filesystem, or "
+                "opd.engine.server: vllm (or the URL of a CUDA vLLM)",
+            )
+        if params.ddp is not None and params.ddp.device == "cpu":
+            raise ConfigError("opd.engine.transport", "nccl needs the trainer on CUDA (ddp.device); use filesystem")
     loops = [(name, getattr(params, name)) for name in ("sft", "opd") if getattr(params, name) is not None]
     if params.ddp is not None and loops and not launched_externally():
         workers = params.ddp.workers

@@ -20,6 +20,8 @@ server with ``--weight-updates``, or vLLM started with ``VLLMOptions(weight_sync
   log p(ids[i] | ids[:i]) for i >= 1, under the served weights (the version probe).
 - ``check_alive()``: ``GET /health``.
 
+``post_route(path, body)`` posts to one of vLLM's weight-transfer routes (transport ``nccl``).
+
 Errors (all ``EndpointError``s: one complete line, naming the URL): ``EngineDeadError`` when the engine
 cannot serve any more (``/health`` 503, a 500 "EngineCore encountered an issue", or nothing listening), not
 retried (a request that got no HTTP answer through its retries asks ``/health`` before it gives up: vLLM's API
@@ -137,6 +139,11 @@ class EngineClient:
                 f"the rollout engine {self.root} answered a prompt_logprobs request without usable prompt "
                 f"log-probabilities ({e})"
             ) from None
+
+    def post_route(self, path: str, body: dict) -> dict:
+        """One ``POST <root><path>`` with a JSON body, not retried (a weight-transfer route of vLLM:
+        ``ars_opd.rollouts.nccl_sync``); the JSON answer."""
+        return asyncio.run(self._one(path, body, retry=False))
 
     def check_alive(self) -> None:
         """``GET /health``: returns when the engine serves; ``EngineDeadError`` naming the URL otherwise."""

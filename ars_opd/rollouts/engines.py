@@ -10,6 +10,9 @@
 - an ``http(s)://`` URL: a server the user started (the README gives the exact vLLM command); it must have
   the extension loaded and ``VLLM_SERVER_DEV_MODE=1``, which the first sync checks.
 
+With ``opd.engine.transport: nccl`` a started vLLM also gets ``--weight-transfer-config '{"backend": "nccl"}'``
+(``ars_opd.rollouts.nccl_sync``); the bundled engine has no NCCL and refuses it.
+
 Either started server serves the models-stage student directory (architecture and tokenizer); the first sync,
 before the first rollout, replaces its weights with the run's starting student (the SFT model, merged with its
 adapter if any), and the probe proves it (``ars_opd.rollouts.verify``). The engine runs for the stage's
@@ -29,6 +32,7 @@ from ars_opd.teacher.client.endpoint import ClientSettings
 
 BUNDLED = "bundled"
 VLLM = "vllm"
+NCCL_ENGINE_ARGS = ("--weight-transfer-config", '{"backend": "nccl"}')  # transport nccl (a CUDA vLLM)
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,10 @@ def rollout_endpoint(engine, student_dir: str, log_dir: Path) -> Iterator[Rollou
 @contextlib.contextmanager
 def rollout_engine(engine, student_dir: str, log_dir: Path) -> Iterator[str]:
     """Start (or name) the engine described by ``engine`` (``RolloutEngineConfig``); yield its base URL."""
-    if engine.transport != "filesystem":
+    if engine.transport == "nccl" and engine.server == BUNDLED:
         raise ValueError(
-            f"opd.engine.transport: {engine.transport} needs vLLM on CUDA with its weight-transfer routes; "
-            "this build syncs through the filesystem only (opd.engine.transport: filesystem)"
+            "opd.engine.transport: nccl is vLLM's weight transfer on GPUs; the bundled engine loads files "
+            "(opd.engine.transport: filesystem)"
         )
     if engine.server == BUNDLED:
         from ars_opd.teacher.client.local_server import local_teacher_server
@@ -88,6 +92,7 @@ def rollout_engine(engine, student_dir: str, log_dir: Path) -> Iterator[str]:
             cpus=engine.cpus,
             weight_sync=True,
             startup_timeout_s=engine.startup_timeout_s,
+            extra_args=NCCL_ENGINE_ARGS if engine.transport == "nccl" else (),
         )
         log_dir.mkdir(parents=True, exist_ok=True)
         with vllm_server(student_dir, opts, log_path=log_dir / "vllm-rollouts.log") as url:

@@ -9,7 +9,8 @@ At the start of step s, on every worker (``EngineRollouts.prepare``):
 1. if rollouts must be requested now (for steps s … s + L that use student rollouts and are not yet asked)
    and the engine's version is older than ``sync_every`` steps, every worker first waits for its rollouts in
    flight (drain: a weight load while a request is being sampled would mix two versions inside one rollout);
-   then rank 0 writes version s (``ars_opd.rollouts.weights``), the engine loads it, and the probe
+   then rank 0 publishes version s (transport ``filesystem``: a file the engine loads,
+   ``ars_opd.rollouts.weights``; ``nccl``: broadcasts into vLLM, ``ars_opd.rollouts.nccl_sync``), and the probe
    (``ars_opd.rollouts.verify``) proves the engine serves it; rank 0's outcome is broadcast, so every worker
    stops together on a stale engine;
 2. the requests for those steps go out, each tagged with the version now in the engine, in a background
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ars_opd.rollouts.verify import ProbeResult, StaleEngineError, check_probe, probe_bound, probe_ids, trainer_logprobs
-from ars_opd.rollouts.weights import engine_state_dict, write_version
+from ars_opd.rollouts.weights import FilesystemTransport, engine_state_dict
 from ars_opd.seeding import derive_seed
 
 
@@ -54,6 +55,7 @@ class RolloutPlan:
     seed: int
     probe_tokens: int = 32
     probe_tolerance: float | None = None  # None: the derived fp32 bound
+    transport: str = "filesystem"  # filesystem | nccl (ars_opd.rollouts.nccl_sync)
 
 
 @dataclass
@@ -81,8 +83,12 @@ class StepRollouts:
 class EngineRollouts:
     """The engine side of OPD's rollouts for one worker (see the module docstring)."""
 
-    def __init__(self, client, plan: RolloutPlan, spec, rank: int, world: int):
+    def __init__(self, client, plan: RolloutPlan, spec, rank: int, world: int, transport=None):
+        """``transport``: rank 0's publisher of versions (``publish(state, version)`` -> ``Transfer``, ``close()``);
+        None: the plan's (``FilesystemTransport`` to ``plan.sync_dir``, or ``NcclWeightSync`` built on the first
+        sync, on the trainer's device)."""
         self.client, self.plan, self.spec, self.rank, self.world = client, plan, spec, rank, world
+        self.transport = transport
         self.version: int | None = None  # what the engine holds (None: nothing of ours yet)
         self.pending: dict[int, Requested] = {}
         self.done: dict[int, tuple[Requested, list]] = {}
@@ -92,6 +98,19 @@ class EngineRollouts:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _transport(self, device: torch.device):
+        if self.transport is None:
+            if self.plan.transport == "nccl":
+                from ars_opd.rollouts.nccl_sync import NcclWeightSync
+
+                timeout = self.client.settings.limits.request_timeout_s
+                self.transport = NcclWeightSync(self.client, device, timeout_s=timeout)
+            else:
+                self.transport = FilesystemTransport(self.client, self.plan.sync_dir)
+        return self.transport
 
     # -- per step ---------------------------------------------------------------------------------------------
     def prepare(
@@ -158,15 +177,12 @@ class EngineRollouts:
         outcome: dict = {}
         if self.rank == 0:
             try:
-                written = write_version(state, self.plan.sync_dir, step)
-                t_load = time.perf_counter()
-                self.client.load_weights(str(written.path))
-                load_s = time.perf_counter() - t_load
+                sent = self._transport(device).publish(state, step)
                 bound = self.plan.probe_tolerance or probe_bound(_config(model), len(ids) - 1, max_logit, _vocab(model))
                 probe = check_probe(
                     self.client.prompt_logprobs(ids), trainer, self.previous_probe, bound, self.client.url, step
                 )
-                outcome = _sync_row(probe, written.bytes, written.seconds, load_s)
+                outcome = _sync_row(probe, sent.bytes, sent.write_s, sent.load_s)
             except StaleEngineError as e:
                 outcome = {"error": str(e)}
             except Exception as e:  # noqa: BLE001 - reported on every rank, then raised

@@ -117,7 +117,8 @@ def check_probe(
         raise StaleEngineError(
             f"the rollout engine at {where} does not serve policy version {version}: its log-probabilities on the "
             f"probe differ from the trainer's by up to {result.max_abs_diff:.3g} (bound {bound:.3g}).{stale} "
-            "No rollout of this version is used. Check that the engine loads our weight files (vLLM: started "
-            "with the ars-opd worker extension; see the README's engine rollouts section)."
+            "No rollout of this version is used. Check that the engine loads the published weights (vLLM: started "
+            "with the ars-opd worker extension, or --weight-transfer-config for transport nccl; see the README's "
+            "engine rollouts section)."
         )
     return result

@@ -1,12 +1,17 @@
-"""Publishing the trainer's weights to a rollout engine: one safetensors file per policy version.
+"""Publishing the trainer's weights to a rollout engine, one policy version at a time.
 
-Transport ``filesystem``: rank 0 writes the student's whole state dict, under the Hugging Face names the
-engine's loader expects (those of ``save_pretrained``), to ``<sync_dir>/policy-v<version>.safetensors``, first
-under a temporary name and then renamed, so an engine never reads a half-written file. The engine then loads
-that path (``ars_opd.rollouts.engine_api.EngineClient.load_weights``: our worker extension on vLLM, the
-bundled server's route).
+Two transports, the same contents (``engine_state_dict``):
 
-What goes in the file:
+- ``filesystem`` (``FilesystemTransport``, any engine of ours): rank 0 writes the student's whole state dict,
+  under the Hugging Face names the engine's loader expects (those of ``save_pretrained``), to
+  ``<sync_dir>/policy-v<version>.safetensors``, first under a temporary name and then renamed, so an engine
+  never reads a half-written file. The engine then loads that path
+  (``ars_opd.rollouts.engine_api.EngineClient.load_weights``: our worker extension on vLLM, the bundled
+  server's route);
+- ``nccl`` (``ars_opd.rollouts.nccl_sync``, vLLM on CUDA): rank 0 broadcasts the tensors to the engine's
+  workers through vLLM's weight-transfer routes.
+
+What is published:
 
 - a plain student: its ``state_dict()``;
 - a LoRA-adapted student: the merged weights, W + the adapter's delta (``merged_state_dict``), since an
@@ -74,6 +79,33 @@ def _untied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
             continue
         out[name] = tensor.detach().to("cpu").contiguous()
     return out
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One version published to the engine: its bytes, the seconds spent writing it (0 when nothing is written)
+    and the seconds until the engine had loaded it."""
+
+    bytes: int
+    write_s: float
+    load_s: float
+
+
+class FilesystemTransport:
+    """Transport ``filesystem`` (rank 0): write the version to ``sync_dir``, then have the engine load that file
+    (``EngineClient.load_weights``: our vLLM worker extension, or the bundled server's route)."""
+
+    def __init__(self, client, sync_dir: Path):
+        self.client, self.sync_dir = client, sync_dir
+
+    def publish(self, state: dict[str, torch.Tensor], version: int) -> Transfer:
+        written = write_version(state, self.sync_dir, version)
+        t0 = time.perf_counter()
+        self.client.load_weights(str(written.path))
+        return Transfer(written.bytes, written.seconds, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        pass
 
 
 def write_version(state: dict[str, torch.Tensor], sync_dir: Path, version: int) -> Published:

@@ -407,6 +407,7 @@ def _engine_rollouts(job: TrainingJob, setup: WorkerSetup, eos_ids: tuple[int, .
         seed=setup.stage_seed,
         probe_tokens=cfg.engine.probe_tokens,
         probe_tolerance=cfg.engine.probe_tolerance,
+        transport=cfg.engine.transport,
     )
     spec = SamplingSpec(cfg.sample_temperature, cfg.top_p, cfg.max_new_tokens, tuple(eos_ids))
     client = EngineClient(ep.url, ep.model, ep.settings, cfg.engine.concurrency)
