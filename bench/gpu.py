@@ -31,6 +31,10 @@ CUDA graphs. One JSON line per workload:
 - ``opd_step``: one OPD step on 16 × 512 tokens (loss on the last 384 of each row): student forward to
   hidden states, teacher scoring, full-vocabulary reverse KL, backward, optimiser step; step_ms and the
   step's peak memory above what existed before it;
+- ``engine``: student rollouts on vLLM CUDA against the trainer's generate (dynamic and static), B = 32 and
+  128, fp32 and bf16, on a ~48M Llama, and the weight sync by transport (filesystem; nccl with two GPUs):
+  ``bench/rollouts.py --device cuda``, run as a child process and relayed. It needs the pipeline's
+  environment and a vLLM one (``$ARS_OPD_VLLM_PYTHON``); otherwise one line says ``skipped`` and why;
 - ``opd_loss``: the loss alone at 8,192 tokens × V from given hidden states, through the pipeline's
   ``full_vocab`` objective: chunked (``chunk`` positions at a time) vs naive (all positions in one chunk, so
   both models' (tokens × V) logits and the loss's fp32 temporaries exist at once, as on a logits path): extra
@@ -418,11 +422,43 @@ def bench_opd_loss(a, device, vocab, student, teacher) -> dict:
     return result
 
 
+def bench_engine(a, device) -> list[dict]:
+    """Rollouts on vLLM CUDA against the trainer's generate, and the weight sync over the filesystem and over
+    NCCL: ``bench/rollouts.py --device cuda`` on the ~48M Llama, run as a child process (it needs the
+    pipeline's environment, aiohttp, and a vLLM environment: ``$ARS_OPD_VLLM_PYTHON`` or ``.venv-vllm``), its
+    lines relayed. One line saying ``skipped`` and why where those are missing."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    vllm = os.environ.get("ARS_OPD_VLLM_PYTHON") or str(repo / ".venv-vllm" / "bin" / "python")
+    why = None
+    if device.type != "cuda":
+        why = "the engine cases measure vLLM on CUDA; on CPU, bench/rollouts.py measures the same paths"
+    elif importlib.util.find_spec("aiohttp") is None:
+        why = "the engine client needs the pipeline's environment (aiohttp is not installed)"
+    elif not Path(vllm).exists():
+        why = f"no vLLM environment at {vllm} (set ARS_OPD_VLLM_PYTHON to a python with vLLM >= 0.32)"
+    if why:
+        return [{"bench": "engine", "skipped": why}]
+    cmd = [sys.executable, str(repo / "bench" / "rollouts.py"), "--device", "cuda", "--models", "llama50m"]
+    cmd += ["--paths", "trainer_dynamic", "trainer_static", "vllm", "--batches", "32", "128"]
+    cmd += ["--dtypes", "fp32", "bf16", "--transports", "filesystem", "nccl", "--repeats", str(a.repeats)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode != 0:
+        raise RuntimeError(f"bench/rollouts.py exited {out.returncode}: {out.stderr[-1500:]}")
+    return [{"bench": "engine", **line} for line in lines]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--tiny", action="store_true", help="tiny shapes and sizes: the same code paths in seconds")
-    names = ["sft", "sft_fsdp", "sft_lora", "rollout", "opd"]
+    names = ["sft", "sft_fsdp", "sft_lora", "rollout", "opd", "engine"]
     p.add_argument("--only", nargs="+", choices=names, default=names)
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on CUDA only")
     p.add_argument(
@@ -454,6 +490,7 @@ def main() -> None:
         "sft_lora": lambda: [bench_sft(a, device, vocab, student, "lora")],
         "rollout": lambda: [bench_rollout(a, device, vocab, student)],
         "opd": lambda: bench_opd(a, device, vocab, student, teacher),
+        "engine": lambda: bench_engine(a, device),
     }
     failed = []
     for name in a.only:  # one failing workload (e.g. a compiler error) must not cost the others' figures

@@ -35,7 +35,7 @@ Lines (JSON, one per measurement):
    after one warm-up batch per (path, dtype) at the smallest B. bf16: the trainer's model ``.to(bfloat16)``,
    vLLM ``--dtype bfloat16``, the bundled server ``--dtype bfloat16``. The bundled server also reports how
    many ``generate`` calls the batch took and its largest batch (``server_generate_calls``, from ``/stats``).
-2. ``{"kind": "sync", "model", "transport": "filesystem", "engine", "dtype", "bytes", "state_s", "write_s",
+2. ``{"kind": "sync", "model", "transport", "engine", "dtype", "bytes", "state_s", "write_s",
    "load_s", "probe_s", "total_s", ...}``: publishing one version as the opd stage does
    (``ars_opd.rollouts.schedule``): ``engine_state_dict`` (``state_s``), ``write_version`` (``write_s``),
    ``EngineClient.load_weights`` (``load_s``), then the probe (``probe_s``: the engine's ``prompt_logprobs`` of
@@ -54,6 +54,13 @@ errors.
     python bench/rollouts.py                                   # everything (long: see --paths / --batches)
     python bench/rollouts.py --models llama50m --paths trainer_dynamic vllm --batches 128 --repeats 3
     python bench/rollouts.py --quick                           # builtin student, B=4, 8 tokens (the test's)
+    python bench/rollouts.py --device cuda --models llama50m --paths trainer_dynamic trainer_static vllm \
+        --transports filesystem nccl                           # GPUs (bench/gpu.py's engine case runs this)
+
+On CUDA (``--device cuda``) nothing is pinned: the trainer runs on cuda:0 and a started vLLM on
+``--engine-gpu`` (its ``CUDA_VISIBLE_DEVICES``; default 1 when there are two GPUs). ``--transports nccl`` adds
+sync lines of transport ``nccl`` (``ars_opd.rollouts.nccl_sync``: vLLM started with
+``--weight-transfer-config``); it needs two GPUs, and says ``skipped`` with the reason where it cannot run.
 """
 
 from __future__ import annotations
@@ -239,6 +246,8 @@ def start_engine(
 
         config = json.loads((model_dir / "config.json").read_text())
         kv_bytes = 2 * config["num_hidden_layers"] * config["hidden_size"] * 4 * max_batch * 256  # fp32 K and V
+        from ars_opd.rollouts.engines import NCCL_ENGINE_ARGS
+
         opts = VLLMOptions(
             served_model_name=SERVED,
             dtype=SERVER_DTYPE[dtype],
@@ -246,10 +255,11 @@ def start_engine(
             kv_cache_bytes=max(256 << 20, kv_bytes),
             cpus=str(ENGINE_CPU) if pin else None,
             weight_sync=True,
+            extra_args=NCCL_ENGINE_ARGS if "nccl" in args.transports and nccl_problem(args) is None else (),
         )
         server = VLLMServer(model_dir, opts, log_path=log_dir / f"vllm-{model_dir.name}-{dtype}.log")
         try:
-            with affinity(cpus):
+            with affinity(cpus), engine_gpu(args):
                 server.start()
             yield server.wait_ready()
         finally:
@@ -359,17 +369,36 @@ def measure_engine(model_name, path, dtype, client, prompts, args, eos, pin) -> 
     return lines
 
 
+@contextlib.contextmanager
+def engine_gpu(args) -> Iterator[None]:
+    """On CUDA, an engine started meanwhile sees only ``--engine-gpu`` (CUDA_VISIBLE_DEVICES, inherited)."""
+    if args.device != "cuda":
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = args.engine_gpu
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 @torch.no_grad()
 def _perturb(model, seed: int) -> None:
     """A small update of every weight, as one optimizer step would make (the probe must see it)."""
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
-        p.add_((torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype))
+        p.add_((torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype).to(p.device))
 
 
-def one_sync(model, client: EngineClient, sync_dir: Path, version: int, dtype: str, args) -> dict:
-    """Publish ``model`` as ``version`` to the engine and prove it serves it: timed parts, probe figures."""
-    device = torch.device("cpu")
+def one_sync(model, client: EngineClient, sync_dir: Path, version: int, dtype: str, args, transport=None) -> dict:
+    """Publish ``model`` as ``version`` to the engine and prove it serves it: timed parts, probe figures.
+    ``transport``: None for the filesystem (write, then the engine loads the file), else an ``NcclWeightSync``
+    (the broadcast round trip is ``load_s``; nothing is written)."""
+    device = next(model.parameters()).device
     vocab = model.config.vocab_size
     ids = probe_ids(vocab, args.probe_tokens, seed=0)
     previous, _ = trainer_logprobs(model, ids, device)  # what the engine serves now
@@ -377,9 +406,14 @@ def one_sync(model, client: EngineClient, sync_dir: Path, version: int, dtype: s
     t0 = time.perf_counter()
     state = engine_state_dict(model)
     t1 = time.perf_counter()
-    published = write_version(state, sync_dir, version)
-    t2 = time.perf_counter()
-    client.load_weights(str(published.path))
+    if transport is None:
+        published = write_version(state, sync_dir, version)
+        nbytes = published.bytes
+        t2 = time.perf_counter()
+        client.load_weights(str(published.path))
+    else:
+        t2 = time.perf_counter()
+        nbytes = transport.publish(state, version).bytes
     t3 = time.perf_counter()
     engine = client.prompt_logprobs(ids)
     trainer, max_logit = trainer_logprobs(model, ids, device)
@@ -387,7 +421,7 @@ def one_sync(model, client: EngineClient, sync_dir: Path, version: int, dtype: s
     probe = check_probe(engine, trainer, previous, bound, client.root, version)
     t4 = time.perf_counter()
     return {
-        "bytes": published.bytes,
+        "bytes": nbytes,
         "state_s": t1 - t0,
         "write_s": t2 - t1,
         "load_s": t3 - t2,
@@ -399,16 +433,38 @@ def one_sync(model, client: EngineClient, sync_dir: Path, version: int, dtype: s
     }
 
 
-def measure_sync(model_name, engine, dtype, model, client, args, sync_dir: Path) -> dict:
-    one_sync(model, client, sync_dir, 0, dtype, args)  # warm-up (first file, first load)
-    runs = [one_sync(model, client, sync_dir, v, dtype, args) for v in range(1, args.repeats + 1)]
+def nccl_problem(args) -> str | None:
+    """Why transport nccl cannot be measured here, or None."""
+    if args.device != "cuda":
+        return "transport nccl needs --device cuda"
+    if torch.cuda.device_count() < 2:
+        gpus = torch.cuda.device_count()
+        return f"transport nccl needs two GPUs (the trainer's and the engine's); this machine has {gpus}"
+    if args.engine_gpu == "0":
+        return "transport nccl needs the engine on another GPU than the trainer's cuda:0 (--engine-gpu)"
+    return None
+
+
+def measure_sync(model_name, engine, dtype, model, client, args, sync_dir: Path, transport: str = "filesystem") -> dict:
+    head = {"kind": "sync", "model": model_name, "transport": transport, "engine": engine, "dtype": dtype}
+    sync = None
+    if transport == "nccl":
+        why = nccl_problem(args) if engine == "vllm" else "transport nccl is vLLM's (the bundled engine loads files)"
+        if why:
+            emit({**head, "skipped": why})
+            return {**head, "skipped": why}
+        from ars_opd.rollouts.nccl_sync import NcclWeightSync
+
+        sync = NcclWeightSync(client, torch.device(args.device))
+    try:
+        one_sync(model, client, sync_dir, 0, dtype, args, sync)  # warm-up (first file or group, first load)
+        runs = [one_sync(model, client, sync_dir, v, dtype, args, sync) for v in range(1, args.repeats + 1)]
+    finally:
+        if sync is not None:
+            sync.close()
     run = sorted(runs, key=lambda r: r["total_s"])[(len(runs) - 1) // 2]
     line = {
-        "kind": "sync",
-        "model": model_name,
-        "transport": "filesystem",
-        "engine": engine,
-        "dtype": dtype,
+        **head,
         **run,
         "probe_max_abs_diff": max(r["probe_max_abs_diff"] for r in runs),
         "probe_tokens": args.probe_tokens,
@@ -454,6 +510,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the bundled server's --max-wait-ms",
     )
     p.add_argument("--log-dir", type=Path, help="keep the engines' logs here (default: a temporary directory)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the trainer's device (and vLLM's)")
+    p.add_argument(
+        "--engine-gpu",
+        default=None,
+        help="CUDA_VISIBLE_DEVICES of a started vLLM (default: 1 with two GPUs or more, else 0)",
+    )
+    p.add_argument(
+        "--transports",
+        nargs="+",
+        choices=["filesystem", "nccl"],
+        default=["filesystem"],
+        help="sync transports to time (nccl: CUDA, two GPUs, vLLM >= 0.32)",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -473,6 +542,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min(args.batches) < 1 or args.new_tokens < 1 or args.repeats < 1:
         p.error("--batches, --new-tokens and --repeats must be >= 1")
     args.batches = sorted(set(args.batches))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no GPU")
+    if args.engine_gpu is None:
+        args.engine_gpu = "1" if args.device == "cuda" and torch.cuda.device_count() >= 2 else "0"
     return args
 
 
@@ -480,7 +553,8 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     args = parse_args(argv)
-    pin = can_pin()
+    device = torch.device(args.device)
+    pin = can_pin() and device.type == "cpu"
     if pin:
         os.sched_setaffinity(0, {TRAINER_CPU})
     torch.set_num_threads(1)
@@ -493,7 +567,7 @@ def main(argv=None) -> int:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             prompts = {b: make_prompts(tokenizer, b, seed=b) for b in args.batches}
             for dtype in args.dtypes:
-                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
                 eos = eos_token_ids(model, tokenizer)
                 for path in args.paths:
                     if path in TRAINER_PATHS:
@@ -512,8 +586,11 @@ def main(argv=None) -> int:
                         )
                         lines += measure_engine(model_name, path, dtype, client, prompts, args, eos, pin)
                         if not args.no_sync:
-                            synced = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
-                            measure_sync(model_name, path, dtype, synced, client, args, Path(tmp) / "sync" / path)
+                            for transport in args.transports:
+                                synced = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+                                synced = synced.to(device).eval()
+                                sync_dir = Path(tmp) / "sync" / path
+                                measure_sync(model_name, path, dtype, synced, client, args, sync_dir, transport)
     emit(summary(lines))
     return 0
 

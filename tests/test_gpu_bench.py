@@ -26,8 +26,10 @@ def test_gpu_bench_tiny_runs_every_workload_without_the_pipelines_other_dependen
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert [line["bench"] for line in lines] == ["sft", "sft_fsdp", "sft_lora", "rollout", "opd_step", "opd_loss"]
-    sft, fsdp, lora, rollout, step, loss = lines
+    benches = ["sft", "sft_fsdp", "sft_lora", "rollout", "opd_step", "opd_loss", "engine"]
+    assert [line["bench"] for line in lines] == benches
+    sft, fsdp, lora, rollout, step, loss, engine = lines
+    assert "CUDA" in engine["skipped"]  # the engine cases are vLLM on CUDA; here they say so, not a silent pass
     # a world of one: FSDP holds everything (its state is the plain run's); LoRA trains the adapter only
     assert fsdp["state_bytes"] == sft["state_bytes"] and fsdp["tokens_per_s"] > 0 and not fsdp["compiled"]
     assert lora["trainable"] < sft["trainable"] / 4 and lora["state_bytes"] < sft["state_bytes"]
