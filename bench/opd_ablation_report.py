@@ -11,7 +11,9 @@ start, the same model for every arm and seed):
 - the arm's OPD change − the default arm's, paired by seed: a factor explains the drop when this is positive
   (exact match) and its interval excludes 0.
 
-Prints one JSON line per arm, and with ``--out`` writes the markdown table.
+Prints one JSON line per arm, and with ``--out`` writes the markdown table. Each quantity in a line is
+``{"mean", "ci95": [lower, upper], "per_seed": [one value per seed], "seeds"}``, so that a later arm can be
+paired with this one by seed.
 
     python bench/opd_ablation_report.py /tmp/opd_ablation_exps.json --out reports/opd_ablation.md
 """
@@ -71,8 +73,16 @@ def points(run: dict, arm: str) -> tuple[dict, dict]:
     return curve[0], curve[-1]
 
 
+def summary(values: list[float], seeds: list[int]) -> dict:
+    """A quantity over seeds: each seed's value (in ``seeds``' order), the mean and its 95% t-interval."""
+    m, lo, hi = mean_ci(values)
+    return {"mean": m, "ci95": [lo, hi], "per_seed": list(values), "seeds": list(seeds)}
+
+
 def arm_line(arm: str, runs: list[dict], default: dict[int, float]) -> dict:
-    line = {"arm": arm, "seeds": sorted(r["seed"] for r in runs)}
+    runs = sorted(runs, key=lambda r: r["seed"])
+    seeds = [r["seed"] for r in runs]
+    line = {"arm": arm, "seeds": seeds}
     for metric in METRICS:
         opd_change, control_change, gap = [], [], []
         for r in runs:
@@ -81,20 +91,21 @@ def arm_line(arm: str, runs: list[dict], default: dict[int, float]) -> dict:
             opd_change.append(e[metric] - s[metric])
             control_change.append(ce[metric] - cs[metric])
             gap.append(e[metric] - ce[metric])
-        line[f"opd_change_{metric}"] = mean_ci(opd_change)
-        line[f"control_change_{metric}"] = mean_ci(control_change)
-        line[f"opd_minus_control_{metric}"] = mean_ci(gap)
+        line[f"opd_change_{metric}"] = summary(opd_change, seeds)
+        line[f"control_change_{metric}"] = summary(control_change, seeds)
+        line[f"opd_minus_control_{metric}"] = summary(gap, seeds)
         if metric == "exact_match" and default:
-            paired = [c - default[r["seed"]] for c, r in zip(opd_change, runs) if r["seed"] in default]
-            line["opd_change_vs_default_exact_match"] = mean_ci(paired) if len(paired) >= 2 else None
+            both = [(c - default[r["seed"]], r["seed"]) for c, r in zip(opd_change, runs) if r["seed"] in default]
+            paired = summary([d for d, _ in both], [s for _, s in both]) if len(both) >= 2 else None
+            line["opd_change_vs_default_exact_match"] = paired
         line["start_" + metric] = points(runs[0], "opd")[0][metric]
     return line
 
 
-def _fmt(ci, pct: bool) -> str:
-    if ci is None:
+def _fmt(q: dict | None, pct: bool) -> str:
+    if q is None:
         return "n/a"
-    m, lo, hi = ci
+    m, (lo, hi) = q["mean"], q["ci95"]
     f = (lambda v: f"{100 * v:+.1f}") if pct else (lambda v: f"{v:+.3f}")
     return f"{f(m)} [{f(lo)}, {f(hi)}]"
 

@@ -75,11 +75,13 @@ def test_ablation_table_against_hand_computed_means(tmp_path):
             ("opd_minus_control_exact_match", [a - b for a, b in zip(opd, ctl)]),
             ("opd_change_reverse_kl", [0.4 + e - START["reverse_kl"] for e in opd]),
         ):
-            assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(ln[key], _ci(want))), (arm, key)
+            got = [ln[key]["mean"], *ln[key]["ci95"]]
+            assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(got, _ci(want))), (arm, key)
+            assert ln[key]["seeds"] == [1, 2, 3]
+            assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(ln[key]["per_seed"], want)), (arm, key)
     paired = [a - b for a, b in zip(ends["lr1e-4"][0], ends["default"][0])]
-    assert all(
-        math.isclose(a, b, abs_tol=1e-12)
-        for a, b in zip(lines["lr1e-4"]["opd_change_vs_default_exact_match"], _ci(paired))
-    )
+    vs = lines["lr1e-4"]["opd_change_vs_default_exact_match"]
+    assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip([vs["mean"], *vs["ci95"]], _ci(paired)))
+    assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(vs["per_seed"], paired))
     table = (tmp_path / "t.md").read_text()
     assert "| lr1e-4 | 3 |" in table and "| default | 3 |" in table
