@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED := 1
 # write bytecode, so a PYTHONDONTWRITEBYTECODE from outside is not passed on to what make runs.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup vllm repro models-stage repro-vllm test test-fast clean-venv
+.PHONY: setup vllm trl repro models-stage repro-vllm test test-fast clean-venv
 
 setup: $(VENV)/.installed
 
@@ -37,6 +37,11 @@ $(VLLM_VENV)/.installed: requirements-vllm.txt
 
 vllm: setup $(VLLM_VENV)/.installed
 	ars-opd vllm check
+
+# TRL, for the side-by-side benchmarks only (bench/trl_replication.py); the pipeline never imports it. Its
+# dependencies are already in .venv, so this adds trl alone.
+trl: setup
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check trl==1.16.0
 
 repro: setup
 	dvc repro
