@@ -609,6 +609,12 @@ class RolloutEngineConfig:
             "max_model_len",
             f"must be > 0, got {self.max_model_len}",
         )
+        _require(
+            not (self.transport == "nccl" and self.server == "bundled"),
+            "transport",
+            "nccl is vLLM's weight transfer on GPUs; the bundled engine loads files: use filesystem, or "
+            "server: vllm (or the URL of a CUDA vLLM)",
+        )
 
 
 @dataclass(frozen=True)
@@ -935,6 +941,10 @@ class OPDConfig(TrainLoopConfig):
     """Divergence: 0 forward KL, 1 reverse KL, in between generalised JSD (objectives that use beta)."""
     temperature: float = 1.0
     """Temperature of both distributions in the divergence."""
+    loss_normalisation: Literal["token", "sequence"] = "token"
+    """What the step's loss averages over: token (every loss token of the global batch weighs the same, so a long
+    rollout weighs more than a short one) or sequence (each completion's mean over its tokens, then the mean over
+    the global batch's completions: every completion weighs the same)."""
     chunk_size: int = 256
     """Positions per chunk of the losses from hidden states, student and teacher (bounds their fp32 memory)."""
     sample_temperature: float = 1.0
@@ -1321,12 +1331,7 @@ def check_params(params: Params, base: str | Path = ".") -> None:
             "student (ddp.strategy: fsdp) needs every worker to run the same forwards; use dynamic",
         )
     if params.opd is not None and params.opd.rollouts == "engine" and params.opd.engine.transport == "nccl":
-        if params.opd.engine.server == "bundled":
-            raise ConfigError(
-                "opd.engine.transport",
-                "nccl is vLLM's weight transfer on GPUs; the bundled engine loads files: use filesystem, or "
-                "opd.engine.server: vllm (or the URL of a CUDA vLLM)",
-            )
+        # (nccl with the bundled engine is refused by RolloutEngineConfig itself)
         if params.ddp is not None and params.ddp.device == "cpu":
             raise ConfigError("opd.engine.transport", "nccl needs the trainer on CUDA (ddp.device); use filesystem")
     loops = [(name, getattr(params, name)) for name in ("sft", "opd") if getattr(params, name) is not None]

@@ -18,13 +18,13 @@
 #               gives almost no mass is that mass times the log ratio, so a confidently wrong start barely
 #               moves toward the teacher's token; forward KL pulls it there (p − q)
 #   jsd0.5      generalised JSD at β 0.5, between the two
-# Per-sequence normalisation of the loss is not an option of this build (the engine normalises by the global
-# token count); it is not an arm.
+#   perseq      per-sequence normalisation (opd.loss_normalisation: sequence): every rollout weighs the same,
+#               where the default's global token mean gives the longest (mostly wrong) rollouts the most weight
 set -euo pipefail
 SEEDS="${SEEDS:-1 2 3 4 5}"
 STEPS="${STEPS:-300}"               # each arm's steps (the opd loop)
 BATCH="${BATCH:-32}"                # each arm's global batch
-ARMS="${ARMS:-default lr1e-4 lr3e-4 norewarm temp0.7 lambda0.5 fkl jsd0.5}"
+ARMS="${ARMS:-default lr1e-4 lr3e-4 norewarm temp0.7 lambda0.5 fkl jsd0.5 perseq}"
 t0=$(date +%s)
 source "$(dirname "$0")/long_horizon_base.sh"
 echo "base: $(( $(date +%s) - t0 )) s" >&2
@@ -34,14 +34,15 @@ COMMON=(-S "paths.distill_init=$INIT" -S sft.steps=20 -S sft.warmup_steps=2 -S s
 # previous experiment's params applied, so a knob left out would carry over from the arm before.
 arm_params() {
   case "$1" in
-    default)   echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0" ;;
-    lr1e-4)    echo "-S opd.lr=0.0001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0" ;;
-    lr3e-4)    echo "-S opd.lr=0.0003 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0" ;;
-    norewarm)  echo "-S opd.lr=0.0003 -S opd.warmup_steps=0 -S opd.min_lr_ratio=1.0 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0" ;;
-    temp0.7)   echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=0.7 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0" ;;
-    lambda0.5) echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=0.5 -S opd.beta=1.0" ;;
-    fkl)       echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=0.0" ;;
-    jsd0.5)    echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=0.5" ;;
+    default)   echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0 -S opd.loss_normalisation=token" ;;
+    lr1e-4)    echo "-S opd.lr=0.0001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0 -S opd.loss_normalisation=token" ;;
+    lr3e-4)    echo "-S opd.lr=0.0003 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0 -S opd.loss_normalisation=token" ;;
+    norewarm)  echo "-S opd.lr=0.0003 -S opd.warmup_steps=0 -S opd.min_lr_ratio=1.0 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0 -S opd.loss_normalisation=token" ;;
+    temp0.7)   echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=0.7 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0 -S opd.loss_normalisation=token" ;;
+    lambda0.5) echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=0.5 -S opd.beta=1.0 -S opd.loss_normalisation=token" ;;
+    fkl)       echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=0.0 -S opd.loss_normalisation=token" ;;
+    jsd0.5)    echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=0.5 -S opd.loss_normalisation=token" ;;
+    perseq)    echo "-S opd.lr=0.001 -S opd.warmup_steps=10 -S opd.min_lr_ratio=0.1 -S opd.sample_temperature=1.0 -S opd.on_policy_fraction=1.0 -S opd.beta=1.0 -S opd.loss_normalisation=sequence" ;;
     *) echo "unknown arm $1" >&2; exit 2 ;;
   esac
 }

@@ -55,6 +55,8 @@ def _grad_probe(job: dict, ctx) -> dict:
     )
     geometry = BatchGeometry.check(cfg.global_batch_size, ctx.world_size, cfg.micro_batch_size, "sft")
     task = SFTTask(data, cfg, WorkerSetup(ctx, tok, geometry, sampler_seed=0, stage_seed=0, fault=None), vocab=len(tok))
+    if job.get("per_sequence"):
+        task = PerSequence(task)
     ddp_cfg = ParallelConfig(
         workers=ctx.world_size,
         gradient_as_bucket_view=job.get("bucket_view", True),
@@ -63,12 +65,51 @@ def _grad_probe(job: dict, ctx) -> dict:
     )
     ddp = wrap_model(model, ctx, ddp_cfg, cfg)  # DDP, or the model itself sharded in place (fsdp)
     micro = task.micro_batches(0, model)
-    local_sum, _, global_tokens, *_ = Trainer(model=ddp, task=task, ctx=ctx, cfg=cfg).accumulate(micro)
-    total = torch.tensor([local_sum], dtype=torch.float64)
+    acc = Trainer(model=ddp, task=task, ctx=ctx, cfg=cfg).accumulate(micro)
+    total = torch.tensor([acc.local_sum], dtype=torch.float64)
     dist.all_reduce(total)
     full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731  (sharded: gathered)
     grads = {n: full(p.grad).detach().clone() for n, p in model.named_parameters()}
-    return {"loss": total.item() / global_tokens, "tokens": global_tokens, "grads": grads, "n_micro": len(micro)}
+    return {
+        "loss": total.item() / acc.global_units,
+        "tokens": acc.global_tokens,
+        "units": acc.global_units,
+        "grads": grads,
+        "n_micro": len(micro),
+    }
+
+
+class PerSequence:
+    """An SFT task whose loss averages each sequence's token cross-entropy first and the step over sequences
+    (``MicroBatch.units``: the engine's normaliser counts sequences), as ``opd.loss_normalisation: sequence``
+    does: each token weighs 1 / its sequence's loss tokens (``ars_opd.lm.batching.sequence_weights``)."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def metric_names(self):
+        return self.task.metric_names()
+
+    def teacher_tokens(self, step):
+        return self.task.teacher_tokens(step)
+
+    def micro_batches(self, step, model):
+        out = self.task.micro_batches(step, model)
+        for b in out:
+            b.units = b.n_sequences
+        return out
+
+    def loss_sum(self, model, batch):
+        from ars_opd.lm.batching import sequence_weights
+        from ars_opd.lm.cross_entropy import shifted_targets
+        from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
+
+        t = batch.tensors
+        mask, targets = shifted_targets(t["labels"])
+        hidden = select_rows(last_hidden_states(model, t["input_ids"], t["attention_mask"]), mask)
+        logits = torch.nn.functional.linear(hidden, OutputHead.of(model).weight).float()
+        per_token = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+        return (per_token * sequence_weights(mask)).sum(), {}
 
 
 class FixedTask:

@@ -85,6 +85,56 @@ def test_loss_and_gradients_invariant_to_worker_and_accumulation_split(char_toke
             assert err <= two_computations(chain_bound(backward, g.abs().max().item())), (name, pname, err)
 
 
+@pytest.mark.ddp
+def test_per_sequence_normalisation_is_the_mean_of_sequence_means_whatever_the_split(char_tokenizer):
+    """``MicroBatch.units`` (OPD's ``loss_normalisation: sequence``): the engine divides by the global count of
+    sequences, so the reduced gradient is that of the mean over sequences of each one's token mean, whatever the
+    split into workers and micro-batches; against an oracle computed one sequence at a time."""
+    prompts, completions = _ragged_batch(char_tokenizer)
+    model = tiny_model(char_tokenizer)
+    means, top = [], 0.0
+    for p, c in zip(prompts, completions):
+        logits = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
+        means.append(torch.nn.functional.cross_entropy(logits.float(), torch.tensor(c)))
+        top = max(top, logits.abs().max().item())
+    ref = torch.stack(means).mean()
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    token_mean = _oracle(char_tokenizer, prompts, completions)[0]
+    job = {"prompts": prompts, "completions": completions, "per_sequence": True}
+    runs = {
+        "1x8": launch(grad_probe, {**job, "micro": 8}, workers=1),
+        "2x4": launch(grad_probe, {**job, "micro": 4}, workers=2),
+        "2x2xaccum2": launch(grad_probe, {**job, "micro": 2}, workers=2),
+    }
+    # the same chain as the token-mean test's (the per-sequence sums are over fewer terms than the whole batch's)
+    cfg, V, n_tok = model.config, len(char_tokenizer), sum(map(len, completions))
+    forward = decoder_lengths(cfg, 32) + [cfg.hidden_size, softmax_length(V, top), n_tok]
+    backward = forward + decoder_lengths(cfg, 32) + [sum(map(len, prompts + completions)), 8]
+    loss_tol = two_computations(chain_bound(forward, ref.item()))
+    # the instrument sees the normalisation: the ragged lengths (1 to 9 tokens) part the two means
+    assert abs(token_mean - ref.item()) > 2 * loss_tol, (token_mean, ref.item(), loss_tol)
+    for name, r in runs.items():
+        assert r["units"] == len(prompts) and r["tokens"] == n_tok, name
+        assert abs(r["loss"] - ref.item()) <= loss_tol, (name, r["loss"], ref.item(), loss_tol)
+        for pname, g in ref_grads.items():
+            err = (r["grads"][pname] - g).abs().max().item()
+            assert err <= two_computations(chain_bound(backward, g.abs().max().item())), (name, pname, err)
+
+
+def test_sequence_weights_against_a_loop():
+    from ars_opd.lm.batching import sequence_weights
+
+    rng = random.Random(1)
+    mask = torch.zeros(5, 12, dtype=torch.bool)
+    for i in range(5):
+        start, n = rng.randint(0, 4), rng.randint(1, 8)
+        mask[i, start : start + n] = True
+    expected = [1.0 / int(mask[i].sum()) for i in range(5) for _ in range(int(mask[i].sum()))]
+    # 1 / n in fp32 is the correctly rounded quotient (IEEE division): exactly the float64 value rounded once
+    assert torch.equal(sequence_weights(mask), torch.tensor(expected, dtype=torch.float64).float())
+
+
 def test_prompt_positions_never_change_the_loss_completion_positions_do(char_tokenizer):
     prompts, completions = _ragged_batch(char_tokenizer, n=4, seed=1)
     batch = pad_right_with_labels(prompts, completions, char_tokenizer.pad_token_id)

@@ -7,7 +7,9 @@
 - ``divergence_first_half`` / ``_second_half``: per-token reverse KL from a float64 oracle of both models'
   logits (torch.distributions), split by a loop over each completion's positions, within the derived fp32
   bound of the loss's rows (``tests.tolerances.loss_bound``);
-- the report's table: each span's mean against pandas on the rows of that span.
+- the report's table: each span's mean against pandas on the rows of that span;
+- ``opd.loss_normalisation`` (an arm of the same study): the step's loss as the global token mean or the mean
+  of each completion's token mean, against the same float64 oracle.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ars_opd.training.distributed import WorkerContext
 from ars_opd.training.opd import ModelSizes, OPDData, OPDTask, RolloutSetup
 from ars_opd.training.opd_teachers import LocalTeacher
 from ars_opd.training.worker import WorkerSetup
-from tests.tolerances import linear_bound, loss_bound
+from tests.tolerances import gamma, linear_bound, loss_bound
 
 MAX_NEW = 6
 
@@ -70,7 +72,7 @@ def _rows(n: int) -> list[dict]:
     return rows
 
 
-def _task(tok, rows, on_policy_fraction: float, seed: int = 1):
+def _task(tok, rows, on_policy_fraction: float, seed: int = 1, normalisation: str = "token"):
     vocab = len(tok)
     student = _model(vocab, seed, tok.eos_token_id, tok.pad_token_id)
     teacher = _model(vocab, seed + 10, tok.eos_token_id, tok.pad_token_id)
@@ -88,6 +90,7 @@ def _task(tok, rows, on_policy_fraction: float, seed: int = 1):
         max_new_tokens=MAX_NEW,
         on_policy_fraction=on_policy_fraction,
         precision="fp32",
+        loss_normalisation=normalisation,
     )
     ctx = WorkerContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     task = OPDTask(
@@ -169,6 +172,69 @@ def test_in_first_half_against_a_loop():
     assert in_first_half(mask).tolist() == expected
 
 
+def _oracle_rows(student, teacher, vocab: int, b):
+    """Per loss row of micro-batch ``b``: reverse KL(q_student ‖ p_teacher) from float64 logits
+    (torch.distributions) and the derived fp32 bound of the loss's own value of that row."""
+    t = b.tensors
+    mask = t["loss_mask"]
+    with torch.no_grad():
+        hs = select_rows(last_hidden_states(student, t["input_ids"], t["attention_mask"]), mask)
+        ht = select_rows(last_hidden_states(teacher, t["input_ids"], t["attention_mask"]), mask)
+        ws, wt = OutputHead.of(student, vocab).weight, OutputHead.of(teacher, vocab).weight
+        zs, zt = (
+            torch.nn.functional.linear(hs.double(), ws.double()),
+            torch.nn.functional.linear(ht.double(), wt.double()),
+        )
+    per_row = kl_divergence(Categorical(logits=zs), Categorical(logits=zt))
+    _, bounds = loss_bound(
+        "divergence", zs, linear_bound(hs, ws), zt, linear_bound(ht, wt), t["targets"][mask], 1.0, 1.0, rows=True
+    )
+    return per_row, bounds
+
+
+@pytest.mark.parametrize("normalisation", ["token", "sequence"])
+def test_loss_normalisation_against_a_float64_oracle(char_tokenizer, normalisation):
+    """``opd.loss_normalisation``: the step's loss (Σ loss_sum / Σ units, as the engine divides) is the global
+    token mean of reverse KL, or the mean over completions of each completion's token mean."""
+    tok = char_tokenizer
+    rows = _rows(8)
+    task, student, teacher, _ = _task(tok, rows, 1.0, seed=2, normalisation=normalisation)
+    torch.manual_seed(1)
+    batches = task.micro_batches(0, student)
+    got, units = 0.0, 0
+    token_sum = token_bound = seq_sum = seq_bound = 0.0
+    n_tok = n_seq = 0
+    for b in batches:
+        loss_sum, _ = task.loss_sum(student, b)
+        got += float(loss_sum.detach())
+        units += b.loss_units
+        per_row, bounds = _oracle_rows(student, teacher, len(tok), b)
+        # the loss sums its rows in fp32 (one chunk here): γ_M of the sum of |terms| on top of each row's bound
+        summed = gamma(len(per_row) + 1)
+        token_sum, token_bound, n_tok = (
+            token_sum + float(per_row.sum()),
+            token_bound + float(bounds.sum()) + summed * float(per_row.abs().sum()),
+            n_tok + len(per_row),
+        )
+        lengths = b.tensors["loss_mask"].sum(1).tolist()
+        for r, chunk, bound in zip(lengths, per_row.split(lengths), bounds.split(lengths)):
+            seq_sum += float(chunk.sum()) / r
+            seq_bound += (float(bound.sum()) + summed * float(chunk.abs().sum())) / r
+            n_seq += 1
+    token_mean, seq_mean = token_sum / n_tok, seq_sum / n_seq
+    # the rollouts' lengths differ, so the two means differ by more than their bounds: the test can tell them apart
+    assert len({int(x) for b in batches for x in b.tensors["loss_mask"].sum(1)}) > 1
+    assert abs(token_mean - seq_mean) > token_bound / n_tok + seq_bound / n_seq
+    if normalisation == "token":
+        assert units == n_tok
+        assert abs(got / units - token_mean) <= token_bound / n_tok, (got / units, token_mean)
+    else:
+        assert units == n_seq == len(rows)
+        # each row's value is scaled by its fp32 weight 1 / r (one rounding of relative size u)
+        u = torch.finfo(torch.float32).eps / 2
+        assert abs(got / units - seq_mean) <= seq_bound / n_seq + 2 * u * seq_mean, (got / units, seq_mean)
+
+
 def test_divergence_halves_against_a_float64_oracle(char_tokenizer):
     tok = char_tokenizer
     rows = _rows(8)
@@ -183,20 +249,8 @@ def test_divergence_halves_against_a_float64_oracle(char_tokenizer):
         for k in sums:
             sums[k][0] += metrics[k][0]
             sums[k][1] += metrics[k][1]
-        t = b.tensors
-        mask = t["loss_mask"]
-        with torch.no_grad():
-            hs = select_rows(last_hidden_states(student, t["input_ids"], t["attention_mask"]), mask)
-            ht = select_rows(last_hidden_states(teacher, t["input_ids"], t["attention_mask"]), mask)
-            ws, wt = OutputHead.of(student, vocab).weight, OutputHead.of(teacher, vocab).weight
-            zs, zt = (
-                torch.nn.functional.linear(hs.double(), ws.double()),
-                torch.nn.functional.linear(ht.double(), wt.double()),
-            )
-        per_row = kl_divergence(Categorical(logits=zs), Categorical(logits=zt))  # KL(q_student ‖ p_teacher)
-        _, bounds = loss_bound(
-            "divergence", zs, linear_bound(hs, ws), zt, linear_bound(ht, wt), t["targets"][mask], 1.0, 1.0, rows=True
-        )
+        mask = b.tensors["loss_mask"]
+        per_row, bounds = _oracle_rows(student, teacher, vocab, b)  # KL(q_student ‖ p_teacher)
         m = 0
         for i in range(mask.shape[0]):  # each completion's positions in order: the first ceil(n/2) are its first half
             n = int(mask[i].sum())

@@ -195,6 +195,13 @@ def build_rollout_batch(
     }
 
 
+def sequence_weights(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(M,) fp32 over the True entries of ``loss_mask`` (B, T), in row-major order: 1 / the number of scored
+    positions of each one's row, so that a sum of weighted token losses is the sum of each row's token mean."""
+    length = loss_mask.sum(1, keepdim=True).expand_as(loss_mask)
+    return 1.0 / length[loss_mask].float()
+
+
 def in_first_half(loss_mask: torch.Tensor) -> torch.Tensor:
     """(M,) bool over the True entries of ``loss_mask`` (B, T), in row-major order (the order a loss's M scored
     rows come in): whether each is in the first half of its row's scored positions, i.e. the j-th (from 0) of L

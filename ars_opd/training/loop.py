@@ -8,7 +8,9 @@ for both (FSDP2's reduce-scatter averages over the workers as DDP's all-reduce d
 One optimiser step, on every worker k of K:
 
 1. the task builds this worker's micro-batches for the step (SFT: slices of the data; OPD: rollouts);
-2. the valid-token count of the *whole* global batch is all-reduced before any backward;
+2. the valid-token count of the *whole* global batch is all-reduced before any backward (with the count of
+   what the task's loss averages over when that is not tokens: ``MicroBatch.loss_units``, e.g. OPD's
+   completions under ``opd.loss_normalisation: sequence``, whose count then takes N_global's place below);
 3. each micro-batch's summed token loss is back-propagated scaled by ``K / N_global``, the last one
    outside ``no_sync`` so DDP all-reduces once. DDP's all-reduce averages over the K workers, so the
    reduced gradient is the gradient of (sum of every token loss of the step) / N_global, whatever the
@@ -142,7 +144,8 @@ class Trainer:
         )
 
     def accumulate(self, micro: list[MicroBatch]) -> Accumulated:
-        """Forward/backward every micro-batch of the step with the global token normalisation.
+        """Forward/backward every micro-batch of the step with the global token normalisation (or the task's
+        units: ``MicroBatch.loss_units``, e.g. OPD's sequences under ``opd.loss_normalisation: sequence``).
 
         After it returns, every parameter's ``.grad`` holds the reduced gradient of the global token-mean loss.
         An injected fault (``ars_opd.training.faults``) may skip micro-batches (their tokens still counted) or
@@ -150,15 +153,16 @@ class Trainer:
         """
         ctx, cfg, fault, step = self.ctx, self.cfg, self.fault, self.state.step
         local_tokens = sum(b.n_tokens for b in micro)
-        counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=ctx.device)
+        local_units = sum(b.loss_units for b in micro)  # tokens, unless the task averages over sequences
+        counts = torch.tensor([float(local_tokens), float(local_units)], dtype=torch.float64, device=ctx.device)
         dist.all_reduce(counts)  # before any backward: the normaliser of the whole global batch
-        global_tokens = int(counts.item())
-        if global_tokens == 0:
+        global_tokens, global_units = (int(c) for c in counts.tolist())
+        if global_tokens == 0 or global_units == 0:
             raise ValueError(
                 "a step's global batch holds no loss tokens (every completion masked); check the "
                 "data and the prompt/completion budgets"
             )
-        scale = ctx.world_size / global_tokens  # DDP averages over workers: x K undoes that mean, / N normalises
+        scale = ctx.world_size / global_units  # DDP averages over workers: x K undoes that mean, / N normalises
         if fault is not None:
             scale *= fault.loss_factor(step)
         local_sum, flops, generated = 0.0, 0.0, 0
@@ -183,7 +187,14 @@ class Trainer:
         if not micro:
             raise ValueError("a worker got no micro-batches for the step")
         return Accumulated(
-            local_sum, local_tokens, global_tokens, {k: (v[0], v[1]) for k, v in metric_sums.items()}, flops, generated
+            local_sum,
+            local_tokens,
+            global_tokens,
+            {k: (v[0], v[1]) for k, v in metric_sums.items()},
+            flops,
+            generated,
+            local_units,
+            global_units,
         )
 
     def optimizer_step(self, loss: float) -> tuple[float, float, bool, bool]:
@@ -244,11 +255,12 @@ class Trainer:
         t0 = time.perf_counter()
         gram = monitor.gram() if monitor is not None else None
         stats_s += time.perf_counter() - t0
-        loss = gathered[:, columns.LOSS_SUM].sum().item() / global_tokens
+        loss = gathered[:, columns.LOSS_SUM].sum().item() / acc.global_units
         norm, coef, clipped, skipped = self.optimizer_step(loss)
         worker_tokens = [int(t) for t in gathered[:, columns.TOKENS].tolist()]
+        worker_units = [int(u) for u in gathered[:, columns.UNITS].tolist()]  # = worker_tokens unless per sequence
         worker_loss = [
-            s / t if t else float("nan") for s, t in zip(gathered[:, columns.LOSS_SUM].tolist(), worker_tokens)
+            s / u if u else float("nan") for s, u in zip(gathered[:, columns.LOSS_SUM].tolist(), worker_units)
         ]
         metrics = {}
         for i, n in enumerate(names):
@@ -273,7 +285,8 @@ class Trainer:
                 gram,
             )
             t1 = time.perf_counter()
-            noise = noise_scale_terms(gathered[:, columns.GRAD_SQ].tolist(), worker_tokens, norm * norm)
+            # each worker's batch size in the units its loss averages over (tokens, or sequences)
+            noise = noise_scale_terms(gathered[:, columns.GRAD_SQ].tolist(), worker_units, norm * norm)
             monitor_s.update(
                 hook=monitor.host_seconds(), stats=stats_s, metrics=t1 - t0, noise_scale=time.perf_counter() - t1
             )

@@ -15,7 +15,11 @@ nothing else (a checkpoint's generation_config, e.g. a repetition penalty, is no
 and the log records it (``gkd_source``). The teacher's completions end with EOS only where the teacher ended
 them; one cut at its length limit is trained on without an end, or dropped with ``opd.truncated_completions:
 drop`` (``ars_opd.data.prompts.teacher_ended``; counted in the manifest). It runs on the shared engine (exact
-token normalisation, clipping, resume) with the consistency hook.
+token normalisation, clipping, resume) with the consistency hook. ``opd.loss_normalisation: sequence`` averages
+each completion's token losses first and the step over its completions (each token weighs 1 / its completion's
+length, ``ars_opd.lm.batching.sequence_weights``; the engine then divides by the global count of completions,
+``MicroBatch.units``), so a long rollout weighs what a short one does; the default ``token`` is the global
+token mean, where the longest rollouts weigh most.
 
 The teacher (``ars_opd.training.opd_teachers``, chosen, started and checked by
 ``ars_opd.training.opd_teacher_setup``) is ``opd.teacher: local``, the model in every worker (eval mode,
@@ -63,7 +67,7 @@ import torch
 from ars_opd.config import OPDConfig, launched_externally
 from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
 from ars_opd.data.synthetic import is_correct_for
-from ars_opd.lm.batching import build_rollout_batch, eos_set, in_first_half, pad_token_id
+from ars_opd.lm.batching import build_rollout_batch, eos_set, in_first_half, pad_token_id, sequence_weights
 from ars_opd.lm.generation import GenerationCost, decode_completion, eos_token_ids, generate_token_ids
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows, target_logprobs
 from ars_opd.lm.opd_objectives import get_objective
@@ -268,10 +272,12 @@ class OPDTask:
             # tokens: padded prompts, and rows that ended still step until the batch's last row does
             sampled = sampling.forward_tokens if n == 0 else 0
             flops = (6 * self.student_params + 2 * self.teacher_params) * real + 2 * self.student_params * sampled
+            n_tok = int(b["loss_mask"].sum())
+            # per sequence: the loss sums each completion's token mean, so the step averages over completions
+            # (those with a loss token: a completion with none has no mean)
+            units = int((b["loss_mask"].sum(1) > 0).sum()) if self.cfg.loss_normalisation == "sequence" else None
             out.append(
-                MicroBatch(
-                    t, int(b["loss_mask"].sum()), n_seq, real, meta, flops=float(flops), generated_tokens=generated
-                )
+                MicroBatch(t, n_tok, n_seq, real, meta, flops=float(flops), generated_tokens=generated, units=units)
             )
         return out
 
@@ -287,6 +293,9 @@ class OPDTask:
         extra, weights = {}, None
         if "engine_logprobs" in t:  # engine rollouts: the sampler's log p of each token against ours now
             extra, weights = self._against_engine(hidden, head, targets, t["engine_logprobs"][mask])
+        if batch.units is not None:  # per-sequence normalisation: each token weighs 1 / its completion's length
+            per_seq = sequence_weights(mask)
+            weights = per_seq if weights is None else weights * per_seq
         per_token = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         loss_sum, n = self.objective.loss(
             hidden,

@@ -1,7 +1,8 @@
 """What one rank contributes to a step, and the layout of the step's one all-gather of it.
 
 ``Trainer.accumulate`` (``ars_opd.training.loop``) returns this rank's ``Accumulated``: its summed loss
-and tokens, the global token count, the task's metric sums and its budget. ``Trainer.step`` packs that with the
+and tokens, the global token count (and the loss's units: tokens, unless the task counts sequences), the task's
+metric sums and its budget. ``Trainer.step`` packs that with the
 consistency monitor's local statistics into one float64 row per worker (``StepColumns.pack``), all-gathers
 the rows once, and reads the (K, columns) matrix by the same column names, so the layout is written once.
 """
@@ -23,12 +24,15 @@ class Accumulated(NamedTuple):
     metrics: dict[str, tuple[float, float]]  # task metric (sum, count) pairs
     flops: float  # estimated FLOPs of the micro-batches processed
     generated: int  # tokens sampled for them
+    local_units: int  # what the loss averages over in this rank's micro-batches (MicroBatch.loss_units)
+    global_units: int  # the same for the whole global batch (the normaliser): global_tokens unless the task counts
+    # otherwise (OPD's per-sequence normalisation counts sequences)
 
 
 @dataclass(frozen=True)
 class StepColumns:
     """The columns of the step's one all-gather, a float64 row per worker: ``pack`` builds this worker's row
-    and the gathered (K, 7 + 2M) matrix is read by the same names, so the layout is written once. The task's
+    and the gathered (K, 8 + 2M) matrix is read by the same names, so the layout is written once. The task's
     M metrics follow as (sum, count) pairs, in its ``metric_names`` order."""
 
     metric_names: tuple[str, ...]
@@ -40,7 +44,8 @@ class StepColumns:
     FLOPS: ClassVar[int] = 4  # estimated FLOPs of the micro-batches processed
     GENERATED: ClassVar[int] = 5  # tokens sampled for them
     PROCESSED: ClassVar[int] = 6  # their non-padding tokens
-    METRICS: ClassVar[int] = 7  # the first task metric's sum; its count follows, then the next pair
+    UNITS: ClassVar[int] = 7  # what the worker's loss sum is over (its loss tokens unless the task counts otherwise)
+    METRICS: ClassVar[int] = 8  # the first task metric's sum; its count follows, then the next pair
 
     def metric_sum(self, i: int) -> int:
         return self.METRICS + 2 * i
@@ -56,6 +61,7 @@ class StepColumns:
                 torch.tensor([acc.local_sum, float(acc.local_tokens)], **f64),  # LOSS_SUM, TOKENS
                 stats.to(**f64),  # GRAD_SQ, GRAD_DOT
                 torch.tensor([acc.flops, float(acc.generated), float(processed)], **f64),  # FLOPS..PROCESSED
+                torch.tensor([float(acc.local_units)], **f64),  # UNITS
                 torch.tensor([x for n in self.metric_names for x in acc.metrics.get(n, (0.0, 0.0))], **f64),
             ]
         )

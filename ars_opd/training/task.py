@@ -34,6 +34,14 @@ class MicroBatch:
     meta: dict[str, tuple[float, float]] = field(default_factory=dict)  # task metric (sum, count) pairs
     flops: float = 0.0  # estimated FLOPs of everything done for this micro-batch (ars_opd.training.budget)
     generated_tokens: int = 0  # tokens sampled from the student for it
+    units: int | None = None
+    """What the step's loss averages over, counted in this micro-batch: the task's ``loss_sum`` is a sum over
+    these. None: its loss tokens (the global token mean); OPD's per-sequence normalisation counts sequences
+    and sums each sequence's token mean."""
+
+    @property
+    def loss_units(self) -> int:
+        return self.n_tokens if self.units is None else self.units
 
 
 class TrainingTask(Protocol):
@@ -43,7 +51,8 @@ class TrainingTask(Protocol):
         """This worker's micro-batches for ``step`` (``model`` is the unwrapped module, e.g. for rollouts)."""
 
     def loss_sum(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Summed per-token loss over the batch's valid tokens (0-dim, fp32, with grad) and metric sums."""
+        """Summed loss over the batch's ``loss_units`` (its valid tokens unless the task counts otherwise; 0-dim,
+        fp32, with grad) and metric sums."""
 
     def metric_names(self) -> list[str]:
         """Task metrics reported per step; each is a (sum, count) pair reduced over all workers."""
