@@ -428,20 +428,23 @@ def bench_engine(a, device) -> list[dict]:
     pipeline's environment, aiohttp, and a vLLM environment: ``$ARS_OPD_VLLM_PYTHON`` or ``.venv-vllm``), its
     lines relayed. One line saying ``skipped`` and why where those are missing."""
     import importlib.util
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    vllm = os.environ.get("ARS_OPD_VLLM_PYTHON") or str(repo / ".venv-vllm" / "bin" / "python")
     why = None
     if device.type != "cuda":
         why = "the engine cases measure vLLM on CUDA; on CPU, bench/rollouts.py measures the same paths"
     elif importlib.util.find_spec("aiohttp") is None:
         why = "the engine client needs the pipeline's environment (aiohttp is not installed)"
-    elif not Path(vllm).exists():
-        why = f"no vLLM environment at {vllm} (set ARS_OPD_VLLM_PYTHON to a python with vLLM >= 0.32)"
+    else:
+        from ars_opd.teacher.client.vllm_server import VLLMUnavailableError, vllm_python
+
+        try:
+            vllm_python()  # what bench/rollouts.py's engine will run on
+        except VLLMUnavailableError as e:
+            why = f"{e} (vLLM >= 0.32)"
     if why:
         return [{"bench": "engine", "skipped": why}]
     cmd = [sys.executable, str(repo / "bench" / "rollouts.py"), "--device", "cuda", "--models", "llama50m"]

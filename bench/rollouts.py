@@ -87,7 +87,7 @@ from ars_opd.config import EndpointConfig, TeacherServerConfig, load_params  # n
 from ars_opd.lm.generation import eos_token_ids, generate_token_ids  # noqa: E402
 from ars_opd.rollouts.engine_api import EngineClient, SamplingSpec  # noqa: E402
 from ars_opd.rollouts.verify import check_probe, probe_bound, probe_ids, trainer_logprobs  # noqa: E402
-from ars_opd.rollouts.weights import engine_state_dict, write_version  # noqa: E402
+from ars_opd.rollouts.weights import FilesystemTransport, engine_state_dict  # noqa: E402
 from ars_opd.teacher.client.endpoint import ClientSettings  # noqa: E402
 
 MODELS = ("builtin_student", "llama50m")
@@ -394,10 +394,10 @@ def _perturb(model, seed: int) -> None:
         p.add_((torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype).to(p.device))
 
 
-def one_sync(model, client: EngineClient, sync_dir: Path, version: int, dtype: str, args, transport=None) -> dict:
-    """Publish ``model`` as ``version`` to the engine and prove it serves it: timed parts, probe figures.
-    ``transport``: None for the filesystem (write, then the engine loads the file), else an ``NcclWeightSync``
-    (the broadcast round trip is ``load_s``; nothing is written)."""
+def one_sync(model, client: EngineClient, version: int, dtype: str, args, transport) -> dict:
+    """Publish ``model`` as ``version`` to the engine through ``transport`` (the opd stage's: a
+    ``FilesystemTransport`` writes the file, then the engine loads it; an ``NcclWeightSync`` writes nothing and
+    its broadcast round trip is ``load_s``) and prove the engine serves it: timed parts, probe figures."""
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     ids = probe_ids(vocab, args.probe_tokens, seed=0)
@@ -406,22 +406,16 @@ def one_sync(model, client: EngineClient, sync_dir: Path, version: int, dtype: s
     t0 = time.perf_counter()
     state = engine_state_dict(model)
     t1 = time.perf_counter()
-    if transport is None:
-        published = write_version(state, sync_dir, version)
-        nbytes = published.bytes
-        t2 = time.perf_counter()
-        client.load_weights(str(published.path))
-    else:
-        t2 = time.perf_counter()
-        nbytes = transport.publish(state, version).bytes
+    sent = transport.publish(state, version)
     t3 = time.perf_counter()
+    t2 = t3 - sent.load_s  # the end of the write (nothing written over nccl)
     engine = client.prompt_logprobs(ids)
     trainer, max_logit = trainer_logprobs(model, ids, device)
     bound = probe_bound(model.config, len(ids) - 1, max_logit, vocab) if dtype == "fp32" else args.bf16_probe_tolerance
     probe = check_probe(engine, trainer, previous, bound, client.root, version)
     t4 = time.perf_counter()
     return {
-        "bytes": nbytes,
+        "bytes": sent.bytes,
         "state_s": t1 - t0,
         "write_s": t2 - t1,
         "load_s": t3 - t2,
@@ -447,7 +441,7 @@ def nccl_problem(args) -> str | None:
 
 def measure_sync(model_name, engine, dtype, model, client, args, sync_dir: Path, transport: str = "filesystem") -> dict:
     head = {"kind": "sync", "model": model_name, "transport": transport, "engine": engine, "dtype": dtype}
-    sync = None
+    sync = FilesystemTransport(client, sync_dir)
     if transport == "nccl":
         why = nccl_problem(args) if engine == "vllm" else "transport nccl is vLLM's (the bundled engine loads files)"
         if why:
@@ -457,11 +451,10 @@ def measure_sync(model_name, engine, dtype, model, client, args, sync_dir: Path,
 
         sync = NcclWeightSync(client, torch.device(args.device))
     try:
-        one_sync(model, client, sync_dir, 0, dtype, args, sync)  # warm-up (first file or group, first load)
-        runs = [one_sync(model, client, sync_dir, v, dtype, args, sync) for v in range(1, args.repeats + 1)]
+        one_sync(model, client, 0, dtype, args, sync)  # warm-up (first file or group, first load)
+        runs = [one_sync(model, client, v, dtype, args, sync) for v in range(1, args.repeats + 1)]
     finally:
-        if sync is not None:
-            sync.close()
+        sync.close()
     run = sorted(runs, key=lambda r: r["total_s"])[(len(runs) - 1) // 2]
     line = {
         **head,

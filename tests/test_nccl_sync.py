@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import dataclasses
 import json
 import os
 import queue
@@ -29,7 +30,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from ars_opd.config import ArchConfig, ConfigError
+from ars_opd.config import ConfigError
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.rollouts.engine_api import EngineClient
 from ars_opd.rollouts.nccl_sync import NcclWeightSync, WeightTransferError, update_info
@@ -37,8 +38,8 @@ from ars_opd.rollouts.schedule import EngineRollouts, RolloutPlan
 from ars_opd.rollouts.verify import StaleEngineError
 from ars_opd.rollouts.weights import engine_state_dict
 from server_thread import ServerThread
+from tiny_models import SYNC_ARCH, perturbed, sync_student
 
-ARCH = ArchConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=96)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -160,16 +161,7 @@ class FakeVllm:
 
 @pytest.fixture
 def student(char_tokenizer):
-    return build_causal_lm(ARCH, char_tokenizer, seed=3).eval()
-
-
-def _moved(model, seed):
-    other = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return other
+    return sync_student(char_tokenizer)
 
 
 def _sync(engine: FakeVllm, **kw) -> tuple[NcclWeightSync, list[FakeGroup]]:
@@ -184,13 +176,13 @@ def _sync(engine: FakeVllm, **kw) -> tuple[NcclWeightSync, list[FakeGroup]]:
 
 
 def test_versions_travel_in_vllms_protocol_and_the_engine_gets_the_trainers_weights(student, char_tokenizer):
-    served = build_causal_lm(ARCH, char_tokenizer, seed=11).eval()
+    served = build_causal_lm(SYNC_ARCH, char_tokenizer, seed=11).eval()
     engine = FakeVllm(served, workers=2)
     try:
         sync, groups = _sync(engine)
         first = engine_state_dict(student)
         sent = sync.publish(first, 0)
-        newer = _moved(student, 1)
+        newer = perturbed(student, 1)
         second = engine_state_dict(newer)
         sync.publish(second, 1)
         sync.close()
@@ -261,7 +253,7 @@ def test_a_sync_over_nccl_passes_the_probe_and_a_stale_engine_is_refused(student
             rollouts = EngineRollouts(sync.client, plan, spec=None, rank=0, world=1, transport=sync)
             first = rollouts._publish(0, student, cpu)
             assert first["probe_max_abs_diff"] <= first["probe_bound"] and first["load_s"] > 0
-            moved = _moved(student, 5)
+            moved = perturbed(student, 5)
             if stale:
                 with pytest.raises(StaleEngineError, match="does not serve policy version 1"):
                     rollouts._publish(1, moved, cpu)
@@ -300,18 +292,14 @@ def test_nccl_is_refused_where_it_cannot_run():
     with pytest.raises(WeightTransferError, match="CUDA"):
         NcclWeightSync(EngineClient("http://127.0.0.1:9", "student"), torch.device("cpu"))
     params = load_params(REPO / "params.yaml")
-    for engine, ddp, match in [
-        ({"server": "bundled", "transport": "nccl"}, {"device": "cuda"}, "bundled"),
-        ({"server": "vllm", "transport": "nccl"}, {"device": "cpu"}, "CUDA"),
-    ]:
-        import dataclasses
-
-        opd = dataclasses.replace(
-            params.opd, rollouts="engine", engine=dataclasses.replace(params.opd.engine, **engine)
-        )
-        bad = dataclasses.replace(params, opd=opd, ddp=dataclasses.replace(params.ddp, **ddp))
-        with pytest.raises(ConfigError, match=match):
-            check_params(bad, REPO)
+    with pytest.raises(ConfigError, match="bundled"):  # the section itself refuses the pair
+        dataclasses.replace(params.opd.engine, server="bundled", transport="nccl")
+    opd = dataclasses.replace(
+        params.opd, rollouts="engine", engine=dataclasses.replace(params.opd.engine, server="vllm", transport="nccl")
+    )
+    bad = dataclasses.replace(params, opd=opd, ddp=dataclasses.replace(params.ddp, device="cpu"))
+    with pytest.raises(ConfigError, match="CUDA"):
+        check_params(bad, REPO)
 
 
 def test_update_info_names_every_tensor_in_order(student):

@@ -15,26 +15,15 @@ import copy
 import pytest
 import torch
 
-from ars_opd.config import ArchConfig
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.rollouts.verify import StaleEngineError, check_probe, probe_bound, probe_ids, trainer_logprobs
 from ars_opd.rollouts.weights import PREFIX, engine_state_dict, write_version
-
-ARCH = ArchConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=96)
+from tiny_models import SYNC_ARCH, perturbed, sync_student
 
 
 @pytest.fixture
 def student(char_tokenizer):
-    return build_causal_lm(ARCH, char_tokenizer, seed=3).eval()
-
-
-def _perturbed(model, seed):
-    other = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return other
+    return sync_student(char_tokenizer)
 
 
 def test_a_published_version_loads_back_exactly_and_leaves_the_tied_head_out(student, char_tokenizer, tmp_path):
@@ -42,13 +31,13 @@ def test_a_published_version_loads_back_exactly_and_leaves_the_tied_head_out(stu
 
     assert student.config.tie_word_embeddings
     first = write_version(engine_state_dict(student), tmp_path, 0)
-    newer = _perturbed(student, 1)
+    newer = perturbed(student, 1)
     published = write_version(engine_state_dict(newer), tmp_path, 1)
     assert not first.path.exists(), "an older version stays after a newer one was written"
     assert [p.name for p in tmp_path.iterdir()] == [f"{PREFIX}0000001.safetensors"]  # no temporary left
     state = load_file(str(published.path))
     assert "lm_head.weight" not in state
-    fresh = build_causal_lm(ARCH, char_tokenizer, seed=99)
+    fresh = build_causal_lm(SYNC_ARCH, char_tokenizer, seed=99)
     missing, unexpected = fresh.load_state_dict(state, strict=False)
     assert unexpected == [] and set(missing) <= {"lm_head.weight"}
     for (name, a), b in zip(newer.state_dict().items(), fresh.state_dict().values()):
@@ -90,7 +79,7 @@ def test_the_probe_bound_covers_the_trainer_against_a_float64_oracle(student):
 def test_the_probe_refuses_an_engine_that_kept_the_previous_version(student):
     ids = probe_ids(student.config.vocab_size, 33, seed=5)
     old, _ = trainer_logprobs(student, ids, torch.device("cpu"))
-    new, max_logit = trainer_logprobs(_perturbed(student, 2), ids, torch.device("cpu"))
+    new, max_logit = trainer_logprobs(perturbed(student, 2), ids, torch.device("cpu"))
     bound = probe_bound(student.config, len(ids) - 1, max_logit, student.config.vocab_size)
     ok = check_probe((new + 0.25 * bound).tolist(), new, old, bound, "http://engine", 4)
     assert ok.max_abs_diff <= bound and ok.distinguishable

@@ -4,19 +4,39 @@
 Hugging Face directory, the shape of a user's local teacher or student, loadable by the teacher server
 (``context``: its context length, for the server's prompt bounds). ``prepare_local_models`` runs the
 models stage on one thread into ``root/models`` (metrics in ``root/m.json``), as the tests of pinning, of
-the teacher gate and of the models stage itself do.
+the teacher gate and of the models stage itself do. ``sync_student`` and ``perturbed`` are the weight-sync
+tests' student (tied head, head size 32: one vLLM CPU serves) and a moved copy of it (a newer policy version).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from ars_opd.config import ArchConfig, BaseConfig, ModelsConfig, SyntheticConfig
-from ars_opd.models.builtin import save_builtin_model
+from ars_opd.models.builtin import build_causal_lm, save_builtin_model
 from ars_opd.models.prepare import prepare_models
 
 TINY = ArchConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32)
+SYNC_ARCH = ArchConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=96)
+
+
+def sync_student(tokenizer) -> torch.nn.Module:
+    """The weight-sync tests' student: ``SYNC_ARCH`` from seed 3, tied head, in eval mode."""
+    return build_causal_lm(SYNC_ARCH, tokenizer, seed=3).eval()
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A copy of ``model`` with every parameter moved by N(0, 0.05²) noise from ``seed`` (a newer version)."""
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return other
 
 
 def save_tiny_model(directory: Path, tokenizer, seed: int = 0, context: int | None = None) -> Path:

@@ -11,7 +11,7 @@
   the extension loaded and ``VLLM_SERVER_DEV_MODE=1``, which the first sync checks.
 
 With ``opd.engine.transport: nccl`` a started vLLM also gets ``--weight-transfer-config '{"backend": "nccl"}'``
-(``ars_opd.rollouts.nccl_sync``); the bundled engine has no NCCL and refuses it.
+(``ars_opd.rollouts.nccl_sync``); the bundled engine has no NCCL (``RolloutEngineConfig`` refuses the pair).
 
 Either started server serves the models-stage student directory (architecture and tokenizer); the first sync,
 before the first rollout, replaces its weights with the run's starting student (the SFT model, merged with its
@@ -69,11 +69,6 @@ def rollout_endpoint(engine, student_dir: str, log_dir: Path) -> Iterator[Rollou
 @contextlib.contextmanager
 def rollout_engine(engine, student_dir: str, log_dir: Path) -> Iterator[str]:
     """Start (or name) the engine described by ``engine`` (``RolloutEngineConfig``); yield its base URL."""
-    if engine.transport == "nccl" and engine.server == BUNDLED:
-        raise ValueError(
-            "opd.engine.transport: nccl is vLLM's weight transfer on GPUs; the bundled engine loads files "
-            "(opd.engine.transport: filesystem)"
-        )
     if engine.server == BUNDLED:
         from ars_opd.teacher.client.local_server import local_teacher_server
 

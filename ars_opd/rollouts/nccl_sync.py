@@ -130,7 +130,6 @@ class NcclWeightSync:
         self.unique_id = unique_id or (lambda: bytes(NCCL_UNIQUE_ID_BYTES))
         self.timeout_s = timeout_s
         self.group: Group | None = None
-        self.world_size: int | None = None
 
     # -- control plane ----------------------------------------------------------------------------------------
     def _route(self, path: str, body: dict | None = None) -> dict:
@@ -175,7 +174,7 @@ class NcclWeightSync:
             group = self.group_factory(uid, world)
             group.warmup()
             answer.result(timeout=self.timeout_s)
-        self.group, self.world_size = group, world
+        self.group = group
 
     def publish(self, state: dict[str, torch.Tensor], version: int) -> Transfer:
         """Version ``version`` into the engine: start, update (with one broadcast per tensor), finish. Nothing
