@@ -44,7 +44,10 @@ Lines (JSON, one per measurement):
    derived bound (``probe_bound``); bf16 engines are not covered by that rounding model, so they are checked
    against ``--bf16-probe-tolerance`` (as a run states ``opd.engine.probe_tolerance``); the line carries the
    largest difference seen.
-3. ``{"kind": "summary", "vllm_over_trainer_dynamic": {"<model>/<dtype>/B<b>": ratio}, ...}``: ratios of
+3. with ``--opd-steps N``: ``{"kind": "opd_step", "lag", "step_s", "gen_s", "sync_s", ...}`` for lag 0 and lag
+   1 and ``{"kind": "opd_lag", "lag1_over_lag0", "rollout_share_lag0", "sync_share_lag0"}``: the opd stage
+   itself on a ~50M built-in student with its rollouts on vLLM (``bench/opd_lag.py``);
+4. ``{"kind": "summary", "vllm_over_trainer_dynamic": {"<model>/<dtype>/B<b>": ratio}, ...}``: ratios of
    tokens/s measured in this run (also bundled / trainer_dynamic, and trainer_static / trainer_dynamic where
    measured).
 
@@ -54,6 +57,7 @@ errors.
     python bench/rollouts.py                                   # everything (long: see --paths / --batches)
     python bench/rollouts.py --models llama50m --paths trainer_dynamic vllm --batches 128 --repeats 3
     python bench/rollouts.py --quick                           # builtin student, B=4, 8 tokens (the test's)
+    python bench/rollouts.py --opd-only --opd-steps 6          # the opd stage at lag 0 and 1 (after dvc repro)
     python bench/rollouts.py --device cuda --models llama50m --paths trainer_dynamic trainer_static vllm \
         --transports filesystem nccl                           # GPUs (bench/gpu.py's engine case runs this)
 
@@ -70,6 +74,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -469,7 +474,11 @@ def measure_sync(model_name, engine, dtype, model, client, args, sync_dir: Path,
 
 
 def summary(lines: list[dict]) -> dict:
-    speed = {(x["model"], x["path"], x["dtype"], x["batch"]): x["tokens_per_s"] for x in lines}
+    speed = {
+        (x["model"], x["path"], x["dtype"], x["batch"]): x["tokens_per_s"]
+        for x in lines
+        if x.get("kind") == "rollout_throughput"
+    }
     out: dict = {"kind": "summary"}
     for path in ("vllm", "bundled", "trainer_static"):
         ratios = {
@@ -480,6 +489,58 @@ def summary(lines: list[dict]) -> dict:
         if ratios:
             out[f"{path}_over_trainer_dynamic"] = ratios
     return out
+
+
+def measure_opd_lag(args, pin: bool, log_dir: Path) -> list[dict]:
+    """The opd stage's step at lag 0 and lag 1 on a vLLM engine (``bench/opd_lag.py``): one line per lag and
+    their ratio, or one ``skipped`` line."""
+    from bench import opd_lag
+
+    params = load_params()
+    why = opd_lag.problem(params)
+    if why:
+        emit({"kind": "opd_step", "skipped": why})
+        return []
+    work = Path("build") / f"opd-lag-{os.getpid()}"  # the stage's paths are relative to the repo root (ignored)
+    lines = []
+    try:
+        student = opd_lag.save_student(params, work / "student")
+        with start_engine("vllm", student.resolve(), "fp32", args.opd_batch, args, pin, log_dir) as url:
+            lines = _opd_lag_runs(args, params, student, url, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    lag0, lag1 = lines
+    ratio = {
+        "kind": "opd_lag",
+        "lag1_over_lag0": lag1["step_s"] / lag0["step_s"],
+        "rollout_share_lag0": lag0["gen_s"] / lag0["step_s"],
+        "sync_share_lag0": lag0["sync_s"] / lag0["step_s"],
+    }
+    emit(ratio)
+    return lines + [ratio]
+
+
+def _opd_lag_runs(args, params, student: Path, url: str, work: Path) -> list[dict]:
+    from ars_opd.training.opd import run_opd
+    from ars_opd.training.worker import TrainingJob
+    from bench import opd_lag
+
+    lines = []
+    for lag in (0, 1):
+        p = opd_lag.opd_params(params, student, url, SERVED, lag, args.opd_steps, args.opd_batch, args.new_tokens, work)
+        t0 = time.perf_counter()
+        run_opd(TrainingJob.from_params("opd", p, progress=False))
+        line = {
+            **opd_lag.step_line(lag, Path(p.paths.opd_checkpoints)),
+            "batch": args.opd_batch,
+            "new_tokens": args.new_tokens,
+            "run_s": time.perf_counter() - t0,
+            "engine_cpus": engine_cpus(),
+            "trainer_cpus": _cpus_allowed(os.getpid()),
+        }
+        emit(line)
+        lines.append(line)
+    return lines
 
 
 # -- main ------------------------------------------------------------------------------------------------------
@@ -517,6 +578,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="sync transports to time (nccl: CUDA, two GPUs, vLLM >= 0.32)",
     )
     p.add_argument(
+        "--opd-steps",
+        type=int,
+        default=0,
+        help="also time the opd stage on vLLM at lag 0 and lag 1 for this many steps (bench/opd_lag.py; 0: no)",
+    )
+    p.add_argument("--opd-batch", type=int, default=32, help="the opd stage's global batch for --opd-steps")
+    p.add_argument("--opd-only", action="store_true", help="with --opd-steps: only the OPD lag lines")
+    p.add_argument(
         "--quick",
         action="store_true",
         help="builtin student, fp32, B=4, 8 new tokens, 1 repeat: trainer_dynamic, bundled, vllm if installed",
@@ -532,6 +601,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             has_vllm = False
         args.models, args.dtypes, args.batches, args.new_tokens, args.repeats = ["builtin_student"], ["fp32"], [4], 8, 1
         args.paths = ["trainer_dynamic", "bundled"] + (["vllm"] if has_vllm else [])
+    if args.opd_only and args.opd_steps < 1:
+        p.error("--opd-only needs --opd-steps N (N >= 1)")
     if min(args.batches) < 1 or args.new_tokens < 1 or args.repeats < 1:
         p.error("--batches, --new-tokens and --repeats must be >= 1")
     args.batches = sorted(set(args.batches))
@@ -555,7 +626,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="ars-opd-bench-rollouts-") as tmp:
         log_dir = args.log_dir or Path(tmp) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        for model_name in args.models:
+        for model_name in [] if args.opd_only else args.models:
             model_dir = save_model(model_name, Path(tmp) / model_name)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             prompts = {b: make_prompts(tokenizer, b, seed=b) for b in args.batches}
@@ -584,6 +655,8 @@ def main(argv=None) -> int:
                                 synced = synced.to(device).eval()
                                 sync_dir = Path(tmp) / "sync" / path
                                 measure_sync(model_name, path, dtype, synced, client, args, sync_dir, transport)
+        if args.opd_steps:
+            lines += measure_opd_lag(args, pin, log_dir)
     emit(summary(lines))
     return 0
 

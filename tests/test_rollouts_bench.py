@@ -37,15 +37,46 @@ def _bench():
 
 def test_summary_divides_each_path_by_the_trainers_dynamic_path_at_the_same_model_dtype_and_batch():
     def line(path, tps, b=32, dtype="fp32"):
-        return {"model": "m", "path": path, "dtype": dtype, "batch": b, "tokens_per_s": tps}
+        kind = "rollout_throughput"
+        return {"kind": kind, "model": "m", "path": path, "dtype": dtype, "batch": b, "tokens_per_s": tps}
 
     lines = [line("trainer_dynamic", 100.0), line("vllm", 150.0), line("bundled", 90.0), line("vllm", 300.0, b=128)]
+    lines += [{"kind": "opd_step", "lag": 0, "step_s": 1.0}, {"kind": "opd_lag", "lag1_over_lag0": 0.8}]  # not rates
     out = _bench().summary(lines)
     assert out == {
         "kind": "summary",
         "vllm_over_trainer_dynamic": {"m/fp32/B32": 1.5},  # B=128 has no trainer line to divide by
         "bundled_over_trainer_dynamic": {"m/fp32/B32": 0.9},
     }
+
+
+def test_opd_lag_lines_take_medians_after_the_first_step_from_the_last_checkpoint(tmp_path):
+    import statistics
+
+    from bench import opd_lag
+
+    rows = [{"step": i, "step_s": 10.0 + i * i, "task/gen_s": float(i), "task/sync_s": float("nan") if i == 2 else 0.5}
+            for i in range(5)]  # fmt: skip
+    for step, upto in ((2, 2), (5, 5)):  # an older checkpoint holds fewer rows
+        d = tmp_path / f"step_{step:07d}"
+        d.mkdir()
+        (d / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:upto]))
+    line = opd_lag.step_line(1, tmp_path)
+    assert line["steps"] == 5 and line["lag"] == 1
+    assert line["step_s"] == statistics.median([11.0, 14.0, 19.0, 26.0])  # step 0 (the first sync) left out
+    assert line["gen_s"] == 2.5 and line["sync_s"] == 0.5  # a step without a sync (NaN) is not a zero
+
+
+def test_opd_lag_says_what_is_missing(tmp_path, monkeypatch):
+    import dataclasses
+
+    from ars_opd.config import load_params
+    from bench import opd_lag
+
+    monkeypatch.setenv("ARS_OPD_VLLM_PYTHON", sys.executable)  # an interpreter that exists: only the data is missing
+    params = load_params(REPO / "params.yaml")
+    params = dataclasses.replace(params, paths=dataclasses.replace(params.paths, models_dir="data/no-such-models"))
+    assert "dvc repro" in opd_lag.problem(params)
 
 
 @pytest.mark.slow
