@@ -16,6 +16,9 @@ Prints one JSON line per arm, and with ``--out`` writes the markdown table. Each
 paired with this one by seed.
 
     python bench/opd_ablation_report.py /tmp/opd_ablation_exps.json --out reports/opd_ablation.md
+
+``--keep reports/opd_ablation.jsonl`` carries over an earlier run's arms that have no experiments in this
+repository (a study spread over clones), each line unchanged.
 """
 
 from __future__ import annotations
@@ -129,6 +132,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("exps", type=Path, help="dvc exp show --json --all-commits output")
     p.add_argument("--out", type=Path, help="write the markdown table here")
+    p.add_argument(
+        "--keep",
+        type=Path,
+        help="an earlier run's JSON lines: its arms that have no experiments here are carried over as they are",
+    )
     a = p.parse_args(argv)
     by_arm = runs_by_arm(json.loads(a.exps.read_text()))
     if "default" not in by_arm:
@@ -146,6 +154,11 @@ def main(argv=None) -> int:
         ln = arm_line(arm, by_arm[arm], {} if arm == "default" else default)
         print(json.dumps(ln), flush=True)
         lines.append(ln)
+    if a.keep:  # arms measured before whose experiments are gone (their lines say when they were run)
+        for old in (json.loads(x) for x in a.keep.read_text().splitlines() if x.strip()):
+            if old["arm"] not in by_arm:
+                print(json.dumps(old), flush=True)
+                lines.append(old)
     if a.out:
         a.out.write_text(table(lines) + "\n")
     return 0

@@ -85,3 +85,29 @@ def test_ablation_table_against_hand_computed_means(tmp_path):
     assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(vs["per_seed"], paired))
     table = (tmp_path / "t.md").read_text()
     assert "| lr1e-4 | 3 |" in table and "| default | 3 |" in table
+
+
+def test_keep_carries_over_only_the_arms_measured_nowhere_here(tmp_path):
+    opd, ctl = [0.12, 0.15, 0.10], [0.25, 0.29, 0.23]
+    revs = [_exp(f"abl-default-seed{s}", s, opd[i], ctl[i]) for i, s in enumerate((1, 2, 3))]
+    src = tmp_path / "exps.json"
+    src.write_text(json.dumps([{"rev": "workspace", "data": {}, "experiments": [{"name": None, "revs": revs}]}]))
+    q = {"mean": 0.1, "ci95": [0.0, 0.2], "per_seed": None, "seeds": [1, 2, 3]}
+    old = [
+        {"arm": "default", "seeds": [1, 2, 3], "opd_change_exact_match": q, "note": "stale: measured here again"},
+        {"arm": "fkl", "seeds": [1, 2, 3], "opd_change_exact_match": q, "control_change_exact_match": q,
+         "opd_minus_control_exact_match": q, "opd_change_reverse_kl": q, "note": "an earlier session"},
+    ]  # fmt: skip
+    keep = tmp_path / "old.jsonl"
+    keep.write_text("".join(json.dumps(x) + "\n" for x in old))
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "opd_ablation_report.py"), str(src), "--keep", str(keep)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [x["arm"] for x in lines] == ["default", "fkl"]
+    assert "note" not in lines[0] and lines[0]["opd_change_exact_match"]["per_seed"] is not None  # measured here
+    assert lines[1] == old[1]  # carried over unchanged
