@@ -122,19 +122,6 @@ def test_per_sequence_normalisation_is_the_mean_of_sequence_means_whatever_the_s
             assert err <= two_computations(chain_bound(backward, g.abs().max().item())), (name, pname, err)
 
 
-def test_sequence_weights_against_a_loop():
-    from ars_opd.lm.batching import sequence_weights
-
-    rng = random.Random(1)
-    mask = torch.zeros(5, 12, dtype=torch.bool)
-    for i in range(5):
-        start, n = rng.randint(0, 4), rng.randint(1, 8)
-        mask[i, start : start + n] = True
-    expected = [1.0 / int(mask[i].sum()) for i in range(5) for _ in range(int(mask[i].sum()))]
-    # 1 / n in fp32 is the correctly rounded quotient (IEEE division): exactly the float64 value rounded once
-    assert torch.equal(sequence_weights(mask), torch.tensor(expected, dtype=torch.float64).float())
-
-
 def test_prompt_positions_never_change_the_loss_completion_positions_do(char_tokenizer):
     prompts, completions = _ragged_batch(char_tokenizer, n=4, seed=1)
     batch = pad_right_with_labels(prompts, completions, char_tokenizer.pad_token_id)

@@ -25,7 +25,7 @@ from ars_opd.config import OPDConfig
 from ars_opd.data import synthetic
 from ars_opd.data.prompts import alpaca_messages, encode_prompts, encode_teacher_completions
 from ars_opd.evaluation.rollout_dashboard import dashboard_section, windows_of
-from ars_opd.lm.batching import in_first_half
+from ars_opd.lm.batching import in_first_half, sequence_weights
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.distributed import WorkerContext
@@ -159,12 +159,25 @@ def test_no_correct_rate_without_references(char_tokenizer):
     assert OPDData([[1]], [[2]], ["add"], {}, ["3"]).checkable()
 
 
-def test_in_first_half_against_a_loop():
-    rng = random.Random(0)
-    mask = torch.zeros(6, 20, dtype=torch.bool)
-    for i in range(6):
-        start, n = rng.randint(0, 8), rng.randint(1, 11)
+def _ragged_mask(rows: int, width: int, max_start: int, max_len: int, seed: int) -> torch.Tensor:
+    """A loss mask (rows, width): each row one run of 1..max_len positions from a start in 0..max_start."""
+    rng = random.Random(seed)
+    mask = torch.zeros(rows, width, dtype=torch.bool)
+    for i in range(rows):
+        start, n = rng.randint(0, max_start), rng.randint(1, max_len)
         mask[i, start : start + n] = True
+    return mask
+
+
+def test_sequence_weights_against_a_loop():
+    mask = _ragged_mask(5, 12, max_start=4, max_len=8, seed=1)
+    expected = [1.0 / int(mask[i].sum()) for i in range(5) for _ in range(int(mask[i].sum()))]
+    # 1 / n in fp32 is the correctly rounded quotient (IEEE division): exactly the float64 value rounded once
+    assert torch.equal(sequence_weights(mask), torch.tensor(expected, dtype=torch.float64).float())
+
+
+def test_in_first_half_against_a_loop():
+    mask = _ragged_mask(6, 20, max_start=8, max_len=11, seed=0)
     expected = []
     for i in range(6):
         n = int(mask[i].sum())
