@@ -2,6 +2,7 @@
 
 The opd stage itself (``run_opd``: one training worker, the pipeline's teacher and prompts) trains a ~50M
 built-in student (width 512, 12 layers, 8 heads of 64, MLP 2048, the pipeline's tokenizer) for ``N`` steps
+at a learning rate of 1e-9 (the same rollout work every step; see ``opd_params``)
 with its rollouts on a vLLM CPU engine that this script starts with the worker extension (the stage is given
 its URL, as a user names a server they started), once with ``opd.engine.max_lag: 0`` and once with 1. The
 engine runs on core 0 and the trainer on core 1, as on separate devices. One JSON line per lag:
@@ -70,6 +71,11 @@ def opd_params(params, student: Path, url: str, served: str, lag: int, steps: in
         engine=engine,
         snapshot_every=0,
         warmup_steps=0,
+        # a rate too small to move the student: every step samples the same policy, so both lags do the same work
+        # (trained at the stage's rate, the random student learns to stop early, and sooner at one lag than the
+        # other: the first try measured 4.9 tokens a rollout at lag 0 against 1.1 at lag 1). Syncs and probes
+        # run as in training.
+        lr=1e-9,
     )
     ddp = dataclasses.replace(params.ddp, workers=1, threads_per_worker=1, device="cpu", consistency=False)
     return dataclasses.replace(params, paths=paths, opd=opd, ddp=ddp)
