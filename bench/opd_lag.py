@@ -49,9 +49,10 @@ def save_student(params, directory: Path) -> Path:
     return save_builtin_model(directory, arch, tokenizer, seed=0)
 
 
-def opd_params(params, student: Path, url: str, served: str, lag: int, steps: int, batch: int, new_tokens: int, tmp):
-    """The pipeline's params with the opd stage pointed at ``student``, the engine at ``url``, outputs in tmp."""
-    out = Path(tmp) / f"lag{lag}"
+def opd_params(params, student: Path, url: str, served: str, lag: int, steps: int, batch: int, new_tokens: int, work):
+    """The pipeline's params with the opd stage pointed at ``student``, the engine at ``url``, outputs under
+    ``work`` (relative to the repository root, as the stage's paths must be)."""
+    out = Path(work) / f"lag{lag}"
     paths = dataclasses.replace(
         params.paths,
         distill_init=str(student),
