@@ -45,6 +45,11 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: the rest keep their order
 
 
+# The model runs inside the engine core (`--distributed-executor-backend uni`, one worker) rather than in a
+# worker process of its own: one process fewer to start, a vLLM ready about 15 s sooner on 2 cores.
+ONE_PROCESS_ENGINE = ("--distributed-executor-backend", "uni")
+
+
 @dataclass(frozen=True)
 class VLLMTeacher:
     """A micro workspace (``root``: params, built-in micro models with ``VLLM_TEACHER_ARCH``'s teacher, teacher
@@ -74,10 +79,14 @@ def vllm_teacher(tmp_path_factory):
     teacher_dir = Path(model_path(str(models_dir), "teacher"))
     logs = tmp_path_factory.mktemp("vllm-logs")
     servers = [
-        VLLMServer(teacher_dir, VLLMOptions(served_model_name=VLLM_MODEL), log_path=logs / "raw_logprobs.log"),
         VLLMServer(
             teacher_dir,
-            VLLMOptions(served_model_name=VLLM_MODEL, logprobs_mode="raw_logits"),
+            VLLMOptions(served_model_name=VLLM_MODEL, extra_args=ONE_PROCESS_ENGINE),
+            log_path=logs / "raw_logprobs.log",
+        ),
+        VLLMServer(
+            teacher_dir,
+            VLLMOptions(served_model_name=VLLM_MODEL, logprobs_mode="raw_logits", extra_args=ONE_PROCESS_ENGINE),
             log_path=logs / "raw_logits.log",
         ),
     ]
@@ -117,7 +126,11 @@ def vllm_student(tmp_path_factory, char_tokenizer):
 
     model_dir = save_student(tmp_path_factory.mktemp("vllm_student"), char_tokenizer, ArchConfig(**VLLM_STUDENT_ARCH))
     log = tmp_path_factory.mktemp("vllm-student-logs") / "vllm.log"
-    server = VLLMServer(model_dir, VLLMOptions(served_model_name="student", weight_sync=True), log_path=log)
+    server = VLLMServer(
+        model_dir,
+        VLLMOptions(served_model_name="student", weight_sync=True, extra_args=ONE_PROCESS_ENGINE),
+        log_path=log,
+    )
     try:
         server.start()
         url = server.wait_ready()
