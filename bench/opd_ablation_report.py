@@ -8,6 +8,9 @@ start, the same model for every arm and seed):
 - OPD's change from the start at its last point (exact match, reverse KL to the teacher), and the control's
   (continued SFT at the arm's settings), each a mean over seeds with a 95% t-interval;
 - OPD − control at equal steps (the last points), paired by seed;
+- OPD − control at equal FLOPs, paired by seed: both at the cheaper arm's final FLOPs (the control's: an OPD
+  step also samples and runs the teacher), each read off its learning curve (``ars_opd.evaluation.equal_budget``,
+  the evaluate stage's own comparison);
 - the arm's OPD change − the default arm's, paired by seed: a factor explains the drop when this is positive
   (exact match) and its interval excludes 0.
 
@@ -32,6 +35,7 @@ from pathlib import Path
 
 from ars_opd.config import PathsConfig
 from ars_opd.evaluation.distillation import has_curves, param, with_curves
+from ars_opd.evaluation.equal_budget import compare
 from ars_opd.evaluation.experiments import walk_experiments
 from ars_opd.evaluation.stats import mean_ci
 
@@ -87,16 +91,19 @@ def arm_line(arm: str, runs: list[dict], default: dict[int, float]) -> dict:
     seeds = [r["seed"] for r in runs]
     line = {"arm": arm, "seeds": seeds}
     for metric in METRICS:
-        opd_change, control_change, gap = [], [], []
+        opd_change, control_change, gap, gap_flops = [], [], [], []
         for r in runs:
             s, e = points(r, "opd")
             cs, ce = points(r, "sft_continued")
             opd_change.append(e[metric] - s[metric])
             control_change.append(ce[metric] - cs[metric])
             gap.append(e[metric] - ce[metric])
+            at_flops = compare(r["evaluate"])["equal_flops"]
+            gap_flops.append(at_flops["opd"][metric] - at_flops["sft_continued"][metric])
         line[f"opd_change_{metric}"] = summary(opd_change, seeds)
         line[f"control_change_{metric}"] = summary(control_change, seeds)
         line[f"opd_minus_control_{metric}"] = summary(gap, seeds)
+        line[f"opd_minus_control_equal_flops_{metric}"] = summary(gap_flops, seeds)
         if metric == "exact_match" and default:
             both = [(c - default[r["seed"]], r["seed"]) for c, r in zip(opd_change, runs) if r["seed"] in default]
             paired = summary([d for d, _ in both], [s for _, s in both]) if len(both) >= 2 else None
@@ -116,13 +123,14 @@ def _fmt(q: dict | None, pct: bool) -> str:
 def table(lines: list[dict]) -> str:
     rows = [
         "| arm | seeds | OPD: end − start, exact match (points) | control: end − start | OPD − control at equal "
-        "steps | OPD change − default's (paired) | OPD: end − start, reverse KL |",
-        "|---|---|---|---|---|---|---|",
+        "steps | OPD − control at equal FLOPs | OPD change − default's (paired) | OPD: end − start, reverse KL |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for ln in lines:
         rows.append(
             f"| {ln['arm']} | {len(ln['seeds'])} | {_fmt(ln['opd_change_exact_match'], True)} | "
             f"{_fmt(ln['control_change_exact_match'], True)} | {_fmt(ln['opd_minus_control_exact_match'], True)} | "
+            f"{_fmt(ln.get('opd_minus_control_equal_flops_exact_match'), True)} | "
             f"{_fmt(ln.get('opd_change_vs_default_exact_match'), True)} | {_fmt(ln['opd_change_reverse_kl'], False)} |"
         )
     return "\n".join(rows)

@@ -13,21 +13,24 @@ from pathlib import Path
 from ars_opd.evaluation.stats import student_t_quantile
 
 REPO = Path(__file__).resolve().parents[1]
-START = {"exact_match": 0.48, "reverse_kl": 0.50, "start": True, "steps": 0}
+F0 = 1e15  # FLOPs from scratch at the shared start (the SFT stage's)
+START = {"exact_match": 0.48, "reverse_kl": 0.50, "start": True, "steps": 0, "flops": F0}
+FLOPS_PER_STEP = {"opd": 3e12, "sft_continued": 1e12}  # an OPD step costs 3 control steps
 
 
 def _exp(name: str, seed: int, opd_end: float, control_end: float) -> dict:
-    def curve(end: float) -> list[dict]:
+    def curve(end: float, arm: str) -> list[dict]:
+        f = FLOPS_PER_STEP[arm]
         return [
             START,
-            {"exact_match": (START["exact_match"] + end) / 2, "reverse_kl": 0.6, "steps": 50},
-            {"exact_match": end, "reverse_kl": 0.4 + end, "steps": 100},
+            {"exact_match": (START["exact_match"] + end) / 2, "reverse_kl": 0.6, "steps": 50, "flops": F0 + 50 * f},
+            {"exact_match": end, "reverse_kl": 0.4 + end, "steps": 100, "flops": F0 + 100 * f},
         ]
 
     metrics = {
         "opd": {"exact_match": opd_end},
         "sft_continued": {"exact_match": control_end},
-        "curves": {"opd": curve(opd_end), "sft_continued": curve(control_end)},
+        "curves": {"opd": curve(opd_end, "opd"), "sft_continued": curve(control_end, "sft_continued")},
     }
     return {
         "rev": f"rev-{name}",
@@ -37,6 +40,9 @@ def _exp(name: str, seed: int, opd_end: float, control_end: float) -> dict:
             "metrics": {"data/metrics/evaluate.json": {"data": metrics}},
         },
     }
+
+
+S = START["exact_match"]
 
 
 def _ci(x: list[float]) -> list[float]:
@@ -74,6 +80,12 @@ def test_ablation_table_against_hand_computed_means(tmp_path):
             ("control_change_exact_match", [e - START["exact_match"] for e in ctl]),
             ("opd_minus_control_exact_match", [a - b for a, b in zip(opd, ctl)]),
             ("opd_change_reverse_kl", [0.4 + e - START["reverse_kl"] for e in opd]),
+            # at the control's final FLOPs (100 control steps) OPD has taken 100/3 steps: 2/3 of the way from
+            # its start to its step-50 point, (start + end) / 2
+            (
+                "opd_minus_control_equal_flops_exact_match",
+                [S + (2 / 3) * ((S + a) / 2 - S) - b for a, b in zip(opd, ctl)],
+            ),
         ):
             got = [ln[key]["mean"], *ln[key]["ci95"]]
             assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(got, _ci(want))), (arm, key)
