@@ -104,6 +104,32 @@ def test_paths_are_written_once():
         assert '"data/' not in py.read_text(), py
 
 
+def test_the_control_stage_depends_on_opds_loop_and_nothing_else_of_opd():
+    """sft_continued runs OPD's loop (continued_sft_config: the TrainLoopConfig fields of ``opd``) on SFT's data.
+    dvc must rerun it when any of those fields changes (a missing one would leave a stale control) and only
+    then (an OPD-only knob such as beta must not cost a control run)."""
+    import dataclasses
+
+    from ars_opd.config import OPDConfig, SFTConfig, TrainLoopConfig
+    from ars_opd.training.worker import continued_sft_config
+
+    params = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["sft_continued"]["params"]
+    assert "opd" not in params
+    listed = {p.removeprefix("opd.") for p in params if isinstance(p, str) and p.startswith("opd.")}
+    assert listed == {f.name for f in dataclasses.fields(TrainLoopConfig)}
+    sft, opd = SFTConfig(), OPDConfig()
+    other = dataclasses.replace(
+        opd, beta=0.0, sample_temperature=0.7, on_policy_fraction=0.5, loss_normalisation="sequence", temperature=2.0
+    )
+    assert continued_sft_config(sft, other) == continued_sft_config(sft, opd)
+    for f in dataclasses.fields(TrainLoopConfig):  # and each loop field reaches it
+        value = getattr(opd, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # a Literal (nonfinite, precision) or None: the equality of the two field lists covers it
+        changed = value + 1 if isinstance(value, int) else value * 0.5 + 1e-3
+        assert getattr(continued_sft_config(sft, dataclasses.replace(opd, **{f.name: changed})), f.name) == changed
+
+
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_dvc_repro_whole_pipeline_then_noop_then_check(tmp_path):
