@@ -40,8 +40,10 @@ VLLM_MODEL = "teacher"
 
 
 def pytest_collection_modifyitems(config, items):
-    """The vllm tests run last, one after another: their servers start once, for them alone, and stop at the
-    end of the session, so no other test shares the cores with an idle vLLM (about a fifth of a core each)."""
+    """The vllm tests run last, one after another: their servers start once and stop at the end of the session
+    (or of their module), so few other tests share the cores with an idle vLLM (about a fifth of a core each).
+    Under ``make test``'s two workers (``--dist loadfile``) the order holds within each worker, and a file's
+    fixtures start in the one worker that runs the file."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: the rest keep their order
 
 
