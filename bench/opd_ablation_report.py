@@ -90,16 +90,16 @@ def arm_line(arm: str, runs: list[dict], default: dict[int, float]) -> dict:
     runs = sorted(runs, key=lambda r: r["seed"])
     seeds = [r["seed"] for r in runs]
     line = {"arm": arm, "seeds": seeds}
+    at_flops = [compare(r["evaluate"])["equal_flops"] for r in runs]  # each run's both arms, every metric
     for metric in METRICS:
         opd_change, control_change, gap, gap_flops = [], [], [], []
-        for r in runs:
+        for r, flops in zip(runs, at_flops):
             s, e = points(r, "opd")
             cs, ce = points(r, "sft_continued")
             opd_change.append(e[metric] - s[metric])
             control_change.append(ce[metric] - cs[metric])
             gap.append(e[metric] - ce[metric])
-            at_flops = compare(r["evaluate"])["equal_flops"]
-            gap_flops.append(at_flops["opd"][metric] - at_flops["sft_continued"][metric])
+            gap_flops.append(flops["opd"][metric] - flops["sft_continued"][metric])
         line[f"opd_change_{metric}"] = summary(opd_change, seeds)
         line[f"control_change_{metric}"] = summary(control_change, seeds)
         line[f"opd_minus_control_{metric}"] = summary(gap, seeds)
