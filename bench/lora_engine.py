@@ -15,9 +15,10 @@ the other:
    the adapter.
 
 Lines: ``{"kind": "sync", "engine", "bytes", "state_s", "write_s", "load_s", "probe_s", "total_s",
-"probe_max_abs_diff", "probe_bound"}`` per sync (``--syncs`` each); ``{"kind": "rollout_throughput", "engine",
-"model" (served name), "batch", "tokens_per_s", ...}`` for the base model and the adapted one on each engine
-(the median of ``--repeats`` runs, 64 new tokens, 32-token prompts, no EOS stop); then ``{"kind": "summary"}``
+"probe_max_abs_diff", "probe_bound"}`` per sync (``--syncs`` each); ``bench/rollouts.py``'s
+``{"kind": "rollout_throughput", "path" (the engine), "model" (llama50m: the base as served; llama50m+lora:
+through the adapter), "batch", "tokens_per_s", ...}`` (its ``measure_engine``: the run of median time among
+``--repeats``, 64 new tokens, 32-token prompts, no stop ids asked); then ``{"kind": "summary"}``
 with the ratios that decide it: what a sync costs against what serving through the adapter costs per rollout
 batch. Needs ``.venv-vllm`` (``make vllm``); without it one ``skipped`` line.
 """
@@ -40,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ars_opd.rollouts.engine_api import EngineClient, SamplingSpec  # noqa: E402
+from ars_opd.rollouts.engine_api import EngineClient  # noqa: E402
 from ars_opd.rollouts.verify import probe_bound, probe_ids, trainer_logprobs  # noqa: E402
 from ars_opd.rollouts.weights import FilesystemTransport, engine_state_dict  # noqa: E402
 from bench.rollouts import (  # noqa: E402
@@ -50,11 +51,12 @@ from bench.rollouts import (  # noqa: E402
     affinity,
     can_pin,
     emit,
-    engine_batch,
     make_prompts,
+    measure_engine,
     save_model,
 )
 
+BASE, ADAPTED = "llama50m", "llama50m+lora"  # the throughput lines' model: the base as served, or its adapter
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -82,7 +84,7 @@ def adapter_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
 
 
-def _probe(model, client: EngineClient, ids, previous, version: int) -> dict:
+def _probe(model, client: EngineClient, ids, previous) -> dict:
     trainer, max_logit = trainer_logprobs(model, ids, torch.device("cpu"))
     bound = probe_bound(model.config, len(ids) - 1, max_logit, model.config.vocab_size)
     engine = torch.tensor(client.prompt_logprobs(ids), dtype=torch.float64)
@@ -103,15 +105,17 @@ def sync_merged(model, client: EngineClient, sync_dir: Path, version: int, ids) 
     t1 = time.perf_counter()
     sent = FilesystemTransport(client, sync_dir).publish(state, version)
     t3 = time.perf_counter()
-    probe = _probe(model, client, ids, previous, version)
+    probe = _probe(model, client, ids, previous)
     t4 = time.perf_counter()
-    line = {"state_s": t1 - t0, "write_s": t3 - t1 - sent.load_s, "load_s": sent.load_s, "probe_s": t4 - t3}
     return {
         "kind": "sync",
         "engine": "merged",
         "version": version,
         "bytes": sent.bytes,
-        **line,
+        "state_s": t1 - t0,
+        "write_s": t3 - t1 - sent.load_s,
+        "load_s": sent.load_s,
+        "probe_s": t4 - t3,
         "total_s": t4 - t0,
         **probe,
     }
@@ -146,7 +150,7 @@ def sync_adapter(model, root: EngineClient, sync_dir: Path, version: int, ids) -
         shutil.rmtree(sync_dir / old, ignore_errors=True)
     t2 = time.perf_counter()
     client = EngineClient(root.url, name)
-    probe = _probe(model, client, ids, previous, version)
+    probe = _probe(model, client, ids, previous)
     t3 = time.perf_counter()
     line = {
         "kind": "sync",
@@ -161,30 +165,6 @@ def sync_adapter(model, root: EngineClient, sync_dir: Path, version: int, ids) -
         **probe,
     }
     return line, client
-
-
-def throughput(client: EngineClient, engine: str, prompts: dict, args) -> list[dict]:
-    spec = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens, eos_ids=())
-    engine_batch(client, prompts[min(args.batches)], spec, seed=10**6)  # warm-up
-    lines = []
-    for b in args.batches:
-        runs = [engine_batch(client, prompts[b], spec, seed=r) for r in range(args.repeats)]
-        seconds = statistics.median(r["seconds"] for r in runs)
-        tokens = sum(runs[0]["lengths"])
-        lines.append(
-            {
-                "kind": "rollout_throughput",
-                "engine": engine,
-                "model": client.model,
-                "batch": b,
-                "new_tokens": args.new_tokens,
-                "sampled_tokens": tokens,
-                "seconds": seconds,
-                "tokens_per_s": tokens / seconds,
-                "all_seconds": [r["seconds"] for r in runs],
-            }
-        )
-    return lines
 
 
 def start(model_dir: Path, lora_rank: int | None, pin: bool, log: Path):
@@ -245,7 +225,7 @@ def main(argv=None) -> int:
             try:
                 base = EngineClient(server.url, SERVED)
                 with affinity({TRAINER_CPU} if pin else None):
-                    lines += throughput(base, engine, prompts, args)  # the base model as served
+                    lines += measure_engine(BASE, engine, "fp32", base, prompts, args, (), pin)  # as served
                     client = base
                     for v in range(1, args.syncs + 1):
                         if engine == "merged":
@@ -255,12 +235,9 @@ def main(argv=None) -> int:
                         lines.append(line)
                         emit(line)
                     if engine == "adapter":
-                        lines += throughput(client, engine, prompts, args)  # through the adapter
+                        lines += measure_engine(ADAPTED, engine, "fp32", client, prompts, args, (), pin)
             finally:
                 server.stop()
-            for line in lines:
-                if line["kind"] == "rollout_throughput" and line["engine"] == engine:
-                    emit(line)
     emit(summary(lines, args))
     return 0
 
@@ -270,11 +247,7 @@ def summary(lines: list[dict], args) -> dict:
         e: statistics.median(x["total_s"] for x in lines if x["kind"] == "sync" and x["engine"] == e)
         for e in ("merged", "adapter")
     }
-    rate = {
-        (x["engine"], x["model"] == SERVED, x["batch"]): x["tokens_per_s"]
-        for x in lines
-        if x["kind"] == "rollout_throughput"
-    }
+    rate = {(x["path"], x["model"], x["batch"]): x["tokens_per_s"] for x in lines if x["kind"] == "rollout_throughput"}
     out = {
         "kind": "summary",
         "sync_s": syncs,
@@ -283,13 +256,13 @@ def summary(lines: list[dict], args) -> dict:
         },
     }
     for b in args.batches:
-        merged, adapter = rate[("merged", True, b)], rate[("adapter", False, b)]
+        merged, adapter = rate[("merged", BASE, b)], rate[("adapter", ADAPTED, b)]
         tokens = b * args.new_tokens
         # one on-policy step: a sync, then a rollout batch, on each path
         out[f"B{b}"] = {
             "merged_tok_per_s": merged,
             "adapter_tok_per_s": adapter,
-            "lora_enabled_base_tok_per_s": rate[("adapter", True, b)],
+            "lora_enabled_base_tok_per_s": rate[("adapter", BASE, b)],
             "adapter_over_merged_throughput": adapter / merged,
             "step_s_merged": syncs["merged"] + tokens / merged,
             "step_s_adapter": syncs["adapter"] + tokens / adapter,
