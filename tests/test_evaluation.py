@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from ars_opd.artifacts import read_jsonl, write_jsonl
 from ars_opd.config import BaseConfig, load_params
@@ -31,8 +32,9 @@ def _budget(steps: int, flops: float) -> dict:
     }
 
 
-@pytest.mark.slow
-def test_evaluate_on_micro_models(tmp_path, monkeypatch):
+def _micro_models(tmp_path, monkeypatch):
+    """params of the micro config in ``tmp_path`` (the working directory), its models built, the teacher's
+    held-out completions written."""
     write_micro_params(REPO, tmp_path / "params.yaml")
     monkeypatch.chdir(tmp_path)
     p = load_params("params.yaml")
@@ -40,8 +42,14 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
         BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics, progress=False
     )
     Path(p.paths.teacher_dir).mkdir(parents=True)
+    write_jsonl(Path(p.paths.teacher_dir) / "eval.jsonl", teacher_rows(12, seed=9))
+    return p
+
+
+@pytest.mark.slow
+def test_evaluate_on_micro_models(tmp_path, monkeypatch):
+    p = _micro_models(tmp_path, monkeypatch)
     rows = teacher_rows(12, seed=9)
-    write_jsonl(Path(p.paths.teacher_dir) / "eval.jsonl", rows)
     # stand-ins: the trained-student directories hold the teacher or the base student
     # budgets: sft 5 steps; both arms continue it to 10 steps (OPD at more FLOPs)
     budgets = {"sft": (5, 1e9), "opd": (10, 3e9), "sft_continued": (10, 2e9)}
@@ -107,6 +115,103 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     again = evaluate_models(p.evaluate, dataclasses.replace(p.paths, distill_init=str(init)))["curves"]
     assert again["opd"][0]["reverse_kl"] < 1e-4 < again["sft"][0]["reverse_kl"]
     assert [c["steps"] for c in again["sft_continued"]] == [5, 10]
+
+
+def _stand_ins(p, opd_role: str = "teacher") -> None:
+    """Trained-model directories that hold a built model: sft and the control the base student, opd
+    ``opd_role``'s model, with one snapshot (the base student) in opd's."""
+    for stage, steps in (("sft", 5), ("opd", 10), ("sft_continued", 10)):
+        model_dir = Path(p.paths.training(stage).model)
+        load_model(p.paths.models_dir, opd_role if stage == "opd" else "student").save_pretrained(model_dir)
+        write_budget(model_dir, _budget(steps, 1e9 * steps))
+    snap = Path(p.paths.training("opd").model) / "snapshots" / "step_0000007"
+    load_model(p.paths.models_dir, "student").save_pretrained(snap)
+    write_budget(snap, _budget(7, 7e9))
+
+
+def _outputs(p) -> dict:
+    """Every file the evaluate stage wrote, by path, as bytes."""
+    out = {}
+    for root in (p.paths.eval_dir, p.paths.eval_live):
+        out.update({str(f): f.read_bytes() for f in sorted(Path(root).rglob("*")) if f.is_file()})
+    out[p.paths.eval_metrics] = Path(p.paths.eval_metrics).read_bytes()
+    return out
+
+
+@pytest.mark.slow
+def test_stored_scores_give_the_stages_outputs_byte_for_byte(tmp_path, monkeypatch):
+    """ARS_OPD_EVAL_CACHE: a rerun reads every score back and writes the same files as scoring afresh; a changed
+    model, and only it, is scored again; a changed evaluate section or data misses everything."""
+    import ars_opd.evaluation.evaluate as ev
+
+    p = _micro_models(tmp_path, monkeypatch)
+    _stand_ins(p)
+    calls = []
+    score = ev.score_model
+    monkeypatch.setattr(ev, "score_model", lambda *a, **k: calls.append(1) or score(*a, **k))
+
+    def run(cache: bool) -> tuple[dict, int]:
+        if cache:
+            monkeypatch.setenv("ARS_OPD_EVAL_CACHE", str(tmp_path / "scores"))
+        else:
+            monkeypatch.delenv("ARS_OPD_EVAL_CACHE", raising=False)
+        calls.clear()
+        evaluate_models(p.evaluate, p.paths)
+        return _outputs(p), len(calls)
+
+    fresh, n = run(cache=False)
+    # 5 models on the held-out prompts; curves: sft's final, opd's snapshot and final, the control's final
+    # (the start is sft's final point, reused)
+    assert n == 9
+    first, n_first = run(cache=True)
+    assert n_first == 9 and first == fresh  # nothing stored yet: every score computed, the same files
+    assert len(list((tmp_path / "scores").glob("*.json"))) == 9
+    again, n_again = run(cache=True)
+    assert n_again == 0 and again == fresh  # every score read back: the same bytes
+    # opd's final model becomes another model (the base student with one weight matrix halved): its two scores
+    # (held-out, curve) are computed again, and the outputs are those of a fresh evaluation of the new state
+    other = load_model(p.paths.models_dir, "student")
+    with torch.no_grad():
+        next(other.parameters()).mul_(0.5)
+    other.save_pretrained(p.paths.training("opd").model)
+    changed, n_changed = run(cache=True)
+    assert n_changed == 2
+    assert changed == run(cache=False)[0] and changed != fresh
+    # another evaluate section (a sampling seed) shares no key
+    p2 = dataclasses.replace(p, evaluate=dataclasses.replace(p.evaluate, seed=p.evaluate.seed + 1))
+    monkeypatch.setenv("ARS_OPD_EVAL_CACHE", str(tmp_path / "scores"))
+    calls.clear()
+    evaluate_models(p2.evaluate, p2.paths)
+    assert len(calls) == 9
+
+
+def test_score_cache_keys_and_a_torn_entry(tmp_path):
+    """Keys differ by model, data and teacher flag; a stored entry that does not parse is scored again."""
+    from ars_opd.evaluation.score_cache import ScoreCache, dir_sha256
+
+    cache = ScoreCache(tmp_path / "s", {"code": "x"})
+    keys = {cache.key(m, d, t) for m in ("a", "b") for d in ("1", "2") for t in (False, True)}
+    assert len(keys) == 8
+    assert ScoreCache(tmp_path / "s", {"code": "y"}).key("a", "1", False) != cache.key("a", "1", False)
+    n = []
+    m, texts = cache.score("a", "1", False, lambda: n.append(1) or ({"x": 1.5, "y": None}, ["t"]))
+    assert (m, texts, len(n)) == ({"x": 1.5, "y": None}, ["t"], 1)
+    assert cache.score("a", "1", False, lambda: n.append(1) or ({}, [])) == ({"x": 1.5, "y": None}, ["t"])
+    assert len(n) == 1 and (cache.hits, cache.misses) == (1, 1)
+    (tmp_path / "s" / f"{cache.key('a', '1', False)}.json").write_text('{"metrics": {"x"')  # a torn write
+    assert cache.score("a", "1", False, lambda: ({"x": 2.0}, ["u"])) == ({"x": 2.0}, ["u"])
+    # a directory's hash: every file's name and bytes, its snapshots left out
+    d = tmp_path / "m"
+    (d / "snapshots" / "step_1").mkdir(parents=True)
+    (d / "w.bin").write_bytes(b"ab")
+    h = dir_sha256(d)
+    (d / "snapshots" / "step_1" / "w.bin").write_bytes(b"zz")
+    assert dir_sha256(d) == h
+    (d / "w.bin").write_bytes(b"ac")
+    assert dir_sha256(d) != h
+    (d / "w.bin").write_bytes(b"ab")
+    (d / "x.bin").write_bytes(b"")
+    assert dir_sha256(d) != h
 
 
 def test_evaluation_losses_from_hidden_equal_the_logits_formulas(char_tokenizer):

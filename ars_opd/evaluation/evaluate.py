@@ -34,6 +34,11 @@ the teacher is loaded in bf16 on CUDA and fp32 on CPU (``evaluate.teacher_dtype`
 Outputs: one metrics JSON (DVC metrics, nested by model), a markdown table, every greedy answer as JSON
 Lines for inspection, and the learning curves through DVCLive (DVC plots against steps), all replaced
 together. Runs in one process (evaluation needs no data parallelism at this size).
+
+Sweeps score the same models in experiment after experiment (the base student, the teacher, a seed's SFT
+student, a control DVC did not rerun): with ``ARS_OPD_EVAL_CACHE`` set to a directory, each score is stored
+under a hash of everything it depends on and read back, the outputs byte for byte the same
+(``ars_opd.evaluation.score_cache``).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from ars_opd.config import ConfigError, EvaluateConfig, PathsConfig, to_dict
 from ars_opd.data import synthetic
 from ars_opd.data.prompts import encode_completions, encode_prompts, encode_teacher_completions
 from ars_opd.evaluation.arms import ARMS, MODELS, TRAINED
+from ars_opd.evaluation.score_cache import ScoreCache, code_fingerprint, data_sha256, dir_sha256
 from ars_opd.evaluation.steps import step_metrics
 from ars_opd.evaluation.tables import render_table
 from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels, pad_token_id
@@ -59,7 +65,7 @@ from ars_opd.lm.generation import decode_completion, eos_token_ids, generate_tok
 from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows, target_logprobs
 from ars_opd.lm.opd_objectives import TeacherLogits
 from ars_opd.lm.precision import frozen_model_dtype
-from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer
+from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer, model_path, read_manifest
 from ars_opd.training.budget import SNAPSHOTS, matmul_parameters, read_budget
 
 
@@ -151,6 +157,10 @@ class HeldOut:
     def head(self, n: int) -> "HeldOut":
         return HeldOut(self.rows[:n], self.prompts[:n], self.completions[:n], self.checkable[:n])
 
+    def key(self) -> str:
+        """sha256 of the rows and their encodings (``score_cache``)."""
+        return data_sha256(self.rows, self.prompts, self.completions, self.checkable)
+
 
 def check_answer_room(tokenizer, rows: list[dict], max_new_tokens: int) -> None:
     """Refuse, naming ``evaluate.max_new_tokens``, a budget that cuts a checkable reference answer with its EOS:
@@ -215,6 +225,7 @@ def learning_curve(
     vocab: int,
     device: torch.device,
     trust_remote_code: bool = False,
+    cache: ScoreCache | None = None,
 ) -> list[dict]:
     """A training stage's snapshots (``snapshots/step_N`` in its model directory) and its final model, each
     scored on ``data``, with the budget spent to reach it (``budget.json``: steps and FLOPs from scratch).
@@ -223,7 +234,7 @@ def learning_curve(
     final_steps = read_budget(model_dir)["steps"]
     dirs = [d for d in sorted((model_dir / SNAPSHOTS).glob("step_*")) if read_budget(d)["steps"] != final_steps]
     return [
-        curve_point(d, stage, teacher, tokenizer, data, cfg, vocab, device, trust_remote_code)
+        curve_point(d, stage, teacher, tokenizer, data, cfg, vocab, device, trust_remote_code, cache)
         for d in dirs + [model_dir]
     ]
 
@@ -238,11 +249,16 @@ def curve_point(
     vocab: int,
     device: torch.device,
     trust_remote_code: bool = False,
+    cache: ScoreCache | None = None,
 ) -> dict:
     """One learning-curve point: the model in ``model_dir`` scored on ``data``, with its budget."""
-    model = load_model_dir(model_dir, stage=stage, trust_remote_code=trust_remote_code)
-    model = model.to(device).eval().requires_grad_(False)
-    m, _ = score_model(model, teacher, tokenizer, data, cfg, vocab, device)
+
+    def compute() -> tuple[dict, list[str]]:
+        model = load_model_dir(model_dir, stage=stage, trust_remote_code=trust_remote_code)
+        model = model.to(device).eval().requires_grad_(False)
+        return score_model(model, teacher, tokenizer, data, cfg, vocab, device)
+
+    m, _ = _scored(cache, f"dir:{dir_sha256(model_dir)}" if cache else "", data, False, compute)
     return {**read_budget(model_dir), **{k: m[k] for k in ("exact_match", "reverse_kl", "teacher_nll")}}
 
 
@@ -255,23 +271,48 @@ def learning_curves(
     vocab: int,
     device: torch.device,
     trust_remote_code: bool = False,
+    cache: ScoreCache | None = None,
 ) -> dict:
     """Every training stage's curve; each arm's curve starts at the student both arms start from
     (``paths.distill_init``), so the arms can be read off at any budget between their start and end (the
     equal-FLOPs comparison interpolates there). When that student is the sft stage's model its final curve
     point is reused rather than scored again."""
     curves = {
-        stage: learning_curve(stage, paths, teacher, tokenizer, data, cfg, vocab, device, trust_remote_code)
+        stage: learning_curve(stage, paths, teacher, tokenizer, data, cfg, vocab, device, trust_remote_code, cache)
         for stage in TRAINED
     }
     init = Path(paths.distill_init)
     if init.resolve() == Path(paths.sft_model).resolve():
         start = dict(curves["sft"][-1])
     else:
-        start = curve_point(init, "sft", teacher, tokenizer, data, cfg, vocab, device, trust_remote_code)
+        start = curve_point(init, "sft", teacher, tokenizer, data, cfg, vocab, device, trust_remote_code, cache)
     for arm in ARMS:
         curves[arm] = [{**start, "start": True}] + curves[arm]
     return curves
+
+
+def _scored(cache: ScoreCache | None, model: str, data: HeldOut, is_teacher: bool, compute) -> tuple[dict, list[str]]:
+    """``compute()``, or through the store of scored models where one is set (``score_cache``)."""
+    return compute() if cache is None else cache.score(model, data.key(), is_teacher, compute)
+
+
+def _cache_context(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: bool, device: torch.device) -> dict:
+    """What every stored score depends on besides its model and data (``score_cache``'s docstring)."""
+    return {
+        "evaluate": to_dict(cfg),
+        "device": str(device),
+        "trust_remote_code": trust_remote_code,
+        "manifest": read_manifest(paths.models_dir),
+        "tokenizer": dir_sha256(Path(paths.models_dir) / "tokenizer"),
+        "code": code_fingerprint(),
+    }
+
+
+def _pinned(paths: PathsConfig, name: str) -> str:
+    """The base student's or the teacher's identity: the revision the models stage pinned, verified on disk."""
+    role = "student" if name == "base" else "teacher"
+    model_path(paths.models_dir, role)  # raises if the directory changed after it was pinned
+    return f"pinned:{role}:{read_manifest(paths.models_dir)[role]['revision']}"
 
 
 def log_curves(live_dir: Path, curves: dict) -> None:
@@ -317,23 +358,36 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
         [r.get("task") in synthetic.TASK_NAMES and r.get("reference") is not None for r in rows],
     )
     teacher = _load(paths, "teacher", trust_remote_code, device, frozen_model_dtype(cfg.teacher_dtype, device))
+    cache = ScoreCache.from_env(lambda: _cache_context(cfg, paths, trust_remote_code, device))
     metrics: dict = {"examples": len(rows), "checkable_examples": sum(data.checkable)}
     answers: list[dict] = [{"id": r["id"], "task": r.get("task")} for r in rows]
     for name in MODELS:
-        model = teacher if name == "teacher" else _load(paths, name, trust_remote_code, device)
-        m, texts = score_model(model, teacher, tokenizer, data, cfg, vocab, device, is_teacher=name == "teacher")
+
+        def compute(name: str = name) -> tuple[dict, list[str]]:
+            model = teacher if name == "teacher" else _load(paths, name, trust_remote_code, device)
+            return score_model(model, teacher, tokenizer, data, cfg, vocab, device, is_teacher=name == "teacher")
+
+        if cache is None:
+            source = ""
+        elif name in ("base", "teacher"):
+            source = _pinned(paths, name)
+        else:
+            source = f"dir:{dir_sha256(paths.training(name).model)}"
+        m, texts = _scored(cache, source, data, name == "teacher", compute)
         if name in TRAINED:
             m["budget"] = read_budget(paths.training(name).model)
         if name == "teacher":  # the data-cost view charges 2 of these FLOPs per token the teacher wrote
-            m["matmul_parameters"] = matmul_parameters(model)
+            m["matmul_parameters"] = matmul_parameters(teacher)
         metrics[name] = m
         for a, t in zip(answers, texts):
             a[name] = t
     curve_data = data.head(cfg.curve_examples) if cfg.curve_examples else data
     metrics["curves"] = {
         "examples": len(curve_data.rows),
-        **learning_curves(paths, teacher, tokenizer, curve_data, cfg, vocab, device, trust_remote_code),
+        **learning_curves(paths, teacher, tokenizer, curve_data, cfg, vocab, device, trust_remote_code, cache),
     }
+    if cache is not None:
+        print(cache.summary())
     table = render_table(metrics)
     with atomic_outputs(paths.eval_metrics, paths.eval_dir, paths.eval_live) as (metrics_tmp, out, live_tmp):
         log_curves(live_tmp, metrics["curves"])
