@@ -5,6 +5,8 @@
 #    train split held back for a fresh control (control.fresh_rows), committed;
 # 2. its SFT student pinned (paths.distill_init) as the one start of every arm.
 # Skipped when the pinned student's .dvc file is already there. Sets INIT and BASE for the caller.
+# BASE_UNTIL=sft stops the base run at the sft stage (its student is all the arms take from it); unset, the
+# base run is the whole pipeline, as bench/long_horizon_sweep.sh made reports/distillation.md.
 FRESH="${FRESH:-4800}"             # rows held back for the fresh control (it draws STEPS x BATCH: 2 epochs)
 TEACHER_STEPS="${TEACHER_STEPS:-2000}"
 INIT=data/study/long_horizon_sft_init
@@ -16,7 +18,8 @@ BASE=(
   -S "opd.steps=$STEPS" -S "opd.global_batch_size=$BATCH" -S opd.snapshot_every=50
 )
 if [ ! -f "$INIT.dvc" ]; then
-  dvc exp run "${BASE[@]}" -n long-horizon-base        # writes params.yaml in the workspace
+  # shellcheck disable=SC2086
+  dvc exp run "${BASE[@]}" -n long-horizon-base ${BASE_UNTIL:-}   # writes params.yaml in the workspace
   dvc exp apply long-horizon-base 2>/dev/null || true
   mkdir -p data/study && rm -rf "$INIT"
   cp -r data/sft/model "$INIT" && rm -rf "$INIT/snapshots"

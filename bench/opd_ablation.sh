@@ -21,12 +21,24 @@
 #   perseq      per-sequence normalisation (opd.loss_normalisation: sequence): every rollout weighs the same,
 #               where the default's global token mean gives the longest (mostly wrong) rollouts the most weight
 set -euo pipefail
+# The study starts ~150 Python processes (dvc, each stage, its workers), each importing torch and transformers.
+# .venv is installed without bytecode (Makefile: --no-compile), which is written on first import, unless
+# PYTHONDONTWRITEBYTECODE is set, as in many containers: then every process compiles them again from source,
+# ~8 s each here (the opd stage's imports: 13 s against 5.5 s). The Makefile unexports it for the same reason.
+unset PYTHONDONTWRITEBYTECODE
+# Every experiment scores the base student, the teacher, the seed's SFT student, the pinned start and, where dvc
+# kept the control, the control's whole curve again: the evaluate stage stores each score under a hash of all it
+# depends on and reads it back (ars_opd/evaluation/score_cache.py; the same files byte for byte)
+export ARS_OPD_EVAL_CACHE="${ARS_OPD_EVAL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ars-opd/eval-scores}"
 SEEDS="${SEEDS:-1 2 3 4 5}"
 STEPS="${STEPS:-300}"               # each arm's steps (the opd loop)
 BATCH="${BATCH:-32}"                # each arm's global batch
 # Arms that share the default's schedule first: the control (sft_continued) depends on OPD's loop alone (dvc.yaml),
 # so within a seed it trains once for all six and dvc skips it for the next five (~45 s each)
 ARMS="${ARMS:-default temp0.7 lambda0.5 fkl jsd0.5 perseq lr3e-4 lr1e-4 norewarm}"
+# The base run stops at the pinned SFT student: its own OPD, control and evaluation at seed 0 (~3 min) are
+# no arm's (every arm reruns them at its own settings and seed)
+BASE_UNTIL="${BASE_UNTIL-sft}"
 t0=$(date +%s)
 source "$(dirname "$0")/long_horizon_base.sh"
 echo "base: $(( $(date +%s) - t0 )) s" >&2
