@@ -293,7 +293,7 @@ class OPDTask:
         extra, weights = {}, None
         if "engine_logprobs" in t:  # engine rollouts: the sampler's log p of each token against ours now
             extra, weights = self._against_engine(hidden, head, targets, t["engine_logprobs"][mask])
-        if batch.units is not None:  # per-sequence normalisation: each token weighs 1 / its completion's length
+        if self.cfg.loss_normalisation == "sequence":  # each token weighs 1 / its completion's length
             per_seq = sequence_weights(mask)
             weights = per_seq if weights is None else weights * per_seq
         per_token = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
