@@ -78,6 +78,12 @@ def files_sha256(directory: str | Path, suffixes: tuple[str, ...] | None) -> tup
     return h.hexdigest(), len(files)
 
 
+def code_fingerprint() -> str:
+    """sha256 over this package's Python sources (relative names and bytes, sorted): what a stored result keyed
+    by it was computed with (checkpoints, the evaluate stage's stored scores)."""
+    return files_sha256(Path(__file__).resolve().parent, (".py",))[0]
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -55,7 +56,7 @@ from ars_opd.config import ConfigError, EvaluateConfig, PathsConfig, to_dict
 from ars_opd.data import synthetic
 from ars_opd.data.prompts import encode_completions, encode_prompts, encode_teacher_completions
 from ars_opd.evaluation.arms import ARMS, MODELS, TRAINED
-from ars_opd.evaluation.score_cache import ScoreCache, code_fingerprint, data_sha256, dir_sha256
+from ars_opd.evaluation.score_cache import ScoreCache, code_versions, data_sha256, dir_sha256
 from ars_opd.evaluation.steps import step_metrics
 from ars_opd.evaluation.tables import render_table
 from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels, pad_token_id
@@ -157,8 +158,9 @@ class HeldOut:
     def head(self, n: int) -> "HeldOut":
         return HeldOut(self.rows[:n], self.prompts[:n], self.completions[:n], self.checkable[:n])
 
+    @cached_property
     def key(self) -> str:
-        """sha256 of the rows and their encodings (``score_cache``)."""
+        """sha256 of the rows and their encodings (``score_cache``), hashed once."""
         return data_sha256(self.rows, self.prompts, self.completions, self.checkable)
 
 
@@ -258,7 +260,7 @@ def curve_point(
         model = model.to(device).eval().requires_grad_(False)
         return score_model(model, teacher, tokenizer, data, cfg, vocab, device)
 
-    m, _ = _scored(cache, f"dir:{dir_sha256(model_dir)}" if cache else "", data, False, compute)
+    m, _ = _scored(cache, lambda: f"dir:{dir_sha256(model_dir)}", data, False, compute)
     return {**read_budget(model_dir), **{k: m[k] for k in ("exact_match", "reverse_kl", "teacher_nll")}}
 
 
@@ -291,9 +293,10 @@ def learning_curves(
     return curves
 
 
-def _scored(cache: ScoreCache | None, model: str, data: HeldOut, is_teacher: bool, compute) -> tuple[dict, list[str]]:
-    """``compute()``, or through the store of scored models where one is set (``score_cache``)."""
-    return compute() if cache is None else cache.score(model, data.key(), is_teacher, compute)
+def _scored(cache: ScoreCache | None, model, data: HeldOut, is_teacher: bool, compute) -> tuple[dict, list[str]]:
+    """``compute()``, or through the store of scored models where one is set (``score_cache``); ``model()``
+    names the model for the store, and is called only then (it hashes files)."""
+    return compute() if cache is None else cache.score(model(), data.key, is_teacher, compute)
 
 
 def _cache_context(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: bool, device: torch.device) -> dict:
@@ -304,12 +307,15 @@ def _cache_context(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: b
         "trust_remote_code": trust_remote_code,
         "manifest": read_manifest(paths.models_dir),
         "tokenizer": dir_sha256(Path(paths.models_dir) / "tokenizer"),
-        "code": code_fingerprint(),
+        "code": code_versions(),
     }
 
 
-def _pinned(paths: PathsConfig, name: str) -> str:
-    """The base student's or the teacher's identity: the revision the models stage pinned, verified on disk."""
+def _identity(paths: PathsConfig, name: str) -> str:
+    """A scored model's name in the store: for the base student and the teacher the revision the models stage
+    pinned, verified on disk; for a trained stage's model the hash of its directory."""
+    if name not in ("base", "teacher"):
+        return f"dir:{dir_sha256(paths.training(name).model)}"
     role = "student" if name == "base" else "teacher"
     model_path(paths.models_dir, role)  # raises if the directory changed after it was pinned
     return f"pinned:{role}:{read_manifest(paths.models_dir)[role]['revision']}"
@@ -367,13 +373,7 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
             model = teacher if name == "teacher" else _load(paths, name, trust_remote_code, device)
             return score_model(model, teacher, tokenizer, data, cfg, vocab, device, is_teacher=name == "teacher")
 
-        if cache is None:
-            source = ""
-        elif name in ("base", "teacher"):
-            source = _pinned(paths, name)
-        else:
-            source = f"dir:{dir_sha256(paths.training(name).model)}"
-        m, texts = _scored(cache, source, data, name == "teacher", compute)
+        m, texts = _scored(cache, lambda name=name: _identity(paths, name), data, name == "teacher", compute)
         if name in TRAINED:
             m["budget"] = read_budget(paths.training(name).model)
         if name == "teacher":  # the data-cost view charges 2 of these FLOPs per token the teacher wrote

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ars_opd.artifacts import dumps_canonical, file_sha256, files_sha256, listed_files
+from ars_opd.artifacts import code_fingerprint, dumps_canonical, file_sha256, listed_files
 
 ENV = "ARS_OPD_EVAL_CACHE"
 Score = tuple[dict, list[str]]
@@ -50,15 +50,13 @@ def dir_sha256(directory: str | Path, skip: tuple[str, ...] = ("snapshots",)) ->
     return _sha256_json([[str(rel), file_sha256(directory / rel)] for rel in files if rel.parts[0] not in skip])
 
 
-def code_fingerprint() -> dict:
+def code_versions() -> dict:
     """The code a score depends on: every module of the package, and the versions of what runs it."""
     import torch
     import transformers
 
-    import ars_opd
-
     return {
-        "ars_opd": files_sha256(Path(ars_opd.__file__).resolve().parent, (".py",))[0],
+        "ars_opd": code_fingerprint(),
         "python": sys.version,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

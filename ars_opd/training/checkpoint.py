@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ars_opd.artifacts import dumps_canonical, files_sha256, read_jsonl, write_json, write_jsonl
+from ars_opd.artifacts import code_fingerprint, dumps_canonical, read_jsonl, write_json, write_jsonl
 from ars_opd.config import ConfigError
 from ars_opd.training.distributed import WorkerContext
 from ars_opd.training.sharding import is_sharded
@@ -71,11 +71,6 @@ LAYOUT_KEYS = (
     "timeout_s",
     "reshard_resume",
 )
-
-
-def code_fingerprint() -> str:
-    """sha256 over this package's Python sources (relative names and bytes, sorted)."""
-    return files_sha256(Path(__file__).resolve().parents[1], (".py",))[0]
 
 
 def config_fingerprint(obj: Any) -> str:
