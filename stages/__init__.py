@@ -15,7 +15,10 @@ as argparse does, instead of a traceback that buries it, and exits with its own 
 - 4: an endpoint or API-key error (``ars_opd.teacher.client.endpoint.EndpointError`` and its subclasses: the
   endpoint is unreachable, serves another model, rejects the key or tokenizes differently from the
   student, or the variable named by ``api_key_env`` is not set), also when a data-parallel worker raised it
-  (``ars_opd.training.distributed.launch`` re-raises a worker's error as itself).
+  (``ars_opd.training.distributed.launch`` re-raises a worker's error as itself);
+- 5: a model that cannot be found, read or trusted (``ars_opd.models.loading.ModelSourceError``: a missing
+  directory or hub id, a GGUF file that is corrupt or of an architecture transformers cannot read, a pinned
+  model whose files changed since the models stage).
 
 Any other exception is unexpected and keeps its traceback.
 
@@ -38,7 +41,7 @@ from typing import Callable
 
 # top-level modules of requirements.txt that every stage imports (directly or through ars_opd)
 REQUIRED_MODULES = ("yaml", "numpy", "torch", "transformers")
-EXIT_PARAMS, EXIT_ENVIRONMENT, EXIT_ENDPOINT = 2, 3, 4
+EXIT_PARAMS, EXIT_ENVIRONMENT, EXIT_ENDPOINT, EXIT_MODEL = 2, 3, 4, 5
 
 
 def missing_modules(names: tuple[str, ...] = REQUIRED_MODULES) -> list[str]:
@@ -97,7 +100,8 @@ def _start_workers_early() -> None:
 
 def run_stage(main: Callable[[], None]) -> None:
     """Run a stage's ``main``; a ``ConfigError`` prints ``ars-opd <stage>: invalid params: <message>`` and
-    exits 2, an ``EndpointError`` ``ars-opd <stage>: <message>`` and exits 4; anything else propagates.
+    exits 2, an ``EndpointError`` ``ars-opd <stage>: <message>`` and exits 4, a ``ModelSourceError`` the same and
+    exits 5; anything else propagates.
     A training stage's forkserver starts first (``_start_workers_early``)."""
     from ars_opd.config import ConfigError
 
@@ -110,9 +114,14 @@ def run_stage(main: Callable[[], None]) -> None:
         sys.exit(EXIT_PARAMS)
     except Exception as e:
         # an EndpointError exists only once its module is loaded, so a stage that never loaded the HTTP
-        # client (most of them) does not import it (openai and all) just to find out what failed
+        # client (most of them) does not import it (openai and all) just to find out what failed; the same for
+        # a ModelSourceError (transformers)
         client = sys.modules.get("ars_opd.teacher.client.endpoint")
-        if client is None or not isinstance(e, client.EndpointError):
-            raise
-        print(f"ars-opd {stage}: {e}", file=sys.stderr)
-        sys.exit(EXIT_ENDPOINT)
+        models = sys.modules.get("ars_opd.models.loading")
+        if client is not None and isinstance(e, client.EndpointError):
+            print(f"ars-opd {stage}: {e}", file=sys.stderr)
+            sys.exit(EXIT_ENDPOINT)
+        if models is not None and isinstance(e, models.ModelSourceError):
+            print(f"ars-opd {stage}: {e}", file=sys.stderr)
+            sys.exit(EXIT_MODEL)
+        raise

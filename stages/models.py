@@ -14,6 +14,8 @@ def main() -> None:
             f"teacher held-out exact match {metrics['teacher_exact_match']:.1%} "
             f"(student base {metrics['student_base_exact_match']:.1%})"
         )
+    if "student_params" in metrics and "teacher_params" in metrics:
+        print(f"teacher {metrics['teacher_params']:,} parameters, student {metrics['student_params']:,}")
 
 
 if __name__ == "__main__":

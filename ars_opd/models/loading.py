@@ -1,6 +1,8 @@
 """Where each stage's models come from: the manifest of the models stage, and loading exactly what it pinned.
 
-Built-in models (``ars_opd.models.builtin``) are complete HF directories inside the models stage's output.
+Built-in models (``ars_opd.models.builtin``), models converted from a GGUF file (``ars_opd.models.gguf``) and
+students pruned from the teacher (``ars_opd.models.pruning``) are complete HF directories inside the models
+stage's output, pinned by the sha256 of their files (a GGUF teacher's revision is its file's sha256).
 Pretrained models are not copied into the pipeline's outputs (they can be tens of GB): the manifest
 pins them instead, as a hub id plus the resolved commit hash, or a local directory plus a sha256 of its
 files. ``load_model``/``load_tokenizer`` read the manifest, so later stages load exactly what was pinned.
@@ -31,6 +33,11 @@ from ars_opd.config import BUILTIN
 
 MANIFEST = "manifest.json"
 ROLES = ("teacher", "student")
+GGUF, PRUNED = "gguf", "pruned"
+# models the models stage writes into its own output (models_dir/<role>), pinned by the sha256 of those files:
+# built, converted from a GGUF file, or pruned from the teacher
+WRITTEN_SOURCES = (BUILTIN, GGUF, PRUNED)
+_SOURCE_WORDS = {BUILTIN: "built-in", GGUF: "GGUF-converted", PRUNED: "pruned"}
 
 
 # the files that make a model: weights, configs, tokenizer files, chat templates and remote code
@@ -67,16 +74,18 @@ def stat_signature(directory: str | Path) -> dict[str, list[int]]:
 class ModelRef:
     """Where one role's model comes from, as pinned in the manifest."""
 
-    source: str  # "builtin" | "hub" | "local"
-    name: str  # hub id, local path, or "builtin"
-    revision: str | None  # hub commit hash; sha256 of files for builtin and local
+    source: str  # "builtin" | "hub" | "local" | "gguf" | "pruned"
+    name: str  # hub id, local path, .gguf file, "builtin", or the role a pruned student comes from
+    revision: str | None  # hub commit hash; sha256 of files for builtin, local and pruned; of the file for gguf
     path: str  # directory to load from on this machine
     files: dict[str, list[int]] | None = None  # local only: stat_signature at pin time (the fast path)
+    extra: dict | None = None  # what the source adds to the manifest (a GGUF's file, a pruned student's layers)
 
     def to_json(self) -> dict:
         out = {"source": self.source, "name": self.name, "revision": self.revision, "path": self.path}
         if self.files is not None:
             out["files"] = self.files
+        out.update(self.extra or {})
         return out
 
 
@@ -150,15 +159,16 @@ def _changed_files(pinned: dict[str, list[int]], now: dict[str, list[int]]) -> s
 def verify_pin(models_dir: str | Path, role: str, ref: dict) -> str:
     """The directory of ``role``'s pinned model, after checking its files still match the pin; else
     ``ModelPinError`` naming what changed and saying to run ``dvc repro``."""
-    if ref["source"] == BUILTIN:
+    if ref["source"] in WRITTEN_SOURCES:
         path = Path(models_dir) / role
         if not path.is_dir():
             raise ModelSourceError(f"{path} is missing: run the models stage (dvc repro models)")
         digest = sha256_of_files(path)
-        if digest != ref["revision"]:
+        pinned = ref.get("files_sha256", ref["revision"])
+        if digest != pinned:
             raise ModelPinError(
-                f"the built-in {role} in {path} was changed after the models stage pinned it "
-                f"(sha256 {ref['revision'][:12]}… pinned, {digest[:12]}… now). {_rerun_hint(models_dir)}"
+                f"the {_SOURCE_WORDS[ref['source']]} {role} in {path} was changed after the models stage pinned it "
+                f"(sha256 {pinned[:12]}… pinned, {digest[:12]}… now). {_rerun_hint(models_dir)}"
             )
         return str(path)
     if ref["source"] == "hub":
@@ -220,6 +230,16 @@ def embedding_rows(path: str) -> int:
 def builtin_ref(models_dir: str | Path, role: str) -> ModelRef:
     d = Path(models_dir) / role
     return ModelRef(BUILTIN, BUILTIN, sha256_of_files(d), str(d))
+
+
+def written_ref(models_dir: str | Path, role: str, source: str, name: str, extra: dict) -> ModelRef:
+    """The pin of a model the models stage wrote to ``models_dir/role`` from ``source`` (gguf or pruned): a GGUF
+    teacher's revision is its file's sha256 (what the user gave), a pruned student's the sha256 of the files
+    written; either way ``files_sha256`` is what ``verify_pin`` checks the directory against."""
+    d = Path(models_dir) / role
+    files = sha256_of_files(d)
+    revision = extra["gguf_sha256"] if source == GGUF else files
+    return ModelRef(source, name, revision, str(d), extra={**extra, "files_sha256": files})
 
 
 def load_model_dir(
