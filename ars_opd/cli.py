@@ -6,6 +6,9 @@ Subcommands:
   stage runs on its params (``ars_opd.config.load_params``, the stages' own loader) and print the resolved
   values (defaults filled in) as JSON; exits 2 naming the first bad key. Cheap enough for a
   pre-commit hook or the first step of CI, before hours of ``dvc repro``.
+- ``ars-opd profile show|run PROFILE [-n NAME] [-- DVC_ARGS]``: a profile (``profiles/*.yaml``, the params that
+  differ from params.yaml) as ``dvc exp run -S`` overrides, checked first (``ars_opd.profiles``): ``show`` prints
+  them, ``run`` runs the experiment (``make repro-real``).
 - ``ars-opd check [--stages s1,s2] [--file params.yaml]``: validate the stages' outputs (files, schemas,
   row counts across stages, finite in-range metrics); exits 1 listing every problem.
 - ``ars-opd scenarios [--from exp.json] [--out reports/scenarios.md]``: compare the seed scenarios of the DVC
@@ -43,6 +46,19 @@ def _cmd_params(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(to_dict(params), indent=2))
     return 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from ars_opd.profiles import profile_overrides, run_profile
+
+    try:
+        if args.profile_command == "show":
+            print("\n".join(profile_overrides(args.profile)))
+            return 0
+        return run_profile(args.profile, args.name, args.dvc_args)
+    except ConfigError as e:
+        print(f"ars-opd profile: invalid params: {e}", file=sys.stderr)
+        return 2
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -274,6 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stages", default=None, help="comma-separated stages (default: all)")
     c.add_argument("--file", default="params.yaml", help="params file (default: params.yaml)")
     c.set_defaults(func=_cmd_check)
+    pr = sub.add_parser("profile", help="a profile of params overrides (profiles/*.yaml) as a DVC experiment")
+    prs = pr.add_subparsers(dest="profile_command", required=True)
+    show = prs.add_parser("show", help="print the profile's `dvc exp run -S` overrides, after checking them")
+    show.add_argument("profile", help="a profile file, e.g. profiles/real.yaml")
+    show.set_defaults(func=_cmd_profile)
+    run = prs.add_parser("run", help="dvc exp run with the profile's overrides (arguments after -- go to dvc)")
+    run.add_argument("profile", help="a profile file, e.g. profiles/real.yaml")
+    run.add_argument("-n", "--name", default=None, help="the experiment's name")
+    run.set_defaults(func=_cmd_profile, dvc_args=[])
     sc = sub.add_parser("scenarios", help="compare the seed-scenario experiments (S1-1/2/3)")
     sc.add_argument("--from", dest="source", default=None, help="saved `dvc exp show --json` output")
     sc.add_argument("--out", default=None, help="write the markdown here (default: stdout)")
@@ -337,12 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:
         return _serve(argv[1:])
     command: list[str] = []
-    if argv[:2] == ["vllm", "serve"] and "--" in argv:  # everything after `--` is the command to run
+    if argv[:2] in (["vllm", "serve"], ["profile", "run"]) and "--" in argv:  # after `--`: passed on as it is
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
     if command:
-        args.command_line = command
+        if args.command == "profile":
+            args.dvc_args = command
+        else:
+            args.command_line = command
     return args.func(args)
 
 

@@ -1,0 +1,72 @@
+"""Profiles (``ars_opd.profiles``): a YAML file of params overrides, run as ``dvc exp run -S key=value``.
+
+The oracle for the overrides is DVC itself: applied by DVC's own override code to a copy of params.yaml they
+must give exactly the profile merged into params.yaml.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ars_opd.config import ConfigError, load_params
+from ars_opd.profiles import flatten, merged, profile_overrides, render
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _apply_with_dvc(params: Path, overrides: list[str]) -> dict:
+    from dvc.utils.hydra import apply_overrides
+
+    apply_overrides(str(params), overrides)
+    return yaml.safe_load(params.read_text())
+
+
+def test_overrides_applied_by_dvc_give_the_merged_params(tmp_path):
+    params = tmp_path / "params.yaml"
+    shutil.copy(REPO / "params.yaml", params)
+    base = yaml.safe_load(params.read_text())
+    profile = {
+        "models": {"teacher": "inputs/x y/it's.gguf", "student": {"prune_from": "teacher", "keep_layers": [0, 2]}},
+        "data": {"source": "a/b.jsonl", "subset_size": 0, "system_prompt": None, "max_malformed_fraction": 0.5},
+        "synthetic": {"tasks": ["add", "reverse"]},
+        "sft": {"packing": True, "lr": 2e-4},
+    }
+    overrides = flatten(base, profile)
+    assert "models.student={prune_from: 'teacher', keep_layers: [0, 2]}" in overrides
+    assert "sft.lr=0.0002" in overrides and "data.system_prompt=null" in overrides
+    assert _apply_with_dvc(params, overrides) == merged(base, profile)
+
+
+def test_render_writes_the_override_grammar():
+    assert render("a'b\\c") == "'a\\'b\\\\c'"
+    assert render([1, "x", None, True]) == "[1, 'x', null, true]"
+    with pytest.raises(TypeError):
+        render(object())
+
+
+def test_a_bad_profile_is_refused_naming_the_key(tmp_path):
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "inputs").mkdir()
+    (tmp_path / "inputs" / "none").write_text("")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"sft": {"lr": 2.0}}))
+    with pytest.raises(ConfigError, match=r"sft\.lr: must be in \(0, 1\)"):
+        profile_overrides(bad, tmp_path / "params.yaml")
+    bad.write_text(yaml.safe_dump({"sft": {"learning_rate": 0.1}}))
+    with pytest.raises(ConfigError, match=r"sft\.learning_rate: unknown key"):
+        profile_overrides(bad, tmp_path / "params.yaml")
+
+
+def test_the_real_profile_is_valid_params(tmp_path):
+    """profiles/real.yaml (make repro-real) passes every check a stage runs, with its GGUF input in place."""
+    overrides = profile_overrides(REPO / "profiles" / "real.yaml", REPO / "params.yaml")
+    params = tmp_path / "params.yaml"
+    shutil.copy(REPO / "params.yaml", params)
+    applied = _apply_with_dvc(params, overrides)
+    p = load_params(params, base=REPO)
+    assert p.models.pruned_student is not None and p.models.teacher.endswith(".gguf")
+    assert applied["inputs"]["teacher"] == applied["models"]["teacher"]
