@@ -115,6 +115,9 @@ class PathsConfig:
     """sft: DVCLive directory (metrics.json for dvc exp show, plots/ for dvc plots)."""
     sft_checkpoints: str = "data/checkpoints/sft"
     """sft: resumable checkpoints (a persistent DVC out)."""
+    stage_runs: str = "data/logs/stage_runs.jsonl"
+    """Every stage run's wall time and its process tree's peak memory, one JSON line each (``ars_opd.resources``;
+    not a DVC output: a record of runs)."""
     distill_init: str = "data/sft/model"
     """The student opd starts from: the sft stage's model by default; a fixed copy for a study that varies the
     sft stage but must not let that vary opd's starting point."""

@@ -22,6 +22,9 @@ as argparse does, instead of a traceback that buries it, and exits with its own 
 
 Any other exception is unexpected and keeps its traceback.
 
+Every run of a stage appends its wall time and the peak resident memory of its process tree (workers and servers
+included) to ``paths.stage_runs`` (``ars_opd.resources``), whether it succeeds or not.
+
 Each stage reads its params before it imports the code that runs it (torch, transformers), so bad params
 are refused in a fraction of a second.
 
@@ -103,12 +106,17 @@ def run_stage(main: Callable[[], None]) -> None:
     exits 2, an ``EndpointError`` ``ars-opd <stage>: <message>`` and exits 4, a ``ModelSourceError`` the same and
     exits 5; anything else propagates.
     A training stage's forkserver starts first (``_start_workers_early``)."""
-    from ars_opd.config import ConfigError
+    from ars_opd.config import ConfigError, PathsConfig, load_params
+    from ars_opd.resources import timed
 
     _start_workers_early()
     stage = os.path.splitext(os.path.basename(main.__code__.co_filename))[0]
     try:
-        main()
+        try:
+            log = load_params(sections=("paths",)).paths.stage_runs
+        except Exception:  # the stage reads its params itself and says what is wrong with them
+            log = PathsConfig().stage_runs
+        timed(stage, main, log)  # wall time and the process tree's peak memory, appended to paths.stage_runs
     except ConfigError as e:
         print(f"ars-opd {stage}: invalid params: {e}", file=sys.stderr)
         sys.exit(EXIT_PARAMS)

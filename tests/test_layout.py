@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # lowest first
 FLOORS = (
-    ("ars_opd", "ars_opd.config", "ars_opd.artifacts", "ars_opd.seeding", "ars_opd.profiles"),
+    ("ars_opd", "ars_opd.config", "ars_opd.artifacts", "ars_opd.seeding", "ars_opd.profiles", "ars_opd.resources"),
     ("ars_opd.data",),
     ("ars_opd.lm",),
     ("ars_opd.models",),
