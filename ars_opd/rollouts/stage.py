@@ -14,28 +14,47 @@ port changes every run, so it stays outside the checkpoint fingerprint.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Iterator
 
-from ars_opd.config import OPDConfig, launched_externally
+from ars_opd.config import ConfigError, OPDConfig, launched_externally
+from ars_opd.models.loading import model_path
 from ars_opd.rollouts.engine_api import EngineClient, SamplingSpec
 from ars_opd.rollouts.engines import BUNDLED, VLLM, RolloutEndpoint, rollout_endpoint
 from ars_opd.rollouts.schedule import EngineRollouts, RolloutPlan
 
 
 @contextlib.contextmanager
-def stage_engine(cfg: OPDConfig, student_dir: str, checkpoints: str, workers: int) -> Iterator[RolloutEndpoint]:
-    """The rollout engine for the stage, serving ``student_dir`` (the models-stage student). Started engines
-    live in this process: under an outside launcher with several processes each would start its own, and only
-    rank 0's would get the weights."""
+def stage_engine(cfg: OPDConfig, models_dir: str, checkpoints: str) -> Iterator[RolloutEndpoint]:
+    """The rollout engine for the stage, serving the models-stage student of ``models_dir``.
+
+    One engine serves every worker: rank 0 publishes each version into it and checks the probe, and every rank
+    waits for that outcome before it asks for rollouts (``ars_opd.rollouts.schedule``). An engine started here
+    lives in this process, so it is that one engine only when this process is the only one running the stage:
+    ``launch`` starting the workers itself (any ``ddp.workers``), or an outside launcher's world of one. Under
+    torchrun with several processes (whatever ``ddp.workers`` says: the launcher's world is the run's), each
+    would start its own engine and all but rank 0's would serve the base student for the whole run, unsynced
+    and unchecked; that is refused before anything starts: start the engine once and give its URL."""
     engine = cfg.engine
-    if engine.server in (BUNDLED, VLLM) and launched_externally() and workers > 1:
-        raise ValueError(
-            f"opd.engine.server: {engine.server} starts an engine in each launched process, but only rank 0 "
-            "publishes weights: under torchrun start the engine once yourself and set opd.engine.server to its URL"
+    processes = launcher_world_size()
+    if engine.server in (BUNDLED, VLLM) and processes > 1:
+        raise ConfigError(
+            "opd.engine.server",
+            f"{engine.server} starts an engine in each process, and this stage runs in {processes} processes "
+            "(the outside launcher's WORLD_SIZE), where only rank 0's engine would get the weights: start one "
+            "engine yourself (README: Student rollouts on an engine) and set opd.engine.server to its URL, "
+            "which every rank then shares",
         )
-    with rollout_endpoint(engine, student_dir, Path(checkpoints) / "engine") as endpoint:
+    student = model_path(models_dir, "student") if engine.server in (BUNDLED, VLLM) else ""  # a URL serves its own
+    with rollout_endpoint(engine, student, Path(checkpoints) / "engine") as endpoint:
         yield endpoint
+
+
+def launcher_world_size() -> int:
+    """How many processes run the stage: an outside launcher's world (torchrun sets ``WORLD_SIZE``), else 1
+    (this process starts the workers itself, ``ars_opd.training.distributed.launch``)."""
+    return int(os.environ["WORLD_SIZE"]) if launched_externally() else 1
 
 
 def worker_rollouts(

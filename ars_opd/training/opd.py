@@ -71,7 +71,7 @@ from ars_opd.lm.generation import GenerationCost, decode_completion, eos_token_i
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows, target_logprobs
 from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.lm.optim import autocast_context
-from ars_opd.models.loading import model_path, read_manifest
+from ars_opd.models.loading import read_manifest
 from ars_opd.rollouts.schedule import ENGINE_METRICS, EngineRollouts, engine_step_metrics, place_on_mask
 from ars_opd.rollouts.stage import stage_engine, worker_rollouts
 from ars_opd.seeding import derive_seed
@@ -423,8 +423,7 @@ def run_opd(job: TrainingJob) -> dict:
     job.check()  # before any worker starts: e.g. a loss the rollouts cannot serve is a config error
     with contextlib.ExitStack() as stack:
         if job.cfg.rollouts == "engine":
-            student = model_path(job.paths.models_dir, "student")
-            engine = stage_engine(job.cfg, student, job.paths.opd_checkpoints, job.ddp.workers)
+            engine = stage_engine(job.cfg, job.paths.models_dir, job.paths.opd_checkpoints)
             job = dataclasses.replace(job, rollout_engine=stack.enter_context(engine))
         if job.cfg.teacher == "local":
             return launch_stage(opd_worker, job)
