@@ -4,9 +4,15 @@
   outside launcher with several processes each would start its own, and only rank 0's would get the
   weights. What decides is the launcher's world (``WORLD_SIZE``), not ``ddp.workers``: torchrun with
   ``ddp.workers: 1`` and four processes is refused before anything starts; an engine's URL is shared.
+- **Where versions are written.** ``opd.engine.sync_dir`` as given, by default ``<opd checkpoints>/engine-sync``
+  (never a temporary directory, which an engine in another container cannot read); the versions are removed
+  at the stage's end.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +58,19 @@ def test_an_engines_url_is_shared_by_every_rank_and_a_world_of_one_may_start_its
     for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR"):
         monkeypatch.delenv(key)
     assert stage.launcher_world_size() == 1  # launch() starts the workers: one process runs the stage
+
+
+def test_versions_go_to_the_checkpoint_directory_or_the_given_sync_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = _job(URL).cfg
+    checkpoints = "data/checkpoints/opd"  # relative, as in params.yaml
+    with stage.stage_engine(cfg, "data/models", checkpoints) as endpoint:
+        assert endpoint.sync_dir == str(tmp_path / checkpoints / "engine-sync")
+        version = Path(endpoint.sync_dir) / "policy-v0000003.safetensors"  # what rank 0 would have written
+        version.parent.mkdir(parents=True)
+        version.write_bytes(b"weights")
+    assert not version.exists() and version.parent.is_dir()  # removed at the end; the directory stays
+    shared = tmp_path / "shared" / "sync"  # e.g. a volume the engine's container mounts at the same path
+    explicit = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, sync_dir=str(shared)))
+    with stage.stage_engine(explicit, "data/models", checkpoints) as endpoint:
+        assert endpoint.sync_dir == str(shared)

@@ -47,7 +47,7 @@ def stage_engine(cfg: OPDConfig, models_dir: str, checkpoints: str) -> Iterator[
             "which every rank then shares",
         )
     student = model_path(models_dir, "student") if engine.server in (BUNDLED, VLLM) else ""  # a URL serves its own
-    with rollout_endpoint(engine, student, Path(checkpoints) / "engine") as endpoint:
+    with rollout_endpoint(engine, student, checkpoints) as endpoint:
         yield endpoint
 
 
