@@ -7,6 +7,9 @@
 - **Where versions are written.** ``opd.engine.sync_dir`` as given, by default ``<opd checkpoints>/engine-sync``
   (never a temporary directory, which an engine in another container cannot read); the versions are removed
   at the stage's end.
+- **Seed scenarios reach the engine.** A worker's requests are seeded from its rank's seed under
+  ``ddp.scenario``, as the trainer's own rollouts are: S1-1 (every rank the stage's seed) leaves them as they
+  were, S1-2 changes rank 0's, S1-3 every rank's.
 """
 
 from __future__ import annotations
@@ -74,3 +77,60 @@ def test_versions_go_to_the_checkpoint_directory_or_the_given_sync_dir(tmp_path,
     explicit = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, sync_dir=str(shared)))
     with stage.stage_engine(explicit, "data/models", checkpoints) as endpoint:
         assert endpoint.sync_dir == str(shared)
+
+
+class _Recorder:
+    """An engine client that records each generate's seeds and answers one token per prompt."""
+
+    def __init__(self):
+        self.seeds: list[list[int]] = []
+
+    def generate(self, prompts, spec, seeds):
+        from ars_opd.rollouts.engine_api import Rollout
+
+        self.seeds.append(list(seeds))
+        return [Rollout([2], [-0.5], "stop") for _ in prompts]
+
+
+def _engine_seeds(scenario: str, rank: int, world: int = 2) -> list[int]:
+    """The seeds worker ``rank`` sends for step 3's four prompts under ``scenario``: its setup built as
+    ``run_worker`` builds it, its rollouts as ``prepare_opd`` builds them, the requests as the schedule asks."""
+    import torch
+
+    from ars_opd.rollouts.engines import RolloutEndpoint
+    from ars_opd.seeding import derive_seed, scenario_seeds
+    from ars_opd.teacher.client.endpoint import ClientSettings
+    from ars_opd.training.distributed import WorkerContext
+    from ars_opd.training.opd import engine_rollouts
+    from ars_opd.training.worker import WorkerSetup
+
+    job = dataclasses.replace(
+        _job(URL), rollout_engine=RolloutEndpoint(URL, "student", ClientSettings(URL), "/nonexistent")
+    )
+    stage_seed = derive_seed(job.ddp.seed, "opd")
+    sampler_seed, rng_seed = scenario_seeds(scenario, stage_seed, rank)
+    ctx = WorkerContext(rank, world, rank, torch.device("cpu"), "gloo")
+    setup = WorkerSetup(ctx, None, None, sampler_seed, stage_seed, None, rng_seed=rng_seed)
+    rollouts = engine_rollouts(job, setup, (2,))
+    recorder = rollouts.client = _Recorder()
+    rollouts.version = 3  # the engine holds this step's version: no sync (a collective) before the requests
+    try:
+        rollouts.prepare(3, None, ctx.device, lambda t: [[5, 6]] * 4 if t == 3 else None)
+        rollouts.take(3, [[5, 6]] * 4)
+    finally:
+        rollouts.close()
+    return recorder.seeds[0]
+
+
+def test_engine_request_seeds_follow_the_ranks_scenario_seed():
+    from ars_opd.seeding import derive_seed
+
+    stage_seed = derive_seed(_job(URL).ddp.seed, "opd")
+    # S1-1: the stage's seed on every rank, the seeds the engine always had
+    strict = {r: [derive_seed(stage_seed, f"engine-rollout-3-{r}-{j}") for j in range(4)] for r in (0, 1)}
+    assert {r: _engine_seeds("S1-1", r) for r in (0, 1)} == strict
+    significant = {r: _engine_seeds("S1-3", r) for r in (0, 1)}
+    for r in (0, 1):  # every rank's seeds are its own, new ones
+        assert not set(significant[r]) & (set(strict[0]) | set(strict[1])), r
+    assert not set(significant[0]) & set(significant[1])
+    assert _engine_seeds("S1-2", 0) != strict[0] and _engine_seeds("S1-2", 1) == strict[1]  # rank 0 differs

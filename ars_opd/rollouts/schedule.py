@@ -23,9 +23,12 @@ overlaps the sampling of the next step with this step's training. Lag 2 adds no 
 protocol (the drain before each load waits for every request in flight), only older rollouts; it exists for
 ``sync_every`` > 1, where the engine keeps a version for several steps.
 
-Seeds: each prompt's request carries ``derive_seed(seed, engine-rollout-<step>-<rank>-<j>)``, a function of
-the step and the prompt's place, not of the version or the lag: a rerun draws the same rollouts where the
+Seeds: each prompt's request carries ``derive_seed(rollout_seed, engine-rollout-<step>-<rank>-<j>)``, a function
+of the step and the prompt's place, not of the version or the lag: a rerun draws the same rollouts where the
 engine is deterministic (vLLM CPU with one request per prompt and chunked prefill off: measured 128/128).
+``rollout_seed`` is the rank's seed under the seed scenario (``ddp.scenario``, ``ars_opd.seeding.scenario_seeds``),
+the seed the trainer's own rollouts sample with: S1-1 gives every rank the stage's seed, S1-2 rank 0 another,
+S1-3 each rank its own, so a scenario study reaches the engine's rollouts as it reaches the trainer's.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class RolloutPlan:
     max_lag: int
     sync_every: int
     sync_dir: Path
-    seed: int
+    seed: int  # the stage's: the probe sequence (the same on every rank)
+    rollout_seed: int  # this rank's seed under the seed scenario: its requests' seeds (see the module docstring)
     probe_tokens: int = 32
     probe_tolerance: float | None = None  # None: the derived fp32 bound
     transport: str = "filesystem"  # filesystem | nccl (ars_opd.rollouts.nccl_sync)
@@ -132,11 +136,12 @@ class EngineRollouts:
             self.last_sync = self._publish(step, model, device)
         for t in to_ask:
             prompts = wanted(t)
-            seeds = [
-                derive_seed(self.plan.seed, f"engine-rollout-{t}-{self.rank}-{j}") & 0x7FFFFFFF
-                for j in range(len(prompts))
-            ]
+            seeds = self.request_seeds(t, len(prompts))
             self.pending[t] = Requested(self.version, self.pool.submit(self.client.generate, prompts, self.spec, seeds))
+
+    def request_seeds(self, step: int, n: int) -> list[int]:
+        """The seeds of this worker's ``n`` requests at ``step``, one per prompt (see the module docstring)."""
+        return [derive_seed(self.plan.rollout_seed, f"engine-rollout-{step}-{self.rank}-{j}") for j in range(n)]
 
     def take(self, step: int, prompts: list[list[int]]) -> StepRollouts:
         """Step ``step``'s rollouts (``prepare`` asked for them)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from ars_opd.config import ConfigError, OPDConfig, launched_externally
 from ars_opd.models.loading import model_path
@@ -57,10 +57,20 @@ def launcher_world_size() -> int:
     return int(os.environ["WORLD_SIZE"]) if launched_externally() else 1
 
 
+class WorkerPlace(NamedTuple):
+    """A worker's place in the run, as its rollouts need it: its rank, the world's size, the stage's seed (the
+    probe) and the rank's seed under the seed scenario (its requests' seeds, ``ars_opd.rollouts.schedule``)."""
+
+    rank: int
+    world: int
+    stage_seed: int
+    rollout_seed: int
+
+
 def worker_rollouts(
-    endpoint: RolloutEndpoint | None, cfg: OPDConfig, *, rank: int, world: int, seed: int, eos_ids: tuple[int, ...]
+    endpoint: RolloutEndpoint | None, cfg: OPDConfig, place: WorkerPlace, eos_ids: tuple[int, ...]
 ) -> EngineRollouts:
-    """Worker ``rank``'s side of the stage's engine (``endpoint``, which ``stage_engine`` yielded)."""
+    """The side of the stage's engine (``endpoint``, which ``stage_engine`` yielded) of the worker at ``place``."""
     if endpoint is None:
         raise ValueError("opd.rollouts: engine, but the job carries no rollout engine (run_opd resolves it)")
     plan = RolloutPlan(
@@ -68,11 +78,12 @@ def worker_rollouts(
         max_lag=cfg.engine.max_lag,
         sync_every=cfg.engine.sync_every,
         sync_dir=Path(endpoint.sync_dir),
-        seed=seed,
+        seed=place.stage_seed,
+        rollout_seed=place.rollout_seed,
         probe_tokens=cfg.engine.probe_tokens,
         probe_tolerance=cfg.engine.probe_tolerance,
         transport=cfg.engine.transport,
     )
     spec = SamplingSpec(cfg.sample_temperature, cfg.top_p, cfg.max_new_tokens, tuple(eos_ids))
     client = EngineClient(endpoint.url, endpoint.model, endpoint.settings, cfg.engine.concurrency)
-    return EngineRollouts(client, plan, spec, rank, world)
+    return EngineRollouts(client, plan, spec, place.rank, place.world)

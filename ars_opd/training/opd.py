@@ -73,7 +73,7 @@ from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.lm.optim import autocast_context
 from ars_opd.models.loading import read_manifest
 from ars_opd.rollouts.schedule import ENGINE_METRICS, EngineRollouts, engine_step_metrics, place_on_mask
-from ars_opd.rollouts.stage import stage_engine, worker_rollouts
+from ars_opd.rollouts.stage import WorkerPlace, stage_engine, worker_rollouts
 from ars_opd.seeding import derive_seed
 from ars_opd.training.batch_plan import step_indices
 from ars_opd.training.budget import matmul_parameters
@@ -383,7 +383,7 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         job.cfg,
         setup,
         sizes=ModelSizes(matmul_parameters(model), teacher_params),
-        rollouts=RolloutSetup(eos_ids, _engine_rollouts(job, setup, eos_ids)),
+        rollouts=RolloutSetup(eos_ids, engine_rollouts(job, setup, eos_ids)),
     )
     fingerprint = {
         "init": student.init,
@@ -401,12 +401,13 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     )
 
 
-def _engine_rollouts(job: TrainingJob, setup: WorkerSetup, eos_ids: tuple[int, ...]) -> EngineRollouts | None:
-    """This worker's side of the rollout engine that ``run_opd`` started or named (None: the worker samples)."""
+def engine_rollouts(job: TrainingJob, setup: WorkerSetup, eos_ids: tuple[int, ...]) -> EngineRollouts | None:
+    """This worker's side of the rollout engine that ``run_opd`` started or named (None: the worker samples). Its
+    requests are seeded from the rank's seed under the seed scenario, as the trainer's rollouts are."""
     if job.cfg.rollouts != "engine":
         return None
-    rank, world = setup.ctx.rank, setup.ctx.world_size
-    return worker_rollouts(job.rollout_engine, job.cfg, rank=rank, world=world, seed=setup.stage_seed, eos_ids=eos_ids)
+    place = WorkerPlace(setup.ctx.rank, setup.ctx.world_size, setup.stage_seed, setup.rng_seed)
+    return worker_rollouts(job.rollout_engine, job.cfg, place, eos_ids)
 
 
 def opd_worker(job: TrainingJob) -> dict:

@@ -144,6 +144,13 @@ class WorkerSetup:
     stage_seed: int  # the stage's seed, the same on every rank (e.g. for GKD draws)
     fault: Fault | None  # the injected fault as this rank sees it (a no-op unless ddp.inject names this stage)
     sampler_seeds: tuple[int, ...] = ()  # every rank's data-order seed, by rank (the world's draws of a step)
+    rng_seed: int | None = None
+    """This rank's RNG seed under the scenario (Python's and torch's generators: the trainer's rollouts sample with
+    it; so do the engine's requests). None: ``sampler_seed``, which it equals in every scenario."""
+
+    def __post_init__(self):
+        if self.rng_seed is None:
+            self.rng_seed = self.sampler_seed
 
 
 @dataclass
@@ -207,7 +214,8 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         tokenizer = load_tokenizer(job.paths.models_dir, job.trust_remote_code)
         fault = Fault(job.ddp.inject, job.stage, ctx.rank, stage_seed)
         seeds = tuple(scenario_seeds(job.ddp.scenario, stage_seed, r)[0] for r in range(ctx.world_size))
-        run = prepare(job, WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault, seeds))
+        setup = WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault, seeds, rng_seed)
+        run = prepare(job, setup)
         run.model.train()
         out = job.paths.training(job.stage)
         # the job's configuration in plain form, once: the fingerprints and the manifest read it
