@@ -10,11 +10,15 @@
 - **Seed scenarios reach the engine.** A worker's requests are seeded from its rank's seed under
   ``ddp.scenario``, as the trainer's own rollouts are: S1-1 (every rank the stage's seed) leaves them as they
   were, S1-2 changes rank 0's, S1-3 every rank's.
+- **The engine is released on every way out of the run** (a return, an error, Ctrl-C): ``EngineRollouts.close``,
+  which ends the request thread and rank 0's transport (for nccl, the group and the engine's weight-transfer
+  side), is called once in each; stage runs on one in-process worker against ``fake_engine.FakeEngine``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,7 +28,10 @@ from ars_opd.rollouts import stage
 from ars_opd.training.opd import run_opd
 from ars_opd.training.worker import TrainingJob
 
-URL = "http://127.0.0.1:9/v1"  # nothing listens: these tests never reach an engine
+URL = "http://127.0.0.1:9/v1"  # nothing listens: the tests that name it never reach an engine
+REPO = Path(__file__).resolve().parents[1]
+RUN = {"rollouts": "engine", "steps": 4, "checkpoint_every": 2, "snapshot_every": 0, "max_new_tokens": 4}
+PER_STEP = 8  # rollout requests a step (micro global batch 8, one worker)
 
 
 def _torchrun(monkeypatch, world: int) -> None:
@@ -134,3 +141,73 @@ def test_engine_request_seeds_follow_the_ranks_scenario_seed():
         assert not set(significant[r]) & (set(strict[0]) | set(strict[1])), r
     assert not set(significant[0]) & set(significant[1])
     assert _engine_seeds("S1-2", 0) != strict[0] and _engine_seeds("S1-2", 1) == strict[1]  # rank 0 differs
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A micro workspace (models, teacher rows, the SFT student) that each run copies."""
+    from micro import distill_workspace
+
+    root = tmp_path_factory.mktemp("engine_stage") / "base"
+    distill_workspace(REPO, root, {}, workers=1)
+    return root
+
+
+def _student(root: Path) -> str:
+    from ars_opd.config import load_params
+    from ars_opd.models.loading import model_path
+
+    return model_path(str(root / load_params(root / "params.yaml").paths.models_dir), "student")
+
+
+def _run(root: Path, url: str, opd: dict | None = None) -> dict:
+    """Run the opd stage in ``root`` on the engine at ``url`` (one worker, in this process); its manifest."""
+    import json
+
+    from micro import run_stage_here, write_micro_params
+
+    extra = {"opd": {**RUN, **(opd or {})}, "ddp": {"workers": 1, "threads_per_worker": 1}}
+    extra["opd"]["engine"] = {"server": url, **extra["opd"].get("engine", {})}
+    write_micro_params(REPO, root / "params.yaml", extra)
+    run_stage_here(root, "opd")
+    return json.loads((root / "data/opd/log/manifest.json").read_text())
+
+
+def _copy(base: Path, dest: Path) -> Path:
+    shutil.copytree(base, dest)
+    return dest
+
+
+def test_the_engine_is_released_on_every_way_out_of_the_run(base, tmp_path, monkeypatch):
+    from ars_opd.rollouts.schedule import EngineRollouts
+    from ars_opd.training.opd import OPDTask
+    from fake_engine import FakeEngine
+
+    closed = []
+    close = EngineRollouts.close
+    monkeypatch.setattr(EngineRollouts, "close", lambda self: (closed.append(self), close(self))[1])
+    root = _copy(base, tmp_path / "returns")
+    with FakeEngine(_student(base)) as engine:
+        assert _run(root, engine.url)["steps"] == RUN["steps"]
+    assert len(closed) == 1
+    # the versions went to <opd checkpoints>/engine-sync (removed at the end)
+    assert {Path(p).parent for p in engine.loaded} == {root / "data/checkpoints/opd/engine-sync"}
+    assert not any(Path(p).exists() for p in engine.loaded)
+
+    with FakeEngine(_student(base), die_after=PER_STEP) as engine:  # dies after step 0's rollouts
+        with pytest.raises(Exception, match=f"{engine.server.url} is dead"):
+            _run(_copy(base, tmp_path / "fails"), engine.url)
+    assert len(closed) == 2
+
+    micro_batches = OPDTask.micro_batches
+
+    def interrupted(self, step, model):
+        if step == 1:
+            raise KeyboardInterrupt
+        return micro_batches(self, step, model)
+
+    monkeypatch.setattr(OPDTask, "micro_batches", interrupted)
+    with FakeEngine(_student(base)) as engine:
+        with pytest.raises(KeyboardInterrupt):
+            _run(_copy(base, tmp_path / "ctrl-c"), engine.url)
+    assert len(closed) == 3

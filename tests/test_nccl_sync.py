@@ -260,7 +260,10 @@ def test_a_sync_over_nccl_passes_the_probe_and_a_stale_engine_is_refused(student
             else:
                 second = rollouts._publish(1, moved, cpu)
                 assert second["probe_max_abs_diff"] <= second["probe_bound"] < second["probe_separation"] / 2
-            rollouts.close()
+            rollouts.close()  # what the stage calls on every way out of the run: the engine's side is shut down
+            assert engine.calls[-1][0] == "/shutdown_weight_transfer_engine" and engine.closed
+            rollouts.close()  # a second call does nothing
+            assert [path for path, _ in engine.calls].count("/shutdown_weight_transfer_engine") == 1
         finally:
             engine.close()
 

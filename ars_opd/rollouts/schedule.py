@@ -106,9 +106,15 @@ class EngineRollouts:
         self.last_sync: dict = {}
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        if self.transport is not None:
-            self.transport.close()
+        """Release what the rollouts hold: the request thread (once the requests in flight are answered) and rank
+        0's transport (nccl: the NCCL group and the engine's side of it, ``/shutdown_weight_transfer_engine``).
+        The stage calls it on every way out of the run (``ars_opd.training.worker.run_worker``); again, nothing."""
+        try:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        finally:
+            transport, self.transport = self.transport, None
+            if transport is not None:
+                transport.close()
 
     def _transport(self, device: torch.device):
         if self.transport is None:

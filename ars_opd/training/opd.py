@@ -398,6 +398,7 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         manifest={"vocab": vocab, "adapter_start": student.adapter, **teacher_manifest},
         on_step=lambda s: {"gkd_source": task.source(s)},
         budget_start=student.budget,
+        close=task.engine.close if task.engine is not None else None,
     )
 
 

@@ -11,9 +11,11 @@ workers (``ars_opd.training.distributed.launch``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -164,6 +166,9 @@ class PreparedRun:
     manifest: dict = field(default_factory=dict)  # more manifest entries
     on_step: Callable[[int], dict] | None = None  # extra per-step log columns
     budget_start: dict = field(default_factory=dict)  # the starting model's budget (ars_opd.training.budget)
+    close: Callable[[], None] | None = None
+    """Releases what the run holds outside this process (OPD's rollout engine: its thread, the NCCL group and
+    the engine's weight-transfer side); ``run_worker`` calls it on every way out of the run."""
 
 
 @dataclass
@@ -206,7 +211,8 @@ def starting_student(job: TrainingJob, device: torch.device) -> StartingStudent:
 
 def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], PreparedRun]) -> dict:
     ctx = init_worker(job.ddp.device, job.ddp.backend, job.ddp.threads_per_worker, job.ddp.timeout_s)
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutdown_worker)  # last: after what the run holds is released
         stage_seed = derive_seed(job.ddp.seed, job.stage)
         sampler_seed, rng_seed = scenario_seeds(job.ddp.scenario, stage_seed, ctx.rank)
         set_seeds(rng_seed)
@@ -216,6 +222,8 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         seeds = tuple(scenario_seeds(job.ddp.scenario, stage_seed, r)[0] for r in range(ctx.world_size))
         setup = WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault, seeds, rng_seed)
         run = prepare(job, setup)
+        if run.close is not None:
+            stack.push(_closing(run.close))
         run.model.train()
         out = job.paths.training(job.stage)
         # the job's configuration in plain form, once: the fingerprints and the manifest read it
@@ -265,8 +273,23 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
             "resumed_from": state.resumed_from,
             "final_loss": log[-1]["loss"] if log else None,
         }
-    finally:
-        shutdown_worker()
+
+
+def _closing(close: Callable[[], None]):
+    """An exit callback that releases what a run holds, on every way out of it (a return, an error, Ctrl-C).
+    After an error its own failure is printed, not raised: the error that ended the run is the one to report."""
+
+    def exit_(kind, error, traceback) -> bool:
+        if kind is None:
+            close()
+            return False
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - the run's own error propagates
+            print(f"releasing the run after {kind.__name__} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return False
+
+    return exit_
 
 
 def launch_stage(worker: Callable[[TrainingJob], dict], job: TrainingJob) -> dict:
