@@ -13,6 +13,10 @@
 - **The engine is released on every way out of the run** (a return, an error, Ctrl-C): ``EngineRollouts.close``,
   which ends the request thread and rank 0's transport (for nccl, the group and the engine's weight-transfer
   side), is called once in each; stage runs on one in-process worker against ``fake_engine.FakeEngine``.
+- **A resume survives a restarted engine.** After the engine dies mid-run, a rerun against a new engine on
+  another port (and with longer timeouts, more attempts, other concurrency) resumes from the checkpoint; a
+  change that can change the numbers (the learning rate) still starts afresh. What may change is one list
+  (``ars_opd.training.worker.RESUMABLE_KEYS``), each key of which names a real parameter.
 """
 
 from __future__ import annotations
@@ -211,3 +215,44 @@ def test_the_engine_is_released_on_every_way_out_of_the_run(base, tmp_path, monk
         with pytest.raises(KeyboardInterrupt):
             _run(_copy(base, tmp_path / "ctrl-c"), engine.url)
     assert len(closed) == 3
+
+
+def test_a_resume_against_a_restarted_engine_on_another_port_continues_from_its_checkpoint(base, tmp_path):
+    from fake_engine import FakeEngine
+
+    root = _copy(base, tmp_path / "w")
+    checkpoints = root / "data/checkpoints/opd"
+    with FakeEngine(_student(base), die_after=3 * PER_STEP) as first:  # dies at step 3, after the step-2 save
+        with pytest.raises(Exception, match="is dead"):
+            _run(root, first.url)
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_0000002"]
+    patient = {"engine": {"request_timeout_s": 900.0, "max_attempts": 5, "concurrency": 4}}
+    with FakeEngine(_student(base)) as second:
+        assert second.url != first.url
+        manifest = _run(root, second.url, patient)
+    assert manifest["resumed_from"] == 2 and manifest["steps"] == RUN["steps"]
+    assert len((root / "data/opd/log/steps.jsonl").read_text().splitlines()) == RUN["steps"]
+    with FakeEngine(_student(base)) as third:  # another learning rate is another run
+        manifest = _run(root, third.url, {**patient, "lr": 0.002})
+    assert manifest["resumed_from"] is None
+
+
+def test_what_a_resume_may_change_names_real_parameters():
+    from ars_opd.config import load_params, to_dict
+    from ars_opd.training.worker import ADDRESS_KINDS, RESUMABLE_KEYS, resumable_view
+
+    params = load_params(REPO / "params.yaml")
+    config = {"opd": to_dict(params.opd), "ddp": to_dict(params.ddp)}
+    for key in (*RESUMABLE_KEYS, *ADDRESS_KINDS):
+        node = config
+        for name in key.split("."):
+            assert isinstance(node, dict) and name in node, key
+            node = node[name]
+
+    def view(**engine):
+        opd = dataclasses.replace(params.opd, engine=dataclasses.replace(params.opd.engine, **engine))
+        return resumable_view({"opd": to_dict(opd), "ddp": to_dict(params.ddp)})
+
+    assert view(server="http://127.0.0.1:8001/v1") == view(server="http://127.0.0.1:8002/v1", request_timeout_s=9.0)
+    assert view(server="bundled") != view(server="vllm") != view(server="http://127.0.0.1:8001/v1")
+    assert view(max_lag=1) != view(max_lag=0)

@@ -12,6 +12,7 @@ workers (``ars_opd.training.distributed.launch``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import shutil
@@ -61,6 +62,57 @@ from ars_opd.training.task import RunHooks, RunIdentity, TrainingTask
 if TYPE_CHECKING:  # the HTTP client is imported only by a run that scores or samples through an endpoint
     from ars_opd.rollouts.engines import RolloutEndpoint
     from ars_opd.teacher.client.endpoint import ClientSettings
+
+
+# What a resume may change: keys of the fingerprinted configuration (the stage's section and ddp) that cannot
+# change a number the run computes. Where the run's servers are (an engine's or a scoring endpoint's address,
+# the key's variable, the directory versions go through), how long it waits for them, how many requests it
+# keeps in flight, how often it retries, which cores a started vLLM takes. Fingerprinted, each made a resume
+# against a restarted engine on another port, or with a longer timeout, start over at step 0, and its first
+# save delete the checkpoints it could have resumed (ars_opd.training.checkpoint.superseded).
+RESUMABLE_KEYS = (
+    "ddp.timeout_s",
+    "opd.engine.sync_dir",
+    "opd.engine.concurrency",
+    "opd.engine.request_timeout_s",
+    "opd.engine.max_attempts",
+    "opd.engine.cpus",
+    "opd.engine.startup_timeout_s",
+    "opd.engine.bundled.startup_timeout_s",
+    "opd.teacher_endpoint.api_key_env",
+    "opd.teacher_endpoint.concurrency",
+    "opd.teacher_endpoint.request_timeout_s",
+    "opd.teacher_endpoint.max_attempts",
+    "opd.teacher_endpoint.backoff_base_s",
+    "opd.teacher_endpoint.backoff_max_s",
+    "opd.teacher_server.startup_timeout_s",
+)
+# Addresses, fingerprinted by their kind alone: a server the stage starts is named as such (bundled and vllm are
+# other engines, so other numbers); any URL is "url", so a restarted server on another port is the same run.
+ADDRESS_KINDS = {"opd.engine.server": ("bundled", "vllm"), "opd.teacher_endpoint.endpoint": ("local",)}
+
+
+def resumable_view(config: dict) -> dict:
+    """``config`` (the fingerprinted configuration, in plain form) as the checkpoint fingerprint takes it:
+    without ``RESUMABLE_KEYS``, each address of ``ADDRESS_KINDS`` as its kind."""
+    out = copy.deepcopy(config)
+
+    def parent(key: str) -> tuple[dict | None, str]:
+        *path, leaf = key.split(".")
+        node = out
+        for name in path:
+            node = node.get(name) if isinstance(node, dict) else None
+        return (node if isinstance(node, dict) else None), leaf
+
+    for key in RESUMABLE_KEYS:
+        node, leaf = parent(key)
+        if node is not None:
+            node.pop(leaf, None)
+    for key, started in ADDRESS_KINDS.items():
+        node, leaf = parent(key)
+        if node is not None and leaf in node and node[leaf] not in started:
+            node[leaf] = "url"
+    return out
 
 
 def continued_sft_config(sft: SFTConfig, opd: OPDConfig) -> SFTConfig:
@@ -230,9 +282,10 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         cfg, ddp_all, adapter_cfg = to_dict(job.cfg), to_dict(job.ddp), to_dict(job.adapter)
         adapter = {"adapter": adapter_cfg} if job.adapter.enabled else {}
         ddp = {k: v for k, v in ddp_all.items() if k != "reshard_resume"}
-        fingerprint = config_fingerprint({job.stage: cfg, "ddp": ddp, **adapter, **run.fingerprint})
+        run_config = {job.stage: cfg, "ddp": ddp, **adapter, **run.fingerprint}
+        fingerprint = config_fingerprint(resumable_view(run_config))
         # what a resharded resume must match: the same run in any worker layout (ars_opd.training.checkpoint)
-        layout = config_fingerprint({job.stage: cfg, "ddp": layout_free(ddp), **adapter, **run.fingerprint})
+        layout = config_fingerprint(resumable_view({**run_config, "ddp": layout_free(ddp)}))
         trainer = Trainer.build(ctx, run.model, run.task, job.cfg, job.ddp, RunHooks(run.on_step, fault, job.progress))
         state, log, totals, trained = trainer.fit(out, RunIdentity(fingerprint, layout, run.budget_start))
         # the wrapped model (DDP's reducer, FSDP's hooks) must go while the process group lives: destroyed after
