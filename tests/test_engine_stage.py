@@ -17,11 +17,19 @@
   another port (and with longer timeouts, more attempts, other concurrency) resumes from the checkpoint; a
   change that can change the numbers (the learning rate) still starts afresh. What may change is one list
   (``ars_opd.training.worker.RESUMABLE_KEYS``), each key of which names a real parameter.
+- **Refusals are messages, not crashes.** vLLM's known answers to a weight load it cannot do, as recorded from
+  vLLM CPU 0.32 (no worker extension; no ``/collective_rpc`` route without dev mode; another model's shapes,
+  with a cause and with an empty one), become one line naming the engine's URL, the model it serves and its
+  directory, and what to start instead; an unknown refusal keeps its own message. The stage prints such a
+  line alone and exits 4, also when the refusal reaches two workers (rank 0 broadcasts it); the stale engine's
+  against the bundled server is in tests/test_engine_rollouts.py.
+  Marked ``vllm``: a real vLLM started without the extension gives the first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 from pathlib import Path
 
@@ -183,6 +191,7 @@ def _copy(base: Path, dest: Path) -> Path:
 
 
 def test_the_engine_is_released_on_every_way_out_of_the_run(base, tmp_path, monkeypatch):
+    from ars_opd.rollouts.engine_api import EngineDeadError
     from ars_opd.rollouts.schedule import EngineRollouts
     from ars_opd.training.opd import OPDTask
     from fake_engine import FakeEngine
@@ -199,7 +208,7 @@ def test_the_engine_is_released_on_every_way_out_of_the_run(base, tmp_path, monk
     assert not any(Path(p).exists() for p in engine.loaded)
 
     with FakeEngine(_student(base), die_after=PER_STEP) as engine:  # dies after step 0's rollouts
-        with pytest.raises(Exception, match=f"{engine.server.url} is dead"):
+        with pytest.raises(EngineDeadError, match=f"{engine.server.url} is dead.*rerun the stage, which resumes"):
             _run(_copy(base, tmp_path / "fails"), engine.url)
     assert len(closed) == 2
 
@@ -256,3 +265,119 @@ def test_what_a_resume_may_change_names_real_parameters():
     assert view(server="http://127.0.0.1:8001/v1") == view(server="http://127.0.0.1:8002/v1", request_timeout_s=9.0)
     assert view(server="bundled") != view(server="vllm") != view(server="http://127.0.0.1:8001/v1")
     assert view(max_lag=1) != view(max_lag=0)
+
+
+# vLLM CPU 0.32's answers to POST /collective_rpc ars_opd_load_weights (recorded against real servers)
+NO_EXTENSION = {
+    "error": {
+        "message": "Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no "
+        "attribute 'ars_opd_load_weights'', please check the stack trace above for the root cause",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+NO_DEV_MODE = {"detail": "Not Found"}  # a 404: the route exists only with VLLM_SERVER_DEV_MODE=1
+
+
+def _worker_failed(cause: str) -> dict:
+    """A load that failed in vLLM's worker: a model of other shapes (hidden sizes differ: an empty cause)."""
+    message = f"Call to collective_rpc method failed: Worker failed with error '{cause}', please check the stack trace"
+    return {"error": {"message": message + " above for the root cause", "type": "InternalServerError", "code": 500}}
+
+
+@pytest.mark.parametrize(
+    "status, body, says",
+    [
+        (
+            500,
+            NO_EXTENSION,
+            r"has no ars_opd worker extension.*--worker-extension-cls ars_opd_vllm_ext.ArsOpdWeightSync",
+        ),
+        (404, NO_DEV_MODE, r"has no POST /collective_rpc route \(404\).*VLLM_SERVER_DEV_MODE=1"),
+        (500, _worker_failed(""), r"failed to load the student's weights \(no cause given.*same architecture"),
+        (
+            500,
+            _worker_failed("start (0) + length (128) exceeds dimension size (96)."),
+            r"weights \(start \(0\) \+ length \(128\) exceeds dimension size \(96\).\).*restart it",
+        ),
+    ],
+)
+def test_vllms_load_refusals_name_the_engine_its_model_and_the_fix(base, tmp_path, status, body, says):
+    from ars_opd.rollouts.engine_api import EngineClient, EngineSetupError
+    from fake_engine import FakeEngine
+
+    with FakeEngine(_student(base), load_error=(status, body)) as engine:
+        with pytest.raises(EngineSetupError) as err:
+            EngineClient(engine.url, "student").load_weights(str(tmp_path / "policy-v0000000.safetensors"))
+    message = str(err.value)
+    assert message.startswith(f"the rollout engine at {engine.server.url} (serving student from {_student(base)})")
+    assert re.search(says, message) and "\n" not in message
+
+
+def test_an_unknown_refusal_keeps_its_own_message(base, tmp_path):
+    from ars_opd.rollouts.engine_api import EngineClient, EngineRequestError, EngineSetupError
+    from fake_engine import FakeEngine
+
+    with FakeEngine(_student(base), load_error=(400, {"error": {"message": "no such file"}})) as engine:
+        with pytest.raises(EngineRequestError, match="http_400.*no such file") as err:
+            EngineClient(engine.url, "student").load_weights(str(tmp_path / "missing.safetensors"))
+    assert not isinstance(err.value, EngineSetupError)
+
+
+def test_an_engine_without_the_extension_stops_the_stage_with_one_line_and_exit_4(base, tmp_path, capsys):
+    import os
+
+    import stages.opd
+    from fake_engine import FakeEngine
+    from micro import write_micro_params
+    from stages import EXIT_ENDPOINT, run_stage
+
+    root = _copy(base, tmp_path / "w")
+    with FakeEngine(_student(base), load_error=(500, NO_EXTENSION)) as engine:
+        write_micro_params(REPO, root / "params.yaml", {"opd": {**RUN, "engine": {"server": engine.url}}})
+        capsys.readouterr()
+        cwd = os.getcwd()
+        os.chdir(root)
+        try:
+            with pytest.raises(SystemExit) as exit_:
+                run_stage(stages.opd.main)
+        finally:
+            os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert exit_.value.code == EXIT_ENDPOINT and "Traceback" not in err
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"ars-opd opd: the rollout engine at {engine.server.url} (serving student from {_student(base)}) has no "
+            "ars_opd worker extension"
+        )
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_real_vllm_without_the_extension_is_named_and_the_flag_given(tmp_path, char_tokenizer, monkeypatch):
+    """A vLLM started as a user might, with dev mode (so the load reaches its worker) but without our extension."""
+    from ars_opd.config import ArchConfig
+    from ars_opd.models.builtin import build_causal_lm
+    from ars_opd.rollouts.engine_api import EngineClient, EngineSetupError
+    from ars_opd.rollouts.weights import engine_state_dict, write_version
+    from ars_opd.teacher.client.vllm_server import VLLMOptions, vllm_server
+    from conftest import ONE_PROCESS_ENGINE, VLLM_STUDENT_ARCH
+    from test_engine_server import save_student
+
+    model_dir = save_student(tmp_path / "student", char_tokenizer, ArchConfig(**VLLM_STUDENT_ARCH))
+    version = write_version(
+        engine_state_dict(build_causal_lm(ArchConfig(**VLLM_STUDENT_ARCH), char_tokenizer, seed=1)), tmp_path, 0
+    )
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    opts = VLLMOptions(served_model_name="student", extra_args=ONE_PROCESS_ENGINE)
+    with vllm_server(model_dir, opts, log_path=tmp_path / "vllm.log") as url:
+        client = EngineClient(url, "student")
+        with pytest.raises(EngineSetupError) as err:
+            client.load_weights(str(version.path))
+    message = str(err.value)
+    assert message.startswith(f"the rollout engine at {client.root} (serving student from {model_dir})")
+    assert "has no ars_opd worker extension" in message and "--worker-extension-cls" in message

@@ -47,7 +47,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ars_opd.rollouts.verify import ProbeResult, StaleEngineError, check_probe, probe_bound, probe_ids, trainer_logprobs
+from ars_opd.rollouts.engine_api import EngineError
+from ars_opd.rollouts.verify import ProbeResult, check_probe, probe_bound, probe_ids, trainer_logprobs
 from ars_opd.rollouts.weights import FilesystemTransport, engine_state_dict
 from ars_opd.seeding import derive_seed
 
@@ -193,7 +194,9 @@ class EngineRollouts:
             del self.pending[t]
 
     def _publish(self, step: int, model: torch.nn.Module, device: torch.device) -> dict:
-        """Every worker calls: rank 0 writes and loads version ``step`` and checks the probe; all get the outcome."""
+        """Every worker calls: rank 0 writes and loads version ``step`` and checks the probe; all get the outcome.
+        A refusal (``EngineError``: a stale, dead or misconfigured engine) is raised on every rank as itself, a
+        complete message the stage prints alone (exit 4); rank 0 raises any other failure with its traceback."""
         t0 = time.perf_counter()
         if self.world > 1:
             dist.barrier()  # every worker's requests have drained before the engine loads
@@ -201,24 +204,25 @@ class EngineRollouts:
         ids = probe_ids(_vocab(model), self.plan.probe_tokens, self.plan.seed)
         trainer, max_logit = trainer_logprobs(model, ids, device)  # a collective when sharded
         outcome: dict = {}
+        failure: Exception | None = None
         if self.rank == 0:
             try:
                 sent = self._transport(device).publish(state, step)
                 bound = self.plan.probe_tolerance or probe_bound(_config(model), len(ids) - 1, max_logit, _vocab(model))
-                probe = check_probe(
-                    self.client.prompt_logprobs(ids), trainer, self.previous_probe, bound, self.client.url, step
-                )
+                where = f"{self.client.url} (serving {self.client.model})"
+                probe = check_probe(self.client.prompt_logprobs(ids), trainer, self.previous_probe, bound, where, step)
                 outcome = _sync_row(probe, sent.bytes, sent.write_s, sent.load_s)
-            except StaleEngineError as e:
-                outcome = {"error": str(e)}
-            except Exception as e:  # noqa: BLE001 - reported on every rank, then raised
-                outcome = {"error": f"the weight sync of version {step} failed: {type(e).__name__}: {e}"}
+            except EngineError as e:
+                failure, outcome = e, {"error": e}
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                why = f"rank 0's weight sync of version {step} failed: {type(e).__name__}: {e}"
+                failure, outcome = e, {"error": RuntimeError(why)}
         if self.world > 1:
             box = [outcome]
             dist.broadcast_object_list(box, src=0)
             outcome = box[0]
         if "error" in outcome:
-            raise StaleEngineError(outcome["error"])
+            raise failure if failure is not None else outcome["error"]
         self.previous_probe = trainer
         self.version = step
         outcome["sync_s"] = time.perf_counter() - t0
