@@ -662,7 +662,9 @@ class RolloutEngineConfig:
     model: str = "student"
     """Served model name (the name the started engines register; for a URL, the name it serves)."""
     sync_every: int = 1
-    """Publish the trainer's weights to the engine every this many optimizer steps (1: on-policy)."""
+    """Publish the trainer's weights to the engine every this many optimizer steps, and sooner whenever a step's
+    rollouts would otherwise be more than max_lag versions old (so a version lasts min(sync_every, max_lag + 1)
+    steps; 1: every step)."""
     transport: Literal["filesystem", "nccl"] = "filesystem"
     """filesystem: rank 0 writes safetensors the engine reloads; nccl: rank 0 broadcasts them into a CUDA vLLM
     through vLLM's weight-transfer routes (``ars_opd.rollouts.nccl_sync``; the trainer on CUDA, not the bundled

@@ -1,4 +1,4 @@
-"""Student rollouts in the trainer vs on an inference engine (issue 29): tokens/s, and the cost of one weight sync.
+"""Student rollouts in the trainer vs on an inference engine: tokens/s, and the cost of one weight sync.
 
 Two models, random weights, saved as Hugging Face directories that every path loads:
 

@@ -84,10 +84,13 @@ def test_lag_0_equals_the_trainers_rollouts_and_lag_1_trains_one_version_behind(
 
 
 @pytest.mark.slow
-def test_an_engine_that_keeps_its_old_weights_is_refused_at_the_first_update(tmp_path):
+def test_an_engine_that_keeps_its_old_weights_is_refused_at_the_first_update(tmp_path, capsys):
+    """The refusal is the stage's one line and exit 4, as an endpoint's errors are, not a traceback."""
+    import stages.opd
     from ars_opd.config import TeacherServerConfig, load_params
     from ars_opd.models.loading import model_path
     from ars_opd.teacher.client.local_server import local_teacher_server
+    from stages import EXIT_ENDPOINT, run_stage
 
     root = tmp_path / "w"
     distill_workspace(REPO, root, {"steps": 3}, workers=1)
@@ -95,12 +98,22 @@ def test_an_engine_that_keeps_its_old_weights_is_refused_at_the_first_update(tmp
     stale = ("--weight-updates", "--ignore-weight-updates")
     with local_teacher_server(student, TeacherServerConfig(threads=1), model_name="student", extra_args=stale) as url:
         distill_workspace(REPO, root, {"steps": 3, "rollouts": "engine", "engine": {"server": url}}, workers=1)
-        # the micro workspace's SFT student is the base student the engine serves, so version 0 is right by
-        # accident; the first update (version 1) is what the stale engine does not take
-        with pytest.raises(Exception, match=r"does not serve policy version 1") as err:
-            run_stage_here(root, "opd")
-    assert "It matches the previous version" in str(err.value)
-    assert "No rollout of this version is used" in str(err.value)
+        capsys.readouterr()
+        cwd = os.getcwd()
+        os.chdir(root)
+        try:
+            with pytest.raises(SystemExit) as exit_:
+                run_stage(stages.opd.main)
+        finally:
+            os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert exit_.value.code == EXIT_ENDPOINT and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    # the micro workspace's SFT student is the base student the engine serves, so version 0 is right by
+    # accident; the first update (version 1) is what the stale engine does not take
+    refused = f"ars-opd opd: the rollout engine at {url} (serving student) does not serve policy version 1"
+    assert line.startswith(refused)
+    assert "It matches the previous version" in line and "No rollout of this version is used" in line
 
 
 def _stage(root: Path) -> subprocess.Popen:

@@ -1,4 +1,4 @@
-"""Student rollouts on an engine (issue 29): the bundled server's generation and weight-load routes, the vLLM
+"""Student rollouts on an engine: the bundled server's generation and weight-load routes, the vLLM
 worker extension, and the client ``ars_opd.rollouts.engine_api.EngineClient`` that talks to both.
 
 Oracles, all independent of the engine's own numbers:

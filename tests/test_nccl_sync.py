@@ -244,7 +244,7 @@ def test_the_recorded_payloads_parse_in_vllms_own_classes(student, tmp_path):
 def test_a_sync_over_nccl_passes_the_probe_and_a_stale_engine_is_refused(student, char_tokenizer, tmp_path):
     """The probe after an nccl sync, through the rollout schedule: a fresh engine passes; one that took the
     broadcasts and kept its weights is refused at the first version that differs."""
-    plan = RolloutPlan(steps=4, max_lag=0, sync_every=1, sync_dir=tmp_path, seed=0, transport="nccl")
+    plan = RolloutPlan(steps=4, max_lag=0, sync_every=1, sync_dir=tmp_path, seed=0, rollout_seed=0, transport="nccl")
     cpu = torch.device("cpu")
     for stale in (False, True):
         engine = FakeVllm(copy.deepcopy(student), stale=stale)  # serves version 0's weights from the start
@@ -260,7 +260,10 @@ def test_a_sync_over_nccl_passes_the_probe_and_a_stale_engine_is_refused(student
             else:
                 second = rollouts._publish(1, moved, cpu)
                 assert second["probe_max_abs_diff"] <= second["probe_bound"] < second["probe_separation"] / 2
-            rollouts.close()
+            rollouts.close()  # what the stage calls on every way out of the run: the engine's side is shut down
+            assert engine.calls[-1][0] == "/shutdown_weight_transfer_engine" and engine.closed
+            rollouts.close()  # a second call does nothing
+            assert [path for path, _ in engine.calls].count("/shutdown_weight_transfer_engine") == 1
         finally:
             engine.close()
 

@@ -6,18 +6,25 @@
 - The probe's bound holds between the trainer's fp32 forward and a float64 oracle of the same weights (the
   bound is for two fp32 forwards; one fp32 against an exact oracle must sit within half of it), and the check
   refuses an engine that still serves the previous version, saying so.
+- The schedule (``ars_opd.rollouts.schedule``) against an engine in this process that records which version
+  it held when each step's rollouts were asked: over a grid of ``max_lag`` L and ``sync_every`` S, every step
+  trains on rollouts at most L versions old (by the engine's own record, not the schedule's tag), with one
+  sync every min(S, L + 1) steps, and steps on teacher text (GKD) change neither.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
 from ars_opd.models.builtin import build_causal_lm
+from ars_opd.rollouts.engine_api import Rollout
+from ars_opd.rollouts.schedule import EngineRollouts, RolloutPlan
 from ars_opd.rollouts.verify import StaleEngineError, check_probe, probe_bound, probe_ids, trainer_logprobs
-from ars_opd.rollouts.weights import PREFIX, engine_state_dict, write_version
+from ars_opd.rollouts.weights import PREFIX, Transfer, engine_state_dict, write_version
 from tiny_models import SYNC_ARCH, perturbed, sync_student
 
 
@@ -87,3 +94,82 @@ def test_the_probe_refuses_an_engine_that_kept_the_previous_version(student):
         check_probe(old.tolist(), new, old, bound, "http://engine", 4)
     with pytest.raises(StaleEngineError, match="scored 3 probe positions"):
         check_probe([0.0, 0.0, 0.0], new, old, bound, "http://engine", 4)
+
+
+class RecordingEngine:
+    """An engine in this process, client and transport at once: ``publish`` loads a version into its copy of the
+    model, ``prompt_logprobs`` scores the probe with that copy, and ``generate`` answers one token per prompt and
+    records, for the step its prompts belong to (``prompt[0] - 10``), the version it held when asked."""
+
+    url = "in-process"
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.version = copy.deepcopy(model), None
+        self.sampled_by: dict[int, int] = {}
+        self.published: list[int] = []
+
+    def publish(self, state, version):
+        self.model.load_state_dict(state, strict=False)
+        self.version = version
+        self.published.append(version)
+        return Transfer(0, 0.0, 0.0)
+
+    def close(self):
+        pass
+
+    def prompt_logprobs(self, ids):
+        return trainer_logprobs(self.model, ids, torch.device("cpu"))[0].tolist()
+
+    def generate(self, prompts, spec, seeds):
+        self.sampled_by[prompts[0][0] - 10] = self.version
+        return [Rollout([2], [-1.0], "stop") for _ in prompts]
+
+
+def _schedule(student, steps: int, lag: int, every: int, teacher_steps=frozenset()):
+    """Run the schedule for ``steps`` steps (the student moved after each, as an optimizer step would); the
+    engine, and each step's reported lag (None on teacher-text steps)."""
+    engine = RecordingEngine(student)
+    plan = RolloutPlan(steps, lag, every, Path("unused"), seed=1, rollout_seed=1, probe_tokens=8)
+    rollouts = EngineRollouts(engine, plan, spec=None, rank=0, world=1, transport=engine)
+    model, lags = copy.deepcopy(student), []
+    wanted = lambda t: None if t in teacher_steps else [[10 + t, 3], [10 + t, 4]]  # noqa: E731
+    try:
+        for s in range(steps):
+            rollouts.prepare(s, model, torch.device("cpu"), wanted)
+            lags.append(None if s in teacher_steps else rollouts.take(s, wanted(s)).lag)
+            with torch.no_grad():
+                next(model.parameters()).add_(1e-3)  # version s + 1 differs from version s
+    finally:
+        rollouts.close()
+    return engine, lags
+
+
+def _expected(steps: int, lag: int, every: int) -> tuple[list[int], list[int]]:
+    """The oracle: a version lasts p = min(S, L + 1) steps; the engine syncs at 0, p, 2p, … while a step is
+    left to ask (the previous sync asked up to its step + L), and step t's rollouts are asked at the first
+    sync within L of it, p·⌈(t − L) / p⌉."""
+    p = min(every, lag + 1)
+    syncs = [k * p for k in range(steps) if k * p <= steps - 1 and (k == 0 or (k - 1) * p + lag < steps - 1)]
+    lags = [t - p * max(0, -(-(t - lag) // p)) for t in range(steps)]
+    return syncs, lags
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+@pytest.mark.parametrize("every", [1, 2, 3, 4])
+def test_every_rollout_is_within_max_lag_whatever_sync_every(student, lag, every):
+    steps = 9
+    engine, lags = _schedule(student, steps, lag, every)
+    syncs, want = _expected(steps, lag, every)
+    # by the engine's own record: the version it held when each step's rollouts were asked
+    assert [t - engine.sampled_by[t] for t in range(steps)] == lags == want
+    assert max(lags) <= lag
+    assert engine.published == syncs
+    if every <= lag:  # every step after the first has its rollouts asked ahead, while an earlier step trains
+        assert all(engine.sampled_by[t] < t for t in range(1, steps))
+
+
+def test_teacher_text_steps_leave_the_lag_bound_alone(student):
+    for lag, every in [(0, 2), (1, 2), (2, 2), (2, 3), (1, 1)]:
+        engine, lags = _schedule(student, 10, lag, every, teacher_steps={1, 4, 5, 9})
+        assert all(x <= lag for x in lags if x is not None), (lag, every, lags)
+        assert set(engine.sampled_by) == {0, 2, 3, 6, 7, 8}

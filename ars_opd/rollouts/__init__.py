@@ -1,1 +1,1 @@
-"""Student rollouts on an inference engine (issue 29): the engine client, weight sync and the version check."""
+"""Student rollouts on an inference engine: the engine client, weight sync and the version check."""

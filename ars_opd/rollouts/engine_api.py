@@ -30,7 +30,9 @@ dead engine, not a failed request); ``EngineResponseError`` for an answer that l
 (``token_ids`` when the server ignores ``return_token_ids``, ``token_logprobs``, a known ``finish_reason``);
 ``EngineRequestError`` for a refused request (4xx) or one that still fails after the retries of
 ``ClientSettings.limits`` (timeouts, 429, other 5xx, as every endpoint client retries:
-``ars_opd.teacher.client.endpoint``).
+``ars_opd.teacher.client.endpoint``); ``EngineSetupError`` for a weight load refused the ways vLLM is known to
+refuse one (``load_refusal``: no worker extension, no ``/collective_rpc`` route, a model of other shapes), with
+what the engine serves (``GET /v1/models``) and what to start instead.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +93,55 @@ class EngineRequestError(EngineError):
     """The engine refused a request, or it kept failing after the retries."""
 
 
+class EngineSetupError(EngineError):
+    """The engine serves, but not as a rollout engine of this run: started without the worker extension or the
+    route that loads weights, or serving a model of other shapes than the student."""
+
+
+EXTENSION_FIX = (
+    "start vLLM with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls ars_opd_vllm_ext.ArsOpdWeightSync, with "
+    "ars_opd/rollouts/vllm_extension.py copied as ars_opd_vllm_ext.py into a directory on its PYTHONPATH (README: "
+    "Student rollouts on an engine), or let the stage start it (opd.engine.server: vllm); the bundled server needs "
+    "--weight-updates"
+)
+
+
+def load_refusal(where: str, served: str, message: str) -> EngineSetupError | None:
+    """What a refused weight load means, for the refusals vLLM is known to give (``message``: the failed
+    request's error, with the engine's answer in it), as one complete line naming the engine (``where``), what it
+    serves (``served``) and what to do; None for another refusal, whose own message stands.
+
+    - no worker extension: vLLM's 500 "Worker failed with error ''CPUWorker' object has no attribute
+      'ars_opd_load_weights''" (the method is looked up on its worker);
+    - no ``/collective_rpc`` route: a 404 (vLLM without ``VLLM_SERVER_DEV_MODE=1``; the bundled server without
+      ``--weight-updates``);
+    - any other worker failure, e.g. "start (0) + length (128) exceeds dimension size (96)." or an empty cause
+      (a failed shape assertion): the engine serves a model whose shapes are not the student's."""
+    if LOAD_METHOD in message and ("has no attribute" in message or "is not implemented" in message):
+        return EngineSetupError(
+            f"the rollout engine at {where} (serving {served}) has no ars_opd worker extension, so it cannot load "
+            f"the trainer's weights (its worker has no {LOAD_METHOD}). To fix: {EXTENSION_FIX}"
+        )
+    if "http_404" in message:
+        return EngineSetupError(
+            f"the rollout engine at {where} (serving {served}) has no POST /collective_rpc route (404), through "
+            f"which the trainer has it load each version. To fix: {EXTENSION_FIX}"
+        )
+    failed = re.search(r"Worker failed with error '(.*?)'(?:, please check|$)", message) or re.search(
+        r"Worker failed with error '(.*)", message
+    )
+    if failed is not None:
+        cause = failed.group(1).strip() or "no cause given, as when a weight's shape does not match"
+        return EngineSetupError(
+            f"the rollout engine at {where} (serving {served}) failed to load the student's weights ({cause}): "
+            "it must serve the models-stage student (the same architecture and shapes), since every version "
+            "replaces its weights. Start it on the student's directory under paths.models_dir, or let the stage "
+            "start it (opd.engine.server: bundled or vllm); restart it either way, a failed load can leave vLLM "
+            "unable to serve"
+        )
+    return None
+
+
 def server_root(url: str) -> str:
     """The server root: ``url`` without a trailing ``/`` and ``/v1``."""
     base = url.rstrip("/")
@@ -118,7 +170,13 @@ class EngineClient:
         """Have the engine load the safetensors file ``path`` (a path the engine reads); its first worker's
         answer, ``{"loaded": n_tensors, "seconds": s, ...}``."""
         body = {"method": LOAD_METHOD, "kwargs": {"path": str(path)}}
-        answer = asyncio.run(self._one("/collective_rpc", body, retry=False))
+        try:
+            answer = asyncio.run(self._one("/collective_rpc", body, retry=False))
+        except EngineRequestError as e:
+            refusal = load_refusal(self.root, self.served(), str(e))
+            if refusal is None:
+                raise
+            raise refusal from None
         results = answer.get("results")
         if not isinstance(results, list) or not results or not isinstance(results[0], dict):
             raise EngineResponseError(
@@ -145,6 +203,16 @@ class EngineClient:
         ``ars_opd.rollouts.nccl_sync``); the JSON answer."""
         return asyncio.run(self._one(path, body, retry=False))
 
+    def served(self) -> str:
+        """What the engine serves, for messages: each model ``GET /v1/models`` lists, with the directory it was
+        started on where it says (vLLM's ``root``); the name this client asks for when it does not answer."""
+        try:
+            answer = asyncio.run(self._get("/v1/models"))
+            models = [f"{m['id']} from {m['root']}" if m.get("root") else str(m["id"]) for m in answer["data"]]
+        except (EngineError, KeyError, TypeError):
+            models = []
+        return ", ".join(models) if models else f"{self.model!r}, as far as this run knows"
+
     def check_alive(self) -> None:
         """``GET /health``: returns when the engine serves; ``EngineDeadError`` naming the URL otherwise."""
         asyncio.run(self._health())
@@ -162,8 +230,10 @@ class EngineClient:
 
     def _dead(self, why: str) -> EngineDeadError:
         return EngineDeadError(
-            f"the rollout engine at {self.root} is dead: {why}. Its log holds the cause (for vLLM, the "
-            "EngineCore traceback); restart the engine, then re-sync the weights before the next rollout"
+            f"the rollout engine at {self.root} is dead: {why}. Its log holds the cause (for vLLM, the EngineCore "
+            f"traceback). Restart it (serving {self.model!r}) and rerun the stage, which resumes from its last "
+            "checkpoint and syncs the engine before its first rollout (an engine the stage started, it starts "
+            "again; for one on a new port, set opd.engine.server to its URL)"
         )
 
     async def _health(self, session: aiohttp.ClientSession | None = None) -> None:
@@ -180,6 +250,17 @@ class EngineClient:
         finally:
             if own:
                 await session.close()
+
+    async def _get(self, path: str) -> Any:
+        """One ``GET <root><path>``, its JSON answer; ``EngineRequestError`` otherwise."""
+        async with self._session() as session:
+            try:
+                async with session.get(f"{self.root}{path}") as r:
+                    if r.status >= 400:
+                        raise EngineRequestError(f"the rollout engine at {self.root}: GET {path} {r.status}")
+                    return await r.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                raise EngineRequestError(f"the rollout engine at {self.root} failed GET {path}: {e}") from None
 
     async def _post(self, session: aiohttp.ClientSession, path: str, body: dict) -> dict:
         """One POST; ``RetryableError`` / ``FinalError`` as the shared retry loop expects, ``EngineDeadError``

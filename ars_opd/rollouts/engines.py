@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ars_opd.rollouts.weights import remove_versions
 from ars_opd.teacher.client.endpoint import ClientSettings
 
 BUNDLED = "bundled"
@@ -47,23 +47,38 @@ class RolloutEndpoint:
     sync_dir: str
 
 
+SYNC_DIR = "engine-sync"  # opd.engine.sync_dir's default, under the stage's checkpoint directory
+LOG_DIR = "engine"  # a started vLLM's log, under the same
+
+
+def sync_directory(engine, checkpoints: str | Path) -> Path:
+    """Where rank 0 writes versions for the engine to read: ``opd.engine.sync_dir``, else
+    ``<checkpoints>/engine-sync`` (the stage's checkpoint directory: persistent, and on a disk that can be shared
+    with an engine in another container or on another host, as a temporary directory cannot). Absolute, since
+    the engine reads the path it is given from its own working directory."""
+    return Path(engine.sync_dir if engine.sync_dir else Path(checkpoints) / SYNC_DIR).absolute()
+
+
 @contextlib.contextmanager
-def rollout_endpoint(engine, student_dir: str, log_dir: Path) -> Iterator[RolloutEndpoint]:
-    """The engine for the stage's duration (``rollout_engine``), with its client settings and a sync directory:
-    ``engine.sync_dir``, or a temporary one removed at the end (a version is as large as the student)."""
+def rollout_endpoint(engine, student_dir: str, checkpoints: str | Path) -> Iterator[RolloutEndpoint]:
+    """The engine for the stage's duration (``rollout_engine``), with its client settings and its sync directory
+    (``sync_directory``). The versions written there are removed at the end (each is as large as the student;
+    a resumed run publishes its own before its first rollout)."""
     from ars_opd.config import EndpointConfig
 
-    with contextlib.ExitStack() as stack:
-        sync_dir = engine.sync_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="ars-opd-engine-sync-"))
-        url = stack.enter_context(rollout_engine(engine, student_dir, log_dir))
-        limits = EndpointConfig(
-            endpoint=url,
-            model=engine.model,
-            concurrency=engine.concurrency,
-            request_timeout_s=engine.request_timeout_s,
-            max_attempts=engine.max_attempts,
-        )
-        yield RolloutEndpoint(url, engine.model, ClientSettings(url, "EMPTY", limits), str(sync_dir))
+    sync_dir = sync_directory(engine, checkpoints)
+    try:
+        with rollout_engine(engine, student_dir, Path(checkpoints) / LOG_DIR) as url:
+            limits = EndpointConfig(
+                endpoint=url,
+                model=engine.model,
+                concurrency=engine.concurrency,
+                request_timeout_s=engine.request_timeout_s,
+                max_attempts=engine.max_attempts,
+            )
+            yield RolloutEndpoint(url, engine.model, ClientSettings(url, "EMPTY", limits), str(sync_dir))
+    finally:
+        remove_versions(sync_dir)
 
 
 @contextlib.contextmanager

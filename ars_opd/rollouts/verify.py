@@ -31,11 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ars_opd.rollouts.engine_api import EngineError
+
 U32 = 2.0**-24  # fp32 unit roundoff
 
 
-class StaleEngineError(RuntimeError):
-    """The engine's log-probabilities on the probe are not those of the version the trainer published."""
+class StaleEngineError(EngineError):
+    """The engine's log-probabilities on the probe are not those of the version the trainer published. A refusal,
+    not a crash: its message names the engine, the version and what to check, and the stage prints it alone."""
 
 
 def _gamma(n: int, u: float) -> float:

@@ -122,3 +122,9 @@ def write_version(state: dict[str, torch.Tensor], sync_dir: Path, version: int) 
         if old != final:
             old.unlink(missing_ok=True)
     return Published(final, version, final.stat().st_size, time.perf_counter() - t0)
+
+
+def remove_versions(sync_dir: Path) -> None:
+    """Remove the versions (and any half-written one) from ``sync_dir``; the directory stays."""
+    for old in [*sync_dir.glob(f"{PREFIX}*.safetensors"), *sync_dir.glob(f".{PREFIX}*.tmp")]:
+        old.unlink(missing_ok=True)

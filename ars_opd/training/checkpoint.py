@@ -2,7 +2,8 @@
 
 A checkpoint (every ``checkpoint_every`` steps and at the end) holds the weights (safetensors), the
 optimizer and scheduler state, every worker's RNG state, the counters and the per-step log so far, and
-the run's fingerprint: its configuration, the content of its training data and the source of this
+the run's fingerprint: its configuration (less what a resume may change, such as a server's address or a
+timeout: ``ars_opd.training.worker.RESUMABLE_KEYS``), the content of its training data and the source of this
 package. A rerun with the same fingerprint resumes from the latest checkpoint (the data position follows
 from the step number, ``ars_opd.training.batch_plan``); one with another configuration, other data or
 changed code starts afresh and says so, so a rerun never publishes a model of other inputs. DVC reruns a

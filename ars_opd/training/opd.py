@@ -59,12 +59,11 @@ import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from ars_opd.config import OPDConfig, launched_externally
+from ars_opd.config import OPDConfig
 from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
 from ars_opd.data.synthetic import is_correct_for
 from ars_opd.lm.batching import build_rollout_batch, eos_set, in_first_half, pad_token_id, sequence_weights
@@ -72,10 +71,9 @@ from ars_opd.lm.generation import GenerationCost, decode_completion, eos_token_i
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows, target_logprobs
 from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.lm.optim import autocast_context
-from ars_opd.models.loading import model_path, read_manifest
-from ars_opd.rollouts.engine_api import EngineClient, SamplingSpec
-from ars_opd.rollouts.engines import BUNDLED, VLLM, rollout_endpoint
-from ars_opd.rollouts.schedule import ENGINE_METRICS, EngineRollouts, RolloutPlan, engine_step_metrics, place_on_mask
+from ars_opd.models.loading import read_manifest
+from ars_opd.rollouts.schedule import ENGINE_METRICS, EngineRollouts, engine_step_metrics, place_on_mask
+from ars_opd.rollouts.stage import WorkerPlace, stage_engine, worker_rollouts
 from ars_opd.seeding import derive_seed
 from ars_opd.training.batch_plan import step_indices
 from ars_opd.training.budget import matmul_parameters
@@ -385,7 +383,7 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         job.cfg,
         setup,
         sizes=ModelSizes(matmul_parameters(model), teacher_params),
-        rollouts=RolloutSetup(eos_ids, _engine_rollouts(job, setup, eos_ids) if job.cfg.rollouts == "engine" else None),
+        rollouts=RolloutSetup(eos_ids, engine_rollouts(job, setup, eos_ids)),
     )
     fingerprint = {
         "init": student.init,
@@ -400,27 +398,17 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         manifest={"vocab": vocab, "adapter_start": student.adapter, **teacher_manifest},
         on_step=lambda s: {"gkd_source": task.source(s)},
         budget_start=student.budget,
+        close=task.engine.close if task.engine is not None else None,
     )
 
 
-def _engine_rollouts(job: TrainingJob, setup: WorkerSetup, eos_ids: tuple[int, ...]) -> EngineRollouts:
-    """This worker's side of the rollout engine that ``run_opd`` started or named."""
-    ep, cfg = job.rollout_engine, job.cfg
-    if ep is None:
-        raise ValueError("opd.rollouts: engine, but the job carries no rollout engine (run_opd resolves it)")
-    plan = RolloutPlan(
-        steps=cfg.steps,
-        max_lag=cfg.engine.max_lag,
-        sync_every=cfg.engine.sync_every,
-        sync_dir=Path(ep.sync_dir),
-        seed=setup.stage_seed,
-        probe_tokens=cfg.engine.probe_tokens,
-        probe_tolerance=cfg.engine.probe_tolerance,
-        transport=cfg.engine.transport,
-    )
-    spec = SamplingSpec(cfg.sample_temperature, cfg.top_p, cfg.max_new_tokens, tuple(eos_ids))
-    client = EngineClient(ep.url, ep.model, ep.settings, cfg.engine.concurrency)
-    return EngineRollouts(client, plan, spec, setup.ctx.rank, setup.ctx.world_size)
+def engine_rollouts(job: TrainingJob, setup: WorkerSetup, eos_ids: tuple[int, ...]) -> EngineRollouts | None:
+    """This worker's side of the rollout engine that ``run_opd`` started or named (None: the worker samples). Its
+    requests are seeded from the rank's seed under the seed scenario, as the trainer's rollouts are."""
+    if job.cfg.rollouts != "engine":
+        return None
+    place = WorkerPlace(setup.ctx.rank, setup.ctx.world_size, setup.stage_seed, setup.rng_seed)
+    return worker_rollouts(job.rollout_engine, job.cfg, place, eos_ids)
 
 
 def opd_worker(job: TrainingJob) -> dict:
@@ -437,7 +425,8 @@ def run_opd(job: TrainingJob) -> dict:
     job.check()  # before any worker starts: e.g. a loss the rollouts cannot serve is a config error
     with contextlib.ExitStack() as stack:
         if job.cfg.rollouts == "engine":
-            job = dataclasses.replace(job, rollout_engine=stack.enter_context(_rollout_engine(job)))
+            engine = stage_engine(job.cfg, job.paths.models_dir, job.paths.opd_checkpoints)
+            job = dataclasses.replace(job, rollout_engine=stack.enter_context(engine))
         if job.cfg.teacher == "local":
             return launch_stage(opd_worker, job)
         endpoint = stack.enter_context(scoring_endpoint(job.cfg, job.paths))
@@ -445,17 +434,3 @@ def run_opd(job: TrainingJob) -> dict:
         # the resolved endpoints are run-time only: a started server's port changes every run, and must not keep a
         # checkpoint from resuming (job.scoring and job.rollout_engine are outside the checkpoint fingerprint)
         return launch_stage(opd_worker, dataclasses.replace(job, scoring=endpoint))
-
-
-def _rollout_engine(job: TrainingJob):
-    """The rollout engine for the stage (``ars_opd.rollouts.engines``), serving the models-stage student (the
-    first sync loads the run's starting weights into it). Started engines live in this process: under an outside
-    launcher with several processes each would start its own, and only rank 0's would get the weights."""
-    engine = job.cfg.engine
-    if engine.server in (BUNDLED, VLLM) and launched_externally() and job.ddp.workers > 1:
-        raise ValueError(
-            f"opd.engine.server: {engine.server} starts an engine in each launched process, but only rank 0 "
-            "publishes weights: under torchrun start the engine once yourself and set opd.engine.server to its URL"
-        )
-    student_dir = model_path(job.paths.models_dir, "student")
-    return rollout_endpoint(engine, student_dir, Path(job.paths.opd_checkpoints) / "engine")

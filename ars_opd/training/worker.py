@@ -11,9 +11,12 @@ workers (``ars_opd.training.distributed.launch``).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import gc
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -59,6 +62,57 @@ from ars_opd.training.task import RunHooks, RunIdentity, TrainingTask
 if TYPE_CHECKING:  # the HTTP client is imported only by a run that scores or samples through an endpoint
     from ars_opd.rollouts.engines import RolloutEndpoint
     from ars_opd.teacher.client.endpoint import ClientSettings
+
+
+# What a resume may change: keys of the fingerprinted configuration (the stage's section and ddp) that cannot
+# change a number the run computes. Where the run's servers are (an engine's or a scoring endpoint's address,
+# the key's variable, the directory versions go through), how long it waits for them, how many requests it
+# keeps in flight, how often it retries, which cores a started vLLM takes. Fingerprinted, each made a resume
+# against a restarted engine on another port, or with a longer timeout, start over at step 0, and its first
+# save delete the checkpoints it could have resumed (ars_opd.training.checkpoint.superseded).
+RESUMABLE_KEYS = (
+    "ddp.timeout_s",
+    "opd.engine.sync_dir",
+    "opd.engine.concurrency",
+    "opd.engine.request_timeout_s",
+    "opd.engine.max_attempts",
+    "opd.engine.cpus",
+    "opd.engine.startup_timeout_s",
+    "opd.engine.bundled.startup_timeout_s",
+    "opd.teacher_endpoint.api_key_env",
+    "opd.teacher_endpoint.concurrency",
+    "opd.teacher_endpoint.request_timeout_s",
+    "opd.teacher_endpoint.max_attempts",
+    "opd.teacher_endpoint.backoff_base_s",
+    "opd.teacher_endpoint.backoff_max_s",
+    "opd.teacher_server.startup_timeout_s",
+)
+# Addresses, fingerprinted by their kind alone: a server the stage starts is named as such (bundled and vllm are
+# other engines, so other numbers); any URL is "url", so a restarted server on another port is the same run.
+ADDRESS_KINDS = {"opd.engine.server": ("bundled", "vllm"), "opd.teacher_endpoint.endpoint": ("local",)}
+
+
+def resumable_view(config: dict) -> dict:
+    """``config`` (the fingerprinted configuration, in plain form) as the checkpoint fingerprint takes it:
+    without ``RESUMABLE_KEYS``, each address of ``ADDRESS_KINDS`` as its kind."""
+    out = copy.deepcopy(config)
+
+    def parent(key: str) -> tuple[dict | None, str]:
+        *path, leaf = key.split(".")
+        node = out
+        for name in path:
+            node = node.get(name) if isinstance(node, dict) else None
+        return (node if isinstance(node, dict) else None), leaf
+
+    for key in RESUMABLE_KEYS:
+        node, leaf = parent(key)
+        if node is not None:
+            node.pop(leaf, None)
+    for key, started in ADDRESS_KINDS.items():
+        node, leaf = parent(key)
+        if node is not None and leaf in node and node[leaf] not in started:
+            node[leaf] = "url"
+    return out
 
 
 def continued_sft_config(sft: SFTConfig, opd: OPDConfig) -> SFTConfig:
@@ -144,6 +198,13 @@ class WorkerSetup:
     stage_seed: int  # the stage's seed, the same on every rank (e.g. for GKD draws)
     fault: Fault | None  # the injected fault as this rank sees it (a no-op unless ddp.inject names this stage)
     sampler_seeds: tuple[int, ...] = ()  # every rank's data-order seed, by rank (the world's draws of a step)
+    rng_seed: int | None = None
+    """This rank's RNG seed under the scenario (Python's and torch's generators: the trainer's rollouts sample with
+    it; so do the engine's requests). None: ``sampler_seed``, which it equals in every scenario."""
+
+    def __post_init__(self):
+        if self.rng_seed is None:
+            self.rng_seed = self.sampler_seed
 
 
 @dataclass
@@ -157,6 +218,9 @@ class PreparedRun:
     manifest: dict = field(default_factory=dict)  # more manifest entries
     on_step: Callable[[int], dict] | None = None  # extra per-step log columns
     budget_start: dict = field(default_factory=dict)  # the starting model's budget (ars_opd.training.budget)
+    close: Callable[[], None] | None = None
+    """Releases what the run holds outside this process (OPD's rollout engine: its thread, the NCCL group and
+    the engine's weight-transfer side); ``run_worker`` calls it on every way out of the run."""
 
 
 @dataclass
@@ -199,7 +263,8 @@ def starting_student(job: TrainingJob, device: torch.device) -> StartingStudent:
 
 def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], PreparedRun]) -> dict:
     ctx = init_worker(job.ddp.device, job.ddp.backend, job.ddp.threads_per_worker, job.ddp.timeout_s)
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutdown_worker)  # last: after what the run holds is released
         stage_seed = derive_seed(job.ddp.seed, job.stage)
         sampler_seed, rng_seed = scenario_seeds(job.ddp.scenario, stage_seed, ctx.rank)
         set_seeds(rng_seed)
@@ -207,16 +272,20 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         tokenizer = load_tokenizer(job.paths.models_dir, job.trust_remote_code)
         fault = Fault(job.ddp.inject, job.stage, ctx.rank, stage_seed)
         seeds = tuple(scenario_seeds(job.ddp.scenario, stage_seed, r)[0] for r in range(ctx.world_size))
-        run = prepare(job, WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault, seeds))
+        setup = WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault, seeds, rng_seed)
+        run = prepare(job, setup)
+        if run.close is not None:
+            stack.push(_closing(run.close))
         run.model.train()
         out = job.paths.training(job.stage)
         # the job's configuration in plain form, once: the fingerprints and the manifest read it
         cfg, ddp_all, adapter_cfg = to_dict(job.cfg), to_dict(job.ddp), to_dict(job.adapter)
         adapter = {"adapter": adapter_cfg} if job.adapter.enabled else {}
         ddp = {k: v for k, v in ddp_all.items() if k != "reshard_resume"}
-        fingerprint = config_fingerprint({job.stage: cfg, "ddp": ddp, **adapter, **run.fingerprint})
+        run_config = {job.stage: cfg, "ddp": ddp, **adapter, **run.fingerprint}
+        fingerprint = config_fingerprint(resumable_view(run_config))
         # what a resharded resume must match: the same run in any worker layout (ars_opd.training.checkpoint)
-        layout = config_fingerprint({job.stage: cfg, "ddp": layout_free(ddp), **adapter, **run.fingerprint})
+        layout = config_fingerprint(resumable_view({**run_config, "ddp": layout_free(ddp)}))
         trainer = Trainer.build(ctx, run.model, run.task, job.cfg, job.ddp, RunHooks(run.on_step, fault, job.progress))
         state, log, totals, trained = trainer.fit(out, RunIdentity(fingerprint, layout, run.budget_start))
         # the wrapped model (DDP's reducer, FSDP's hooks) must go while the process group lives: destroyed after
@@ -257,8 +326,23 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
             "resumed_from": state.resumed_from,
             "final_loss": log[-1]["loss"] if log else None,
         }
-    finally:
-        shutdown_worker()
+
+
+def _closing(close: Callable[[], None]):
+    """An exit callback that releases what a run holds, on every way out of it (a return, an error, Ctrl-C).
+    After an error its own failure is printed, not raised: the error that ended the run is the one to report."""
+
+    def exit_(kind, error, traceback) -> bool:
+        if kind is None:
+            close()
+            return False
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - the run's own error propagates
+            print(f"releasing the run after {kind.__name__} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return False
+
+    return exit_
 
 
 def launch_stage(worker: Callable[[TrainingJob], dict], job: TrainingJob) -> dict:
