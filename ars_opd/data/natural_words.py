@@ -41,18 +41,24 @@ CONTINENTS = _pairs("""
 Algeria: Africa; Angola: Africa; Botswana: Africa; Cameroon: Africa; Egypt: Africa; Ethiopia: Africa;
 Ghana: Africa; Kenya: Africa; Libya: Africa; Madagascar: Africa; Mali: Africa; Morocco: Africa; Namibia: Africa;
 Nigeria: Africa; Rwanda: Africa; Senegal: Africa; Somalia: Africa; Sudan: Africa; Tunisia: Africa;
-Uganda: Africa; Zambia: Africa; Zimbabwe: Africa;
+Uganda: Africa; Zambia: Africa; Zimbabwe: Africa; Chad: Africa; Niger: Africa; Mozambique: Africa;
+Malawi: Africa; Gabon: Africa; Benin: Africa; Togo: Africa; Sierra Leone: Africa; Liberia: Africa;
+Eritrea: Africa; Mauritania: Africa; Burundi: Africa;
 Afghanistan: Asia; Bangladesh: Asia; Cambodia: Asia; China: Asia; India: Asia; Iraq: Asia; Japan: Asia;
 Laos: Asia; Malaysia: Asia; Mongolia: Asia; Myanmar: Asia; Nepal: Asia; North Korea: Asia; Pakistan: Asia;
 the Philippines: Asia; Saudi Arabia: Asia; South Korea: Asia; Sri Lanka: Asia; Thailand: Asia; Vietnam: Asia;
+Bhutan: Asia; Oman: Asia; Yemen: Asia; Qatar: Asia; Kuwait: Asia; Jordan: Asia; Syria: Asia; Lebanon: Asia;
+Uzbekistan: Asia; Singapore: Asia; Iran: Asia;
 Austria: Europe; Belgium: Europe; Bulgaria: Europe; Croatia: Europe; Denmark: Europe; Finland: Europe;
 France: Europe; Germany: Europe; Greece: Europe; Hungary: Europe; Iceland: Europe; Ireland: Europe; Italy: Europe;
 the Netherlands: Europe; Norway: Europe; Poland: Europe; Portugal: Europe; Romania: Europe; Serbia: Europe;
-Slovakia: Europe; Spain: Europe; Sweden: Europe; Switzerland: Europe; Ukraine: Europe;
+Slovakia: Europe; Spain: Europe; Sweden: Europe; Switzerland: Europe; Ukraine: Europe; Estonia: Europe;
+Latvia: Europe; Lithuania: Europe; Belarus: Europe; Slovenia: Europe; Albania: Europe; Luxembourg: Europe;
+Malta: Europe; Moldova: Europe;
 Canada: North America; the United States: North America; Mexico: North America;
 Argentina: South America; Bolivia: South America; Brazil: South America; Chile: South America;
 Colombia: South America; Ecuador: South America; Paraguay: South America; Peru: South America;
-Uruguay: South America; Venezuela: South America
+Uruguay: South America; Venezuela: South America; Guyana: South America; Suriname: South America
 """)
 
 LANGUAGES = _pairs("""
@@ -107,7 +113,11 @@ monkey: monkeys; horse: horses; river: rivers; mountain: mountains; flower: flow
 shoe: shoes; hat: hats; bag: bags; star: stars; cloud: clouds; ship: ships; egg: eggs; lamp: lamps;
 bridge: bridges; road: roads; teacher: teachers; doctor: doctors; student: students; farmer: farmers;
 crisis: crises; analysis: analyses; thesis: theses; phenomenon: phenomena; criterion: criteria;
-nucleus: nuclei; stimulus: stimuli
+nucleus: nuclei; stimulus: stimuli; dress: dresses; peach: peaches; hobby: hobbies; puppy: puppies;
+army: armies; butterfly: butterflies; photo: photos; piano: pianos; zoo: zoos; kangaroo: kangaroos;
+video: videos; radio: radios; boat: boats; train: trains; plane: planes; cookie: cookies; garden: gardens;
+pencil: pencils; candle: candles; tiger: tigers; rabbit: rabbits; frog: frogs; spider: spiders; snake: snakes;
+camera: cameras; computer: computers; village: villages; island: islands; ocean: oceans; forest: forests
 """)
 
 PAST_TENSES = _pairs("""
