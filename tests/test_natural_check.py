@@ -60,6 +60,22 @@ OPPOSITE = "What is the opposite of hot?"
             True,
         ),
         ("nl_continent", "Brazil is in North America.", "South America", "Which continent is Brazil part of?", False),
+        # a continent's adjective names it (and nothing longer does)
+        (
+            "nl_continent",
+            "Algeria is part of the African continent.",
+            "Africa",
+            "Which continent is Algeria part of?",
+            True,
+        ),
+        (
+            "nl_continent",
+            "It is part of the Eurasian continent.",
+            "Asia",
+            "Which continent is Uzbekistan part of?",
+            False,
+        ),
+        ("nl_continent", "It is European, or Asian.", "Asia", "Which continent is Turkey part of?", False),
         # accents dropped; no stemming; a possessive is another word
         ("nl_capital", "The capital of Colombia is Bogotá.", "Bogota", "What is the capital of Colombia?", True),
         ("nl_currency", "It uses US dollars.", "dollar", "What is the currency of the United States?", False),

@@ -15,6 +15,8 @@ string match scores such a teacher near 0. The rule here is a lenient exact matc
 3. The reference must occur there as whole words (a multi-word reference such as ``new delhi`` as that
    sequence). For a **numeric** kind a number also matches when written in words from 0 to 99 (``twelve``,
    ``twenty-one``, ``twenty one``); no other spelling is recognised (``a dozen``, roman numerals).
+   For a continent its adjective counts too (``ALIASES``: ``African`` for Africa), since "part of the African
+   continent" is a common way to say it.
 4. **No other candidate answer of the same kind comes before it**: for a word kind, any other answer of that
    kind's vocabulary (``CANDIDATES``: every capital, every opposite…); for a numeric kind, any other number.
    Candidates that occur in the prompt do not count, so restating the question ("The opposite of hot is cold",
@@ -27,9 +29,15 @@ passes.
 What it gets wrong, knowingly: a wrong answer that is not in the kind's vocabulary does not disqualify a right
 one after it ("The capital of Australia is Sydney, not Canberra" passes, since Sydney is no capital); a negated
 right answer passes ("It is not Paris" for Paris); a first sentence that lists several answers passes when the
-reference comes first; a number used as a word before the answer ("One way: 7 + 5 = 12") fails the answer; a
-sentence ended by an abbreviation ("Dr. …") is cut there. It is lenient by design; it never needs the answer's
-end (no EOS), only its first sentence.
+reference comes first; an answer as right as the reference but other fails (one reference per prompt; the
+tables leave out the prompts that have two); a number used as a word before the answer ("One way: 7 + 5 =
+12") fails the answer; a sentence ended by an abbreviation ("Dr. …") is cut there; and a right answer given
+only after a preamble sentence ("Denmark is a Scandinavian country. The official language is Danish.") fails.
+That last one is the price of reading one sentence: taking the first candidate anywhere in the answer instead
+would pass it, but would also pass a wrong first sentence whose wrong answer is outside the vocabulary and a
+right word mentioned in passing later, and it would depend on how many tokens the model was allowed. On
+SmolLM2-135M-Instruct's answers (``bench/natural_teacher.py``) it failed 12 of 796, 10 of them right answers
+after a preamble. It never needs the answer's end (no EOS), only its first sentence.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import re
 import unicodedata
 from typing import Iterable
 
-from ars_opd.data.natural_words import CANDIDATES, CHECKABLE_KINDS, NUMERIC_KINDS
+from ars_opd.data.natural_words import ALIASES, CANDIDATES, CHECKABLE_KINDS, NUMERIC_KINDS
 
 __all__ = ["CHECKABLE_KINDS", "NUMERIC_KINDS", "first_sentence", "gives_away", "is_correct", "number_words", "words"]
 
@@ -101,11 +109,17 @@ def _find(tokens: list[str], phrase: tuple[str, ...]) -> Iterable[int]:
     return (i for i in range(len(tokens) - n + 1) if tuple(tokens[i : i + n]) == phrase)
 
 
-def _spans(tokens: list[str], kind: str, phrases: Iterable[tuple[str, ...]]) -> list[tuple[int, int, str]]:
+def _phrases(kind: str, want: str) -> list[tuple[tuple[str, ...], str]]:
+    """(words, the answer they give) for every candidate answer of a word kind, its aliases and ``want``."""
+    names = [*CANDIDATES.get(kind, ()), want]
+    return [(tuple(c.split()), c) for c in names] + [(tuple(a.split()), c) for a, c in ALIASES.get(kind, {}).items()]
+
+
+def _spans(tokens: list[str], kind: str, want: str) -> list[tuple[int, int, str]]:
     """(start, end, answer) of every candidate answer of ``kind`` among the words."""
     if kind in NUMERIC_KINDS:
         return _numbers(tokens)
-    return [(i, i + len(p), " ".join(p)) for p in phrases for i in _find(tokens, p)]
+    return [(i, i + len(p), answer) for p, answer in _phrases(kind, want) for i in _find(tokens, p)]
 
 
 def _key(kind: str, reference: str) -> str:
@@ -118,9 +132,8 @@ def _key(kind: str, reference: str) -> str:
 def is_correct(kind: str, answer: str, reference: str, prompt: str) -> bool:
     """Whether ``answer`` gives ``reference`` for a checkable natural prompt of ``kind`` (the module's rule)."""
     want = _key(kind, reference)
-    phrases = [tuple(c.split()) for c in CANDIDATES.get(kind, ())] + [tuple(want.split())]
-    in_prompt = {a for _, _, a in _spans(words(prompt), kind, phrases)}
-    spans = sorted(_spans(words(first_sentence(answer)), kind, phrases))
+    in_prompt = {a for _, _, a in _spans(words(prompt), kind, want)}
+    spans = sorted(_spans(words(first_sentence(answer)), kind, want))
     hit = next((s for s in spans if s[2] == want), None)
     if hit is None:
         return False
@@ -131,4 +144,4 @@ def gives_away(kind: str, reference: str, prompt: str) -> bool:
     """Whether the prompt itself contains the reference (as whole words; for a numeric kind, its value in
     digits or words): such a prompt would let a restatement of the question pass."""
     want = _key(kind, reference)
-    return any(a == want for _, _, a in _spans(words(prompt), kind, [tuple(want.split())]))
+    return any(a == want for _, _, a in _spans(words(prompt), kind, want))

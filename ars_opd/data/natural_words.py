@@ -1,13 +1,16 @@
 """The facts behind the natural prompts' checkable kinds, and each kind's vocabulary of candidate answers.
 
 One table per word kind: (what the prompt names, the one reference answer). Entries were left out where a
-second answer is as right (Bolivia's two capitals, "old" -> "young" or "new", "fish" -> "fish", China's
-"Chinese" or "Mandarin", "dreamed"/"dreamt"), where the prompt would contain its own answer (the capital of
+second answer is as right (Bolivia's two capitals, "old" -> "young" or "new", "small" -> "big" or "large",
+"narrow" -> "wide" or "broad", "fish" -> "fish", China's "Chinese" or "Mandarin", "dreamed"/"dreamt"), where
+the prompt would contain its own answer (the capital of
 Mexico, the continent of South Africa, the past tense of "read"), and where the answer is a common English
 word that would turn up in any sentence (the symbols He, I, As, Be, In; Brazil's real), since the checker
 (``ars_opd.data.natural_check``) finds an answer as whole words in a sentence. ``CANDIDATES`` is every
-answer a kind can have: the checker's distractors. The numeric kinds (``NUMERIC_KINDS``) have no table: their
-candidates are all numbers.
+answer a kind can have: the checker's distractors. ``ALIASES`` are other words that give the same answer: a
+continent's adjective ("part of the African continent" answers Africa; the teacher says so about one time in
+ten). The numeric kinds (``NUMERIC_KINDS``) have no table: their candidates are all numbers, in digits or
+words.
 """
 
 from __future__ import annotations
@@ -81,19 +84,19 @@ the United Kingdom: pound; the United States: dollar; Vietnam: dong
 """)
 
 OPPOSITES = _pairs("""
-hot: cold; cold: hot; big: small; small: big; happy: sad; sad: happy; up: down; down: up; fast: slow; slow: fast;
+hot: cold; cold: hot; big: small; happy: sad; sad: happy; up: down; down: up; fast: slow; slow: fast;
 young: old; closed: open; high: low; low: high; wet: dry; dry: wet; early: late; late: early; full: empty;
-empty: full; soft: hard; thick: thin; thin: thick; rich: poor; poor: rich; strong: weak; weak: strong;
+empty: full; thick: thin; rich: poor; poor: rich; strong: weak; weak: strong;
 long: short; tall: short; clean: dirty; dirty: clean; dark: light; heavy: light; day: night; night: day;
-black: white; white: black; good: bad; bad: good; true: false; false: true; love: hate; hate: love;
-win: lose; lose: win; inside: outside; outside: inside; left: right; push: pull; pull: push; buy: sell;
+black: white; white: black; bad: good; true: false; false: true; love: hate; hate: love;
+win: lose; inside: outside; outside: inside; left: right; push: pull; pull: push; buy: sell;
 sell: buy; north: south; south: north; east: west; west: east; top: bottom; bottom: top; before: after;
 after: before; first: last; always: never; never: always; more: less; less: more; same: different;
-cheap: expensive; expensive: cheap; deep: shallow; shallow: deep; friend: enemy; enemy: friend;
+cheap: expensive; deep: shallow; shallow: deep; friend: enemy; enemy: friend;
 asleep: awake; awake: asleep; alive: dead; dead: alive; above: below; below: above; war: peace; peace: war;
-wide: narrow; narrow: wide; possible: impossible; increase: decrease; decrease: increase; odd: even;
+wide: narrow; possible: impossible; increase: decrease; decrease: increase; odd: even;
 positive: negative; negative: positive; sunrise: sunset; sunset: sunrise; floor: ceiling; success: failure;
-question: answer; answer: question; quiet: loud; smooth: rough; rough: smooth; tight: loose; loose: tight;
+question: answer; answer: question; smooth: rough; rough: smooth; tight: loose; loose: tight;
 visible: invisible; summer: winter; winter: summer; import: export; export: import; safe: dangerous;
 dangerous: safe; beginning: end; arrival: departure; departure: arrival; king: queen; queen: king;
 boy: girl; girl: boy; man: woman; woman: man; accept: reject; maximum: minimum; minimum: maximum
@@ -159,3 +162,12 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
     for kind, table in TABLES.items()
 }
 CANDIDATES["nl_continent"] = tuple(sorted({*CANDIDATES["nl_continent"], "antarctica", "australia", "oceania"}))
+ALIASES: dict[str, dict[str, str]] = {
+    "nl_continent": {
+        "african": "africa",
+        "asian": "asia",
+        "european": "europe",
+        "north american": "north america",
+        "south american": "south america",
+    },
+}
