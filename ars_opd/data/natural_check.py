@@ -36,8 +36,9 @@ only after a preamble sentence ("Denmark is a Scandinavian country. The official
 That last one is the price of reading one sentence: taking the first candidate anywhere in the answer instead
 would pass it, but would also pass a wrong first sentence whose wrong answer is outside the vocabulary and a
 right word mentioned in passing later, and it would depend on how many tokens the model was allowed. On
-SmolLM2-135M-Instruct's answers (``bench/natural_teacher.py``) it failed 12 of 796, 10 of them right answers
-after a preamble. It never needs the answer's end (no EOS), only its first sentence.
+SmolLM2-135M-Instruct's 788 answers (``bench/natural_teacher.py``) the first-candidate rule would pass 11 more:
+8 right answers after a preamble, 3 a wrong answer or a word in passing (`is "wearen"… She wore…`). It never
+needs the answer's end (no EOS), only its first sentence.
 """
 
 from __future__ import annotations
