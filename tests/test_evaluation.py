@@ -81,6 +81,15 @@ def test_evaluate_on_micro_models(tmp_path, monkeypatch):
     # exact: the same weights scored by the same code, the same ops in the same order
     assert m["opd"]["teacher_nll"] == m["teacher"]["teacher_nll"]
     assert [a["teacher"] for a in answers] == [a["opd"] for a in answers]
+    # per kind: every task of the held-out rows, for every model; the teacher's reverse KL is 0 on each
+    tasks = {r["task"] for r in rows[:10]}
+    assert set(m["examples_per_task"]) == tasks and sum(m["examples_per_task"].values()) == 10
+    for model in ("base", "sft", "opd", "sft_continued", "teacher"):
+        for key in ("exact_match_per_task", "reverse_kl_per_task", "teacher_nll_per_task"):
+            assert set(m[model][key]) == tasks, (model, key)
+    assert set(m["teacher"]["reverse_kl_per_task"].values()) == {0.0}
+    assert max(m["opd"]["reverse_kl_per_task"].values()) < 1e-4 < min(m["base"]["reverse_kl_per_task"].values())
+    assert m["opd"]["teacher_nll_per_task"] == m["teacher"]["teacher_nll_per_task"]
     table = (Path(p.paths.eval_dir) / "table.md").read_text()
     assert table.splitlines()[0].startswith("| model | exact match")
     # learning curves: each arm's start (the sft model, distill_init), every snapshot, then the final model,
@@ -221,7 +230,7 @@ def test_evaluation_losses_from_hidden_equal_the_logits_formulas(char_tokenizer)
     import torch
 
     from ars_opd.config import EvaluateConfig
-    from ars_opd.evaluation.evaluate import _reverse_kl_on_own_samples, _teacher_nll
+    from ars_opd.evaluation.token_losses import reverse_kl_on_own_samples, teacher_nll
     from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
     from ars_opd.lm.cross_entropy import causal_lm_token_loss_sum
     from ars_opd.lm.generation import generate_token_ids
@@ -250,7 +259,7 @@ def test_evaluation_losses_from_hidden_equal_the_logits_formulas(char_tokenizer)
             n.item(),
         ]
         assert abs(
-            _teacher_nll(model, char_tokenizer, prompts, completions, cfg, vocab, cpu) - nll
+            teacher_nll(model, char_tokenizer, prompts, completions, cfg, vocab, cpu).mean - nll
         ) <= two_computations(chain_bound(lengths, nll))
         torch.manual_seed(cfg.seed)  # the samples the function draws
         samples = generate_token_ids(model, char_tokenizer, prompts, 6, batch_size=3, do_sample=True)
@@ -268,5 +277,5 @@ def test_evaluation_losses_from_hidden_equal_the_logits_formulas(char_tokenizer)
                 z.append(torch.nn.functional.linear(h.double(), head.weight.double()))
                 zb.append(linear_bound(h, head.weight))
             bound += loss_bound("divergence", z[0], zb[0], z[1], zb[1], beta=1.0)[1].item()
-        rkl = _reverse_kl_on_own_samples(model, teacher, char_tokenizer, prompts, cfg, vocab, cpu)
+        rkl = reverse_kl_on_own_samples(model, teacher, char_tokenizer, prompts, cfg, vocab, cpu).mean
     assert abs(rkl - total / count) <= two_computations(bound) / count and rkl > 0

@@ -4,10 +4,14 @@ Models: the base student, the SFT student, the two arms that start from it with 
 optimisation loop (OPD, and continued SFT as its control), and the teacher. For each, on the held-out
 prompts of the subset (the teacher_gen eval split, which carries the teacher's completions):
 
-- ``exact_match``: greedy answers compared with the ground truth where the data has a checkable one (rows of
-  the synthetic tasks, whose reference answers are verified against an independent recomputation in the
-  tests); null otherwise. Also per task. On the long-horizon tasks it counts the final answer, and ``steps``
-  adds where in the answer each model first goes wrong (``ars_opd.evaluation.steps``).
+- ``exact_match``: greedy answers compared with the ground truth where the data has a checkable one, over the
+  checkable rows only (``checkable_examples`` of ``examples``); null when there are none. Checkable rows: the
+  synthetic tasks' (the whole answer must equal the reference, whose values the tests verify against an
+  independent recomputation; on the long-horizon tasks the final answer, and ``steps`` adds where in the answer
+  each model first goes wrong: ``ars_opd.evaluation.steps``) and the natural prompts' checkable kinds (a chat
+  model answers in sentences, so the reference must appear as whole words in the answer's first sentence with
+  no other candidate before it: ``ars_opd.data.natural_check``). An open-ended row (no reference) is neither
+  right nor wrong: it has no exact match, in the overall number or per kind. Also per task.
 - ``reverse_kl``: KL(q ‖ p) per token between the model q and the teacher p, exact over the vocabulary,
   averaged over the tokens of the model's *own* samples (temperature 1, seeded) — the quantity on-policy
   distillation minimises. 0 for the teacher by definition.
@@ -15,6 +19,10 @@ prompts of the subset (the teacher_gen eval split, which carries the teacher's c
   the teacher ended the completion, none where it was cut off at its length limit:
   ``ars_opd.data.prompts.teacher_ended``) under the model — how well it imitates the teacher on the teacher's
   own text (the SFT objective).
+- per kind (``task``; rows without one are in the overall numbers only): ``examples_per_task``, and for every
+  model ``reverse_kl_per_task`` and ``teacher_nll_per_task``, token-weighted means over the kind's rows (each
+  row's per-token values summed in float64 from the same fp32 values as the overall mean, whose arithmetic is
+  untouched), beside ``exact_match_per_task`` for the checkable kinds.
 
 Generation decodes greedily, or samples softmax(z), and nothing else: a checkpoint's ``generation_config``
 (repetition penalty, min_p...) is not applied, and a completion ends at the first of any id the model stops
@@ -44,7 +52,7 @@ under a hash of everything it depends on and read back, the outputs byte for byt
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -53,18 +61,14 @@ import torch
 
 from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
 from ars_opd.config import ConfigError, EvaluateConfig, PathsConfig, to_dict
-from ars_opd.data import synthetic
+from ars_opd.data import natural_check, synthetic
 from ars_opd.data.prompts import encode_completions, encode_prompts, encode_teacher_completions
 from ars_opd.evaluation.arms import ARMS, MODELS, TRAINED
 from ars_opd.evaluation.score_cache import ScoreCache, code_versions, data_sha256, dir_sha256
 from ars_opd.evaluation.steps import step_metrics
 from ars_opd.evaluation.tables import render_table
-from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels, pad_token_id
-from ars_opd.lm.cross_entropy import shifted_targets
-from ars_opd.lm.divergences import divergence_terms
+from ars_opd.evaluation.token_losses import reverse_kl_on_own_samples, teacher_nll
 from ars_opd.lm.generation import decode_completion, eos_token_ids, generate_token_ids
-from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows, target_logprobs
-from ars_opd.lm.opd_objectives import TeacherLogits
 from ars_opd.lm.precision import frozen_model_dtype
 from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer, model_path, read_manifest
 from ars_opd.training.budget import SNAPSHOTS, matmul_parameters, read_budget
@@ -85,67 +89,6 @@ def _load(
     return model.to(device).eval().requires_grad_(False)
 
 
-def _hidden_rows(model, batch: dict, mask: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The model's last hidden states at the True positions of ``mask``: (M, H)."""
-    hidden = last_hidden_states(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-    return select_rows(hidden, mask.to(device))
-
-
-@torch.no_grad()
-def _reverse_kl_on_own_samples(
-    model, teacher, tokenizer, prompts, cfg: EvaluateConfig, vocab: int, device: torch.device
-) -> float:
-    torch.manual_seed(cfg.seed)
-    eos = eos_token_ids(model, tokenizer)  # the model's own ends, in its samples and in the mask alike
-    samples = generate_token_ids(
-        model,
-        tokenizer,
-        prompts,
-        cfg.max_new_tokens,
-        batch_size=cfg.batch_size,
-        do_sample=True,
-        temperature=1.0,
-        top_p=1.0,
-        eos_ids=eos,
-    )
-    total, n = 0.0, 0
-    pad = pad_token_id(tokenizer)
-    for i in range(0, len(prompts), cfg.batch_size):
-        b = build_rollout_batch(prompts[i : i + cfg.batch_size], samples[i : i + cfg.batch_size], pad, eos)
-        if not bool(b["loss_mask"].any()):
-            continue
-        teacher_rows = TeacherLogits(_hidden_rows(teacher, b, b["loss_mask"], device), OutputHead.of(teacher, vocab))
-        s = chunked_head_loss(
-            _hidden_rows(model, b, b["loss_mask"], device),
-            OutputHead.of(model, vocab),
-            divergence_terms(teacher_rows.rows, beta=1.0),
-            cfg.chunk_size,
-        )
-        total += float(s)
-        n += int(b["loss_mask"].sum())
-    return total / n if n else float("nan")
-
-
-@torch.no_grad()
-def _teacher_nll(
-    model, tokenizer, prompts, completions, cfg: EvaluateConfig, vocab: int, device: torch.device
-) -> float:
-    total, n = 0.0, 0
-    pad = pad_token_id(tokenizer)
-    for i in range(0, len(prompts), cfg.batch_size):
-        b = pad_right_with_labels(prompts[i : i + cfg.batch_size], completions[i : i + cfg.batch_size], pad)
-        mask, targets = shifted_targets(b["labels"])
-        (logprobs,) = target_logprobs(
-            _hidden_rows(model, b, mask, device),
-            OutputHead.of(model, vocab),
-            targets.to(device),
-            chunk_size=cfg.chunk_size,
-        )
-        total -= float(logprobs.sum())
-        n += int(targets.numel())
-    return total / n if n else float("nan")
-
-
 @dataclass
 class HeldOut:
     """The held-out prompts, encoded once, with what scoring them needs."""
@@ -164,19 +107,42 @@ class HeldOut:
         return data_sha256(self.rows, self.prompts, self.completions, self.checkable)
 
 
+def is_checkable(row: dict) -> bool:
+    """Whether a program can check a held-out row's answer: a synthetic task's or a checkable natural kind's row
+    with its reference. Open-ended rows (no reference, or a kind no rule checks) are not."""
+    task = row.get("task")
+    return row.get("reference") is not None and (task in synthetic.TASK_NAMES or task in natural_check.CHECKABLE_KINDS)
+
+
+def is_correct(row: dict, answer: str) -> bool:
+    """A checkable row's answer checked by its kind's rule: the synthetic tasks' exact match
+    (``synthetic.is_correct_for``), or the natural kinds' reference in the first sentence
+    (``natural_check.is_correct``, which needs the question the model was asked, the last user turn)."""
+    if row["task"] in synthetic.TASK_NAMES:
+        return synthetic.is_correct_for(row["task"], answer, row["reference"])
+    question = next(m["content"] for m in reversed(row["messages"]) if m["role"] == "user")
+    return natural_check.is_correct(row["task"], answer, row["reference"], question)
+
+
 def check_answer_room(tokenizer, rows: list[dict], max_new_tokens: int) -> None:
-    """Refuse, naming ``evaluate.max_new_tokens``, a budget that cuts a checkable reference answer with its EOS:
-    every such prompt would count as wrong whatever the model writes (the long-horizon tasks need ~52)."""
-    refs = [r for r in rows if r.get("task") in synthetic.TASK_NAMES and r.get("reference") is not None]
+    """Refuse, naming ``evaluate.max_new_tokens``, a budget under which a checkable row's answer can never be
+    right, whatever the model writes: a synthetic reference with its EOS (the whole answer must equal it; the
+    long-horizon tasks need ~52), or a natural kind's reference alone (it need not end the answer, only appear in
+    its first sentence, so no EOS; how much a model writes before it varies by model, so only the bare reference
+    is a bound: set the budget from the answers seen, e.g. ``bench/natural_teacher.py``)."""
+    refs = [r for r in rows if is_checkable(r)]
     if not refs:
         return
-    lengths = [len(ids) for ids in encode_completions(tokenizer, [r["reference"] for r in refs])]
+    ended = [r["task"] in synthetic.TASK_NAMES for r in refs]
+    ids = encode_completions(tokenizer, [r["reference"] for r in refs], add_eos=False)
+    lengths = [len(x) + e for x, e in zip(ids, ended)]
     longest = max(range(len(refs)), key=lengths.__getitem__)
     if lengths[longest] > max_new_tokens:
+        what = "with its EOS" if ended[longest] else "(a natural kind's reference alone)"
         raise ConfigError(
             "evaluate.max_new_tokens",
             f"{max_new_tokens} tokens cannot hold the longest checkable reference answer ({lengths[longest]} "
-            f"tokens with its EOS, task {refs[longest]['task']}): raise it to at least {lengths[longest]}",
+            f"tokens {what}, task {refs[longest]['task']}): raise it to at least {lengths[longest]}",
         )
 
 
@@ -190,7 +156,8 @@ def score_model(
     device: torch.device,
     is_teacher: bool = False,
 ) -> tuple[dict, list[str]]:
-    """(exact match overall and per task, reverse KL on own samples, teacher NLL; the greedy answers)."""
+    """(exact match over the checkable rows, overall and per task; reverse KL on own samples and teacher NLL,
+    overall and per task; the greedy answers)."""
     eos = eos_token_ids(model, tokenizer)
     greedy = generate_token_ids(
         model, tokenizer, data.prompts, cfg.max_new_tokens, batch_size=cfg.batch_size, eos_ids=eos
@@ -201,7 +168,7 @@ def score_model(
         per_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for r, t, ok in zip(data.rows, texts, data.checkable):
             if ok:
-                per_task[r["task"]][0] += int(synthetic.is_correct_for(r["task"], t, r["reference"]))
+                per_task[r["task"]][0] += int(is_correct(r, t))
                 per_task[r["task"]][1] += 1
         m["exact_match"] = sum(c for c, _ in per_task.values()) / sum(n for _, n in per_task.values())
         m["exact_match_per_task"] = {k: c / n for k, (c, n) in sorted(per_task.items())}
@@ -210,10 +177,15 @@ def score_model(
             m["steps"] = steps
     else:
         m["exact_match"] = None
-    m["reverse_kl"] = (
-        0.0 if is_teacher else _reverse_kl_on_own_samples(model, teacher, tokenizer, data.prompts, cfg, vocab, device)
-    )
-    m["teacher_nll"] = _teacher_nll(model, tokenizer, data.prompts, data.completions, cfg, vocab, device)
+    tasks = [r.get("task") for r in data.rows]
+    if is_teacher:  # KL(p || p) = 0 on every token, so on every kind
+        m["reverse_kl"] = 0.0
+        m["reverse_kl_per_task"] = {t: 0.0 for t in sorted({t for t in tasks if t is not None})}
+    else:
+        rkl = reverse_kl_on_own_samples(model, teacher, tokenizer, data.prompts, cfg, vocab, device)
+        m["reverse_kl"], m["reverse_kl_per_task"] = rkl.mean, rkl.per_task(tasks)
+    nll = teacher_nll(model, tokenizer, data.prompts, data.completions, cfg, vocab, device)
+    m["teacher_nll"], m["teacher_nll_per_task"] = nll.mean, nll.per_task(tasks)
     return m, texts
 
 
@@ -361,11 +333,12 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
         rows,
         encode_prompts(tokenizer, [r["messages"] for r in rows]),
         encode_teacher_completions(tokenizer, rows),
-        [r.get("task") in synthetic.TASK_NAMES and r.get("reference") is not None for r in rows],
+        [is_checkable(r) for r in rows],
     )
     teacher = _load(paths, "teacher", trust_remote_code, device, frozen_model_dtype(cfg.teacher_dtype, device))
     cache = ScoreCache.from_env(lambda: _cache_context(cfg, paths, trust_remote_code, device))
     metrics: dict = {"examples": len(rows), "checkable_examples": sum(data.checkable)}
+    metrics["examples_per_task"] = dict(sorted(Counter(r["task"] for r in rows if r.get("task") is not None).items()))
     answers: list[dict] = [{"id": r["id"], "task": r.get("task")} for r in rows]
     for name in MODELS:
 

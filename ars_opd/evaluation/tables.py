@@ -1,10 +1,12 @@
-"""Markdown for the evaluate and report stages: the metrics table and how a number is printed."""
+"""Markdown for the evaluate and report stages: the metrics tables and how a number is printed."""
 
 from __future__ import annotations
 
 import math
 
 from ars_opd.evaluation.arms import MODELS
+
+OPEN = "–"  # a kind without a checkable answer: no exact match, neither right nor wrong
 
 
 def fmt(v, pct: bool = False) -> str:
@@ -15,10 +17,54 @@ def fmt(v, pct: bool = False) -> str:
     return f"{v:.1%}" if pct else f"{v:.4g}"
 
 
-def render_table(metrics: dict) -> str:
-    """Markdown table: one row per model."""
+def _loss(v) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4f}"
+
+
+def per_kind_tables(metrics: dict) -> list[str]:
+    """For every kind (``task``) in the held-out data, one row per kind with its n and each model's value, in
+    three tables: exact match (``OPEN`` for a kind with no checkable answer), reverse KL and teacher NLL (per
+    token, token-weighted over the kind's rows). Empty when no row carries a kind."""
+    models = [name for name in MODELS if metrics.get(name) is not None]
+    per = {
+        key: {name: metrics[name].get(key) or {} for name in models}
+        for key in ("exact_match_per_task", "reverse_kl_per_task", "teacher_nll_per_task")
+    }
+    counts = metrics.get("examples_per_task") or {}
+    kinds = sorted({*counts, *(t for table in per.values() for d in table.values() for t in d)})
+    if not kinds:
+        return []
+    checkable = {t for d in per["exact_match_per_task"].values() for t in d}
+    head = ["| kind | n | " + " | ".join(models) + " |", "|---|---|" + "---|" * len(models)]
     lines = [
-        "| model | exact match | reverse KL to teacher (per token) | NLL of teacher completions (per token) |",
+        "",
+        f"Per kind (n: held-out rows of the kind; exact match only where a program checks the answer, {OPEN} for "
+        "an open-ended kind, which has no right answer; reverse KL and teacher NLL per token over the kind's "
+        "tokens):",
+    ]
+    for key, title in (
+        ("exact_match_per_task", "Exact match"),
+        ("reverse_kl_per_task", "Reverse KL to teacher (per token)"),
+        ("teacher_nll_per_task", "NLL of teacher completions (per token)"),
+    ):
+        if not any(per[key].values()):  # metrics written before this key existed, or no checkable kind
+            continue
+        lines += ["", f"{title}:", "", *head]
+        for t in kinds:
+            if key == "exact_match_per_task":
+                cells = [fmt(per[key][m].get(t), pct=True) if t in checkable else OPEN for m in models]
+            else:
+                cells = [_loss(per[key][m].get(t)) for m in models]
+            lines.append(f"| {t} | {counts.get(t, '')} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_table(metrics: dict) -> str:
+    """Markdown: one row per model (exact match over the checkable rows only), then the per-kind tables."""
+    checkable, examples = metrics.get("checkable_examples"), metrics.get("examples")
+    lines = [
+        "| model | exact match (checkable rows only) | reverse KL to teacher (per token) "
+        "| NLL of teacher completions (per token) |",
         "|---|---|---|---|",
     ]
     for name in MODELS:
@@ -27,10 +73,11 @@ def render_table(metrics: dict) -> str:
             continue
         em = "n/a" if m.get("exact_match") is None else f"{m['exact_match']:.1%}"
         lines.append(f"| {name} | {em} | {m['reverse_kl']:.4f} | {m['teacher_nll']:.4f} |")
-    tasks = sorted({t for name in MODELS for t in (metrics.get(name) or {}).get("exact_match_per_task", {})})
-    if tasks:
-        lines += ["", "| model | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
-        for name in MODELS:
-            per = (metrics.get(name) or {}).get("exact_match_per_task", {})
-            lines.append(f"| {name} | " + " | ".join(f"{per.get(t, float('nan')):.1%}" for t in tasks) + " |")
+    if checkable is not None and examples is not None:
+        lines += [
+            "",
+            f"Exact match counts the {checkable} checkable rows of the {examples} held out; reverse KL and "
+            "teacher NLL count every row.",
+        ]
+    lines += per_kind_tables(metrics)
     return "\n".join(lines) + "\n"
