@@ -71,6 +71,36 @@ def test_a_lora_student_publishes_its_merged_weights(student):
     assert not torch.equal(state[q], student.state_dict()[q])
 
 
+def test_a_lora_student_with_dropout_is_probed_as_the_engine_computes_it(student):
+    """The engine serves the merged weights without dropout; the trainer's side of the probe runs the adapted
+    model in eval mode (dropout off) and leaves every module's mode as it found it."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "v_proj"])
+    adapted = get_peft_model(copy.deepcopy(student), config)
+    with torch.no_grad():  # a trained adapter: B is zero at initialisation
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(7))
+    adapted.train()
+    served = copy.deepcopy(student)  # what the engine loads: the merged weights
+    served.load_state_dict(engine_state_dict(adapted), strict=False)
+    ids = probe_ids(student.config.vocab_size, 33, seed=5)
+    engine, _ = trainer_logprobs(served, ids, torch.device("cpu"))
+    trainer, max_logit = trainer_logprobs(adapted, ids, torch.device("cpu"))
+    bound = probe_bound(student.config, len(ids) - 1, max_logit, student.config.vocab_size)
+    assert check_probe(engine.tolist(), trainer, None, bound, "http://engine", 0).max_abs_diff <= bound
+    assert all(m.training for m in adapted.modules())  # train mode restored, dropout included
+    # the instrument has the power to see dropout: the adapted model's forward in train mode is far off
+    from ars_opd.lm.head import OutputHead, last_hidden_states
+
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        z = OutputHead.of(adapted).logits(last_hidden_states(adapted, x, torch.ones_like(x))[0, :-1])
+    dropped = torch.log_softmax(z.double(), -1).gather(-1, x[0, 1:, None])[:, 0]
+    assert float((dropped - engine).abs().max()) > 10 * bound
+
+
 def test_the_probe_bound_covers_the_trainer_against_a_float64_oracle(student):
     ids = probe_ids(student.config.vocab_size, 33, seed=5)
     got, max_logit = trainer_logprobs(student, ids, torch.device("cpu"))

@@ -25,9 +25,11 @@ a run must state its tolerance (``opd.engine.probe_tolerance``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -70,14 +72,29 @@ def probe_ids(vocab: int, length: int, seed: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the block, each module's own mode restored after. The engine computes the
+    published weights without dropout, so the trainer's side of the probe must too: a LoRA adapter's dropout
+    (or any other) in train mode moved the probe by 0.058 against a bound of 1.7e-4."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 @torch.no_grad()
 def trainer_logprobs(model: torch.nn.Module, ids: list[int], device: torch.device) -> tuple[torch.Tensor, float]:
-    """log p(ids[t] | ids[:t]) for t ≥ 1 under ``model`` in fp32, as float64 (len − 1,), and max |logit|.
-    Every rank calls when the model is sharded (the forward is a collective)."""
+    """log p(ids[t] | ids[:t]) for t ≥ 1 under ``model`` in fp32 and in eval mode (``eval_mode``), as float64
+    (len − 1,), and max |logit|. Every rank calls when the model is sharded (the forward is a collective)."""
     from ars_opd.lm.head import OutputHead, last_hidden_states
 
     x = torch.tensor([ids], dtype=torch.long, device=device)
-    hidden = last_hidden_states(model, x, torch.ones_like(x))[0, :-1].float()  # (T-1, H)
+    with eval_mode(model):
+        hidden = last_hidden_states(model, x, torch.ones_like(x))[0, :-1].float()  # (T-1, H)
     head = OutputHead.of(model)
     logits = head.logits(hidden).float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None]).squeeze(-1)
