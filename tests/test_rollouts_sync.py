@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from ars_opd.models.builtin import build_causal_lm
-from ars_opd.rollouts.engine_api import Rollout
 from ars_opd.rollouts.schedule import EngineRollouts, RolloutPlan
 from ars_opd.rollouts.verify import StaleEngineError, check_probe, probe_bound, probe_ids, trainer_logprobs
-from ars_opd.rollouts.weights import PREFIX, Transfer, engine_state_dict, write_version
+from ars_opd.rollouts.weights import PREFIX, engine_state_dict, write_version
+from in_process_engine import RecordingEngine
 from tiny_models import SYNC_ARCH, perturbed, sync_student
 
 
@@ -124,35 +124,6 @@ def test_the_probe_refuses_an_engine_that_kept_the_previous_version(student):
         check_probe(old.tolist(), new, old, bound, "http://engine", 4)
     with pytest.raises(StaleEngineError, match="scored 3 probe positions"):
         check_probe([0.0, 0.0, 0.0], new, old, bound, "http://engine", 4)
-
-
-class RecordingEngine:
-    """An engine in this process, client and transport at once: ``publish`` loads a version into its copy of the
-    model, ``prompt_logprobs`` scores the probe with that copy, and ``generate`` answers one token per prompt and
-    records, for the step its prompts belong to (``prompt[0] - 10``), the version it held when asked."""
-
-    url = "in-process"
-
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.version = copy.deepcopy(model), None
-        self.sampled_by: dict[int, int] = {}
-        self.published: list[int] = []
-
-    def publish(self, state, version):
-        self.model.load_state_dict(state, strict=False)
-        self.version = version
-        self.published.append(version)
-        return Transfer(0, 0.0, 0.0)
-
-    def close(self):
-        pass
-
-    def prompt_logprobs(self, ids):
-        return trainer_logprobs(self.model, ids, torch.device("cpu"))[0].tolist()
-
-    def generate(self, prompts, spec, seeds):
-        self.sampled_by[prompts[0][0] - 10] = self.version
-        return [Rollout([2], [-1.0], "stop") for _ in prompts]
 
 
 def _schedule(student, steps: int, lag: int, every: int, teacher_steps=frozenset()):

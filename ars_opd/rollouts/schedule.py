@@ -48,7 +48,14 @@ import torch
 import torch.distributed as dist
 
 from ars_opd.rollouts.engine_api import EngineError
-from ars_opd.rollouts.verify import ProbeResult, check_probe, probe_bound, probe_ids, trainer_logprobs
+from ars_opd.rollouts.verify import (
+    ProbeResult,
+    check_probe,
+    probe_bound,
+    probe_ids,
+    published_model,
+    trainer_logprobs,
+)
 from ars_opd.rollouts.weights import FilesystemTransport, engine_state_dict
 from ars_opd.seeding import derive_seed
 
@@ -102,7 +109,8 @@ class EngineRollouts:
         self.version: int | None = None  # what the engine holds (None: nothing of ours yet)
         self.pending: dict[int, Requested] = {}
         self.done: dict[int, tuple[Requested, list]] = {}
-        self.previous_probe: torch.Tensor | None = None
+        self.previous_probe: torch.Tensor | None = None  # rank 0's
+        self._published: torch.nn.Module | None = None  # rank 0's probe model (verify.published_model)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ars-opd-rollouts")
         self.last_sync: dict = {}
 
@@ -202,12 +210,16 @@ class EngineRollouts:
             dist.barrier()  # every worker's requests have drained before the engine loads
         state = engine_state_dict(model)  # a collective when sharded
         ids = probe_ids(_vocab(model), self.plan.probe_tokens, self.plan.seed)
-        trainer, max_logit = trainer_logprobs(model, ids, device)  # a collective when sharded
         outcome: dict = {}
         failure: Exception | None = None
+        trainer = None
         if self.rank == 0:
             try:
                 sent = self._transport(device).publish(state, step)
+                # the trainer's side of the probe: a forward of exactly the fp32 weights just published
+                self._published = published_model(model, state, self._published)
+                probe_device = device if self._published is model else torch.device("cpu")
+                trainer, max_logit = trainer_logprobs(self._published, ids, probe_device)
                 bound = self.plan.probe_tolerance or probe_bound(_config(model), len(ids) - 1, max_logit, _vocab(model))
                 where = f"{self.client.url} (serving {self.client.model})"
                 probe = check_probe(self.client.prompt_logprobs(ids), trainer, self.previous_probe, bound, where, step)
@@ -223,7 +235,8 @@ class EngineRollouts:
             outcome = box[0]
         if "error" in outcome:
             raise failure if failure is not None else outcome["error"]
-        self.previous_probe = trainer
+        if self.rank == 0:
+            self.previous_probe = trainer
         self.version = step
         outcome["sync_s"] = time.perf_counter() - t0
         return outcome

@@ -101,6 +101,28 @@ def trainer_logprobs(model: torch.nn.Module, ids: list[int], device: torch.devic
     return logp.double().cpu(), float(logits.abs().max())
 
 
+def published_model(model: torch.nn.Module, state: dict[str, torch.Tensor], cached: torch.nn.Module | None):
+    """The module whose forward is the trainer's side of the probe, on rank 0, for the weights ``state`` it just
+    published: ``model`` itself where its forward computes exactly those weights in fp32 (a plain or DDP
+    student; a LoRA one, merged for the engine, in eval mode), else a plain fp32 copy of the student holding
+    ``state``'s tensors (``cached``, when given, reused: its parameters are replaced). The copy is for a
+    sharded (FSDP2) student, whose forward runs in FSDP's parameter dtype (bf16 under mixed precision: 3.5e-3
+    from the fp32 engine against a bound of 2.0e-4, refused as a stale engine at version 0) and is a collective;
+    the state is on the CPU (gathered there), so the copy adds no accelerator memory."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return model
+    plain = cached
+    if plain is None:
+        cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 subclasses the model
+        plain = cls(model.config).to(torch.float32).eval()
+    plain.load_state_dict(state, strict=False, assign=True)
+    if getattr(plain.config.get_text_config(), "tie_word_embeddings", False):
+        plain.tie_weights()
+    return plain
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """One sync's check: the engine's distance from the published version, the bound, and how far the update
