@@ -129,7 +129,11 @@ def _engine_seeds(scenario: str, rank: int, world: int = 2) -> list[int]:
     stage_seed = derive_seed(job.ddp.seed, "opd")
     sampler_seed, rng_seed = scenario_seeds(scenario, stage_seed, rank)
     ctx = WorkerContext(rank, world, rank, torch.device("cpu"), "gloo")
-    setup = WorkerSetup(ctx, None, None, sampler_seed, stage_seed, None, rng_seed=rng_seed)
+    from ars_opd.data import synthetic
+    from ars_opd.models.tokenizer import build_char_word_tokenizer
+
+    tokenizer = build_char_word_tokenizer(synthetic.instruction_words())  # its ids: the probe's (no sync here)
+    setup = WorkerSetup(ctx, tokenizer, None, sampler_seed, stage_seed, None, rng_seed=rng_seed)
     rollouts = engine_rollouts(job, setup, (2,))
     recorder = rollouts.client = _Recorder()
     rollouts.version = 3  # the engine holds this step's version: no sync (a collective) before the requests

@@ -73,6 +73,7 @@ class RolloutPlan:
     probe_tokens: int = 32
     probe_tolerance: float | None = None  # None: the derived fp32 bound
     transport: str = "filesystem"  # filesystem | nccl (ars_opd.rollouts.nccl_sync)
+    vocab: int | None = None  # the tokenizer's ids, which the probe draws from (None: every output row)
 
 
 @dataclass
@@ -209,18 +210,20 @@ class EngineRollouts:
         if self.world > 1:
             dist.barrier()  # every worker's requests have drained before the engine loads
         state = engine_state_dict(model)  # a collective when sharded
-        ids = probe_ids(_vocab(model), self.plan.probe_tokens, self.plan.seed)
+        ids = probe_ids(self.plan.vocab or _vocab(model), self.plan.probe_tokens, self.plan.seed)
         outcome: dict = {}
         failure: Exception | None = None
         trainer = None
         if self.rank == 0:
             try:
                 sent = self._transport(device).publish(state, step)
-                # the trainer's side of the probe: a forward of exactly the fp32 weights just published
+                # the trainer's side of the probe: a forward of exactly the fp32 weights just published, normalised
+                # over the ids the engine normalises over (its answer says; vLLM: every output row)
+                vocab = sent.vocab or _vocab(model)
                 self._published = published_model(model, state, self._published)
                 probe_device = device if self._published is model else torch.device("cpu")
-                trainer, max_logit = trainer_logprobs(self._published, ids, probe_device)
-                bound = self.plan.probe_tolerance or probe_bound(_config(model), len(ids) - 1, max_logit, _vocab(model))
+                trainer, max_logit = trainer_logprobs(self._published, ids, probe_device, vocab)
+                bound = self.plan.probe_tolerance or probe_bound(_config(model), len(ids) - 1, max_logit, vocab)
                 where = f"{self.client.url} (serving {self.client.model})"
                 probe = check_probe(self.client.prompt_logprobs(ids), trainer, self.previous_probe, bound, where, step)
                 outcome = _sync_row(probe, sent.bytes, sent.write_s, sent.load_s)

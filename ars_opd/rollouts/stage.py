@@ -68,9 +68,10 @@ class WorkerPlace(NamedTuple):
 
 
 def worker_rollouts(
-    endpoint: RolloutEndpoint | None, cfg: OPDConfig, place: WorkerPlace, eos_ids: tuple[int, ...]
+    endpoint: RolloutEndpoint | None, cfg: OPDConfig, place: WorkerPlace, eos_ids: tuple[int, ...], vocab: int
 ) -> EngineRollouts:
-    """The side of the stage's engine (``endpoint``, which ``stage_engine`` yielded) of the worker at ``place``."""
+    """The side of the stage's engine (``endpoint``, which ``stage_engine`` yielded) of the worker at ``place``;
+    ``vocab``: the tokenizer's ids (the probe draws from them)."""
     if endpoint is None:
         raise ValueError("opd.rollouts: engine, but the job carries no rollout engine (run_opd resolves it)")
     plan = RolloutPlan(
@@ -83,6 +84,7 @@ def worker_rollouts(
         probe_tokens=cfg.engine.probe_tokens,
         probe_tolerance=cfg.engine.probe_tolerance,
         transport=cfg.engine.transport,
+        vocab=vocab,
     )
     spec = SamplingSpec(cfg.sample_temperature, cfg.top_p, cfg.max_new_tokens, tuple(eos_ids))
     client = EngineClient(endpoint.url, endpoint.model, endpoint.settings, cfg.engine.concurrency)

@@ -67,7 +67,9 @@ def probe_bound(config, seq_len: int, max_abs_logit: float, vocab: int) -> float
 
 
 def probe_ids(vocab: int, length: int, seed: int) -> list[int]:
-    """A fixed sequence of token ids (the same for every sync of a run): seeded, any ids of the vocabulary."""
+    """A fixed sequence of token ids (the same for every sync of a run): seeded, any of the ids 0..vocab-1. The
+    caller passes the tokenizer's ids, not the output rows: an engine may refuse an id beyond its tokenizer (the
+    bundled server does, 400), and rows beyond it are padding no text holds."""
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(length)]
 
@@ -87,15 +89,18 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 
 @torch.no_grad()
-def trainer_logprobs(model: torch.nn.Module, ids: list[int], device: torch.device) -> tuple[torch.Tensor, float]:
+def trainer_logprobs(
+    model: torch.nn.Module, ids: list[int], device: torch.device, vocab: int | None = None
+) -> tuple[torch.Tensor, float]:
     """log p(ids[t] | ids[:t]) for t ≥ 1 under ``model`` in fp32 and in eval mode (``eval_mode``), as float64
-    (len − 1,), and max |logit|. Every rank calls when the model is sharded (the forward is a collective)."""
+    (len − 1,), and max |logit|; normalised over the ids 0..vocab-1, those the engine normalises over (the
+    bundled server: its tokenizer's; vLLM: every output row, padding included), None: every output row."""
     from ars_opd.lm.head import OutputHead, last_hidden_states
 
     x = torch.tensor([ids], dtype=torch.long, device=device)
     with eval_mode(model):
         hidden = last_hidden_states(model, x, torch.ones_like(x))[0, :-1].float()  # (T-1, H)
-    head = OutputHead.of(model)
+    head = OutputHead.of(model, vocab)
     logits = head.logits(hidden).float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None]).squeeze(-1)
     return logp.double().cpu(), float(logits.abs().max())

@@ -84,11 +84,13 @@ def _untied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
 @dataclass(frozen=True)
 class Transfer:
     """One version published to the engine: its bytes, the seconds spent writing it (0 when nothing is written)
-    and the seconds until the engine had loaded it."""
+    and the seconds until the engine had loaded it; ``vocab``, where the engine's answer says it, how many ids
+    its log-probabilities are normalised over (None: the student's output rows, as vLLM normalises)."""
 
     bytes: int
     write_s: float
     load_s: float
+    vocab: int | None = None
 
 
 class FilesystemTransport:
@@ -101,8 +103,10 @@ class FilesystemTransport:
     def publish(self, state: dict[str, torch.Tensor], version: int) -> Transfer:
         written = write_version(state, self.sync_dir, version)
         t0 = time.perf_counter()
-        self.client.load_weights(str(written.path))
-        return Transfer(written.bytes, written.seconds, time.perf_counter() - t0)
+        answer = self.client.load_weights(str(written.path))
+        vocab = answer.get("vocab")
+        vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+        return Transfer(written.bytes, written.seconds, time.perf_counter() - t0, vocab)
 
     def close(self) -> None:
         pass

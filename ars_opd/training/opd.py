@@ -408,7 +408,7 @@ def engine_rollouts(job: TrainingJob, setup: WorkerSetup, eos_ids: tuple[int, ..
     if job.cfg.rollouts != "engine":
         return None
     place = WorkerPlace(setup.ctx.rank, setup.ctx.world_size, setup.stage_seed, setup.rng_seed)
-    return worker_rollouts(job.rollout_engine, job.cfg, place, eos_ids)
+    return worker_rollouts(job.rollout_engine, job.cfg, place, eos_ids, len(setup.tokenizer))
 
 
 def opd_worker(job: TrainingJob) -> dict:

@@ -239,7 +239,8 @@ class TeacherEngine:
         loaded = load_state_file(self.model, path, apply=not self.options.ignore_weight_updates)
         if self.options.ignore_weight_updates:
             log.warning("fault injection: pretended to load %s and kept the old weights", path)
-        return {"loaded": loaded, "seconds": time.perf_counter() - start}
+        # "vocab": the ids its log-probabilities are normalised over (the tokenizer's), for the trainer's probe
+        return {"loaded": loaded, "seconds": time.perf_counter() - start, "vocab": self.vocab}
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()

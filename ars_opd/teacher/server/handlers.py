@@ -186,8 +186,9 @@ RPC_METHODS = ("ars_opd_load_weights",)
 
 async def collective_rpc(request: web.Request) -> web.Response:
     """vLLM's dev route ``POST /collective_rpc`` for the one method this server has: ``{"method":
-    "ars_opd_load_weights", "kwargs": {"path"}}`` -> ``{"results": [{"loaded", "seconds"}]}`` (one worker).
-    Only with ``ServerOptions.weight_updates`` (``--weight-updates``); else 404."""
+    "ars_opd_load_weights", "kwargs": {"path"}}`` -> ``{"results": [{"loaded", "seconds", "vocab"}]}`` (one
+    worker; ``vocab``: the ids its log-probabilities are normalised over, the tokenizer's). Only with
+    ``ServerOptions.weight_updates`` (``--weight-updates``); else 404."""
     engine = request.app[ENGINE_KEY]
     if not engine.options.weight_updates:
         return RequestError(
