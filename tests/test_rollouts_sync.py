@@ -6,6 +6,10 @@
 - The probe's bound holds between the trainer's fp32 forward and a float64 oracle of the same weights (the
   bound is for two fp32 forwards; one fp32 against an exact oracle must sit within half of it), and the check
   refuses an engine that still serves the previous version, saying so.
+- The version check (``ars_opd.rollouts.version_check``): the tolerance calibrated at the first sync from the
+  calibration sequences' largest difference (τ = min(bound, max(margin d0, floor))), later syncs held to it, an
+  engine off the published start refused at calibration, and an update too small to tell a stale engine apart
+  refused or logged as ``indistinguishable`` says, unless every tensor was verified exactly.
 - The schedule (``ars_opd.rollouts.schedule``) against an engine in this process that records which version
   it held when each step's rollouts were asked: over a grid of ``max_lag`` L and ``sync_every`` S, every step
   trains on rollouts at most L versions old (by the engine's own record, not the schedule's tag), with one
@@ -23,6 +27,7 @@ import torch
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.rollouts.schedule import EngineRollouts, RolloutPlan
 from ars_opd.rollouts.verify import StaleEngineError, check_probe, probe_bound, probe_ids, trainer_logprobs
+from ars_opd.rollouts.version_check import CheckSettings, VersionCheck, calibrated_tolerance, floor
 from ars_opd.rollouts.weights import PREFIX, engine_state_dict, write_version
 from in_process_engine import RecordingEngine
 from tiny_models import SYNC_ARCH, perturbed, sync_student
@@ -126,11 +131,84 @@ def test_the_probe_refuses_an_engine_that_kept_the_previous_version(student):
         check_probe([0.0, 0.0, 0.0], new, old, bound, "http://engine", 4)
 
 
+def _versions(student, n: int = 3) -> list[torch.Tensor]:
+    """The trainer's probe (sequence 0, seed 5) of ``n`` versions, each moved from the last by a small step."""
+    ids = probe_ids(student.config.vocab_size, 33, seed=5)
+    out, model = [], copy.deepcopy(student)
+    for _ in range(n):
+        out.append(trainer_logprobs(model, ids, torch.device("cpu"))[0])
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+    return out
+
+
+def test_the_tolerance_is_calibrated_at_the_first_sync_and_holds_every_later_one(student):
+    """d0 (the largest difference over the calibration's sequences) sets τ = min(bound, max(margin d0, floor));
+    a later engine within τ passes, one past it is refused, one that kept the previous version is named so."""
+    check = VersionCheck(CheckSettings(tokens=33, calibration=4, margin=8.0), seed=5, vocab=student.config.vocab_size)
+    sequences = check.sequences()
+    assert len(sequences) == 4 and len({tuple(x) for x in sequences}) == 4
+    assert sequences[0] == probe_ids(student.config.vocab_size, 33, seed=5)  # the probe of every later sync
+    trainer = [trainer_logprobs(student, ids, torch.device("cpu"))[0] for ids in sequences]
+    bound, top = 1e-2, 5.0
+    offsets = [1e-6, 3e-6, 2e-6, 4e-4]  # the engine's rounding: d0 = 4e-4, on the fourth sequence
+    engine = [(t + d).tolist() for t, d in zip(trainer, offsets)]
+    row = check.verify(0, engine, trainer, (bound, top), "http://engine")
+    tau = calibrated_tolerance(4e-4, bound, 8.0, top)
+    assert row["probe_d0"] == pytest.approx(4e-4, rel=1e-6) and tau == pytest.approx(3.2e-3, rel=1e-6)
+    assert check.tolerance == row["probe_tolerance"] == pytest.approx(tau, rel=1e-6)
+    assert check.sequences() == sequences[:1]
+    assert row["probe_separation"] is None and row["indistinguishable"] is None
+    versions = _versions(student)
+    check.previous = versions[0]
+    ok = check.verify(1, [(versions[1] + 0.9 * tau).tolist()], [versions[1]], (bound, top), "http://engine")
+    assert ok["probe_max_abs_diff"] <= tau and ok["probe_d0"] is None and ok["probe_separation"] > 2 * tau
+    with pytest.raises(StaleEngineError, match=r"version 2: .*up to 0.00\d+ \(the tolerance 0.0032\)"):
+        check.verify(2, [(versions[2] + 1.5 * tau).tolist()], [versions[2]], (bound, top), "http://engine")
+    with pytest.raises(StaleEngineError, match="matches the previous version"):
+        check.verify(2, [versions[1].tolist()], [versions[2]], (bound, top), "http://engine")
+    # the floor: a d0 of exactly 0 (the same kernels) leaves a few dozen roundings of the largest logit
+    assert calibrated_tolerance(0.0, bound, 8.0, top) == floor(top) == 64 * 2.0**-24 * 5.0
+    assert calibrated_tolerance(1.0, bound, 8.0, top) == bound  # never past the derived bound
+
+
+def test_an_engine_that_does_not_serve_the_published_start_is_refused_at_calibration(student):
+    check = VersionCheck(CheckSettings(tokens=33, calibration=2), seed=5, vocab=student.config.vocab_size)
+    trainer = [trainer_logprobs(student, ids, torch.device("cpu"))[0] for ids in check.sequences()]
+    with pytest.raises(StaleEngineError, match=r"does not serve the published start of this run, policy version 0"):
+        check.verify(0, [(t + 0.02).tolist() for t in trainer], trainer, (1e-2, 5.0), "http://engine")
+    explicit = VersionCheck(CheckSettings(tokens=33, calibration=2, tolerance=0.05), 5, student.config.vocab_size)
+    row = explicit.verify(0, [(t + 0.02).tolist() for t in trainer], trainer, (1e-2, 5.0), "http://engine")
+    assert row["probe_tolerance"] == 0.05  # an explicit tolerance is τ, and d0 is held to it
+
+
+@pytest.mark.parametrize("verdict", ["warn", "refuse"])
+def test_an_update_too_small_to_tell_apart_is_refused_or_logged_unless_every_tensor_was_exact(student, verdict):
+    check = VersionCheck(CheckSettings(tokens=33, calibration=1, indistinguishable=verdict), 5, 10**4)
+    v0 = _versions(student, 1)[0]
+    check.verify(0, [v0.tolist()], [v0], (1e-2, 5.0), "http://engine")  # τ = the floor
+    tau = check.tolerance
+    v1 = v0 + 1.5 * tau  # an update that moved the probe by 1.5 τ <= 2 τ: an engine still on v0 could pass
+    row = check.verify(1, [v1.tolist()], [v1], (1e-2, 5.0), "http://engine")
+    assert row["probe_separation"] == pytest.approx(1.5 * tau) and row["indistinguishable"] == 1.0
+    assert check.judge(dict(row), 1, exact=True, where="http://engine")["indistinguishable"] == 0.0
+    if verdict == "refuse":
+        with pytest.raises(
+            StaleEngineError, match=r"still serving version 0 would have passed.*indistinguishable: refuse"
+        ):
+            check.judge(dict(row), 1, exact=False, where="http://engine")
+    else:
+        assert check.judge(dict(row), 1, exact=False, where="http://engine")["indistinguishable"] == 1.0
+    v2 = v1 + 3 * tau
+    assert check.verify(2, [v2.tolist()], [v2], (1e-2, 5.0), "http://engine")["indistinguishable"] == 0.0
+
+
 def _schedule(student, steps: int, lag: int, every: int, teacher_steps=frozenset()):
     """Run the schedule for ``steps`` steps (the student moved after each, as an optimizer step would); the
     engine, and each step's reported lag (None on teacher-text steps)."""
     engine = RecordingEngine(student)
-    plan = RolloutPlan(steps, lag, every, Path("unused"), seed=1, rollout_seed=1, probe_tokens=8)
+    plan = RolloutPlan(steps, lag, every, Path("unused"), seed=1, rollout_seed=1, check=CheckSettings(tokens=8))
     rollouts = EngineRollouts(engine, plan, spec=None, rank=0, world=1, transport=engine)
     model, lags = copy.deepcopy(student), []
     wanted = lambda t: None if t in teacher_steps else [[10 + t, 3], [10 + t, 4]]  # noqa: E731

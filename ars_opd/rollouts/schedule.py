@@ -48,14 +48,8 @@ import torch
 import torch.distributed as dist
 
 from ars_opd.rollouts.engine_api import EngineError
-from ars_opd.rollouts.verify import (
-    ProbeResult,
-    check_probe,
-    probe_bound,
-    probe_ids,
-    published_model,
-    trainer_logprobs,
-)
+from ars_opd.rollouts.verify import probe_bound, published_model, trainer_logprobs
+from ars_opd.rollouts.version_check import CheckSettings, VersionCheck
 from ars_opd.rollouts.weights import FilesystemTransport, engine_state_dict
 from ars_opd.seeding import derive_seed
 
@@ -70,10 +64,9 @@ class RolloutPlan:
     sync_dir: Path
     seed: int  # the stage's: the probe sequence (the same on every rank)
     rollout_seed: int  # this rank's seed under the seed scenario: its requests' seeds (see the module docstring)
-    probe_tokens: int = 32
-    probe_tolerance: float | None = None  # None: the derived fp32 bound
     transport: str = "filesystem"  # filesystem | nccl (ars_opd.rollouts.nccl_sync)
     vocab: int | None = None  # the tokenizer's ids, which the probe draws from (None: every output row)
+    check: CheckSettings = CheckSettings()  # the version check (ars_opd.rollouts.version_check)
 
 
 @dataclass
@@ -110,8 +103,9 @@ class EngineRollouts:
         self.version: int | None = None  # what the engine holds (None: nothing of ours yet)
         self.pending: dict[int, Requested] = {}
         self.done: dict[int, tuple[Requested, list]] = {}
-        self.previous_probe: torch.Tensor | None = None  # rank 0's
+        self.check: VersionCheck | None = None  # rank 0's, made at the first sync (it needs the vocabulary)
         self._published: torch.nn.Module | None = None  # rank 0's probe model (verify.published_model)
+        self.tolerance: float | None = None  # the calibrated probe tolerance τ, on every rank once synced
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ars-opd-rollouts")
         self.last_sync: dict = {}
 
@@ -210,23 +204,12 @@ class EngineRollouts:
         if self.world > 1:
             dist.barrier()  # every worker's requests have drained before the engine loads
         state = engine_state_dict(model)  # a collective when sharded
-        ids = probe_ids(self.plan.vocab or _vocab(model), self.plan.probe_tokens, self.plan.seed)
         outcome: dict = {}
         failure: Exception | None = None
-        trainer = None
         if self.rank == 0:
             try:
                 sent = self._transport(device).publish(state, step)
-                # the trainer's side of the probe: a forward of exactly the fp32 weights just published, normalised
-                # over the ids the engine normalises over (its answer says; vLLM: every output row)
-                vocab = sent.vocab or _vocab(model)
-                self._published = published_model(model, state, self._published)
-                probe_device = device if self._published is model else torch.device("cpu")
-                trainer, max_logit = trainer_logprobs(self._published, ids, probe_device, vocab)
-                bound = self.plan.probe_tolerance or probe_bound(_config(model), len(ids) - 1, max_logit, vocab)
-                where = f"{self.client.url} (serving {self.client.model})"
-                probe = check_probe(self.client.prompt_logprobs(ids), trainer, self.previous_probe, bound, where, step)
-                outcome = _sync_row(probe, sent.bytes, sent.write_s, sent.load_s)
+                outcome = self._verify(step, model, state, sent, device)
             except EngineError as e:
                 failure, outcome = e, {"error": e}
             except Exception as e:  # noqa: BLE001 - raised below, on every rank
@@ -238,23 +221,33 @@ class EngineRollouts:
             outcome = box[0]
         if "error" in outcome:
             raise failure if failure is not None else outcome["error"]
-        if self.rank == 0:
-            self.previous_probe = trainer
+        self.tolerance = outcome["probe_tolerance"]
         self.version = step
         outcome["sync_s"] = time.perf_counter() - t0
         return outcome
 
-
-def _sync_row(probe: ProbeResult, nbytes: int, write_s: float, load_s: float) -> dict:
-    return {
-        "probe_max_abs_diff": probe.max_abs_diff,
-        "probe_mean_abs_diff": probe.mean_abs_diff,
-        "probe_bound": probe.bound,
-        "probe_separation": probe.separation,
-        "sync_bytes": nbytes,
-        "write_s": write_s,
-        "load_s": load_s,
-    }
+    def _verify(self, step: int, model: torch.nn.Module, state: dict, sent, device: torch.device) -> dict:
+        """Rank 0, once the engine has loaded version ``step``: the version check
+        (``ars_opd.rollouts.version_check``), the sync's row or ``StaleEngineError``. The trainer's side is a
+        forward of exactly the fp32 weights just published, normalised over the ids the engine normalises over
+        (its answer says; vLLM: every output row); the probe's ids are the tokenizer's."""
+        if self.check is None:
+            self.check = VersionCheck(self.plan.check, self.plan.seed, self.plan.vocab or _vocab(model))
+        vocab = sent.vocab or _vocab(model)
+        self._published = published_model(model, state, self._published)
+        probe_device = device if self._published is model else torch.device("cpu")
+        sequences = self.check.sequences()
+        trainer, max_logit = [], 0.0
+        for ids in sequences:
+            lp, top = trainer_logprobs(self._published, ids, probe_device, vocab)
+            trainer.append(lp)
+            max_logit = max(max_logit, top)
+        bound = probe_bound(_config(model), len(sequences[0]) - 1, max_logit, vocab)
+        where = f"{self.client.url} (serving {self.client.model})"
+        engine = [self.client.prompt_logprobs(ids) for ids in sequences]
+        row = self.check.verify(step, engine, trainer, (bound, max_logit), where)
+        row = self.check.judge(row, step, exact=False, where=where)
+        return {**row, "sync_bytes": sent.bytes, "write_s": sent.write_s, "load_s": sent.load_s}
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
@@ -277,8 +270,10 @@ ENGINE_METRICS = (
     "engine_tok_per_s",  # tokens the engine computed (prompts + samples) per second from asking to having them
     "sync_s",  # the step's weight sync: gather, write, load, probe (NaN on steps without one)
     "probe_max_abs_diff",  # the engine's largest |Δ log p| from the trainer on the probe after the sync
-    "probe_bound",  # the bound it is held to (derived for fp32, or opd.engine.probe_tolerance)
-    "probe_separation",  # how far the update moved the probe (a stale engine is caught when > 2 x bound)
+    "probe_bound",  # the derived worst-case fp32 bound
+    "probe_tolerance",  # τ, what the probe is held to: calibrated at the first sync, or opd.engine.probe_tolerance
+    "probe_separation",  # how far the update moved the probe (a stale engine is caught when > 2 x tolerance)
+    "indistinguishable",  # 1: the update was too small to tell a stale engine apart (opd.engine.indistinguishable)
     "engine_abs_dlogp",  # mean |log q_trainer − log q_engine| of the trained sampled tokens
     "importance_weight",  # sampled_token under max_lag >= 1: the mean truncated importance weight
 )
@@ -294,8 +289,10 @@ def engine_step_metrics(got: StepRollouts) -> dict[str, tuple[float, float]]:
         out["sync_s"] = (got.sync["sync_s"], 1.0)
         out["probe_max_abs_diff"] = (got.sync["probe_max_abs_diff"], 1.0)
         out["probe_bound"] = (got.sync["probe_bound"], 1.0)
-        if got.sync.get("probe_separation") is not None:
-            out["probe_separation"] = (got.sync["probe_separation"], 1.0)
+        out["probe_tolerance"] = (got.sync["probe_tolerance"], 1.0)
+        for key in ("probe_separation", "indistinguishable"):
+            if got.sync.get(key) is not None:
+                out[key] = (got.sync[key], 1.0)
     return out
 
 
