@@ -693,6 +693,10 @@ class RolloutEngineConfig:
     indistinguishable: Literal["warn", "refuse"] = "warn"
     """When an update moves the probe by at most 2 τ and the fingerprint did not verify every tensor, a stale
     engine would pass: refuse stops the stage with one line, warn logs it (the indistinguishable column)."""
+    fingerprint: bool = True
+    """After every load, compare the sha256 of each tensor the engine computes with (in the trainer's names)
+    with the published one, and refuse a mismatch by name; false: the probe alone (an engine whose hashing is
+    too slow: it reads every weight, about a second per 100M parameters on one CPU core)."""
     max_importance_weight: float = 2.0
     """Truncation c of the importance weight min(c, q_now / q_sampler) of sampled_token under max_lag >= 1."""
     max_model_len: int | None = None

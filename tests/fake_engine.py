@@ -7,7 +7,8 @@ Face model it loads from ``model_dir`` (the models-stage student, as a started e
   request's temperature from a generator seeded with its seed, up to ``max_tokens``, stopping at its stop ids)
   or, with ``prompt_logprobs``, the prompt's log-probabilities (the version probe);
 - ``POST /collective_rpc`` ``ars_opd_load_weights``: loads the published file into the model and records its
-  path (``stale``: answers and keeps its weights, as an engine that did not take them);
+  path (``stale``: answers and keeps its weights, as an engine that did not take them); ``ars_opd_fingerprint``:
+  the hashes of its model's tensors, as the bundled server gives them;
 - ``GET /health`` and ``GET /v1/models`` (its name and model directory, as vLLM lists them).
 
 ``die_after=n``: from the (n+1)-th rollout request on it is dead, as vLLM once its engine core crashed (a 500
@@ -61,6 +62,10 @@ class FakeEngine:
 
     async def collective_rpc(self, request):
         body = await request.json()
+        if body.get("method") == "ars_opd_fingerprint":
+            from ars_opd.teacher.server.weights import state_fingerprint
+
+            return web.json_response({"results": [{"tensors": state_fingerprint(self.model)}]})
         if body.get("method") != "ars_opd_load_weights":
             return web.json_response({"error": {"message": f"no method {body.get('method')}"}}, status=400)
         if self.load_error is not None:

@@ -3,8 +3,8 @@ HTTP nor a server (importable by spawned workers: tests/ is on their sys.path).
 
 ``RecordingEngine(model)`` keeps its own fp32 copy of ``model``: ``publish`` loads a version into it (a tied head
 left out, as the trainer publishes it, and re-tied), ``prompt_logprobs`` scores the probe with that copy in eval
-mode, and ``generate`` answers one token per prompt and records, for the step its prompts belong to
-(``prompt[0] - 10``), the version it held when asked.
+mode, ``fingerprint`` hashes it as the bundled server does, and ``generate`` answers one token per prompt and
+records, for the step its prompts belong to (``prompt[0] - 10``), the version it held when asked.
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ class RecordingEngine:
 
     def prompt_logprobs(self, ids):
         return trainer_logprobs(self.model, ids, torch.device("cpu"))[0].tolist()
+
+    def fingerprint(self):
+        from ars_opd.teacher.server.weights import state_fingerprint
+
+        return {"tensors": state_fingerprint(self.model)}
 
     def generate(self, prompts, spec, seeds):
         self.sampled_by[prompts[0][0] - 10] = self.version

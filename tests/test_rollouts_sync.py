@@ -185,23 +185,44 @@ def test_an_engine_that_does_not_serve_the_published_start_is_refused_at_calibra
 
 @pytest.mark.parametrize("verdict", ["warn", "refuse"])
 def test_an_update_too_small_to_tell_apart_is_refused_or_logged_unless_every_tensor_was_exact(student, verdict):
-    check = VersionCheck(CheckSettings(tokens=33, calibration=1, indistinguishable=verdict), 5, 10**4)
-    v0 = _versions(student, 1)[0]
-    check.verify(0, [v0.tolist()], [v0], (1e-2, 5.0), "http://engine")  # τ = the floor
-    tau = check.tolerance
-    v1 = v0 + 1.5 * tau  # an update that moved the probe by 1.5 τ <= 2 τ: an engine still on v0 could pass
-    row = check.verify(1, [v1.tolist()], [v1], (1e-2, 5.0), "http://engine")
-    assert row["probe_separation"] == pytest.approx(1.5 * tau) and row["indistinguishable"] == 1.0
-    assert check.judge(dict(row), 1, exact=True, where="http://engine")["indistinguishable"] == 0.0
+    """s_v <= 2 τ: an engine still on v - 1 would pass the probe. With every tensor verified exactly by the
+    fingerprint the version is proven all the same; with one tensor left to the probe it is not."""
+    from ars_opd.rollouts.fingerprint import FingerprintResult
+
+    def check_at(v1_offset: float, exact):
+        check = VersionCheck(CheckSettings(tokens=33, calibration=1, indistinguishable=verdict), 5, 10**4)
+        v0 = _versions(student, 1)[0]
+        check.verify(0, [v0.tolist()], [v0], (1e-2, 5.0), "http://engine", exact)  # τ = the floor
+        v1 = v0 + v1_offset * check.tolerance
+        return check, check.verify(1, [v1.tolist()], [v1], (1e-2, 5.0), "http://engine", exact)
+
+    everything, one_unread = FingerprintResult(12), FingerprintResult(11, ["lm_head.weight"])
+    check, row = check_at(1.5, everything)  # moved by 1.5 τ, every tensor exact: proven
+    assert row["probe_separation"] == pytest.approx(1.5 * check.tolerance) and row["indistinguishable"] == 0.0
+    assert (row["tensors_verified"], row["tensors_probe_only"]) == (12, 0)
+    assert check_at(3.0, one_unread)[1]["indistinguishable"] == 0.0  # moved by 3 τ: the probe tells them apart
     if verdict == "refuse":
-        with pytest.raises(
-            StaleEngineError, match=r"still serving version 0 would have passed.*indistinguishable: refuse"
-        ):
-            check.judge(dict(row), 1, exact=False, where="http://engine")
+        with pytest.raises(StaleEngineError, match=r"still serving version 0 would have passed.*indistinguishable"):
+            check_at(1.5, one_unread)
+        with pytest.raises(StaleEngineError, match=r"still serving version 0 would have passed"):
+            check_at(1.5, None)  # no fingerprint asked
     else:
-        assert check.judge(dict(row), 1, exact=False, where="http://engine")["indistinguishable"] == 1.0
-    v2 = v1 + 3 * tau
-    assert check.verify(2, [v2.tolist()], [v2], (1e-2, 5.0), "http://engine")["indistinguishable"] == 0.0
+        row = check_at(1.5, one_unread)[1]
+        assert row["indistinguishable"] == 1.0 and (row["tensors_verified"], row["tensors_probe_only"]) == (11, 1)
+
+
+def test_a_tensor_that_differs_is_refused_by_name_even_within_the_probe_tolerance(student):
+    from ars_opd.rollouts.fingerprint import FingerprintResult
+
+    check = VersionCheck(CheckSettings(tokens=33, calibration=1), 5, 10**4)
+    v0 = _versions(student, 1)[0]
+    stale_head = FingerprintResult(11, [], ["lm_head.weight"])
+    with pytest.raises(
+        StaleEngineError,
+        match=r"1 of its 12 tensors are not the published ones \(lm_head.weight\); "
+        r"although its probe is within",
+    ):
+        check.verify(0, [v0.tolist()], [v0], (1e-2, 5.0), "http://engine", stale_head)
 
 
 def _schedule(student, steps: int, lag: int, every: int, teacher_steps=frozenset()):

@@ -15,7 +15,9 @@ server with ``--weight-updates``, or vLLM started with ``VLLMOptions(weight_sync
   the same rollouts where the engine is deterministic. At most ``concurrency`` requests are in flight; the
   answers come back in the prompts' order, all of them or an error (never a partial list).
 - ``load_weights(path)``: ``POST /collective_rpc {"method": "ars_opd_load_weights", "kwargs": {"path"}}`` ->
-  the first worker's ``{"loaded", "seconds", ...}``.
+  the first worker's ``{"loaded", "seconds", ...}``; ``fingerprint()``: ``ars_opd_fingerprint`` the same way,
+  the sha256 of each tensor the engine computes with (``ars_opd.rollouts.fingerprint``), or None from an engine
+  without that method.
 - ``prompt_logprobs(ids)``: a scoring request (``prompt_logprobs: 0``, ``max_tokens: 1``, temperature 1):
   log p(ids[i] | ids[:i]) for i >= 1, under the served weights (the version probe).
 - ``check_alive()``: ``GET /health``.
@@ -52,6 +54,7 @@ from ars_opd.teacher.client.score import parse_prompt_logprobs
 DEAD_ENGINE_MARKER = "EngineCore encountered an issue"  # vLLM's 500 body once its engine core died
 NO_ANSWER = ("connection_error", "timeout")  # the reasons of _post's failures that got no HTTP answer
 LOAD_METHOD = "ars_opd_load_weights"
+FINGERPRINT_METHOD = "ars_opd_fingerprint"
 FINISH_REASONS = ("stop", "length")
 
 
@@ -183,6 +186,25 @@ class EngineClient:
                 f"the rollout engine {self.root} answered /collective_rpc {LOAD_METHOD} with {str(answer)[:200]}, "
                 "not {'results': [{'loaded', 'seconds'}]}: is it vLLM with the ars_opd worker extension "
                 "(VLLMOptions.weight_sync) or the bundled server with --weight-updates?"
+            )
+        return results[0]
+
+    def fingerprint(self) -> dict | None:
+        """The first worker's ``{"tensors": {name: {"sha256", "dtype", "shape", "via"}}, ...}``; None when the
+        engine has no such method (an older copy of the worker extension: its tensors are left to the probe)."""
+        body = {"method": FINGERPRINT_METHOD, "kwargs": {}}
+        try:
+            answer = asyncio.run(self._one("/collective_rpc", body, retry=False))
+        except EngineRequestError as e:
+            known = ("has no attribute", "unknown method", "no method", "is not implemented")
+            if FINGERPRINT_METHOD in str(e) and any(k in str(e) for k in known):
+                return None
+            raise
+        results = answer.get("results")
+        if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+            raise EngineResponseError(
+                f"the rollout engine {self.root} answered /collective_rpc {FINGERPRINT_METHOD} with "
+                f"{str(answer)[:200]}, not {{'results': [{{'tensors': ...}}]}}"
             )
         return results[0]
 

@@ -38,6 +38,7 @@ S1-3 each rank its own, so a scenario study reaches the engine's rollouts as it 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,9 +49,10 @@ import torch
 import torch.distributed as dist
 
 from ars_opd.rollouts.engine_api import EngineError
+from ars_opd.rollouts.fingerprint import TrainerHashes, compare
 from ars_opd.rollouts.verify import probe_bound, published_model, trainer_logprobs
 from ars_opd.rollouts.version_check import CheckSettings, VersionCheck
-from ars_opd.rollouts.weights import FilesystemTransport, engine_state_dict
+from ars_opd.rollouts.weights import FilesystemTransport, engine_state_dict, tied_aliases
 from ars_opd.seeding import derive_seed
 
 
@@ -208,8 +210,10 @@ class EngineRollouts:
         failure: Exception | None = None
         if self.rank == 0:
             try:
+                # the published tensors' hashes, computed while the engine loads them (ars_opd.rollouts.fingerprint)
+                hashes = TrainerHashes(state, tied_aliases(model)) if self.plan.check.fingerprint else None
                 sent = self._transport(device).publish(state, step)
-                outcome = self._verify(step, model, state, sent, device)
+                outcome = self._verify(step, model, (state, hashes), sent, device)
             except EngineError as e:
                 failure, outcome = e, {"error": e}
             except Exception as e:  # noqa: BLE001 - raised below, on every rank
@@ -226,11 +230,13 @@ class EngineRollouts:
         outcome["sync_s"] = time.perf_counter() - t0
         return outcome
 
-    def _verify(self, step: int, model: torch.nn.Module, state: dict, sent, device: torch.device) -> dict:
-        """Rank 0, once the engine has loaded version ``step``: the version check
-        (``ars_opd.rollouts.version_check``), the sync's row or ``StaleEngineError``. The trainer's side is a
-        forward of exactly the fp32 weights just published, normalised over the ids the engine normalises over
-        (its answer says; vLLM: every output row); the probe's ids are the tokenizer's."""
+    def _verify(self, step: int, model: torch.nn.Module, published: tuple, sent, device: torch.device) -> dict:
+        """Rank 0, once the engine has loaded version ``step`` (``published``: the state and its hashes, None
+        without a fingerprint): the version check (``ars_opd.rollouts.version_check``), the sync's row or
+        ``StaleEngineError``. The trainer's side of the probe is a forward of exactly the fp32 weights just
+        published, normalised over the ids the engine normalises over (its answer says; vLLM: every output row);
+        the probe's ids are the tokenizer's."""
+        state, hashes = published
         if self.check is None:
             self.check = VersionCheck(self.plan.check, self.plan.seed, self.plan.vocab or _vocab(model))
         vocab = sent.vocab or _vocab(model)
@@ -245,8 +251,11 @@ class EngineRollouts:
         bound = probe_bound(_config(model), len(sequences[0]) - 1, max_logit, vocab)
         where = f"{self.client.url} (serving {self.client.model})"
         engine = [self.client.prompt_logprobs(ids) for ids in sequences]
-        row = self.check.verify(step, engine, trainer, (bound, max_logit), where)
-        row = self.check.judge(row, step, exact=False, where=where)
+        t0 = time.perf_counter()
+        exact = None if hashes is None else compare(self.client.fingerprint(), hashes, 0.0)
+        if exact is not None:
+            exact = dataclasses.replace(exact, seconds=time.perf_counter() - t0)
+        row = self.check.verify(step, engine, trainer, (bound, max_logit), where, exact)
         return {**row, "sync_bytes": sent.bytes, "write_s": sent.write_s, "load_s": sent.load_s}
 
 

@@ -90,6 +90,7 @@ def worker_rollouts(
             calibration=cfg.engine.probe_calibration,
             margin=cfg.engine.probe_margin,
             indistinguishable=cfg.engine.indistinguishable,
+            fingerprint=cfg.engine.fingerprint,
         ),
     )
     spec = SamplingSpec(cfg.sample_temperature, cfg.top_p, cfg.max_new_tokens, tuple(eos_ids))

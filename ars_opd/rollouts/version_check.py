@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ars_opd.rollouts.fingerprint import FingerprintResult
 from ars_opd.rollouts.verify import U32, StaleEngineError, probe_ids
 from ars_opd.seeding import derive_seed
 
@@ -50,13 +51,14 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class CheckSettings:
     """How the version check decides (``opd.engine``'s probe_tokens, probe_tolerance, probe_calibration,
-    probe_margin, indistinguishable)."""
+    probe_margin, indistinguishable, fingerprint)."""
 
     tokens: int = 32
     tolerance: float | None = None  # τ itself (an engine outside the fp32 rounding model); None: calibrated
     calibration: int = 4  # probe sequences scored at the first sync
     margin: float = 8.0
     indistinguishable: str = "warn"  # warn | refuse
+    fingerprint: bool = True  # ask the engine for the hashes of what it holds (ars_opd.rollouts.fingerprint)
 
 
 def floor(max_abs_logit: float) -> float:
@@ -88,11 +90,17 @@ class VersionCheck:
         return out
 
     def verify(
-        self, version: int, engine: list[list[float]], trainer: list[torch.Tensor], scale: tuple, where: str
+        self,
+        version: int,
+        engine: list[list[float]],
+        trainer: list[torch.Tensor],
+        scale: tuple,
+        where: str,
+        exact: FingerprintResult | None = None,
     ) -> dict:
-        """Check the engine's log-probabilities (one list per sequence of ``sequences()``) against the trainer's;
-        ``scale``: the derived bound and the largest |logit| of the trainer's probe. The sync's row, or
-        ``StaleEngineError``."""
+        """Check the engine's log-probabilities (one list per sequence of ``sequences()``) against the trainer's,
+        and its fingerprint (``exact``; None: none was asked); ``scale``: the derived bound and the largest
+        |logit| of the trainer's probe. The sync's row, or ``StaleEngineError`` naming every finding."""
         bound, max_logit = scale
         got = []
         for values, mine in zip(engine, trainer, strict=True):
@@ -107,12 +115,14 @@ class VersionCheck:
         worst = max(float(d.max()) for d in diffs) if finite else float("inf")
         first = self.tolerance is None
         limit = self.settings.tolerance or (bound if first else self.tolerance)
-        if worst > limit:
-            raise StaleEngineError(self._refusal(version, got[0], worst, limit, where, first))
+        if worst > limit or (exact is not None and exact.mismatched):
+            raise StaleEngineError(self._refusal(version, (got[0], worst, limit), exact, where, first))
         if first:
             explicit = self.settings.tolerance
             self.tolerance = explicit or calibrated_tolerance(worst, bound, self.settings.margin, max_logit)
         separation = None if self.previous is None else float((trainer[0] - self.previous).abs().max())
+        unread = len(exact.unread) if exact is not None else None
+        proven = exact is not None and not exact.unread  # every tensor verified exactly: staleness is excluded
         row = {
             "probe_max_abs_diff": worst,
             "probe_mean_abs_diff": float(torch.cat(diffs).mean()),
@@ -120,39 +130,51 @@ class VersionCheck:
             "probe_tolerance": self.tolerance,
             "probe_d0": worst if first else None,
             "probe_separation": separation,
-            "indistinguishable": None if separation is None else float(separation <= 2 * self.tolerance),
+            "indistinguishable": None if separation is None else float(separation <= 2 * self.tolerance and not proven),
+            "tensors_verified": exact.verified if exact is not None else 0,
+            "tensors_probe_only": unread,
+            "fingerprint_s": exact.seconds if exact is not None else None,
         }
         self.previous = trainer[0]
+        if row["indistinguishable"]:
+            self._indistinguishable(row, version, where)
         return row
 
-    def judge(self, row: dict, version: int, exact: bool, where: str) -> dict:
-        """The indistinguishable verdict on a sync's ``row``: irrelevant where every tensor was verified exactly
-        (``exact``), else a refusal or a logged warning as ``indistinguishable`` says."""
-        if row.get("indistinguishable") and exact:
-            row["indistinguishable"] = 0.0
-        if row.get("indistinguishable"):
-            message = (
-                f"the update to policy version {version} moved the probe by {row['probe_separation']:.3g}, not more "
-                f"than twice the tolerance {row['probe_tolerance']:.3g}, and not every tensor could be verified "
-                f"exactly: an engine at {where} still serving version {version - 1} would have passed"
+    def _indistinguishable(self, row: dict, version: int, where: str) -> None:
+        """The verdict on an update too small to tell apart: a refusal, or a logged warning."""
+        message = (
+            f"the update to policy version {version} moved the probe by {row['probe_separation']:.3g}, not more "
+            f"than twice the tolerance {row['probe_tolerance']:.3g}, and not every tensor could be verified "
+            f"exactly: an engine at {where} still serving version {version - 1} would have passed"
+        )
+        if self.settings.indistinguishable == "refuse":
+            raise StaleEngineError(
+                f"{message}. Stopped (opd.engine.indistinguishable: refuse): raise the learning rate, lengthen the "
+                "probe (opd.engine.probe_tokens), or set opd.engine.indistinguishable: warn to go on unverified"
             )
-            if self.settings.indistinguishable == "refuse":
-                raise StaleEngineError(
-                    f"{message}. Stopped (opd.engine.indistinguishable: refuse): raise the learning rate, lengthen the "
-                    "probe (opd.engine.probe_tokens), or set opd.engine.indistinguishable: warn to go on unverified"
-                )
-            log.warning("%s (opd.engine.indistinguishable: warn)", message)
-        return row
+        log.warning("%s (opd.engine.indistinguishable: warn)", message)
 
-    def _refusal(self, version: int, got: torch.Tensor, worst: float, limit: float, where: str, first: bool) -> str:
+    def _refusal(self, version: int, probe: tuple, exact: FingerprintResult | None, where: str, first: bool) -> str:
+        """One line for every finding: the probe past its limit (``probe``: the engine's sequence 0, the largest
+        difference, the limit), the tensors whose hashes differ."""
+        got, worst, limit = probe
         what = f"the published start of this run, policy version {version}" if first else f"policy version {version}"
         held = "the derived fp32 bound" if first and not self.settings.tolerance else "the tolerance"
+        findings = []
+        if worst > limit:
+            differ = f"its log-probabilities on the probe differ from the trainer's by up to {worst:.3g}"
+            findings.append(f"{differ} ({held} {limit:.3g})")
+        if exact is not None and exact.mismatched:
+            findings.append(exact.message())
+        elif exact is not None:
+            findings.append("although every tensor it could show is the published one")
+        if worst <= limit:
+            findings.append(f"although its probe is within {held} ({worst:.3g} <= {limit:.3g})")
         stale = ""
         if self.previous is not None and float((got - self.previous).abs().max()) <= limit:
             stale = " It matches the previous version: the engine did not take the new weights."
         return (
-            f"the rollout engine at {where} does not serve {what}: its log-probabilities on the "
-            f"probe differ from the trainer's by up to {worst:.3g} ({held} {limit:.3g}).{stale} No rollout of this "
+            f"the rollout engine at {where} does not serve {what}: {'; '.join(findings)}.{stale} No rollout of this "
             "version is used. Check that the engine loads the published weights (vLLM: started with the ars-opd "
             "worker extension, or --weight-transfer-config for transport nccl; see the README's engine rollouts "
             "section)."

@@ -69,6 +69,19 @@ def engine_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return _untied(model, state)
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """The names ``engine_state_dict`` leaves out because they share a published tensor, each with that tensor's
+    name: a tied head (``{"lm_head.weight": "model.embed_tokens.weight"}``); {} when nothing is tied."""
+    base = model.get_base_model() if is_adapted(model) else model
+    if not bool(getattr(getattr(base, "config", None), "tie_word_embeddings", False)):
+        return {}
+    names = {id(module): name for name, module in base.named_modules()}
+    head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    if id(head) not in names or id(embedding) not in names:
+        return {}
+    return {f"{names[id(head)]}.weight": f"{names[id(embedding)]}.weight"}
+
+
 def _untied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop names that share a tensor with an earlier one (a tied head), as save_pretrained does."""
     base = model.get_base_model() if is_adapted(model) else model

@@ -8,8 +8,9 @@ answers. Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /stats`` (batchin
 ``echo``, answered in exactly vLLM's shape: ``ars_opd.teacher.server.scoring``) and, without
 ``prompt_logprobs``, for generating from one token-id prompt (a rollout engine's request:
 ``ars_opd.teacher.server.generation``), vLLM's ``POST /tokenize``, and, with ``--weight-updates``, vLLM's
-``POST /collective_rpc`` for one method, ``ars_opd_load_weights`` (load a published safetensors file between
-batches: ``ars_opd.teacher.server.weights``; ``--ignore-weight-updates`` is a fault injection for tests).
+``POST /collective_rpc`` for two methods, ``ars_opd_load_weights`` (load a published safetensors file between
+batches: ``ars_opd.teacher.server.weights``; ``--ignore-weight-updates`` is a fault injection for tests) and
+``ars_opd_fingerprint`` (the sha256 of every loaded tensor, for the trainer's version check).
 Each chat request's messages go through the directory's chat template (generation
 prompt appended); requests are answered by the route handlers of ``ars_opd.teacher.server.handlers``,
 prepared by ``ars_opd.teacher.server.preparation`` (validated by ``ars_opd.teacher.server.validation``) and

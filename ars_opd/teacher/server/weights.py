@@ -10,9 +10,15 @@ Tied heads: with ``tie_word_embeddings`` the output head *is* the embedding's pa
 models, so copying the embedding refreshes the head; ``tie_weights()`` runs afterwards all the same, so a
 model whose tying is done by reassignment is re-tied to the new tensor. (On vLLM CPU the head is a repacked
 copy and needs an explicit refresh: ``ars_opd.rollouts.vllm_extension``.)
+
+``state_fingerprint(model)`` answers the trainer's version check (``ars_opd.rollouts.fingerprint``): the sha256
+of every tensor of the served model, by its Hugging Face name. This server computes with its modules' own
+parameters, so every tensor is read where the forward reads it, exactly.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -66,3 +72,34 @@ def load_state_file(model: torch.nn.Module, path: str, apply: bool = True) -> in
         if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
             model.tie_weights()
     return len(state)
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """The fingerprint of one tensor: the sha256 of its bytes in C order after ``x + 0``, which writes -0.0 as
+    +0.0 and changes nothing else (a weight read back through a kernel turns -0.0 into +0.0; the two compute the
+    same). The trainer's side (``ars_opd.rollouts.fingerprint``) uses this function; vLLM's worker extension
+    repeats it verbatim."""
+    flat = (tensor.detach().reshape(-1).to("cpu") + 0).contiguous()
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def state_fingerprint(model: torch.nn.Module) -> dict[str, dict]:
+    """``{name: {"sha256", "dtype", "shape", "via": "held"}}`` for every tensor of ``model``'s state (tied names,
+    one tensor, hashed once)."""
+    out: dict[str, dict] = {}
+    hashed: dict[tuple, str] = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if key not in hashed:
+            hashed[key] = tensor_sha256(tensor)
+        out[name] = {
+            "sha256": hashed[key],
+            "dtype": dtype_name(tensor.dtype),
+            "shape": list(tensor.shape),
+            "via": "held",
+        }
+    return out
