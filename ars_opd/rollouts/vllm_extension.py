@@ -46,12 +46,18 @@ trainer's Hugging Face names, which the trainer compares with what it published
 A layer neither way can read (quantized, or a handler that rejects the identity) is left out, and the trainer
 counts it as verified by the probe alone. Hashes are of the tensor's bytes in C order with -0.0 written as
 +0.0 (the identity product turns a -0.0 weight into +0.0; the two compute the same).
+
+Fault injection, for tests only (``ars_opd_fault``): ``ignore_weight_updates`` answers loads as done and
+keeps the old weights; ``stock_reload`` loads through the stock ``reload_weights`` alone, leaving a tied head
+stale on CPU. Both let a test show that the trainer's check refuses such an engine.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+
+FAULTS = (None, "ignore_weight_updates", "stock_reload")
 
 
 def _sha256(tensor) -> str:
@@ -78,14 +84,17 @@ class ArsOpdWeightSync:
         )
 
         start = time.perf_counter()
+        fault = getattr(self, "_ars_opd_fault", None)
         weights = load_file(path, device="cpu")
-        self.reload_weights(weights_iterator=iter(weights.items()))
         refreshed = 0
-        for module in self.model_runner.model.modules():
-            method = getattr(module, "quant_method", None)
-            if isinstance(module, VocabParallelEmbedding) and isinstance(method, UnquantizedEmbeddingMethod):
-                method.process_weights_after_loading(module)
-                refreshed += 1
+        if fault != "ignore_weight_updates":
+            self.reload_weights(weights_iterator=iter(weights.items()))
+        if fault is None:
+            for module in self.model_runner.model.modules():
+                method = getattr(module, "quant_method", None)
+                if isinstance(module, VocabParallelEmbedding) and isinstance(method, UnquantizedEmbeddingMethod):
+                    method.process_weights_after_loading(module)
+                    refreshed += 1
         return {
             "loaded": len(weights),
             "seconds": time.perf_counter() - start,
@@ -102,6 +111,13 @@ class ArsOpdWeightSync:
         weights = load_file(path, device="cpu")
         self.reload_weights(weights_iterator=iter(weights.items()))
         return {"loaded": len(weights), "seconds": time.perf_counter() - start}
+
+    def ars_opd_fault(self, mode: str | None = None) -> dict:
+        """FAULT INJECTION, for tests only: how later ``ars_opd_load_weights`` calls misbehave (``FAULTS``)."""
+        if mode not in FAULTS:
+            raise ValueError(f"unknown fault {mode!r}: one of {FAULTS}")
+        self._ars_opd_fault = mode
+        return {"fault": mode}
 
     def ars_opd_fingerprint(self) -> dict:
         """``{"tensors": {hf_name: {"sha256", "dtype", "shape", "via"}}, "vocab", "seconds"}`` for every weight the

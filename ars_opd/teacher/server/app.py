@@ -233,6 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="FAULT INJECTION for tests: answer weight loads with success but keep the old weights (a stale engine)",
     )
     parser.add_argument(
+        "--keep-old-head",
+        action="store_true",
+        help="FAULT INJECTION for tests: load every tensor but the output head, which keeps its old values",
+    )
+    parser.add_argument(
         "--parent-pid",
         type=int,
         help="stop when this process is gone (the stage that started the server, even after a kill -9 of it)",
@@ -251,8 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=args.dtype,
             log_requests=args.log_requests,
             max_logprobs=args.max_logprobs,
-            weight_updates=args.weight_updates or args.ignore_weight_updates,
+            weight_updates=args.weight_updates or args.ignore_weight_updates or args.keep_old_head,
             ignore_weight_updates=args.ignore_weight_updates,
+            keep_old_head=args.keep_old_head,
             parent_pid=args.parent_pid,
         )
         run_server(args.model_dir, options, args.host, args.port, args.ready_file)

@@ -237,9 +237,12 @@ class TeacherEngine:
 
     def _load_weights(self, path: str) -> dict:
         start = time.perf_counter()
-        loaded = load_state_file(self.model, path, apply=not self.options.ignore_weight_updates)
-        if self.options.ignore_weight_updates:
-            log.warning("fault injection: pretended to load %s and kept the old weights", path)
+        options = self.options
+        loaded = load_state_file(self.model, path, not options.ignore_weight_updates, options.keep_old_head)
+        if options.ignore_weight_updates or options.keep_old_head:
+            log.warning(
+                "fault injection: loaded %s but kept the old %s", path, "head" if options.keep_old_head else "weights"
+            )
         # "vocab": the ids its log-probabilities are normalised over (the tokenizer's), for the trainer's probe
         return {"loaded": loaded, "seconds": time.perf_counter() - start, "vocab": self.vocab}
 

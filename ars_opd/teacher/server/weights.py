@@ -39,17 +39,22 @@ def _read(path: str) -> dict[str, torch.Tensor]:
         raise RequestError(400, f"cannot read {path} as safetensors: {e}", "invalid_value", "path") from None
 
 
-def load_state_file(model: torch.nn.Module, path: str, apply: bool = True) -> int:
+def load_state_file(model: torch.nn.Module, path: str, apply: bool = True, keep_head: bool = False) -> int:
     """Copy the tensors of the safetensors file ``path`` into ``model``'s parameters and buffers in place;
     return how many tensors the file holds. ``apply=False`` reads and checks the file and copies nothing
-    (the fault injection of ``ServerOptions.ignore_weight_updates``). ``RequestError`` (400) when the file
-    does not fit the model; the model is then unchanged."""
+    (the fault injection of ``ServerOptions.ignore_weight_updates``); ``keep_head`` copies everything but the
+    output head (``ServerOptions.keep_old_head``, ``_keep_head``). ``RequestError`` (400) when the file does not
+    fit the model; the model is then unchanged."""
+    if keep_head:
+        _untie_head(model)
     state = _read(path)
     targets = dict(model.state_dict(keep_vars=True))  # every name, tied duplicates included
     unknown = sorted(set(state) - set(targets))
     if unknown:
         raise RequestError(400, f"{path} has tensors the served model does not: {unknown[:5]}", "invalid_value")
     loaded_storage = {targets[n].data_ptr() for n in state}
+    if keep_head:  # the head the fault keeps is not looked for in the file
+        loaded_storage.add(model.get_output_embeddings().weight.data_ptr())
     missing = sorted(n for n, t in targets.items() if n not in state and t.data_ptr() not in loaded_storage)
     if missing:
         raise RequestError(400, f"{path} lacks tensors of the served model: {missing[:5]}", "invalid_value")
@@ -66,12 +71,23 @@ def load_state_file(model: torch.nn.Module, path: str, apply: bool = True) -> in
         if first is not tensor and not torch.equal(first, tensor):
             raise RequestError(400, f"{path}: {name} is tied to another tensor of the file but differs from it")
     if apply:
+        head = model.get_output_embeddings().weight if keep_head else None
         with torch.no_grad():
             for name, tensor in state.items():
-                targets[name].copy_(tensor)
-        if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+                if targets[name] is not head:
+                    targets[name].copy_(tensor)
+        if getattr(model.config.get_text_config(), "tie_word_embeddings", False) and not keep_head:
             model.tie_weights()
     return len(state)
+
+
+def _untie_head(model: torch.nn.Module) -> None:
+    """FAULT INJECTION: give a head tied to the input embedding its own copy of the current values, so that a
+    load can move the embedding and keep the old head ("new embedding, old head", what vLLM CPU's stock
+    ``reload_weights`` serves)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head.weight is embedding.weight:
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
