@@ -9,6 +9,7 @@ Face model it loads from ``model_dir`` (the models-stage student, as a started e
 - ``POST /collective_rpc`` ``ars_opd_load_weights``: loads the published file into the model and records its
   path (``stale``: answers and keeps its weights, as an engine that did not take them); ``ars_opd_fingerprint``:
   the hashes of its model's tensors, as the bundled server gives them;
+- ``POST /reset_prefix_cache``: counted, answered as vLLM answers it;
 - ``GET /health`` and ``GET /v1/models`` (its name and model directory, as vLLM lists them).
 
 ``die_after=n``: from the (n+1)-th rollout request on it is dead, as vLLM once its engine core crashed (a 500
@@ -42,9 +43,11 @@ class FakeEngine:
         self.stale, self.die_after, self.load_error = stale, die_after, load_error
         self.loaded: list[str] = []  # the paths it was asked to load
         self.rollouts = 0  # rollout requests answered
+        self.resets = 0  # prefix-cache resets asked (it has no cache: each answered as vLLM answers)
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/collective_rpc", self.collective_rpc)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         self.server = ServerThread(app)
@@ -80,6 +83,10 @@ class FakeEngine:
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
         return web.json_response({"results": [{"loaded": len(state), "seconds": 0.0}]})
+
+    async def reset_prefix_cache(self, request):
+        self.resets += 1
+        return web.json_response({"success": True})
 
     async def completions(self, request):
         body = await request.json()

@@ -39,6 +39,9 @@ class RecordingEngine:
     def prompt_logprobs(self, ids):
         return trainer_logprobs(self.model, ids, torch.device("cpu"))[0].tolist()
 
+    def reset_prefix_cache(self):
+        pass  # no prefix cache
+
     def fingerprint(self):
         from ars_opd.teacher.server.weights import state_fingerprint
 

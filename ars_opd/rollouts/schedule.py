@@ -213,6 +213,8 @@ class EngineRollouts:
                 # the published tensors' hashes, computed while the engine loads them (ars_opd.rollouts.fingerprint)
                 hashes = TrainerHashes(state, tied_aliases(model)) if self.plan.check.fingerprint else None
                 sent = self._transport(device).publish(state, step)
+                if sent.prefix_cache is not False:  # no rollout may reuse KV blocks of the old weights
+                    self.client.reset_prefix_cache()
                 outcome = self._verify(step, model, (state, hashes), sent, device)
             except EngineError as e:
                 failure, outcome = e, {"error": e}

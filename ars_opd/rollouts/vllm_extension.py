@@ -8,7 +8,9 @@ this file imports only the standard library at the top, and torch, safetensors a
 vLLM with what weight sync needs, each flag for a reason measured on vLLM CPU 0.32 (fp32):
 
 - ``VLLM_SERVER_DEV_MODE=1``: enables ``POST /collective_rpc`` ``{"method", "kwargs"}`` ->
-  ``{"results": [one value per worker]}``, the route the trainer calls;
+  ``{"results": [one value per worker]}``, the route the trainer calls, and ``POST /reset_prefix_cache``,
+  which the trainer calls after every load: vLLM keeps cached prefixes across ``reload_weights`` and a rollout
+  request reads them, so KV blocks computed under the old weights would be reused for a shared prefix;
 - ``--worker-extension-cls ars_opd_vllm_ext.ArsOpdWeightSync`` with ``PYTHONPATH`` holding the copy: vLLM mixes
   this class into its worker, so ``self`` below is the worker (``self.model_runner.model``: the model);
 - ``--generation-config vllm``: the checkpoint's ``generation_config.json`` (a repetition penalty, top-k...)

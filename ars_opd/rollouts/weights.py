@@ -98,12 +98,15 @@ def _untied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
 class Transfer:
     """One version published to the engine: its bytes, the seconds spent writing it (0 when nothing is written)
     and the seconds until the engine had loaded it; ``vocab``, where the engine's answer says it, how many ids
-    its log-probabilities are normalised over (None: the student's output rows, as vLLM normalises)."""
+    its log-probabilities are normalised over (None: the student's output rows, as vLLM normalises);
+    ``prefix_cache``: False where the engine says it has no prefix cache to reset (the bundled server), None
+    where it does not say (vLLM: it has one)."""
 
     bytes: int
     write_s: float
     load_s: float
     vocab: int | None = None
+    prefix_cache: bool | None = None
 
 
 class FilesystemTransport:
@@ -119,7 +122,9 @@ class FilesystemTransport:
         answer = self.client.load_weights(str(written.path))
         vocab = answer.get("vocab")
         vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
-        return Transfer(written.bytes, written.seconds, time.perf_counter() - t0, vocab)
+        cache = answer.get("prefix_cache")
+        cache = cache if isinstance(cache, bool) else None
+        return Transfer(written.bytes, written.seconds, time.perf_counter() - t0, vocab, cache)
 
     def close(self) -> None:
         pass

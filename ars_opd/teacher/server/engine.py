@@ -243,8 +243,9 @@ class TeacherEngine:
             log.warning(
                 "fault injection: loaded %s but kept the old %s", path, "head" if options.keep_old_head else "weights"
             )
-        # "vocab": the ids its log-probabilities are normalised over (the tokenizer's), for the trainer's probe
-        return {"loaded": loaded, "seconds": time.perf_counter() - start, "vocab": self.vocab}
+        # "vocab": the ids its log-probabilities are normalised over (the tokenizer's), for the trainer's probe;
+        # "prefix_cache": none here (every batch computes its prompts afresh), so nothing for the trainer to reset
+        return {"loaded": loaded, "seconds": time.perf_counter() - start, "vocab": self.vocab, "prefix_cache": False}
 
     async def fingerprint(self) -> dict:
         """The sha256 of every tensor the served model computes with (``weights.state_fingerprint``), between

@@ -186,8 +186,9 @@ RPC_METHODS = ("ars_opd_load_weights", "ars_opd_fingerprint")
 
 async def collective_rpc(request: web.Request) -> web.Response:
     """vLLM's dev route ``POST /collective_rpc`` for this server's two methods: ``{"method":
-    "ars_opd_load_weights", "kwargs": {"path"}}`` -> ``{"results": [{"loaded", "seconds", "vocab"}]}`` (one
-    worker; ``vocab``: the ids its log-probabilities are normalised over, the tokenizer's), and ``{"method":
+    "ars_opd_load_weights", "kwargs": {"path"}}`` -> ``{"results": [{"loaded", "seconds", "vocab",
+    "prefix_cache": false}]}`` (one worker; ``vocab``: the ids its log-probabilities are normalised over, the
+    tokenizer's; no prefix cache for the trainer to reset), and ``{"method":
     "ars_opd_fingerprint"}`` -> ``{"results": [{"tensors": {name: {"sha256", ...}}, "vocab", "seconds"}]}``
     (``ars_opd.teacher.server.weights.state_fingerprint``). Only with ``ServerOptions.weight_updates``
     (``--weight-updates``); else 404."""
