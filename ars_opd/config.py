@@ -693,6 +693,11 @@ class RolloutEngineConfig:
     indistinguishable: Literal["warn", "refuse"] = "warn"
     """When an update moves the probe by at most 2 τ and the fingerprint did not verify every tensor, a stale
     engine would pass: refuse stops the stage with one line, warn logs it (the indistinguishable column)."""
+    dlogp_check: Literal["refuse", "warn"] = "refuse"
+    """At lag 0 the engine sampled with the weights just verified, so the step's mean |log q_engine - log
+    q_trainer| of its trained tokens is rounding and must be within the probe's tolerance τ; past it (an engine
+    restarted between syncs, stale in its decode path or its prefix cache): refuse stops the stage before the
+    step's update, warn logs it. Lag >= 1 (the policy's drift) and a bf16 or dropout training forward: logged only."""
     fingerprint: bool = True
     """After every load, compare the sha256 of each tensor the engine computes with (in the trainer's names)
     with the published one, and refuse a mismatch by name; false: the probe alone (an engine whose hashing is
@@ -732,6 +737,9 @@ class RolloutEngineConfig:
             self.indistinguishable in ("warn", "refuse"),
             "indistinguishable",
             f"must be warn or refuse, got {self.indistinguishable!r}",
+        )
+        _require(
+            self.dlogp_check in ("refuse", "warn"), "dlogp_check", f"must be refuse or warn, got {self.dlogp_check!r}"
         )
         _require(self.max_importance_weight >= 1, "max_importance_weight", "must be >= 1")
         _require(

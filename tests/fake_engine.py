@@ -14,11 +14,14 @@ Face model it loads from ``model_dir`` (the models-stage student, as a started e
 
 ``die_after=n``: from the (n+1)-th rollout request on it is dead, as vLLM once its engine core crashed (a 500
 "EngineCore encountered an issue", ``/health`` 503). ``load_error=(status, body)``: every load is answered so
-(a vLLM error body, say).
+(a vLLM error body, say). ``stale_sampling``: it samples with the weights it started with whatever it loaded,
+while the probe and the fingerprint see the loaded ones (as an engine restarted between a sync and its
+rollouts, or stale only in its decode path).
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -35,12 +38,15 @@ class FakeEngine:
         stale: bool = False,
         die_after: int | None = None,
         load_error: tuple[int, dict] | None = None,
+        stale_sampling: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
         self.model_dir, self.name = str(model_dir), name
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
         self.stale, self.die_after, self.load_error = stale, die_after, load_error
+        # what it samples with: the loaded model, or (stale_sampling) the weights it started with
+        self.sampler = copy.deepcopy(self.model) if stale_sampling else self.model
         self.loaded: list[str] = []  # the paths it was asked to load
         self.rollouts = 0  # rollout requests answered
         self.resets = 0  # prefix-cache resets asked (it has no cache: each answered as vLLM answers)
@@ -102,8 +108,8 @@ class FakeEngine:
         return web.json_response({"choices": [self._rollout(ids, body)]})
 
     @torch.no_grad()
-    def _logprobs(self, ids: list[int]) -> torch.Tensor:
-        return torch.log_softmax(self.model(torch.tensor([ids])).logits[0].double(), -1)
+    def _logprobs(self, ids: list[int], model=None) -> torch.Tensor:
+        return torch.log_softmax((model or self.model)(torch.tensor([ids])).logits[0].double(), -1)
 
     def _rollout(self, prompt: list[int], body: dict) -> dict:
         generator = torch.Generator().manual_seed(int(body["seed"]))
@@ -112,7 +118,7 @@ class FakeEngine:
         logprobs: list[float] = []
         finish = "length"
         for _ in range(int(body["max_tokens"])):
-            logp = self._logprobs(prompt + out)[-1]
+            logp = self._logprobs(prompt + out, self.sampler)[-1]
             if temperature == 0:
                 token = int(logp.argmax())
             else:

@@ -1,6 +1,9 @@
 """Engine rollouts on a student whose output embedding has more rows than its tokenizer has ids (as Qwen's
 151,936 rows against 151,665 ids), and on a vLLM that caches prefixes.
 
+- **vLLM's prefix cache across a load.** With prefix caching on (vLLM's default), rollouts after a load alone
+  reuse KV blocks of the old weights for a shared prefix while the probe passes; the stage's sync resets the
+  cache after every load, and the lag-0 check would refuse the stale rollouts.
 - **The probe's vocabulary.** The probe draws its ids from the tokenizer's (the bundled server refuses an id
   beyond them with a 400), and the trainer normalises its log-probabilities over exactly the ids the engine
   normalises over: the bundled server's tokenizer ids, vLLM's every output row (its logits processor keeps
@@ -17,7 +20,7 @@ import torch
 
 from ars_opd.rollouts.engine_api import EngineClient
 from ars_opd.rollouts.schedule import EngineRollouts, RolloutPlan
-from ars_opd.rollouts.verify import probe_bound, probe_ids, trainer_logprobs
+from ars_opd.rollouts.verify import StaleEngineError, probe_bound, probe_ids, trainer_logprobs
 from ars_opd.teacher.server import app as teacher_server
 from ars_opd.teacher.server.options import ServerOptions
 from server_thread import ServerThread
@@ -192,3 +195,7 @@ def test_every_load_resets_vllms_prefix_cache(padded_vllm, padded_dir, char_toke
     print(f"mean |engine - trainer| log p: version 0 {at_v0:.3g}, a load alone {stale:.3g}, the sync {fresh:.3g}")
     print(f"tolerance {tau:.3g}")
     assert at_v0 <= tau and fresh <= tau < stale
+    from ars_opd.rollouts.version_check import check_lag0
+
+    with pytest.raises(StaleEngineError, match="at step 1 the rollout engine"):  # what a lag-0 step would do
+        check_lag0(1, stale, tau, client.url, "refuse")

@@ -9,7 +9,8 @@
 - The version check (``ars_opd.rollouts.version_check``): the tolerance calibrated at the first sync from the
   calibration sequences' largest difference (τ = min(bound, max(margin d0, floor))), later syncs held to it, an
   engine off the published start refused at calibration, and an update too small to tell a stale engine apart
-  refused or logged as ``indistinguishable`` says, unless every tensor was verified exactly.
+  refused or logged as ``indistinguishable`` says, unless every tensor was verified exactly; the lag-0 check of
+  the engine's log-probabilities of its own samples, and the training forwards it cannot hold (bf16, dropout).
 - The schedule (``ars_opd.rollouts.schedule``) against an engine in this process that records which version
   it held when each step's rollouts were asked: over a grid of ``max_lag`` L and ``sync_every`` S, every step
   trains on rollouts at most L versions old (by the engine's own record, not the schedule's tag), with one
@@ -223,6 +224,28 @@ def test_a_tensor_that_differs_is_refused_by_name_even_within_the_probe_toleranc
         r"although its probe is within",
     ):
         check.verify(0, [v0.tolist()], [v0], (1e-2, 5.0), "http://engine", stale_head)
+
+
+def test_the_lag_0_check_refuses_or_warns_past_the_tolerance_and_knows_when_it_cannot_hold(student, caplog):
+    from ars_opd.rollouts.version_check import check_lag0, lag0_unchecked
+
+    check_lag0(3, 1e-5, 1e-4, "http://engine", "refuse")  # rounding: passes
+    check_lag0(3, float("nan"), 1e-4, "http://engine", "refuse")  # no rollout token this step
+    with pytest.raises(StaleEngineError, match=r"at step 3 the rollout engine at http://engine .* by 0.012 .*refuse"):
+        check_lag0(3, 0.012, 1e-4, "http://engine", "refuse")
+    with caplog.at_level("WARNING"):
+        check_lag0(3, 0.012, 1e-4, "http://engine", "warn")
+    assert "dlogp_check: warn" in caplog.text
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert lag0_unchecked(student, "auto", cpu) is None and lag0_unchecked(student, "fp32", cuda) is None
+    assert "bf16" in lag0_unchecked(student, "bf16", cpu) and "bf16" in lag0_unchecked(student, "auto", cuda)
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(copy.deepcopy(student), LoraConfig(r=2, lora_dropout=0.1, target_modules=["q_proj"]))
+    assert "dropout" in lag0_unchecked(adapted, "fp32", cpu)
+    dropping = copy.deepcopy(student)
+    dropping.config.attention_dropout = 0.1
+    assert "dropout" in lag0_unchecked(dropping, "fp32", cpu)
 
 
 def _schedule(student, steps: int, lag: int, every: int, teacher_steps=frozenset()):

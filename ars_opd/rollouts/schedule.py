@@ -39,6 +39,7 @@ S1-3 each rank its own, so a scenario study reaches the engine's rollouts as it 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,9 +52,11 @@ import torch.distributed as dist
 from ars_opd.rollouts.engine_api import EngineError
 from ars_opd.rollouts.fingerprint import TrainerHashes, compare
 from ars_opd.rollouts.verify import probe_bound, published_model, trainer_logprobs
-from ars_opd.rollouts.version_check import CheckSettings, VersionCheck
+from ars_opd.rollouts.version_check import CheckSettings, VersionCheck, check_lag0, lag0_unchecked
 from ars_opd.rollouts.weights import FilesystemTransport, engine_state_dict, tied_aliases
 from ars_opd.seeding import derive_seed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,9 @@ class EngineRollouts:
         self.check: VersionCheck | None = None  # rank 0's, made at the first sync (it needs the vocabulary)
         self._published: torch.nn.Module | None = None  # rank 0's probe model (verify.published_model)
         self.tolerance: float | None = None  # the calibrated probe tolerance τ, on every rank once synced
+        self.engine_vocab: int | None = None  # the ids the engine normalises over, on every rank once synced
+        self._unchecked: str | None = None  # why lag-0 steps are not held to τ (version_check.lag0_unchecked)
+        self._checkable: bool | None = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ars-opd-rollouts")
         self.last_sync: dict = {}
 
@@ -227,7 +233,7 @@ class EngineRollouts:
             outcome = box[0]
         if "error" in outcome:
             raise failure if failure is not None else outcome["error"]
-        self.tolerance = outcome["probe_tolerance"]
+        self.tolerance, self.engine_vocab = outcome["probe_tolerance"], outcome["engine_vocab"]
         self.version = step
         outcome["sync_s"] = time.perf_counter() - t0
         return outcome
@@ -258,7 +264,26 @@ class EngineRollouts:
         if exact is not None:
             exact = dataclasses.replace(exact, seconds=time.perf_counter() - t0)
         row = self.check.verify(step, engine, trainer, (bound, max_logit), where, exact)
-        return {**row, "sync_bytes": sent.bytes, "write_s": sent.write_s, "load_s": sent.load_s}
+        return {**row, "engine_vocab": vocab, "sync_bytes": sent.bytes, "write_s": sent.write_s, "load_s": sent.load_s}
+
+    # -- the lag-0 check (version_check.check_lag0) -----------------------------------------------------------
+    def lag0_tolerance(self, got: StepRollouts, model: torch.nn.Module, precision: str) -> float | None:
+        """τ when this step's ``engine_abs_dlogp`` is held to it (lag 0, a training forward that computes what
+        the engine computes), else None; logs once why a run's steps are not."""
+        if self._checkable is None:
+            device = next(model.parameters()).device
+            self._unchecked = lag0_unchecked(model, precision, device)
+            self._checkable = self._unchecked is None
+            if not self._checkable and self.plan.max_lag == 0 and self.rank == 0:
+                log.warning("lag-0 steps' engine_abs_dlogp is logged, not checked: %s", self._unchecked)
+        return self.tolerance if got.lag == 0 and self._checkable else None
+
+    def check_step(self, step: int, metrics: dict, verdict: str) -> None:
+        """Every rank, with the step's reduced columns (the same on every rank): the lag-0 check."""
+        tolerance = metrics.get("engine_dlogp_tolerance", float("nan"))
+        if tolerance == tolerance:  # held to τ this step
+            where = f"{self.client.url} (serving {self.client.model})"
+            check_lag0(step, metrics.get("engine_abs_dlogp", float("nan")), tolerance, where, verdict)
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
@@ -286,22 +311,28 @@ ENGINE_METRICS = (
     "probe_separation",  # how far the update moved the probe (a stale engine is caught when > 2 x tolerance)
     "indistinguishable",  # 1: the update was too small to tell a stale engine apart (opd.engine.indistinguishable)
     "engine_abs_dlogp",  # mean |log q_trainer − log q_engine| of the trained sampled tokens
+    "engine_dlogp_tolerance",  # τ, where the step's engine_abs_dlogp is held to it (lag 0, an fp32 forward)
+    "tensors_verified",  # the sync's tensors whose hashes the engine showed equal to the published ones
+    "tensors_probe_only",  # the sync's tensors the engine could not show: verified by the probe alone
     "importance_weight",  # sampled_token under max_lag >= 1: the mean truncated importance weight
 )
 
 
-def engine_step_metrics(got: StepRollouts) -> dict[str, tuple[float, float]]:
-    """The step's engine columns known before the loss (``engine_abs_dlogp`` and the weights come from it)."""
+def engine_step_metrics(got: StepRollouts, lag0_tolerance: float | None = None) -> dict[str, tuple[float, float]]:
+    """The step's engine columns known before the loss (``engine_abs_dlogp`` and the weights come from it);
+    ``lag0_tolerance``: τ where the step's ``engine_abs_dlogp`` is held to it (``EngineRollouts.lag0_tolerance``)."""
     out = {
         "rollout_lag": (float(got.lag), 1.0),
         "engine_tok_per_s": (float(got.tokens), max(got.gen_s, 1e-9)),
     }
+    if lag0_tolerance is not None:
+        out["engine_dlogp_tolerance"] = (lag0_tolerance, 1.0)
     if got.sync:
         out["sync_s"] = (got.sync["sync_s"], 1.0)
         out["probe_max_abs_diff"] = (got.sync["probe_max_abs_diff"], 1.0)
         out["probe_bound"] = (got.sync["probe_bound"], 1.0)
         out["probe_tolerance"] = (got.sync["probe_tolerance"], 1.0)
-        for key in ("probe_separation", "indistinguishable"):
+        for key in ("probe_separation", "indistinguishable", "tensors_verified", "tensors_probe_only"):
             if got.sync.get(key) is not None:
                 out[key] = (got.sync[key], 1.0)
     return out
@@ -318,3 +349,21 @@ def place_on_mask(loss_mask: torch.Tensor, rows: list[list[float]]) -> torch.Ten
             raise RuntimeError(f"the engine gave {len(values)} log-probabilities for a rollout of {n} kept tokens")
         out[b, positions] = torch.tensor(values[:n], dtype=torch.float64)
     return out
+
+
+@torch.no_grad()
+def against_engine(hidden, model, targets, engine_lp, cfg, vocab: int) -> tuple[dict, torch.Tensor | None]:
+    """|log q_now − log q_engine| of the sampled tokens (rounding at lag 0, where the engine served these very
+    weights: ``EngineRollouts.check_step`` holds it to τ), normalised over the ids the engine normalises over
+    (``vocab``), and for ``sampled_token`` with a lag the truncated importance weights min(c, q_now / q_sampler)
+    that correct its estimator for the older policy that sampled (``cfg``: the opd section)."""
+    from ars_opd.lm.head import OutputHead, target_logprobs
+
+    now = target_logprobs(hidden.detach(), OutputHead.of(model, vocab), targets, (1.0,), cfg.chunk_size)[0]
+    diff = (now - engine_lp.float()).abs()
+    extra = {"engine_abs_dlogp": (float(diff.sum()), float(diff.numel()))}
+    weights = None
+    if cfg.loss == "sampled_token" and cfg.engine.max_lag > 0:
+        weights = torch.exp(now - engine_lp.float()).clamp(max=cfg.engine.max_importance_weight)
+        extra["importance_weight"] = (float(weights.sum()), float(weights.numel()))
+    return extra, weights

@@ -32,6 +32,17 @@ an engine still on v − 1 would pass when s_v ≤ 2τ. If the fingerprint (``ar
 verified every tensor exactly, the version is proven whatever s_v; otherwise the sync is *indistinguishable*
 and ``indistinguishable`` decides: ``refuse`` stops the stage with one line, ``warn`` logs it (the step's
 ``indistinguishable`` column, counted by ``ars-opd check`` and the report).
+
+**The engine's log-probabilities of what it sampled** (``check_lag0``). Every rollout comes back with the
+engine's log q of each sampled token, and the trainer computes its own in the step's forward
+(``engine_abs_dlogp``, the mean |Δ| over the step's trained tokens). At lag 0 the engine sampled with the very
+weights the probe just verified, so the two differ by rounding alone, and the step's mean must be within τ (a
+mean of differences each bounded like the probe's; measured at real scale, 3% of τ on the bundled engine). What
+passes the probe and fails here: an engine restarted at the same URL between syncs (serving its base weights),
+staleness only in its decode path, a stale prefix cache. ``opd.engine.dlogp_check``: ``refuse`` stops the stage
+with one line before the step's update, ``warn`` logs it. Not checked: at lag ≥ 1 (the column then measures the
+policy's drift over the lag, not the engine), and where the training forward is not the fp32 function the engine
+computes (bf16 autocast or FSDP mixed precision, dropout: ``lag0_unchecked``), where the column is logged only.
 """
 
 from __future__ import annotations
@@ -179,3 +190,36 @@ class VersionCheck:
             "worker extension, or --weight-transfer-config for transport nccl; see the README's engine rollouts "
             "section)."
         )
+
+
+def lag0_unchecked(model: torch.nn.Module, precision: str, device: torch.device) -> str | None:
+    """Why a lag-0 step's log-probabilities cannot be held to τ (None: they can): the training forward is not the
+    fp32, dropout-free function the engine computes."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return "the training forward computes in bf16"
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return "the training forward applies dropout"
+    config = getattr(model, "config", None)
+    rates = {k: v for k, v in vars(config).items() if "dropout" in k or "pdrop" in k} if config is not None else {}
+    if any(isinstance(v, float) and v > 0 for v in rates.values()):
+        return "the training forward applies dropout"
+    return None
+
+
+def check_lag0(step: int, mean: float, tolerance: float, where: str, verdict: str) -> None:
+    """A lag-0 step's mean |log q_engine − log q_trainer| of its trained tokens against τ (the module
+    docstring): ``StaleEngineError`` past it under ``refuse``, a logged warning under ``warn``."""
+    if not mean > tolerance:  # NaN (no rollout token) passes
+        return
+    message = (
+        f"at step {step} the rollout engine at {where} sampled tokens whose log-probabilities differ from the "
+        f"trainer's by {mean:.3g} on average, at lag 0, where the weights it was verified with give rounding "
+        f"alone (tolerance {tolerance:.3g}): it samples with other weights than it was checked with (restarted at "
+        "the same URL since the sync, stale only in its decode path, or a stale prefix cache)"
+    )
+    if verdict == "refuse":
+        raise StaleEngineError(
+            f"{message}. No update is made from these rollouts (opd.engine.dlogp_check: refuse); restart the engine "
+            "and rerun, which resumes from the last checkpoint"
+        )
+    log.warning("%s (opd.engine.dlogp_check: warn)", message)

@@ -83,6 +83,7 @@ RESUMABLE_KEYS = (
     "opd.engine.probe_margin",
     "opd.engine.indistinguishable",
     "opd.engine.fingerprint",
+    "opd.engine.dlogp_check",
     "opd.engine.bundled.startup_timeout_s",
     "opd.teacher_endpoint.api_key_env",
     "opd.teacher_endpoint.concurrency",
