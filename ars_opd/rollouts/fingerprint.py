@@ -82,10 +82,10 @@ def compare(engine: dict | None, hashes: TrainerHashes, seconds: float = 0.0) ->
     """The engine's fingerprint (``{"tensors": {name: {"sha256", "dtype", "shape"}}}``; None when it has none)
     against the trainer's."""
     names = hashes.names()
+    mine = hashes.result()  # joined either way: no hashing goes on beside the training that follows
     tensors = (engine or {}).get("tensors")
     if not isinstance(tensors, dict):
         return FingerprintResult(0, names, [], seconds)
-    mine = hashes.result()
     verified, unread, mismatched = 0, [], []
     for name in names:
         got = tensors.get(name)
