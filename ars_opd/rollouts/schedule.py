@@ -13,7 +13,9 @@ At the start of step s, on every worker (``EngineRollouts.prepare``), with v the
    every worker first waits for its rollouts in flight (drain: a weight load while a request is being sampled
    would mix two versions inside one rollout); then rank 0 publishes version s (transport ``filesystem``: a
    file the engine loads, ``ars_opd.rollouts.weights``; ``nccl``: broadcasts into vLLM,
-   ``ars_opd.rollouts.nccl_sync``), and the probe (``ars_opd.rollouts.verify``) proves the engine serves it;
+   ``ars_opd.rollouts.nccl_sync``), vLLM's prefix cache is reset, and the version check
+   (``ars_opd.rollouts.version_check``: the fingerprint of the loaded weights and the calibrated probe) proves
+   the engine serves it;
    rank 0's outcome is broadcast, so every worker stops together on a stale engine;
 2. the candidates t that the engine's version may sample, t − v ≤ L, are asked, each tagged with that version,
    in a background thread (with L ≥ 1 the engine samples later steps' rollouts while step s trains); the

@@ -16,7 +16,7 @@ because the library cannot import the tests): two forwards of one decoder, each 
 Σ_k γ_{n_k}·max|logit| of the exact log-probabilities over the reduction lengths n_k of the layers, the head
 and the log-softmax; worst-case n, not the typical √n, as the margin for the model's assumption that the
 layers pass errors on without gain. It is a worst case, so it grows with the model (0.0017–0.0057 on the
-built-in students, ~0.4–0.7 on an 81M-parameter one): the check holds later syncs to a tolerance calibrated
+built-in students, 0.37–0.51 on an 81M-parameter one): the check holds later syncs to a tolerance calibrated
 within it. An engine in another precision (bf16) is not covered by this model: such a run must state its
 tolerance (``opd.engine.probe_tolerance``). ``check_probe`` is the fixed-bound check alone (the benches use it).
 """

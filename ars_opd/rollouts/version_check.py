@@ -1,11 +1,13 @@
 """Which version does the engine serve? Rank 0's check after every sync, with what it keeps from sync to sync.
 
-After the engine has loaded version v, rank 0 compares the engine's log-probabilities on fixed probe sequences
-with its own forward of the weights it published (``ars_opd.rollouts.verify``), and refuses the engine
-(``StaleEngineError``, one line, before any rollout of v is used) when they differ by more than the tolerance τ.
+After the engine has loaded version v, rank 0 compares the hashes of the tensors the engine computes with with
+those it published (``ars_opd.rollouts.fingerprint``) and the engine's log-probabilities on fixed probe
+sequences with its own forward of the weights it published (``ars_opd.rollouts.verify``), and refuses the
+engine (``StaleEngineError``, one line naming every finding, before any rollout of v is used) when a tensor
+differs or the probe differs by more than the tolerance τ.
 
 **The tolerance is calibrated, not only derived.** The derived worst-case fp32 bound (``probe_bound``) grows
-with width × depth and vocabulary × max |logit|: 0.0017–0.0057 on the built-in students but ~0.4–0.7 nats on
+with width × depth and vocabulary × max |logit|: 0.0017–0.0057 on the built-in students but 0.37–0.51 nats on
 a real 81M-parameter student, while one AdamW step at lr 1e-6 moves its probe by a few hundredths, so a probe
 held only to that bound passes an engine still serving the previous version. At the first sync of a run (the
 engine loaded with the trainer's starting weights) the engine scores ``calibration`` distinct seeded probe
