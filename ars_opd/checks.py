@@ -5,7 +5,9 @@ with its file and line); rows have their schema; counts agree across stages (sub
 + failures → training data, whose manifest accounts for every row: kept, or dropped for a named reason such
 as ``dropped_teacher_truncated``); training logs have one row per step with finite values; every metric is a
 finite number within its range (accuracies and fractions in [0, 1], losses and divergences >= 0); the
-pinned models and a local data source still match the hashes their stages recorded.
+pinned models and a local data source still match the hashes their stages recorded; a run with engine rollouts
+held every sync and every lag-0 step within its tolerance and told every version from the previous one
+(``ars_opd.rollouts.version_log``).
 Returns the problems as "path: what is wrong" lines; none means the outputs are sound.
 
 What it leaves out: judging quality (a weak teacher passes; the models stage has its own accuracy gate).
@@ -244,6 +246,10 @@ def check_training(stage: str, paths: PathsConfig, problems: Problems) -> None:
             if manifest and len(r.get("worker_loss", [])) != manifest.get("workers"):
                 problems.add(f"{steps_path} step {r.get('step')}", "worker columns do not match the workers")
                 break
+        from ars_opd.rollouts.version_log import engine_problems  # plain Python
+
+        for where, what in engine_problems(steps):  # a run with engine rollouts: its versions were verified
+            problems.add(f"{steps_path} {where}", what)
     _metrics(Path(out.live) / "metrics.json", problems)
 
 

@@ -682,7 +682,26 @@ class RolloutEngineConfig:
     probe_tokens: int = 32
     """Length of the fixed probe sequence the engine scores after every sync."""
     probe_tolerance: float | None = None
-    """Largest |engine - trainer| log-probability on the probe; null: the derived fp32 bound (fp32 engines only)."""
+    """Largest |engine - trainer| log-probability on the probe, τ (an engine outside the fp32 rounding model,
+    bf16); null: calibrated at the first sync, τ = min(derived fp32 bound, max(probe_margin x d0, floor))."""
+    probe_calibration: int = 4
+    """Distinct probe sequences the engine scores at the first sync; d0, their largest |engine - trainer|, is
+    what two computations of the same weights differ by on this engine's kernels."""
+    probe_margin: float = 8.0
+    """τ = probe_margin x d0 (within the derived bound, at least a few dozen roundings of the largest logit):
+    room for later syncs' roundings to land above the calibration's largest."""
+    indistinguishable: Literal["warn", "refuse"] = "warn"
+    """When an update moves the probe by at most 2 τ and the fingerprint did not verify every tensor, a stale
+    engine would pass: refuse stops the stage with one line, warn logs it (the indistinguishable column)."""
+    dlogp_check: Literal["refuse", "warn"] = "refuse"
+    """At lag 0 the engine sampled with the weights just verified, so the step's mean |log q_engine - log
+    q_trainer| of its trained tokens is rounding and must be within the probe's tolerance τ; past it (an engine
+    restarted between syncs, stale in its decode path or its prefix cache): refuse stops the stage before the
+    step's update, warn logs it. Lag >= 1 (the policy's drift) and a bf16 or dropout training forward: logged only."""
+    fingerprint: bool = True
+    """After every load, compare the sha256 of each tensor the engine computes with (in the trainer's names)
+    with the published one, and refuse a mismatch by name; false: the probe alone (an engine whose hashing is
+    too slow: it reads every weight, about a second per 100M parameters on one CPU core)."""
     max_importance_weight: float = 2.0
     """Truncation c of the importance weight min(c, q_now / q_sampler) of sampled_token under max_lag >= 1."""
     max_model_len: int | None = None
@@ -711,6 +730,16 @@ class RolloutEngineConfig:
             self.probe_tolerance is None or self.probe_tolerance > 0,
             "probe_tolerance",
             f"must be > 0 or null, got {self.probe_tolerance}",
+        )
+        _require(self.probe_calibration >= 1, "probe_calibration", f"must be >= 1, got {self.probe_calibration}")
+        _require(self.probe_margin >= 1, "probe_margin", f"must be >= 1, got {self.probe_margin}")
+        _require(
+            self.indistinguishable in ("warn", "refuse"),
+            "indistinguishable",
+            f"must be warn or refuse, got {self.indistinguishable!r}",
+        )
+        _require(
+            self.dlogp_check in ("refuse", "warn"), "dlogp_check", f"must be refuse or warn, got {self.dlogp_check!r}"
         )
         _require(self.max_importance_weight >= 1, "max_importance_weight", "must be >= 1")
         _require(

@@ -7,16 +7,21 @@ Face model it loads from ``model_dir`` (the models-stage student, as a started e
   request's temperature from a generator seeded with its seed, up to ``max_tokens``, stopping at its stop ids)
   or, with ``prompt_logprobs``, the prompt's log-probabilities (the version probe);
 - ``POST /collective_rpc`` ``ars_opd_load_weights``: loads the published file into the model and records its
-  path (``stale``: answers and keeps its weights, as an engine that did not take them);
+  path (``stale``: answers and keeps its weights, as an engine that did not take them); ``ars_opd_fingerprint``:
+  the hashes of its model's tensors, as the bundled server gives them;
+- ``POST /reset_prefix_cache``: counted, answered as vLLM answers it;
 - ``GET /health`` and ``GET /v1/models`` (its name and model directory, as vLLM lists them).
 
 ``die_after=n``: from the (n+1)-th rollout request on it is dead, as vLLM once its engine core crashed (a 500
 "EngineCore encountered an issue", ``/health`` 503). ``load_error=(status, body)``: every load is answered so
-(a vLLM error body, say).
+(a vLLM error body, say). ``stale_sampling``: it samples with the weights it started with whatever it loaded,
+while the probe and the fingerprint see the loaded ones (as an engine restarted between a sync and its
+rollouts, or stale only in its decode path).
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -33,17 +38,22 @@ class FakeEngine:
         stale: bool = False,
         die_after: int | None = None,
         load_error: tuple[int, dict] | None = None,
+        stale_sampling: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
         self.model_dir, self.name = str(model_dir), name
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
         self.stale, self.die_after, self.load_error = stale, die_after, load_error
+        # what it samples with: the loaded model, or (stale_sampling) the weights it started with
+        self.sampler = copy.deepcopy(self.model) if stale_sampling else self.model
         self.loaded: list[str] = []  # the paths it was asked to load
         self.rollouts = 0  # rollout requests answered
+        self.resets = 0  # prefix-cache resets asked (it has no cache: each answered as vLLM answers)
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/collective_rpc", self.collective_rpc)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         self.server = ServerThread(app)
@@ -61,6 +71,10 @@ class FakeEngine:
 
     async def collective_rpc(self, request):
         body = await request.json()
+        if body.get("method") == "ars_opd_fingerprint":
+            from ars_opd.teacher.server.weights import state_fingerprint
+
+            return web.json_response({"results": [{"tensors": state_fingerprint(self.model)}]})
         if body.get("method") != "ars_opd_load_weights":
             return web.json_response({"error": {"message": f"no method {body.get('method')}"}}, status=400)
         if self.load_error is not None:
@@ -76,6 +90,10 @@ class FakeEngine:
             assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
         return web.json_response({"results": [{"loaded": len(state), "seconds": 0.0}]})
 
+    async def reset_prefix_cache(self, request):
+        self.resets += 1
+        return web.json_response({"success": True})
+
     async def completions(self, request):
         body = await request.json()
         if self.dead:
@@ -90,8 +108,8 @@ class FakeEngine:
         return web.json_response({"choices": [self._rollout(ids, body)]})
 
     @torch.no_grad()
-    def _logprobs(self, ids: list[int]) -> torch.Tensor:
-        return torch.log_softmax(self.model(torch.tensor([ids])).logits[0].double(), -1)
+    def _logprobs(self, ids: list[int], model=None) -> torch.Tensor:
+        return torch.log_softmax((model or self.model)(torch.tensor([ids])).logits[0].double(), -1)
 
     def _rollout(self, prompt: list[int], body: dict) -> dict:
         generator = torch.Generator().manual_seed(int(body["seed"]))
@@ -100,7 +118,7 @@ class FakeEngine:
         logprobs: list[float] = []
         finish = "length"
         for _ in range(int(body["max_tokens"])):
-            logp = self._logprobs(prompt + out)[-1]
+            logp = self._logprobs(prompt + out, self.sampler)[-1]
             if temperature == 0:
                 token = int(logp.argmax())
             else:

@@ -161,3 +161,39 @@ def fsdp_fault_probe(job: dict) -> list[dict]:
         return out
     finally:
         shutdown_worker()
+
+
+def fsdp_engine_probe(job: dict) -> dict:
+    """A sharded student (FSDP2, ``job["bf16"]``: bf16 mixed precision) publishes version 0 to an fp32 engine in
+    rank 0's process (``in_process_engine``) and the version check runs: rank 0's sync row, or the refusal."""
+    import copy
+    from pathlib import Path
+
+    from ars_opd.data import synthetic
+    from ars_opd.models.tokenizer import build_char_word_tokenizer
+    from ars_opd.rollouts.engine_api import EngineError
+    from ars_opd.rollouts.schedule import EngineRollouts, RolloutPlan
+    from ars_opd.training.sharding import shard_model
+    from in_process_engine import RecordingEngine
+
+    ctx = init_worker("cpu", "gloo", threads=1, timeout_s=120)
+    try:
+        tok = build_char_word_tokenizer(synthetic.instruction_words())
+        model = tiny_model(tok)
+        with torch.no_grad():  # sharper next-token laws than the init's, where bf16 rounding shows
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.mul_(8.0)
+        engine = RecordingEngine(copy.deepcopy(model))
+        shard_model(model, ctx.device, bf16=job["bf16"])
+        plan = RolloutPlan(steps=1, max_lag=0, sync_every=1, sync_dir=Path("unused"), seed=1, rollout_seed=1)
+        rollouts = EngineRollouts(engine, plan, spec=None, rank=ctx.rank, world=ctx.world_size, transport=engine)
+        try:
+            row = rollouts._publish(0, model, ctx.device)
+        except EngineError as e:
+            return {"error": str(e)}
+        finally:
+            rollouts.close()
+        return {k: v for k, v in row.items() if isinstance(v, (int, float))}
+    finally:
+        shutdown_worker()

@@ -40,6 +40,7 @@ from ars_opd.rollouts.engine_api import (
     EngineResponseError,
     SamplingSpec,
 )
+from ars_opd.rollouts.fingerprint import TrainerHashes, compare
 from ars_opd.rollouts.verify import StaleEngineError, check_probe, probe_bound, probe_ids, trainer_logprobs
 from ars_opd.teacher.client.endpoint import ClientSettings
 from ars_opd.teacher.server import app as teacher_server
@@ -487,6 +488,9 @@ def test_vllm_extension_refreshes_the_tied_head_where_reload_weights_leaves_it_s
         )
         assert status == 200, answer
         stock = {name: served_gap(client, m, probe, vocab) for name, m in (("new", new), ("hybrid", hybrid))}
+        # the fingerprint reads the head back through its kernel: the stale tied head is named, nothing else
+        aliases = {"lm_head.weight": "model.embed_tokens.weight"}
+        stock_print = compare(client.fingerprint(), TrainerHashes(state, aliases))
         # the trainer's version probe refuses the stale head (ars_opd.rollouts.verify)
         ids = probe_ids(vocab, 33, seed=0)
         new_lp, max_logit = trainer_logprobs(new, ids, torch.device("cpu"))
@@ -496,13 +500,17 @@ def test_vllm_extension_refreshes_the_tied_head_where_reload_weights_leaves_it_s
             check_probe(client.prompt_logprobs(ids), new_lp, old_lp, bound, client.url, 1)
         result = client.load_weights(str(path))
         ours = {name: served_gap(client, m, probe, vocab) for name, m in (("new", new), ("hybrid", hybrid))}
+        ours_print = compare(client.fingerprint(), TrainerHashes(state, aliases))
         fresh = check_probe(client.prompt_logprobs(ids), new_lp, old_lp, bound, client.url, 1)
         assert fresh.max_abs_diff <= bound and fresh.distinguishable
     finally:
         restored = client.load_weights(str(original))
     back = served_gap(client, old, probe, vocab)
     print(f"stock reload_weights: {stock}; ars_opd_load_weights ({result}): {ours}; restored ({restored}): {back}")
-    assert result["loaded"] == len(state) and result["refreshed"] >= 1
+    assert result["loaded"] == len(state) and result["refreshed"] >= 1 and result["vocab"] == vocab
+    # every tensor read exactly (the linear layers and the head through their kernels, vocabulary padding off)
+    assert ours_print.verified == len(state) + 1 and not ours_print.unread and not ours_print.mismatched
+    assert stock_print.mismatched == ["lm_head.weight"] and stock_print.verified == len(state)
     assert ours["new"][0] <= ours["new"][1] and ours["hybrid"][0] > 1000 * ours["hybrid"][1]
     assert back[0] <= back[1]
     # the control: the stock path alone leaves the tied head stale (documented on vLLM CPU 0.32)

@@ -129,7 +129,11 @@ def _engine_seeds(scenario: str, rank: int, world: int = 2) -> list[int]:
     stage_seed = derive_seed(job.ddp.seed, "opd")
     sampler_seed, rng_seed = scenario_seeds(scenario, stage_seed, rank)
     ctx = WorkerContext(rank, world, rank, torch.device("cpu"), "gloo")
-    setup = WorkerSetup(ctx, None, None, sampler_seed, stage_seed, None, rng_seed=rng_seed)
+    from ars_opd.data import synthetic
+    from ars_opd.models.tokenizer import build_char_word_tokenizer
+
+    tokenizer = build_char_word_tokenizer(synthetic.instruction_words())  # its ids: the probe's (no sync here)
+    setup = WorkerSetup(ctx, tokenizer, None, sampler_seed, stage_seed, None, rng_seed=rng_seed)
     rollouts = engine_rollouts(job, setup, (2,))
     recorder = rollouts.client = _Recorder()
     rollouts.version = 3  # the engine holds this step's version: no sync (a collective) before the requests
@@ -354,6 +358,51 @@ def test_an_engine_without_the_extension_stops_the_stage_with_one_line_and_exit_
             "ars_opd worker extension"
         )
     )
+
+
+@pytest.mark.parametrize("stale_sampling", [False, True])
+def test_an_engine_that_samples_with_other_weights_than_it_was_verified_with_is_refused_at_lag_0(
+    base, tmp_path, capsys, stale_sampling
+):
+    """The probe and the fingerprint see the loaded weights; the rollouts come from the weights the engine started
+    with (the base student, as an engine restarted at the same URL serves). Version 0 is that base student, so
+    step 0 passes; at step 1 the engine's log-probabilities of its own samples are a step's drift from the
+    trainer's, where at lag 0 they are rounding: refused there, one line, exit 4, before the step's update. A
+    healthy engine runs through, every step's engine_abs_dlogp held to the tolerance."""
+    import json
+    import os
+
+    import stages.opd
+    from fake_engine import FakeEngine
+    from micro import write_micro_params
+    from stages import EXIT_ENDPOINT, run_stage
+
+    root = _copy(base, tmp_path / "w")
+    with FakeEngine(_student(base), stale_sampling=stale_sampling) as engine:
+        write_micro_params(REPO, root / "params.yaml", {"opd": {**RUN, "engine": {"server": engine.url}}})
+        capsys.readouterr()
+        cwd = os.getcwd()
+        os.chdir(root)
+        try:
+            if stale_sampling:
+                with pytest.raises(SystemExit) as exit_:
+                    run_stage(stages.opd.main)
+            else:
+                run_stage(stages.opd.main)
+        finally:
+            os.chdir(cwd)
+    if not stale_sampling:
+        steps = [json.loads(x) for x in (root / "data/opd/log/steps.jsonl").read_text().splitlines()]
+        assert len(steps) == RUN["steps"]
+        for r in steps:
+            assert r["task/rollout_lag"] == 0 and r["task/engine_abs_dlogp"] <= r["task/engine_dlogp_tolerance"]
+            assert r["task/engine_dlogp_tolerance"] == r["task/probe_tolerance"]
+        return
+    err = capsys.readouterr().err
+    assert exit_.value.code == EXIT_ENDPOINT and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"ars-opd opd: at step 1 the rollout engine at {engine.server.url}/v1 (serving student)")
+    assert "No update is made from these rollouts" in line
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from ars_opd.artifacts import read_jsonl
 from ars_opd.config import ConfigError, InjectConfig, ParallelConfig, load_params
 from ars_opd.training.distributed import launch
-from fsdp_probe import fsdp_consistency_probe
+from fsdp_probe import fsdp_consistency_probe, fsdp_engine_probe
 from micro import distill_workspace, run_stage_here
 from test_consistency import _batches, _compare
 from test_sft_stage import _workspace
@@ -68,6 +68,17 @@ def test_sharded_statistics_equal_brute_force_on_gathered_local_gradients(char_t
     assert all(s["hook"]["gdc_exact"] for s in steps)
     if workers > 2:
         assert all(s["inputs"]["gram"] is not None for s in steps)
+
+
+@pytest.mark.ddp
+def test_a_sharded_bf16_student_is_probed_on_the_fp32_weights_it_publishes():
+    """Under bf16 mixed precision FSDP2's forward computes in bf16, while the engine loads the fp32 weights the
+    trainer gathers and publishes: the trainer's side of the probe must be a forward of those (version 0 of an
+    engine that holds exactly them is within the derived fp32 bound), not the sharded forward."""
+    for bf16 in (False, True):
+        row = launch(fsdp_engine_probe, {"bf16": bf16}, workers=2)
+        assert "error" not in row, (bf16, row)
+        assert row["probe_max_abs_diff"] <= row["probe_bound"], (bf16, row)
 
 
 @pytest.mark.slow

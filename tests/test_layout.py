@@ -19,10 +19,10 @@ FLOORS = (
     ("ars_opd.data",),
     ("ars_opd.lm",),
     ("ars_opd.models",),
-    ("ars_opd.teacher", "ars_opd.checks"),
+    ("ars_opd.teacher",),
     ("ars_opd.rollouts",),
     ("ars_opd.training",),
-    ("ars_opd.evaluation",),
+    ("ars_opd.evaluation", "ars_opd.checks"),  # both read the stages' outputs (checks: the engine's log too)
     ("ars_opd.cli",),
 )
 SIDES = ("ars_opd.teacher.server", "ars_opd.teacher.client")

@@ -85,6 +85,7 @@ class FakeVllm:
             ("/update_weights", self.update),
             ("/finish_weight_update", self.finish),
             ("/shutdown_weight_transfer_engine", self.shutdown),
+            ("/reset_prefix_cache", self.reset_prefix_cache),
             ("/v1/completions", self.completions),
         ]:
             app.router.add_post(path, handler)
@@ -99,7 +100,9 @@ class FakeVllm:
 
     async def rpc(self, request):
         body = await self._body(request)
-        assert body["method"] == "check_health"
+        if body["method"] != "check_health":  # vLLM's answer for a method its worker lacks (no ars_opd extension)
+            error = f"Worker failed with error ''GPUWorker' object has no attribute '{body['method']}''"
+            return web.json_response({"error": {"message": error}}, status=500)
         return web.json_response({"results": [None] * self.workers})
 
     async def init(self, request):
@@ -143,6 +146,10 @@ class FakeVllm:
             missing, unexpected = self.model.load_state_dict(self.received, strict=False)
             assert unexpected == [] and set(missing) <= {"lm_head.weight"}
         return web.json_response({"message": "Weight update finished"})
+
+    async def reset_prefix_cache(self, request):
+        await self._body(request)
+        return web.json_response({"success": not self.updating})
 
     async def shutdown(self, request):
         await self._body(request)
@@ -260,6 +267,9 @@ def test_a_sync_over_nccl_passes_the_probe_and_a_stale_engine_is_refused(student
             else:
                 second = rollouts._publish(1, moved, cpu)
                 assert second["probe_max_abs_diff"] <= second["probe_bound"] < second["probe_separation"] / 2
+            paths = [path for path, _ in engine.calls]
+            finished = [i for i, path in enumerate(paths) if path == "/finish_weight_update"]
+            assert finished and all(paths[i + 1] == "/reset_prefix_cache" for i in finished)  # after every load
             rollouts.close()  # what the stage calls on every way out of the run: the engine's side is shut down
             assert engine.calls[-1][0] == "/shutdown_weight_transfer_engine" and engine.closed
             rollouts.close()  # a second call does nothing

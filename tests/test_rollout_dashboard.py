@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -330,3 +331,62 @@ def test_the_report_has_the_dashboard_for_a_rollout_stage_only():
     assert "### opd: the rollouts" in md and "### sft: the rollouts" not in md
     assert flat["opd/rollouts/divergence_first_half_end"] == 0.5
     assert not any(k.startswith("sft/rollouts/") for k in flat)
+
+
+def _engine_log(n: int = 6) -> list[dict]:
+    """An engine run's step log: a sync every step (τ 1e-4), step 3's update not told apart, step 4's lag-0
+    rollouts past the tolerance (as dlogp_check: warn trains on)."""
+    nan = float("nan")
+    rows = []
+    for s in range(n):
+        rows.append(
+            {
+                "step": s,
+                "loss": 1.0,
+                "grad_norm": 1.0,
+                "worker_loss": [1.0],
+                "worker_tokens": [10],
+                "task/divergence_first_half": 0.5,
+                "task/divergence_second_half": 0.2,
+                "task/probe_max_abs_diff": 2e-5,
+                "task/probe_tolerance": 1e-4,
+                "task/probe_bound": 0.4,
+                "task/probe_separation": nan if s == 0 else (1.5e-4 if s == 3 else 0.03),
+                "task/indistinguishable": nan if s == 0 else float(s == 3),
+                "task/tensors_verified": 137.0,
+                "task/tensors_probe_only": 1.0,
+                "task/engine_abs_dlogp": 0.02 if s == 4 else 3e-6,
+                "task/engine_dlogp_tolerance": 1e-4,
+            }
+        )
+    return rows
+
+
+def test_the_report_and_the_check_read_the_engine_versions(tmp_path, monkeypatch):
+    import json
+
+    from ars_opd.checks import Problems, check_training
+    from ars_opd.config import PathsConfig
+    from ars_opd.evaluation.rollout_dashboard import engine_section
+    from ars_opd.rollouts.version_log import engine_problems, engine_summary
+
+    rows = _engine_log()
+    summary = engine_summary(rows)
+    assert (summary["syncs"], summary["indistinguishable"], summary["lag0_over_tolerance"]) == (6, 1, 1)
+    assert summary["separation_min"] == 1.5e-4 and summary["lag0_dlogp_max"] == 0.02
+    problems = engine_problems(rows)
+    assert [w for w, _ in problems] == ["step 4", "engine"] and "1 of 6 syncs" in problems[1][1]
+    md, flat = engine_section("opd", pd.DataFrame(rows))
+    assert md[0] == "### opd: the rollout engine's versions" and "**2 problem(s)**" in "\n".join(md)
+    assert flat["opd/engine/indistinguishable"] == 1 and flat["opd/engine/lag0_over_tolerance"] == 1
+    # ars-opd check reads the same columns from the stage's steps.jsonl
+    monkeypatch.chdir(tmp_path)  # the stage's paths are relative to the workspace
+    paths = PathsConfig()
+    steps = Path(paths.training("opd").steps)
+    steps.parent.mkdir(parents=True, exist_ok=True)
+    steps.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = Problems()
+    check_training("opd", paths, found)
+    assert any("step 4" in p and "lag 0" in p for p in found) and any("1 of 6 syncs" in p for p in found)
+    healthy = [{**r, "task/indistinguishable": 0.0, "task/engine_abs_dlogp": 3e-6} for r in rows]
+    assert engine_problems(healthy) == [] and engine_section("sft", pd.DataFrame(healthy[:0])) == ([], {})

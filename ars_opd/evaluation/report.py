@@ -34,7 +34,7 @@ from ars_opd.evaluation.consistency_report import (
 from ars_opd.evaluation.detector import Alarm, standardised_residuals
 from ars_opd.evaluation.distillation import curve_figure
 from ars_opd.evaluation.equal_budget import budget_note, compare, headline, regime_note
-from ars_opd.evaluation.rollout_dashboard import dashboard_section, has_rollouts
+from ars_opd.evaluation.rollout_dashboard import dashboard_section, engine_section, has_rollouts
 from ars_opd.evaluation.tables import render_table
 
 
@@ -80,6 +80,8 @@ def build_report(
                 if m.get(key) is not None:
                     flat[f"eval/{model}/{key}"] = m[key]
     dashboards = [dashboard_section(stage, df) for stage, df in stage_logs.items() if not df.empty and has_rollouts(df)]
+    engines = [engine_section(stage, df) for stage, df in stage_logs.items() if not df.empty]
+    dashboards += [part for part in engines if part[0]]  # stages with engine rollouts
     if dashboards:
         md += ["## The rollouts", ""]
         for part, part_flat in dashboards:

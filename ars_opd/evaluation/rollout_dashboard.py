@@ -84,3 +84,31 @@ def dashboard_section(stage: str, df: pd.DataFrame, windows: int = 5) -> tuple[l
         flat[f"{stage}/rollouts/{name}_start"] = means[0][c]
         flat[f"{stage}/rollouts/{name}_end"] = means[-1][c]
     return md, {k: v for k, v in flat.items() if math.isfinite(v)}
+
+
+def engine_section(stage: str, df: pd.DataFrame) -> tuple[list[str], dict]:
+    """(markdown lines, flat metrics) on ``stage``'s rollout engine's versions (``ars_opd.rollouts.version_log``);
+    nothing for a stage without engine rollouts."""
+    from ars_opd.rollouts.version_log import engine_problems, engine_summary, has_engine
+
+    rows = df.to_dict("records")
+    if not has_engine(rows):
+        return [], {}
+    s = engine_summary(rows)
+    problems = engine_problems(rows)
+    md = [
+        f"### {stage}: the rollout engine's versions",
+        "",
+        f"{s['syncs']} syncs, each checked by the probe (largest difference {fmt(s['probe_max_abs_diff'])} against a "
+        f"calibrated tolerance of {fmt(s['tolerance'])}; the derived fp32 bound {fmt(s['bound'])}) and by the "
+        f"fingerprint (at least {fmt(s['tensors_verified_min'])} tensors verified exactly at each, at most "
+        f"{fmt(s['tensors_probe_only_max'])} left to the probe). Updates moved the probe by {fmt(s['separation_min'])} "
+        f"at least (median {fmt(s['separation_median'])}); {s['indistinguishable']} could not be told from the "
+        f"previous version. {s['lag0_steps']} lag-0 steps held the engine's log-probabilities of its samples to the "
+        f"tolerance: largest mean difference {fmt(s['lag0_dlogp_max'])}, {s['lag0_over_tolerance']} past it.",
+        "",
+    ]
+    if problems:
+        md += [f"**{len(problems)} problem(s)**: " + "; ".join(f"{w}: {what}" for w, what in problems[:3]), ""]
+    flat = {f"{stage}/engine/{k}": float(v) for k, v in s.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    return md, flat

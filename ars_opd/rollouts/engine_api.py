@@ -15,7 +15,10 @@ server with ``--weight-updates``, or vLLM started with ``VLLMOptions(weight_sync
   the same rollouts where the engine is deterministic. At most ``concurrency`` requests are in flight; the
   answers come back in the prompts' order, all of them or an error (never a partial list).
 - ``load_weights(path)``: ``POST /collective_rpc {"method": "ars_opd_load_weights", "kwargs": {"path"}}`` ->
-  the first worker's ``{"loaded", "seconds", ...}``.
+  the first worker's ``{"loaded", "seconds", ...}``; ``fingerprint()``: ``ars_opd_fingerprint`` the same way,
+  the sha256 of each tensor the engine computes with (``ars_opd.rollouts.fingerprint``), or None from an engine
+  without that method; ``reset_prefix_cache()``: vLLM's ``POST /reset_prefix_cache`` (dev mode), after every
+  load, so that no rollout reuses KV blocks computed under the old weights.
 - ``prompt_logprobs(ids)``: a scoring request (``prompt_logprobs: 0``, ``max_tokens: 1``, temperature 1):
   log p(ids[i] | ids[:i]) for i >= 1, under the served weights (the version probe).
 - ``check_alive()``: ``GET /health``.
@@ -41,6 +44,7 @@ import asyncio
 import json
 import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +56,7 @@ from ars_opd.teacher.client.score import parse_prompt_logprobs
 DEAD_ENGINE_MARKER = "EngineCore encountered an issue"  # vLLM's 500 body once its engine core died
 NO_ANSWER = ("connection_error", "timeout")  # the reasons of _post's failures that got no HTTP answer
 LOAD_METHOD = "ars_opd_load_weights"
+FINGERPRINT_METHOD = "ars_opd_fingerprint"
 FINISH_REASONS = ("stop", "length")
 
 
@@ -185,6 +190,51 @@ class EngineClient:
                 "(VLLMOptions.weight_sync) or the bundled server with --weight-updates?"
             )
         return results[0]
+
+    def fingerprint(self) -> dict | None:
+        """The first worker's ``{"tensors": {name: {"sha256", "dtype", "shape", "via"}}, ...}``; None when the
+        engine has no such method (an older copy of the worker extension: its tensors are left to the probe)."""
+        body = {"method": FINGERPRINT_METHOD, "kwargs": {}}
+        try:
+            answer = asyncio.run(self._one("/collective_rpc", body, retry=False))
+        except EngineRequestError as e:
+            known = ("has no attribute", "unknown method", "no method", "is not implemented")
+            if FINGERPRINT_METHOD in str(e) and any(k in str(e) for k in known):
+                return None
+            raise
+        results = answer.get("results")
+        if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+            raise EngineResponseError(
+                f"the rollout engine {self.root} answered /collective_rpc {FINGERPRINT_METHOD} with "
+                f"{str(answer)[:200]}, not {{'results': [{{'tensors': ...}}]}}"
+            )
+        return results[0]
+
+    def reset_prefix_cache(self, attempts: int = 20, wait_s: float = 0.25) -> None:
+        """Have vLLM forget every cached prefix (``POST /reset_prefix_cache``, dev mode). A rollout request reads
+        the prefix cache, so after a load it would reuse KV blocks computed under the old weights for a shared
+        prefix (a chat template's), while the probe (``prompt_logprobs`` requests skip reading it) passes.
+        vLLM refuses (``{"success": false}``) while blocks are still held; the trainer drained its requests
+        before the load, so a refusal is retried briefly, then ``EngineSetupError``: never sample on a stale
+        cache silently."""
+        for attempt in range(attempts):
+            try:
+                answer = asyncio.run(self._one("/reset_prefix_cache", {}, retry=False))
+            except EngineRequestError as e:
+                raise EngineSetupError(
+                    f"the rollout engine at {self.root} did not reset its prefix cache after loading new weights "
+                    f"({e}); its rollouts could reuse KV blocks of the old weights. vLLM serves POST "
+                    f"/reset_prefix_cache with VLLM_SERVER_DEV_MODE=1 (or start it with --no-enable-prefix-caching "
+                    "and that route still answers)"
+                ) from None
+            if answer.get("success") is True:
+                return
+            time.sleep(wait_s)
+        raise EngineSetupError(
+            f"the rollout engine at {self.root} refused to reset its prefix cache {attempts} times after loading "
+            f"new weights ({answer}): blocks are still held by requests the trainer did not send; its rollouts "
+            "could reuse KV blocks of the old weights. Give the stage an engine of its own"
+        )
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         """log p(ids[i] | ids[:i]) for i = 1..len(ids)-1 under the served weights (temperature 1)."""

@@ -15,7 +15,7 @@ With ``opd.engine.transport: nccl`` a started vLLM also gets ``--weight-transfer
 
 Either started server serves the models-stage student directory (architecture and tokenizer); the first sync,
 before the first rollout, replaces its weights with the run's starting student (the SFT model, merged with its
-adapter if any), and the probe proves it (``ars_opd.rollouts.verify``). The engine runs for the stage's
+adapter if any), and the version check proves it (``ars_opd.rollouts.version_check``). The engine runs for the stage's
 duration in the launching process; workers only talk to it over HTTP.
 """
 

@@ -20,8 +20,9 @@ spoken from the trainer without importing vLLM (the trainer's environment need n
 - **close**: ``POST /shutdown_weight_transfer_engine``.
 
 What travels is ``engine_state_dict`` (``ars_opd.rollouts.weights``): the plain model's names, a LoRA
-student merged, a sharded one gathered, a tied head left out. The probe (``ars_opd.rollouts.verify``) then
-checks what the engine serves, exactly as after a filesystem sync: the transport is trusted for nothing.
+student merged, a sharded one gathered, a tied head left out. The version check
+(``ars_opd.rollouts.version_check``) then checks what the engine serves, exactly as after a filesystem sync:
+the transport is trusted for nothing.
 
 A failure is an error naming the engine and the route, never a hang where it can be helped: an
 ``update_weights`` that fails before its broadcasts is seen before the trainer broadcasts (as vLLM's own

@@ -13,7 +13,9 @@ At the start of step s, on every worker (``EngineRollouts.prepare``), with v the
    every worker first waits for its rollouts in flight (drain: a weight load while a request is being sampled
    would mix two versions inside one rollout); then rank 0 publishes version s (transport ``filesystem``: a
    file the engine loads, ``ars_opd.rollouts.weights``; ``nccl``: broadcasts into vLLM,
-   ``ars_opd.rollouts.nccl_sync``), and the probe (``ars_opd.rollouts.verify``) proves the engine serves it;
+   ``ars_opd.rollouts.nccl_sync``), vLLM's prefix cache is reset, and the version check
+   (``ars_opd.rollouts.version_check``: the fingerprint of the loaded weights and the calibrated probe) proves
+   the engine serves it;
    rank 0's outcome is broadcast, so every worker stops together on a stale engine;
 2. the candidates t that the engine's version may sample, t − v ≤ L, are asked, each tagged with that version,
    in a background thread (with L ≥ 1 the engine samples later steps' rollouts while step s trains); the
@@ -38,6 +40,8 @@ S1-3 each rank its own, so a scenario study reaches the engine's rollouts as it 
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,9 +52,13 @@ import torch
 import torch.distributed as dist
 
 from ars_opd.rollouts.engine_api import EngineError
-from ars_opd.rollouts.verify import ProbeResult, check_probe, probe_bound, probe_ids, trainer_logprobs
-from ars_opd.rollouts.weights import FilesystemTransport, engine_state_dict
+from ars_opd.rollouts.fingerprint import TrainerHashes, compare
+from ars_opd.rollouts.verify import probe_bound, published_model, trainer_logprobs
+from ars_opd.rollouts.version_check import CheckSettings, VersionCheck, check_lag0, lag0_unchecked
+from ars_opd.rollouts.weights import FilesystemTransport, engine_state_dict, tied_aliases
 from ars_opd.seeding import derive_seed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,9 +71,9 @@ class RolloutPlan:
     sync_dir: Path
     seed: int  # the stage's: the probe sequence (the same on every rank)
     rollout_seed: int  # this rank's seed under the seed scenario: its requests' seeds (see the module docstring)
-    probe_tokens: int = 32
-    probe_tolerance: float | None = None  # None: the derived fp32 bound
     transport: str = "filesystem"  # filesystem | nccl (ars_opd.rollouts.nccl_sync)
+    vocab: int | None = None  # the tokenizer's ids, which the probe draws from (None: every output row)
+    check: CheckSettings = CheckSettings()  # the version check (ars_opd.rollouts.version_check)
 
 
 @dataclass
@@ -102,7 +110,12 @@ class EngineRollouts:
         self.version: int | None = None  # what the engine holds (None: nothing of ours yet)
         self.pending: dict[int, Requested] = {}
         self.done: dict[int, tuple[Requested, list]] = {}
-        self.previous_probe: torch.Tensor | None = None
+        self.check: VersionCheck | None = None  # rank 0's, made at the first sync (it needs the vocabulary)
+        self._published: torch.nn.Module | None = None  # rank 0's probe model (verify.published_model)
+        self.tolerance: float | None = None  # the calibrated probe tolerance τ, on every rank once synced
+        self.engine_vocab: int | None = None  # the ids the engine normalises over, on every rank once synced
+        self._unchecked: str | None = None  # why lag-0 steps are not held to τ (version_check.lag0_unchecked)
+        self._checkable: bool | None = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ars-opd-rollouts")
         self.last_sync: dict = {}
 
@@ -201,17 +214,16 @@ class EngineRollouts:
         if self.world > 1:
             dist.barrier()  # every worker's requests have drained before the engine loads
         state = engine_state_dict(model)  # a collective when sharded
-        ids = probe_ids(_vocab(model), self.plan.probe_tokens, self.plan.seed)
-        trainer, max_logit = trainer_logprobs(model, ids, device)  # a collective when sharded
         outcome: dict = {}
         failure: Exception | None = None
         if self.rank == 0:
             try:
+                # the published tensors' hashes, computed while the engine loads them (ars_opd.rollouts.fingerprint)
+                hashes = TrainerHashes(state, tied_aliases(model)) if self.plan.check.fingerprint else None
                 sent = self._transport(device).publish(state, step)
-                bound = self.plan.probe_tolerance or probe_bound(_config(model), len(ids) - 1, max_logit, _vocab(model))
-                where = f"{self.client.url} (serving {self.client.model})"
-                probe = check_probe(self.client.prompt_logprobs(ids), trainer, self.previous_probe, bound, where, step)
-                outcome = _sync_row(probe, sent.bytes, sent.write_s, sent.load_s)
+                if sent.prefix_cache is not False:  # no rollout may reuse KV blocks of the old weights
+                    self.client.reset_prefix_cache()
+                outcome = self._verify(step, model, (state, hashes), sent, device)
             except EngineError as e:
                 failure, outcome = e, {"error": e}
             except Exception as e:  # noqa: BLE001 - raised below, on every rank
@@ -223,22 +235,57 @@ class EngineRollouts:
             outcome = box[0]
         if "error" in outcome:
             raise failure if failure is not None else outcome["error"]
-        self.previous_probe = trainer
+        self.tolerance, self.engine_vocab = outcome["probe_tolerance"], outcome["engine_vocab"]
         self.version = step
         outcome["sync_s"] = time.perf_counter() - t0
         return outcome
 
+    def _verify(self, step: int, model: torch.nn.Module, published: tuple, sent, device: torch.device) -> dict:
+        """Rank 0, once the engine has loaded version ``step`` (``published``: the state and its hashes, None
+        without a fingerprint): the version check (``ars_opd.rollouts.version_check``), the sync's row or
+        ``StaleEngineError``. The trainer's side of the probe is a forward of exactly the fp32 weights just
+        published, normalised over the ids the engine normalises over (its answer says; vLLM: every output row);
+        the probe's ids are the tokenizer's."""
+        state, hashes = published
+        if self.check is None:
+            self.check = VersionCheck(self.plan.check, self.plan.seed, self.plan.vocab or _vocab(model))
+        vocab = sent.vocab or _vocab(model)
+        self._published = published_model(model, state, self._published)
+        probe_device = device if self._published is model else torch.device("cpu")
+        sequences = self.check.sequences()
+        trainer, max_logit = [], 0.0
+        for ids in sequences:
+            lp, top = trainer_logprobs(self._published, ids, probe_device, vocab)
+            trainer.append(lp)
+            max_logit = max(max_logit, top)
+        bound = probe_bound(_config(model), len(sequences[0]) - 1, max_logit, vocab)
+        where = f"{self.client.url} (serving {self.client.model})"
+        engine = [self.client.prompt_logprobs(ids) for ids in sequences]
+        t0 = time.perf_counter()
+        exact = None if hashes is None else compare(self.client.fingerprint(), hashes, 0.0)
+        if exact is not None:
+            exact = dataclasses.replace(exact, seconds=time.perf_counter() - t0)
+        row = self.check.verify(step, engine, trainer, (bound, max_logit), where, exact)
+        return {**row, "engine_vocab": vocab, "sync_bytes": sent.bytes, "write_s": sent.write_s, "load_s": sent.load_s}
 
-def _sync_row(probe: ProbeResult, nbytes: int, write_s: float, load_s: float) -> dict:
-    return {
-        "probe_max_abs_diff": probe.max_abs_diff,
-        "probe_mean_abs_diff": probe.mean_abs_diff,
-        "probe_bound": probe.bound,
-        "probe_separation": probe.separation,
-        "sync_bytes": nbytes,
-        "write_s": write_s,
-        "load_s": load_s,
-    }
+    # -- the lag-0 check (version_check.check_lag0) -----------------------------------------------------------
+    def lag0_tolerance(self, got: StepRollouts, model: torch.nn.Module, precision: str) -> float | None:
+        """τ when this step's ``engine_abs_dlogp`` is held to it (lag 0, a training forward that computes what
+        the engine computes), else None; logs once why a run's steps are not."""
+        if self._checkable is None:
+            device = next(model.parameters()).device
+            self._unchecked = lag0_unchecked(model, precision, device)
+            self._checkable = self._unchecked is None
+            if not self._checkable and self.plan.max_lag == 0 and self.rank == 0:
+                log.warning("lag-0 steps' engine_abs_dlogp is logged, not checked: %s", self._unchecked)
+        return self.tolerance if got.lag == 0 and self._checkable else None
+
+    def check_step(self, step: int, metrics: dict, verdict: str) -> None:
+        """Every rank, with the step's reduced columns (the same on every rank): the lag-0 check."""
+        tolerance = metrics.get("engine_dlogp_tolerance", float("nan"))
+        if tolerance == tolerance:  # held to τ this step
+            where = f"{self.client.url} (serving {self.client.model})"
+            check_lag0(step, metrics.get("engine_abs_dlogp", float("nan")), tolerance, where, verdict)
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
@@ -261,25 +308,35 @@ ENGINE_METRICS = (
     "engine_tok_per_s",  # tokens the engine computed (prompts + samples) per second from asking to having them
     "sync_s",  # the step's weight sync: gather, write, load, probe (NaN on steps without one)
     "probe_max_abs_diff",  # the engine's largest |Δ log p| from the trainer on the probe after the sync
-    "probe_bound",  # the bound it is held to (derived for fp32, or opd.engine.probe_tolerance)
-    "probe_separation",  # how far the update moved the probe (a stale engine is caught when > 2 x bound)
+    "probe_bound",  # the derived worst-case fp32 bound
+    "probe_tolerance",  # τ, what the probe is held to: calibrated at the first sync, or opd.engine.probe_tolerance
+    "probe_separation",  # how far the update moved the probe (a stale engine is caught when > 2 x tolerance)
+    "indistinguishable",  # 1: the update was too small to tell a stale engine apart (opd.engine.indistinguishable)
     "engine_abs_dlogp",  # mean |log q_trainer − log q_engine| of the trained sampled tokens
+    "engine_dlogp_tolerance",  # τ, where the step's engine_abs_dlogp is held to it (lag 0, an fp32 forward)
+    "tensors_verified",  # the sync's tensors whose hashes the engine showed equal to the published ones
+    "tensors_probe_only",  # the sync's tensors the engine could not show: verified by the probe alone
     "importance_weight",  # sampled_token under max_lag >= 1: the mean truncated importance weight
 )
 
 
-def engine_step_metrics(got: StepRollouts) -> dict[str, tuple[float, float]]:
-    """The step's engine columns known before the loss (``engine_abs_dlogp`` and the weights come from it)."""
+def engine_step_metrics(got: StepRollouts, lag0_tolerance: float | None = None) -> dict[str, tuple[float, float]]:
+    """The step's engine columns known before the loss (``engine_abs_dlogp`` and the weights come from it);
+    ``lag0_tolerance``: τ where the step's ``engine_abs_dlogp`` is held to it (``EngineRollouts.lag0_tolerance``)."""
     out = {
         "rollout_lag": (float(got.lag), 1.0),
         "engine_tok_per_s": (float(got.tokens), max(got.gen_s, 1e-9)),
     }
+    if lag0_tolerance is not None:
+        out["engine_dlogp_tolerance"] = (lag0_tolerance, 1.0)
     if got.sync:
         out["sync_s"] = (got.sync["sync_s"], 1.0)
         out["probe_max_abs_diff"] = (got.sync["probe_max_abs_diff"], 1.0)
         out["probe_bound"] = (got.sync["probe_bound"], 1.0)
-        if got.sync.get("probe_separation") is not None:
-            out["probe_separation"] = (got.sync["probe_separation"], 1.0)
+        out["probe_tolerance"] = (got.sync["probe_tolerance"], 1.0)
+        for key in ("probe_separation", "indistinguishable", "tensors_verified", "tensors_probe_only"):
+            if got.sync.get(key) is not None:
+                out[key] = (got.sync[key], 1.0)
     return out
 
 
@@ -294,3 +351,21 @@ def place_on_mask(loss_mask: torch.Tensor, rows: list[list[float]]) -> torch.Ten
             raise RuntimeError(f"the engine gave {len(values)} log-probabilities for a rollout of {n} kept tokens")
         out[b, positions] = torch.tensor(values[:n], dtype=torch.float64)
     return out
+
+
+@torch.no_grad()
+def against_engine(hidden, model, targets, engine_lp, cfg, vocab: int) -> tuple[dict, torch.Tensor | None]:
+    """|log q_now − log q_engine| of the sampled tokens (rounding at lag 0, where the engine served these very
+    weights: ``EngineRollouts.check_step`` holds it to τ), normalised over the ids the engine normalises over
+    (``vocab``), and for ``sampled_token`` with a lag the truncated importance weights min(c, q_now / q_sampler)
+    that correct its estimator for the older policy that sampled (``cfg``: the opd section)."""
+    from ars_opd.lm.head import OutputHead, target_logprobs
+
+    now = target_logprobs(hidden.detach(), OutputHead.of(model, vocab), targets, (1.0,), cfg.chunk_size)[0]
+    diff = (now - engine_lp.float()).abs()
+    extra = {"engine_abs_dlogp": (float(diff.sum()), float(diff.numel()))}
+    weights = None
+    if cfg.loss == "sampled_token" and cfg.engine.max_lag > 0:
+        weights = torch.exp(now - engine_lp.float()).clamp(max=cfg.engine.max_importance_weight)
+        extra["importance_weight"] = (float(weights.sum()), float(weights.numel()))
+    return extra, weights

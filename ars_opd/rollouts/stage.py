@@ -23,6 +23,7 @@ from ars_opd.models.loading import model_path
 from ars_opd.rollouts.engine_api import EngineClient, SamplingSpec
 from ars_opd.rollouts.engines import BUNDLED, VLLM, RolloutEndpoint, rollout_endpoint
 from ars_opd.rollouts.schedule import EngineRollouts, RolloutPlan
+from ars_opd.rollouts.version_check import CheckSettings
 
 
 @contextlib.contextmanager
@@ -68,9 +69,10 @@ class WorkerPlace(NamedTuple):
 
 
 def worker_rollouts(
-    endpoint: RolloutEndpoint | None, cfg: OPDConfig, place: WorkerPlace, eos_ids: tuple[int, ...]
+    endpoint: RolloutEndpoint | None, cfg: OPDConfig, place: WorkerPlace, eos_ids: tuple[int, ...], vocab: int
 ) -> EngineRollouts:
-    """The side of the stage's engine (``endpoint``, which ``stage_engine`` yielded) of the worker at ``place``."""
+    """The side of the stage's engine (``endpoint``, which ``stage_engine`` yielded) of the worker at ``place``;
+    ``vocab``: the tokenizer's ids (the probe draws from them)."""
     if endpoint is None:
         raise ValueError("opd.rollouts: engine, but the job carries no rollout engine (run_opd resolves it)")
     plan = RolloutPlan(
@@ -80,9 +82,16 @@ def worker_rollouts(
         sync_dir=Path(endpoint.sync_dir),
         seed=place.stage_seed,
         rollout_seed=place.rollout_seed,
-        probe_tokens=cfg.engine.probe_tokens,
-        probe_tolerance=cfg.engine.probe_tolerance,
         transport=cfg.engine.transport,
+        vocab=vocab,
+        check=CheckSettings(
+            tokens=cfg.engine.probe_tokens,
+            tolerance=cfg.engine.probe_tolerance,
+            calibration=cfg.engine.probe_calibration,
+            margin=cfg.engine.probe_margin,
+            indistinguishable=cfg.engine.indistinguishable,
+            fingerprint=cfg.engine.fingerprint,
+        ),
     )
     spec = SamplingSpec(cfg.sample_temperature, cfg.top_p, cfg.max_new_tokens, tuple(eos_ids))
     client = EngineClient(endpoint.url, endpoint.model, endpoint.settings, cfg.engine.concurrency)

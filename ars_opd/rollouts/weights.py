@@ -69,6 +69,19 @@ def engine_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return _untied(model, state)
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """The names ``engine_state_dict`` leaves out because they share a published tensor, each with that tensor's
+    name: a tied head (``{"lm_head.weight": "model.embed_tokens.weight"}``); {} when nothing is tied."""
+    base = model.get_base_model() if is_adapted(model) else model
+    if not bool(getattr(getattr(base, "config", None), "tie_word_embeddings", False)):
+        return {}
+    names = {id(module): name for name, module in base.named_modules()}
+    head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    if id(head) not in names or id(embedding) not in names:
+        return {}
+    return {f"{names[id(head)]}.weight": f"{names[id(embedding)]}.weight"}
+
+
 def _untied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop names that share a tensor with an earlier one (a tied head), as save_pretrained does."""
     base = model.get_base_model() if is_adapted(model) else model
@@ -84,11 +97,16 @@ def _untied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
 @dataclass(frozen=True)
 class Transfer:
     """One version published to the engine: its bytes, the seconds spent writing it (0 when nothing is written)
-    and the seconds until the engine had loaded it."""
+    and the seconds until the engine had loaded it; ``vocab``, where the engine's answer says it, how many ids
+    its log-probabilities are normalised over (None: the student's output rows, as vLLM normalises);
+    ``prefix_cache``: False where the engine says it has no prefix cache to reset (the bundled server), None
+    where it does not say (vLLM: it has one)."""
 
     bytes: int
     write_s: float
     load_s: float
+    vocab: int | None = None
+    prefix_cache: bool | None = None
 
 
 class FilesystemTransport:
@@ -101,8 +119,12 @@ class FilesystemTransport:
     def publish(self, state: dict[str, torch.Tensor], version: int) -> Transfer:
         written = write_version(state, self.sync_dir, version)
         t0 = time.perf_counter()
-        self.client.load_weights(str(written.path))
-        return Transfer(written.bytes, written.seconds, time.perf_counter() - t0)
+        answer = self.client.load_weights(str(written.path))
+        vocab = answer.get("vocab")
+        vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+        cache = answer.get("prefix_cache")
+        cache = cache if isinstance(cache, bool) else None
+        return Transfer(written.bytes, written.seconds, time.perf_counter() - t0, vocab, cache)
 
     def close(self) -> None:
         pass

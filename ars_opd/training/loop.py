@@ -256,16 +256,19 @@ class Trainer:
         gram = monitor.gram() if monitor is not None else None
         stats_s += time.perf_counter() - t0
         loss = gathered[:, columns.LOSS_SUM].sum().item() / acc.global_units
+        metrics = {}
+        for i, n in enumerate(names):
+            s, c = gathered[:, columns.metric_sum(i)].sum().item(), gathered[:, columns.metric_count(i)].sum().item()
+            metrics[n] = s / c if c else float("nan")
+        check = getattr(task, "check_step", None)
+        if check is not None:  # the task may refuse the step from its reduced columns, before the update
+            check(state.step, metrics)
         norm, coef, clipped, skipped = self.optimizer_step(loss)
         worker_tokens = [int(t) for t in gathered[:, columns.TOKENS].tolist()]
         worker_units = [int(u) for u in gathered[:, columns.UNITS].tolist()]  # = worker_tokens unless per sequence
         worker_loss = [
             s / u if u else float("nan") for s, u in zip(gathered[:, columns.LOSS_SUM].tolist(), worker_units)
         ]
-        metrics = {}
-        for i, n in enumerate(names):
-            s, c = gathered[:, columns.metric_sum(i)].sum().item(), gathered[:, columns.metric_count(i)].sum().item()
-            metrics[n] = s / c if c else float("nan")
         budget = {
             "flops": gathered[:, columns.FLOPS].sum().item(),
             "tokens_generated": int(gathered[:, columns.GENERATED].sum().item()),

@@ -68,11 +68,17 @@ from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, tea
 from ars_opd.data.synthetic import is_correct_for
 from ars_opd.lm.batching import build_rollout_batch, eos_set, in_first_half, pad_token_id, sequence_weights
 from ars_opd.lm.generation import GenerationCost, decode_completion, eos_token_ids, generate_token_ids
-from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows, target_logprobs
+from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.lm.optim import autocast_context
 from ars_opd.models.loading import read_manifest
-from ars_opd.rollouts.schedule import ENGINE_METRICS, EngineRollouts, engine_step_metrics, place_on_mask
+from ars_opd.rollouts.schedule import (
+    ENGINE_METRICS,
+    EngineRollouts,
+    against_engine,
+    engine_step_metrics,
+    place_on_mask,
+)
 from ars_opd.rollouts.stage import WorkerPlace, stage_engine, worker_rollouts
 from ars_opd.seeding import derive_seed
 from ars_opd.training.batch_plan import step_indices
@@ -208,7 +214,7 @@ class OPDTask:
             got = self.engine.take(step, prompts)
             completions, engine_logprobs = got.completions, got.logprobs
             sampling.forward_tokens = got.tokens  # the engine's forward: each prompt once, then each sampled token
-            engine_meta = engine_step_metrics(got)
+            engine_meta = engine_step_metrics(got, self.engine.lag0_tolerance(got, model, self.cfg.precision))
         elif on_policy:
             sample = self.cfg.sample_temperature > 0
             with autocast_context(self.cfg.precision, self.device):  # rollouts in the training precision
@@ -290,7 +296,8 @@ class OPDTask:
         targets = t["targets"][mask]
         extra, weights = {}, None
         if "engine_logprobs" in t:  # engine rollouts: the sampler's log p of each token against ours now
-            extra, weights = self._against_engine(hidden, head, targets, t["engine_logprobs"][mask])
+            vocab = self.engine.engine_vocab or self.teacher.vocab
+            extra, weights = against_engine(hidden, model, targets, t["engine_logprobs"][mask], self.cfg, vocab)
         if self.cfg.loss_normalisation == "sequence":  # each token weighs 1 / its completion's length
             per_seq = sequence_weights(mask)
             weights = per_seq if weights is None else weights * per_seq
@@ -323,19 +330,11 @@ class OPDTask:
             for i, c in zip(rows, completions)
         )
 
-    @torch.no_grad()
-    def _against_engine(self, hidden, head, targets, engine_lp) -> tuple[dict, torch.Tensor | None]:
-        """|log q_now − log q_engine| of the sampled tokens (0 up to rounding at lag 0: the engine served these
-        very weights), and for ``sampled_token`` with a lag the truncated importance weights
-        min(c, q_now / q_sampler) that correct its estimator for the older policy that sampled."""
-        now = target_logprobs(hidden.detach(), head, targets, (1.0,), self.cfg.chunk_size)[0]
-        diff = (now - engine_lp.float()).abs()
-        extra = {"engine_abs_dlogp": (float(diff.sum()), float(diff.numel()))}
-        weights = None
-        if self.cfg.loss == "sampled_token" and self.cfg.engine.max_lag > 0:
-            weights = torch.exp(now - engine_lp.float()).clamp(max=self.cfg.engine.max_importance_weight)
-            extra["importance_weight"] = (float(weights.sum()), float(weights.numel()))
-        return extra, weights
+    def check_step(self, step: int, metrics: dict) -> None:
+        """After the step's columns are reduced, before its update: the engine's lag-0 check
+        (``EngineRollouts.check_step``)."""
+        if self.engine is not None:
+            self.engine.check_step(step, metrics, self.cfg.engine.dlogp_check)
 
 
 def _encode(tokenizer, rows: list[dict], cfg: OPDConfig) -> OPDData:
@@ -408,7 +407,7 @@ def engine_rollouts(job: TrainingJob, setup: WorkerSetup, eos_ids: tuple[int, ..
     if job.cfg.rollouts != "engine":
         return None
     place = WorkerPlace(setup.ctx.rank, setup.ctx.world_size, setup.stage_seed, setup.rng_seed)
-    return worker_rollouts(job.rollout_engine, job.cfg, place, eos_ids)
+    return worker_rollouts(job.rollout_engine, job.cfg, place, eos_ids, len(setup.tokenizer))
 
 
 def opd_worker(job: TrainingJob) -> dict:

@@ -61,6 +61,10 @@ class TrainingTask(Protocol):
         """Tokens the teacher generated for the text the whole world first trains on at ``step``, as the run
         charges them (``ars_opd.training.data_cost``); the same on every rank. Called once per step, in order."""
 
+    # optional: ``check_step(step, metrics)``, called on every rank with the step's reduced columns (the same on
+    # every rank) after the backward and before the update; raising there stops the run without that update
+    # (OPD's lag-0 check of the rollout engine, ``ars_opd.rollouts.version_check.check_lag0``)
+
 
 class RunIdentity(NamedTuple):
     """What tells a run from another (``ars_opd.training.checkpoint``, ``ars_opd.training.budget``)."""

@@ -8,8 +8,9 @@ answers. Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /stats`` (batchin
 ``echo``, answered in exactly vLLM's shape: ``ars_opd.teacher.server.scoring``) and, without
 ``prompt_logprobs``, for generating from one token-id prompt (a rollout engine's request:
 ``ars_opd.teacher.server.generation``), vLLM's ``POST /tokenize``, and, with ``--weight-updates``, vLLM's
-``POST /collective_rpc`` for one method, ``ars_opd_load_weights`` (load a published safetensors file between
-batches: ``ars_opd.teacher.server.weights``; ``--ignore-weight-updates`` is a fault injection for tests).
+``POST /collective_rpc`` for two methods, ``ars_opd_load_weights`` (load a published safetensors file between
+batches: ``ars_opd.teacher.server.weights``; ``--ignore-weight-updates`` is a fault injection for tests) and
+``ars_opd_fingerprint`` (the sha256 of every loaded tensor, for the trainer's version check).
 Each chat request's messages go through the directory's chat template (generation
 prompt appended); requests are answered by the route handlers of ``ars_opd.teacher.server.handlers``,
 prepared by ``ars_opd.teacher.server.preparation`` (validated by ``ars_opd.teacher.server.validation``) and
@@ -232,6 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="FAULT INJECTION for tests: answer weight loads with success but keep the old weights (a stale engine)",
     )
     parser.add_argument(
+        "--keep-old-head",
+        action="store_true",
+        help="FAULT INJECTION for tests: load every tensor but the output head, which keeps its old values",
+    )
+    parser.add_argument(
         "--parent-pid",
         type=int,
         help="stop when this process is gone (the stage that started the server, even after a kill -9 of it)",
@@ -250,8 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=args.dtype,
             log_requests=args.log_requests,
             max_logprobs=args.max_logprobs,
-            weight_updates=args.weight_updates or args.ignore_weight_updates,
+            weight_updates=args.weight_updates or args.ignore_weight_updates or args.keep_old_head,
             ignore_weight_updates=args.ignore_weight_updates,
+            keep_old_head=args.keep_old_head,
             parent_pid=args.parent_pid,
         )
         run_server(args.model_dir, options, args.host, args.port, args.ready_file)

@@ -19,7 +19,8 @@ chat rows generate. Token-id generation rows (``/v1/completions`` without ``prom
 ``stop_token_ids`` and keep each sampled token's raw log-probability (``RowSampler.raw_logprob``).
 
 Weight loads (``load_weights``, the ``/collective_rpc`` route) take the lock each batch holds while it runs
-and load on the generation thread, so they fall between batches and no row sees a half-loaded model.
+and load on the generation thread, so they fall between batches and no row sees a half-loaded model; so does
+the fingerprint of the loaded weights (``fingerprint``) that the trainer's version check asks for.
 
 The model's ``generation_config.json`` sampling defaults are ignored: the request's parameters (OpenAI
 defaults: temperature 1, top_p 1) decide the decoding alone. On stop, the running batch ends at its next
@@ -59,7 +60,7 @@ from ars_opd.teacher.server.preparation import RequestPreparer
 from ars_opd.teacher.server.sampling import RowSampler
 from ars_opd.teacher.server.scoring import ScoreRequest, score_rows
 from ars_opd.teacher.server.validation import ChatRequest, RequestError
-from ars_opd.teacher.server.weights import load_state_file
+from ars_opd.teacher.server.weights import load_state_file, state_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -236,10 +237,28 @@ class TeacherEngine:
 
     def _load_weights(self, path: str) -> dict:
         start = time.perf_counter()
-        loaded = load_state_file(self.model, path, apply=not self.options.ignore_weight_updates)
-        if self.options.ignore_weight_updates:
-            log.warning("fault injection: pretended to load %s and kept the old weights", path)
-        return {"loaded": loaded, "seconds": time.perf_counter() - start}
+        options = self.options
+        loaded = load_state_file(self.model, path, not options.ignore_weight_updates, options.keep_old_head)
+        if options.ignore_weight_updates or options.keep_old_head:
+            log.warning(
+                "fault injection: loaded %s but kept the old %s", path, "head" if options.keep_old_head else "weights"
+            )
+        # "vocab": the ids its log-probabilities are normalised over (the tokenizer's), for the trainer's probe;
+        # "prefix_cache": none here (every batch computes its prompts afresh), so nothing for the trainer to reset
+        return {"loaded": loaded, "seconds": time.perf_counter() - start, "vocab": self.vocab, "prefix_cache": False}
+
+    async def fingerprint(self) -> dict:
+        """The sha256 of every tensor the served model computes with (``weights.state_fingerprint``), between
+        batches as a load is: ``{"tensors", "vocab", "seconds"}``."""
+        if self.stopping or self._model_lock is None:
+            raise RequestError(503, "the server is shutting down", "unavailable")
+        async with self._model_lock:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._fingerprint)
+
+    def _fingerprint(self) -> dict:
+        start = time.perf_counter()
+        tensors = state_fingerprint(self.model)
+        return {"tensors": tensors, "vocab": self.vocab, "seconds": time.perf_counter() - start}
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -181,13 +181,17 @@ async def _generation(engine: TeacherEngine, gen: GenerateRequest) -> web.Respon
     )
 
 
-RPC_METHODS = ("ars_opd_load_weights",)
+RPC_METHODS = ("ars_opd_load_weights", "ars_opd_fingerprint")
 
 
 async def collective_rpc(request: web.Request) -> web.Response:
-    """vLLM's dev route ``POST /collective_rpc`` for the one method this server has: ``{"method":
-    "ars_opd_load_weights", "kwargs": {"path"}}`` -> ``{"results": [{"loaded", "seconds"}]}`` (one worker).
-    Only with ``ServerOptions.weight_updates`` (``--weight-updates``); else 404."""
+    """vLLM's dev route ``POST /collective_rpc`` for this server's two methods: ``{"method":
+    "ars_opd_load_weights", "kwargs": {"path"}}`` -> ``{"results": [{"loaded", "seconds", "vocab",
+    "prefix_cache": false}]}`` (one worker; ``vocab``: the ids its log-probabilities are normalised over, the
+    tokenizer's; no prefix cache for the trainer to reset), and ``{"method":
+    "ars_opd_fingerprint"}`` -> ``{"results": [{"tensors": {name: {"sha256", ...}}, "vocab", "seconds"}]}``
+    (``ars_opd.teacher.server.weights.state_fingerprint``). Only with ``ServerOptions.weight_updates``
+    (``--weight-updates``); else 404."""
     engine = request.app[ENGINE_KEY]
     if not engine.options.weight_updates:
         return RequestError(
@@ -210,6 +214,10 @@ async def collective_rpc(request: web.Request) -> web.Response:
                 "method",
             )
         kwargs = body.get("kwargs") or {}
+        if body["method"] == "ars_opd_fingerprint":
+            if kwargs:
+                raise RequestError(400, "ars_opd_fingerprint takes no 'kwargs'", "invalid_value", "kwargs")
+            return web.json_response({"results": [await engine.fingerprint()]})
         if not isinstance(kwargs, dict) or set(kwargs) != {"path"}:
             raise RequestError(400, "'kwargs' must be {\"path\": <safetensors file>}", "invalid_value", "kwargs")
         result = await engine.load_weights(kwargs["path"])

@@ -39,6 +39,10 @@ class ServerOptions:
     """FAULT INJECTION, for tests only: answer weight loads with success but keep the old weights (a stale
     engine, as vLLM issue #32718), so that the trainer's version check can be shown to catch it. Needs
     ``weight_updates``."""
+    keep_old_head: bool = False
+    """FAULT INJECTION, for tests only: load every tensor but the output head, which keeps its old values (a tied
+    head is untied first): "new embedding, old head", what vLLM CPU's stock reload serves. Needs
+    ``weight_updates``."""
 
     parent_pid: int | None = None
     """Stop when this process is gone (the stage that started the server: a ``kill -9`` of it runs no cleanup,
@@ -49,5 +53,5 @@ class ServerOptions:
             raise ValueError(
                 f"need max_batch_size >= 1 and max_wait_ms >= 0, got {self.max_batch_size}, {self.max_wait_ms}"
             )
-        if self.ignore_weight_updates and not self.weight_updates:
-            raise ValueError("ignore_weight_updates (a fault injection) needs weight_updates")
+        if (self.ignore_weight_updates or self.keep_old_head) and not self.weight_updates:
+            raise ValueError("ignore_weight_updates and keep_old_head (fault injections) need weight_updates")
