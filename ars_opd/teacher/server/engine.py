@@ -79,8 +79,9 @@ class _RowProgress(StoppingCriteria):
                 continue
             if self.engine.stopping:
                 job.fail(503, "the server is shutting down")
-            elif job.cancelled:
+            elif job.cancelled:  # its client has gone: no more steps for nobody
                 job.done = True
+                self.engine.stats.rows_stopped += 1
             else:
                 self.engine.advance(job, token, self.sampler.raw_logprob(row, token))
         return torch.tensor([j.done for j in self.jobs], dtype=torch.bool, device=input_ids.device)
@@ -96,6 +97,14 @@ class ServerStats:
     """``model.generate`` calls started (one per batch)."""
     rows_generated: int = 0
     """Sum of batch sizes."""
+    tokens_generated: int = 0
+    """Completion tokens recorded (the rows' own tokens, not the padding of rows that ended earlier)."""
+    clients_gone: int = 0
+    """Requests whose client left (a timeout, a dropped connection) before their answer."""
+    rows_dropped: int = 0
+    """Rows whose client had left while they waited: taken out of the queue and never computed."""
+    rows_stopped: int = 0
+    """Rows whose client left during their batch: stopped at the next decoding step."""
     largest_batch: int = 0
     generating: bool = False
     """A ``generate`` call is running now."""
@@ -250,7 +259,9 @@ class TeacherEngine:
                     await asyncio.sleep(self.max_wait_s)  # give concurrent requests a moment to join
                 while len(batch) < self.max_batch_size and not self._pending.empty():
                     batch.append(self._pending.get_nowait())
-                batch = [j for j in batch if not j.cancelled]
+                kept = [j for j in batch if not j.cancelled]
+                self.stats.rows_dropped += len(batch) - len(kept)
+                batch = kept
                 # requests arriving while these run wait in the queue and form the next batch
                 scoring = [j for j in batch if isinstance(j, ScoreJob)]
                 generating = [j for j in batch if not isinstance(j, ScoreJob)]
@@ -330,6 +341,7 @@ class TeacherEngine:
         """Record ``token`` (and its raw ``logprob`` when the job keeps them) for ``job``, decide whether the
         row is finished, and post its progress."""
         job.completion_ids.append(token)
+        self.stats.tokens_generated += 1
         if job.logprobs is not None:
             job.logprobs.append(logprob)
         n = len(job.completion_ids)

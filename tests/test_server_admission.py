@@ -1,0 +1,122 @@
+"""The bundled server under more requests than it can answer in time: rows of clients that left are not
+computed, batches are bounded by the tokens they generate, a queue that would outlast the client's timeout
+answers 429 with Retry-After, and teacher_gen's default concurrency follows the server's batches.
+
+Nothing here depends on how fast this machine is: a gate holds the generation thread while a client times
+out, and the pushback tests give the engine a measured speed instead of letting it measure one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from ars_opd.config import EndpointConfig
+from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make_client, post_json
+from ars_opd.teacher.server import app as teacher_server
+from ars_opd.teacher.server.handlers import ENGINE_KEY
+from ars_opd.teacher.server.options import ServerOptions
+from server_thread import ServerThread
+from tiny_models import save_tiny_model
+
+MODEL = "tiny"
+
+
+def _body(content: str, max_tokens: int = 4) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, char_tokenizer):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"), char_tokenizer)
+
+
+@pytest.fixture
+def serve(model_dir):
+    """Start a fresh server (fresh counters) with the given options; closed after the test."""
+    servers = []
+
+    def start(**options) -> ServerThread:
+        srv = ServerThread(teacher_server.create_app(str(model_dir), ServerOptions(model_name=MODEL, **options)))
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.close()
+
+
+def _wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _gate_generation(engine, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Hold every batch's generate on the generation thread until ``release`` is set; ``entered`` is set when
+    the first batch reaches it."""
+    entered, release = threading.Event(), threading.Event()
+    real = engine._generate_batch
+
+    def gated(jobs):
+        entered.set()
+        assert release.wait(60), "the test never released the generation thread"
+        real(jobs)
+
+    monkeypatch.setattr(engine, "_generate_batch", gated)
+    return entered, release
+
+
+async def _ask(url: str, body: dict, timeout_s: float) -> dict:
+    """One request through the client teacher_gen uses (its transport, its timeout handling)."""
+    limits = EndpointConfig(endpoint=f"{url}/v1", model=MODEL, request_timeout_s=timeout_s, concurrency=4)
+    client = make_client(ClientSettings(f"{url}/v1", limits=limits))
+    try:
+        return await post_json(client, "/chat/completions", body)
+    finally:
+        await client.close()
+
+
+def _run_in_thread(coro_factory) -> tuple[threading.Thread, list]:
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(asyncio.run(coro_factory())), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_queued_request_whose_client_timed_out_is_never_generated(serve, monkeypatch):
+    srv = serve(max_wait_ms=1)
+    entered, release = _gate_generation(srv.app[ENGINE_KEY], monkeypatch)
+    first, answered = _run_in_thread(lambda: _ask(srv.url, _body("first"), timeout_s=60))
+    assert entered.wait(30)  # the first request's batch holds the generation thread
+    with pytest.raises(RetryableError, match="timeout"):
+        asyncio.run(_ask(srv.url, _body("second"), timeout_s=0.5))  # queued behind it; its client gives up
+    _wait_for(lambda: srv.stats.clients_gone == 1, "the server to see the client go")
+    release.set()
+    first.join(30)
+    assert answered and answered[0]["choices"][0]["finish_reason"] in ("stop", "length")
+    _wait_for(lambda: srv.stats.rows_dropped == 1, "the abandoned row to be dropped")
+    stats = srv.stats
+    assert (stats.completions, stats.rows_generated, stats.generate_calls, stats.rows_stopped) == (2, 1, 1, 0)
+
+
+def test_a_running_row_whose_client_timed_out_stops_at_the_next_step(serve, monkeypatch):
+    srv = serve(max_wait_ms=1)
+    entered, release = _gate_generation(srv.app[ENGINE_KEY], monkeypatch)
+    with pytest.raises(RetryableError, match="timeout"):
+        asyncio.run(_ask(srv.url, _body("alone", max_tokens=64), timeout_s=0.5))
+    assert entered.is_set()  # its batch had started
+    _wait_for(lambda: srv.stats.clients_gone == 1, "the server to see the client go")
+    release.set()
+    _wait_for(lambda: srv.stats.rows_stopped == 1, "the row to stop")
+    # generate's first step ran (the prompt's forward), and nothing was recorded for the row after it
+    assert (srv.stats.rows_generated, srv.stats.tokens_generated) == (1, 0)
