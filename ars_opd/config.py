@@ -533,6 +533,9 @@ class TeacherServerConfig:
     """Most requests batched into one generate call."""
     max_wait_ms: float = 5.0
     """How long the first request of a batch waits for company."""
+    max_batch_tokens: int | None = None
+    """Most token budget per generate call: rows × their longest max_tokens, what a batch costs since it runs
+    until its longest row ends (null: max_batch_size alone; a single row always runs)."""
     threads: int = 2
     """torch CPU threads of the server process."""
     startup_timeout_s: float = 180.0
@@ -541,6 +544,11 @@ class TeacherServerConfig:
     def __post_init__(self):
         _require(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")
         _require(self.max_wait_ms >= 0, "max_wait_ms", f"must be >= 0, got {self.max_wait_ms}")
+        _require(
+            self.max_batch_tokens is None or self.max_batch_tokens > 0,
+            "max_batch_tokens",
+            f"must be null or > 0, got {self.max_batch_tokens}",
+        )
         _require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
         _require(self.startup_timeout_s > 0, "startup_timeout_s", f"must be > 0, got {self.startup_timeout_s}")
 
@@ -685,8 +693,9 @@ class TeacherGenConfig(EndpointConfig):
     """Fail the stage when more than this fraction of prompts ends without an answer."""
     retry_failed: bool = False
     """Ask again the prompts whose failure a rerun cannot change (refused with 400/413/422, empty greedy answer)."""
-    server: TeacherServerConfig = field(default_factory=TeacherServerConfig)
-    """The bundled server (endpoint 'local' only)."""
+    server: TeacherServerConfig = field(default_factory=lambda: TeacherServerConfig(max_batch_tokens=1536))
+    """The bundled server (endpoint 'local' only); its batches are bounded by their token budget so that a batch
+    and the one waiting behind it end well within request_timeout_s (see README, Teacher generation)."""
 
     def __post_init__(self):
         super().__post_init__()

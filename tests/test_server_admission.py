@@ -17,7 +17,9 @@ import pytest
 from ars_opd.config import EndpointConfig
 from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make_client, post_json
 from ars_opd.teacher.server import app as teacher_server
+from ars_opd.teacher.server.admission import RowQueue, budget, plan
 from ars_opd.teacher.server.handlers import ENGINE_KEY
+from ars_opd.teacher.server.jobs import Job, ScoreJob
 from ars_opd.teacher.server.options import ServerOptions
 from server_thread import ServerThread
 from tiny_models import save_tiny_model
@@ -120,3 +122,53 @@ def test_a_running_row_whose_client_timed_out_stops_at_the_next_step(serve, monk
     _wait_for(lambda: srv.stats.rows_stopped == 1, "the row to stop")
     # generate's first step ran (the prompt's forward), and nothing was recorded for the row after it
     assert (srv.stats.rows_generated, srv.stats.tokens_generated) == (1, 0)
+
+
+def _row(max_tokens: int, cancelled: bool = False) -> Job:
+    job = Job([1, 2], max_tokens, 0.0, 1.0, 0, (), False, loop=None, events=None)
+    job.cancelled = cancelled
+    return job
+
+
+def test_batches_are_taken_in_order_within_the_row_and_token_limits():
+    queue = RowQueue()
+    rows = [_row(8), _row(8), _row(16), _row(8, cancelled=True), _row(100), _row(4), ScoreJob([1], 0, None, None)]
+    for row in rows:
+        queue.put(row)
+    assert plan(queue, max_rows=3, max_tokens=32) == [16, 16, 100, 4]
+    # two rows of 8 (16); a third of 16 would make 3 x 16 = 48: it starts the next batch
+    assert queue.take(3, 32) == ([rows[0], rows[1]], 0)
+    # the cancelled row is dropped on the way; 100 > 32 after the 16-token row: the next batch again
+    assert queue.take(3, 32) == ([rows[2]], 1)
+    assert queue.take(3, 32) == ([rows[4]], 0)  # alone over the budget, it still runs: it cannot be split
+    # a scoring row costs no decoding steps: it joins whatever batch has room
+    assert queue.take(3, 32) == ([rows[5], rows[6]], 0) and len(queue) == 0
+    assert budget(rows[:3]) == 3 * 16 and budget([rows[6]]) == 0
+    for row in rows:
+        queue.put(row)
+    assert [len(queue.take(64, None)[0]) for _ in range(2)] == [6, 0]  # no token limit: rows alone
+
+
+def test_a_served_batch_never_exceeds_the_token_limit(serve, monkeypatch):
+    srv = serve(max_wait_ms=1, max_batch_tokens=3 * 6)
+    entered, release = _gate_generation(srv.app[ENGINE_KEY], monkeypatch)
+
+    async def go():
+        first = asyncio.create_task(_ask(srv.url, _body("first", max_tokens=6), timeout_s=60))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+        rest = [asyncio.create_task(_ask(srv.url, _body(f"q{i}", max_tokens=6), timeout_s=60)) for i in range(9)]
+        await asyncio.get_running_loop().run_in_executor(
+            None, _wait_for, lambda: srv.stats.completions == 10, "the nine to queue"
+        )
+        release.set()  # nine rows of 6 tokens wait: three batches of three (3 x 6 = 18)
+        return await asyncio.gather(first, *rest)
+
+    answers = asyncio.run(go())
+    assert all(a["choices"][0]["finish_reason"] in ("stop", "length") for a in answers)
+    stats = srv.stats
+    assert (stats.generate_calls, stats.rows_generated, stats.largest_batch, stats.largest_batch_tokens) == (
+        4,
+        10,
+        3,
+        18,
+    )

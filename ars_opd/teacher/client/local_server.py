@@ -97,6 +97,8 @@ def local_teacher_server(
             "--parent-pid",  # it lives in its own session: without this a kill -9 of this process orphans it
             str(os.getpid()),
         ]
+        if server.max_batch_tokens is not None:
+            cmd += ["--max-batch-tokens", str(server.max_batch_tokens)]
         if log_requests:
             cmd += ["--log-requests", log_requests]
         if max_logprobs is not None:

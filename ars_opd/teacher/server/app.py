@@ -221,6 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-wait-ms", type=float, default=defaults.max_wait_ms, help="how long a batch waits for more requests"
     )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=defaults.max_batch_tokens,
+        help="most rows x longest max_tokens per generate call (default: no limit but --max-batch-size)",
+    )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--device", default=defaults.device, help="torch device for the model (default: %(default)s)")
     parser.add_argument(
@@ -258,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_name=args.model_name,
             max_batch_size=args.max_batch_size,
             max_wait_ms=args.max_wait_ms,
+            max_batch_tokens=args.max_batch_tokens,
             threads=args.threads,
             device=args.device,
             dtype=args.dtype,

@@ -1,9 +1,10 @@
 """The bundled server's model side: the queue of waiting requests and the batcher that serves them.
 
-A batcher task takes the first waiting request, waits ``max_wait_ms`` for others, and runs up to
-``max_batch_size`` of them, left-padded, through one ``model.generate`` call in a single worker thread, so
-the event loop keeps accepting requests while the next batch gathers. Rows of one batch may differ in
-temperature, top_p, max_tokens, seed and stop strings:
+A batcher task takes the first waiting request, waits ``max_wait_ms`` for others, and runs them in arrival
+order, up to ``max_batch_size`` rows and ``max_batch_tokens`` (rows × longest ``max_tokens``: the queue and
+its batches are ``ars_opd.teacher.server.admission``), left-padded, through one ``model.generate`` call in a
+single worker thread, so the event loop keeps accepting requests while the next batch gathers. Rows of one
+batch may differ in temperature, top_p, max_tokens, seed and stop strings:
 
 * sampling is a logits processor, ``ars_opd.teacher.server.sampling.RowSampler``: per-row temperature,
   top_p and seeded Gumbel noise, so a seeded request gives the same text alone or batched.
@@ -52,6 +53,7 @@ from transformers import (
 )
 
 from ars_opd.lm.batching import pad_left
+from ars_opd.teacher.server.admission import RowQueue, budget
 from ars_opd.teacher.server.generation import GenerateRequest
 from ars_opd.teacher.server.jobs import Job, Progress, ScoreJob
 from ars_opd.teacher.server.options import ServerOptions
@@ -106,6 +108,8 @@ class ServerStats:
     rows_stopped: int = 0
     """Rows whose client left during their batch: stopped at the next decoding step."""
     largest_batch: int = 0
+    largest_batch_tokens: int = 0
+    """Largest token budget of a generate call: its rows × their longest ``max_tokens``."""
     generating: bool = False
     """A ``generate`` call is running now."""
     scores: int = 0
@@ -151,7 +155,7 @@ class TeacherEngine:
         self._token_text: dict[int, str] = {}
         self.stats = ServerStats()
         self.stopping = False
-        self._pending: asyncio.Queue[Job] | None = None
+        self._pending: RowQueue | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._batcher: asyncio.Task | None = None
         self._model_lock: asyncio.Lock | None = None  # held by a batch while it runs, and by a weight load
@@ -159,7 +163,7 @@ class TeacherEngine:
     # -- event loop side --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._pending = asyncio.Queue()
+        self._pending = RowQueue()
         self._model_lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
         self.requests.start()
@@ -168,8 +172,8 @@ class TeacherEngine:
     async def stop(self) -> None:
         """Refuse new requests, end the running batch at its next step with 503, and join the worker threads."""
         self.stopping = True
-        while self._pending is not None and not self._pending.empty():
-            self._pending.get_nowait().fail(503, "the server is shutting down")
+        for job in self._pending.drain() if self._pending is not None else ():
+            job.fail(503, "the server is shutting down")
         if self._batcher is not None:
             self._batcher.cancel()
             await asyncio.gather(self._batcher, return_exceptions=True)
@@ -185,7 +189,7 @@ class TeacherEngine:
         jobs = [ScoreJob(ids, request.top_k or 0, loop, asyncio.Queue()) for ids in request.prompts]
         self.stats.scores += len(jobs)
         for job in jobs:
-            self._pending.put_nowait(job)
+            self._pending.put(job)
         return jobs
 
     def submit(self, chat: ChatRequest, prompt_ids: list[int], max_tokens: int) -> Job:
@@ -204,7 +208,7 @@ class TeacherEngine:
             events=asyncio.Queue(),
         )
         self.stats.completions += 1
-        self._pending.put_nowait(job)
+        self._pending.put(job)
         return job
 
     def submit_generation(self, request: GenerateRequest) -> Job:
@@ -225,7 +229,7 @@ class TeacherEngine:
             logprobs=[] if request.logprobs else None,
         )
         self.stats.generations += 1
-        self._pending.put_nowait(job)
+        self._pending.put(job)
         return job
 
     async def load_weights(self, path: str) -> dict:
@@ -253,15 +257,14 @@ class TeacherEngine:
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            batch = [await self._pending.get()]
+            await self._pending.wait()
+            batch = []
             try:
-                if self.max_wait_s > 0 and self._pending.qsize() < self.max_batch_size - 1:
+                if self.max_wait_s > 0 and len(self._pending) < self.max_batch_size:
                     await asyncio.sleep(self.max_wait_s)  # give concurrent requests a moment to join
-                while len(batch) < self.max_batch_size and not self._pending.empty():
-                    batch.append(self._pending.get_nowait())
-                kept = [j for j in batch if not j.cancelled]
-                self.stats.rows_dropped += len(batch) - len(kept)
-                batch = kept
+                # in arrival order, within max_batch_size rows and max_batch_tokens; rows of clients gone dropped
+                batch, dropped = self._pending.take(self.max_batch_size, self.options.max_batch_tokens)
+                self.stats.rows_dropped += dropped
                 # requests arriving while these run wait in the queue and form the next batch
                 scoring = [j for j in batch if isinstance(j, ScoreJob)]
                 generating = [j for j in batch if not isinstance(j, ScoreJob)]
@@ -283,6 +286,7 @@ class TeacherEngine:
         stats.generate_calls += 1
         stats.rows_generated += len(jobs)
         stats.largest_batch = max(stats.largest_batch, len(jobs))
+        stats.largest_batch_tokens = max(stats.largest_batch_tokens, budget(jobs))
         stats.generating = True
         ids, mask = pad_left([j.prompt_ids for j in jobs], self.pad_id)  # (B, T) each
         sampler = RowSampler(jobs, self.device, self.vocab)

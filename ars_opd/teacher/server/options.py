@@ -24,6 +24,8 @@ class ServerOptions:
     """Most rows in one generate call or scoring forward."""
     max_wait_ms: float = TeacherServerConfig.max_wait_ms
     """How long the first row of a batch waits for company."""
+    max_batch_tokens: int | None = TeacherServerConfig.max_batch_tokens
+    """Most token budget in one generate call: rows × their longest ``max_tokens`` (None: rows only)."""
     threads: int | None = None
     """torch intra-op threads of the server process (None: torch's choice)."""
     device: str = "cpu"
@@ -49,5 +51,7 @@ class ServerOptions:
             raise ValueError(
                 f"need max_batch_size >= 1 and max_wait_ms >= 0, got {self.max_batch_size}, {self.max_wait_ms}"
             )
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise ValueError(f"need max_batch_tokens >= 1 or None, got {self.max_batch_tokens}")
         if self.ignore_weight_updates and not self.weight_updates:
             raise ValueError("ignore_weight_updates (a fault injection) needs weight_updates")
