@@ -536,6 +536,9 @@ class TeacherServerConfig:
     max_batch_tokens: int | None = None
     """Most token budget per generate call: rows × their longest max_tokens, what a batch costs since it runs
     until its longest row ends (null: max_batch_size alone; a single row always runs)."""
+    max_queue_fraction: float | None = None
+    """Answer 429 with Retry-After when a request's estimated wait for its answer exceeds this fraction of the
+    client's request_timeout_s, passed by the stage that starts the server (teacher_gen); null: never."""
     threads: int = 2
     """torch CPU threads of the server process."""
     startup_timeout_s: float = 180.0
@@ -548,6 +551,11 @@ class TeacherServerConfig:
             self.max_batch_tokens is None or self.max_batch_tokens > 0,
             "max_batch_tokens",
             f"must be null or > 0, got {self.max_batch_tokens}",
+        )
+        _require(
+            self.max_queue_fraction is None or 0 < self.max_queue_fraction <= 1,
+            "max_queue_fraction",
+            f"must be null or in (0, 1], got {self.max_queue_fraction}",
         )
         _require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
         _require(self.startup_timeout_s > 0, "startup_timeout_s", f"must be > 0, got {self.startup_timeout_s}")
@@ -693,7 +701,9 @@ class TeacherGenConfig(EndpointConfig):
     """Fail the stage when more than this fraction of prompts ends without an answer."""
     retry_failed: bool = False
     """Ask again the prompts whose failure a rerun cannot change (refused with 400/413/422, empty greedy answer)."""
-    server: TeacherServerConfig = field(default_factory=lambda: TeacherServerConfig(max_batch_tokens=1536))
+    server: TeacherServerConfig = field(
+        default_factory=lambda: TeacherServerConfig(max_batch_tokens=1536, max_queue_fraction=0.5)
+    )
     """The bundled server (endpoint 'local' only); its batches are bounded by their token budget so that a batch
     and the one waiting behind it end well within request_timeout_s (see README, Teacher generation)."""
 

@@ -17,7 +17,7 @@ import pytest
 from ars_opd.config import EndpointConfig
 from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make_client, post_json
 from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server.admission import RowQueue, budget, plan
+from ars_opd.teacher.server.admission import RowQueue, Throughput, budget, plan
 from ars_opd.teacher.server.handlers import ENGINE_KEY
 from ars_opd.teacher.server.jobs import Job, ScoreJob
 from ars_opd.teacher.server.options import ServerOptions
@@ -172,3 +172,79 @@ def test_a_served_batch_never_exceeds_the_token_limit(serve, monkeypatch):
         3,
         18,
     )
+
+
+def test_the_wait_estimate_adds_the_running_batch_and_the_queue_at_the_measured_rate():
+    now = [100.0]
+    meter = Throughput(clock=lambda: now[0])
+    assert meter.estimate_s([], _row(8), 64, None) is None  # nothing measured yet: no estimate, no pushback
+    meter.record(budget=400, longest=40, steps=20, seconds=4.0)  # 100 budget tokens/s; batches ran half way
+    assert meter.rate() == 100.0
+    queued = [_row(50) for _ in range(3)]
+    # nothing running: three rows of 50 and the new one, one batch of 4 x 50 = 200 -> 2 s
+    assert meter.estimate_s(queued, _row(50), 64, None) == pytest.approx(2.0)
+    # with a 100-token limit: batches of two, 100 each -> the same 200 tokens, in two batches
+    assert meter.estimate_s(queued, _row(50), 64, 100) == pytest.approx(2.0)
+    # a row of 10 behind them: 3 x 50 + its own batch; a long row in front of short ones makes them pay its length
+    assert meter.estimate_s(queued, _row(10), 64, 100) == pytest.approx((100 + 100) / 100)
+    assert meter.estimate_s([_row(50)], _row(10), 64, None) == pytest.approx(2 * 50 / 100)
+    meter.begin(budget=300, longest=30)  # before its steps are timed: its budget at the rate, less time spent
+    now[0] += 1.0
+    assert meter.running_left_s(100.0) == pytest.approx(2.0)
+    for _ in range(5):
+        meter.step()
+    now[0] += 4.0  # 5 steps in 5 s; recent batches ran half their longest (15 of 30 steps): 10 steps to go
+    assert meter.running_left_s(100.0) == pytest.approx(10.0)
+    assert meter.estimate_s([], _row(50), 64, None) == pytest.approx(10.0 + 0.5)
+    meter.end(complete=True)  # 300 tokens in 5 s (60/s) joins the window: (400 + 300) / (4 + 5)
+    assert meter.rate() == pytest.approx(700 / 9) and meter.running is None
+    meter.begin(budget=1000, longest=100)
+    now[0] += 1.0
+    meter.end(complete=False)  # cut short by a client that left: 1000 tokens in 1 s would look fast
+    assert meter.rate() == pytest.approx(700 / 9)
+
+
+def test_a_request_that_would_outwait_the_limit_gets_429_with_retry_after(serve, monkeypatch):
+    srv = serve(max_wait_ms=1, max_queue_s=10.5)
+    engine = srv.app[ENGINE_KEY]
+    entered, release = _gate_generation(engine, monkeypatch)
+    engine.throughput.record(budget=1000, longest=100, steps=100, seconds=10.0)  # a measured 100 tokens/s
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        # a 4-token batch holds the generation thread; its estimate left is at most 4/100 s
+        running = [asyncio.create_task(_ask(srv.url, _body("first"), timeout_s=60))]
+        await loop.run_in_executor(None, entered.wait, 30)
+        # each queued row of 100 tokens adds 1 s: the 10th is answered in 10-10.04 s, within 10.5
+        for i in range(10):
+            running.append(asyncio.create_task(_ask(srv.url, _body(f"q{i}", max_tokens=100), timeout_s=60)))
+            await loop.run_in_executor(None, _wait_for, lambda: srv.stats.completions == i + 2, "a queued row")
+        try:  # the 11th would be answered in 11 s
+            await _ask(srv.url, _body("one too many", max_tokens=100), timeout_s=20)
+        except RetryableError as e:
+            refused = e
+        release.set()
+        return refused, await asyncio.gather(*running)
+
+    refused, answers = asyncio.run(go())
+    # the client reads the status and the header it must wait for: 11 - 10.5 s, rounded up
+    assert refused.reason.startswith("http_429") and "about 11 s" in refused.reason and refused.wait_s == 1.0
+    assert len(answers) == 11 and all(a["choices"] for a in answers)  # none of the admitted was refused
+    assert (srv.stats.pushed_back, srv.stats.completions) == (1, 11)
+
+
+def test_nothing_is_pushed_back_before_a_speed_is_measured(serve, monkeypatch):
+    srv = serve(max_wait_ms=1, max_queue_s=0.001)
+    entered, release = _gate_generation(srv.app[ENGINE_KEY], monkeypatch)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        tasks = [asyncio.create_task(_ask(srv.url, _body("first"), timeout_s=60))]
+        await loop.run_in_executor(None, entered.wait, 30)
+        tasks += [asyncio.create_task(_ask(srv.url, _body(f"q{i}", max_tokens=100), timeout_s=60)) for i in range(5)]
+        await loop.run_in_executor(None, _wait_for, lambda: srv.stats.completions == 6, "the queue")
+        release.set()
+        return await asyncio.gather(*tasks)
+
+    # the first batch has not ended: no speed measured, so no estimate to refuse by (the limit is 1 ms)
+    assert len(asyncio.run(go())) == 6 and srv.stats.pushed_back == 0

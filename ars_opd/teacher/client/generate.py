@@ -147,7 +147,12 @@ def generate_teacher_completions(
     if cfg.endpoint == LOCAL_ENDPOINT:
         # model_path verifies the teacher's files against the pin, so the revision in the keys is the truth
         model, revision = LOCAL_MODEL_NAME, read_manifest(paths.models_dir)["teacher"]["revision"]
-        server = local_teacher_server(model_path(paths.models_dir, "teacher"), cfg.server, log_requests=log_requests)
+        server = local_teacher_server(
+            model_path(paths.models_dir, "teacher"),
+            cfg.server,
+            log_requests=log_requests,
+            request_timeout_s=cfg.request_timeout_s,
+        )
     else:
         model, revision = cfg.model, cfg.model_revision
         server = contextlib.nullcontext(cfg.endpoint)

@@ -66,11 +66,14 @@ def local_teacher_server(
     log_requests: str | None = None,
     max_logprobs: int | None = None,
     extra_args: Sequence[str] = (),
+    request_timeout_s: float | None = None,
 ) -> Iterator[str]:
     """Start the bundled server for ``model_dir`` on 127.0.0.1 (ephemeral port); yield its base URL.
 
     ``max_logprobs``: the largest ``prompt_logprobs`` k it answers (OPD scoring; the server's default if None).
     ``extra_args``: further command-line flags (e.g. ``--weight-updates`` for a rollout engine).
+    ``request_timeout_s``: the client's timeout; with ``server.max_queue_fraction`` the server pushes back (429,
+    Retry-After) requests it estimates would wait longer than that fraction of it.
     """
     with tempfile.TemporaryDirectory(prefix="ars-opd-serve-") as tmp:
         ready = Path(tmp) / "ready.json"
@@ -99,6 +102,8 @@ def local_teacher_server(
         ]
         if server.max_batch_tokens is not None:
             cmd += ["--max-batch-tokens", str(server.max_batch_tokens)]
+        if server.max_queue_fraction is not None and request_timeout_s is not None:
+            cmd += ["--max-queue-s", str(server.max_queue_fraction * request_timeout_s)]
         if log_requests:
             cmd += ["--log-requests", log_requests]
         if max_logprobs is not None:

@@ -15,8 +15,10 @@ Rows whose client has gone (``cancelled``) are dropped as the queue reaches them
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
-from typing import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
 
 from ars_opd.teacher.server.jobs import Job, ScoreJob
 
@@ -119,3 +121,77 @@ class RowQueue:
         rows = list(self._rows)
         self._rows.clear()
         return rows
+
+
+# -- how long the queue would take ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Running:
+    started: float
+    budget: int
+    longest: int
+    steps: int = 0
+
+
+class Throughput:
+    """How fast the engine gets through token budgets: budget tokens per second of its last few batches.
+
+    Measured in the unit the estimate adds up (``budget``), so rows that end early at EOS make the rate look
+    higher rather than the estimate wrong. A batch cut short by rows whose clients left is not recorded (it
+    would look fast). ``clock``: a monotonic clock in seconds (a test passes its own).
+    """
+
+    WINDOW = 4  # batches: a machine that slows down shows in the rate within a few batches
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._done: deque[tuple[int, int, int, float]] = deque(maxlen=self.WINDOW)  # budget, longest, steps, s
+        self.running: _Running | None = None
+
+    def record(self, budget: int, longest: int, steps: int, seconds: float) -> None:
+        """A finished batch: its token budget, its longest ``max_tokens``, the decoding steps it ran (fewer when
+        every row ended early), and how long it took."""
+        if budget > 0 and seconds > 0:
+            self._done.append((budget, longest, steps, seconds))
+
+    def begin(self, budget: int, longest: int) -> None:
+        self.running = _Running(self.clock(), budget, longest)
+
+    def step(self) -> None:
+        """One decoding step of the running batch (called on the generation thread)."""
+        if self.running is not None:
+            self.running.steps += 1
+
+    def end(self, complete: bool) -> None:
+        """The running batch is over; ``complete``: no row of it was stopped because its client left."""
+        running, self.running = self.running, None
+        if running is not None and complete:
+            self.record(running.budget, running.longest, running.steps, self.clock() - running.started)
+
+    def rate(self) -> float | None:
+        """Budget tokens per second over the recent batches; None before the first one."""
+        if not self._done:
+            return None
+        return sum(d[0] for d in self._done) / sum(d[3] for d in self._done)
+
+    def running_left_s(self, rate: float) -> float:
+        """Seconds until the running batch ends (0 when none runs): after a few steps from its own speed and the
+        share of their longest ``max_tokens`` recent batches ran, before that from ``rate``."""
+        running = self.running
+        if running is None:
+            return 0.0
+        elapsed = self.clock() - running.started
+        if running.steps < 2:  # the first step includes the prompts' forward: too early to time the steps
+            return max(0.0, running.budget / rate - elapsed)
+        share = sum(d[2] for d in self._done) / max(1, sum(d[1] for d in self._done))  # steps run / longest
+        steps_left = max(min(1.0, share) * running.longest - running.steps, 1.0)
+        return steps_left * elapsed / running.steps
+
+    def estimate_s(self, queued: Iterable[Row], row: Row, max_rows: int, max_tokens: int | None) -> float | None:
+        """Seconds until ``row`` would be answered if queued now behind ``queued``: the running batch's rest, then
+        every batch the queue forms up to and including ``row``'s, at ``rate``. None before any measurement."""
+        rate = self.rate()
+        if rate is None:
+            return None
+        return self.running_left_s(rate) + sum(plan([*queued, row], max_rows, max_tokens)) / rate

@@ -227,6 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=defaults.max_batch_tokens,
         help="most rows x longest max_tokens per generate call (default: no limit but --max-batch-size)",
     )
+    parser.add_argument(
+        "--max-queue-s",
+        type=float,
+        help="answer 429 with Retry-After when a new request's estimated wait for its answer exceeds this "
+        "(the client's timeout or less; default: never)",
+    )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--device", default=defaults.device, help="torch device for the model (default: %(default)s)")
     parser.add_argument(
@@ -265,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_batch_size=args.max_batch_size,
             max_wait_ms=args.max_wait_ms,
             max_batch_tokens=args.max_batch_tokens,
+            max_queue_s=args.max_queue_s,
             threads=args.threads,
             device=args.device,
             dtype=args.dtype,

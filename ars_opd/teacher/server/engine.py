@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import time
@@ -53,7 +54,7 @@ from transformers import (
 )
 
 from ars_opd.lm.batching import pad_left
-from ars_opd.teacher.server.admission import RowQueue, budget
+from ars_opd.teacher.server.admission import RowQueue, Throughput, budget
 from ars_opd.teacher.server.generation import GenerateRequest
 from ars_opd.teacher.server.jobs import Job, Progress, ScoreJob
 from ars_opd.teacher.server.options import ServerOptions
@@ -76,6 +77,7 @@ class _RowProgress(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         last = input_ids[:, -1].tolist()
+        self.engine.throughput.step()
         for row, (job, token) in enumerate(zip(self.jobs, last)):
             if job.done:  # generate pads finished rows; nothing to record
                 continue
@@ -122,6 +124,10 @@ class ServerStats:
     """Token-id generation requests accepted (``/v1/completions`` without ``prompt_logprobs``)."""
     weight_loads: int = 0
     """Weight files loaded through ``/collective_rpc`` (pretended ones included, under the fault option)."""
+    pushed_back: int = 0
+    """Generation requests answered 429 because their estimated wait exceeded ``max_queue_s``."""
+    budget_tokens_per_s: float | None = None
+    """The measured speed the estimate uses: token budget (rows × longest max_tokens) per second, recent batches."""
 
 
 class TeacherEngine:
@@ -154,6 +160,7 @@ class TeacherEngine:
         )
         self._token_text: dict[int, str] = {}
         self.stats = ServerStats()
+        self.throughput = Throughput()
         self.stopping = False
         self._pending: RowQueue | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -207,6 +214,7 @@ class TeacherEngine:
             loop=asyncio.get_running_loop(),
             events=asyncio.Queue(),
         )
+        self._admit(job)
         self.stats.completions += 1
         self._pending.put(job)
         return job
@@ -228,9 +236,31 @@ class TeacherEngine:
             stop_ids=request.stop_ids,
             logprobs=[] if request.logprobs else None,
         )
+        self._admit(job)
         self.stats.generations += 1
         self._pending.put(job)
         return job
+
+    def _admit(self, job: Job) -> None:
+        """Refuse ``job`` with 429 and Retry-After when its estimated wait for an answer exceeds ``max_queue_s``:
+        pushed back, its client waits and asks again instead of timing out in the queue, which costs a retry
+        and, had the server not noticed the client leave, computing for nobody."""
+        limit, pending = self.options.max_queue_s, self._pending
+        if limit is None or (self.throughput.running is None and all(r.cancelled for r in pending)):
+            return  # alone on an idle server it runs at once: refusing it could only delay it
+        estimate = self.throughput.estimate_s(pending, job, self.max_batch_size, self.options.max_batch_tokens)
+        if estimate is None or estimate <= limit:
+            return
+        # the queue moves when the running batch ends: asking again sooner cannot find room
+        retry = math.ceil(max(estimate - limit, self.throughput.running_left_s(self.throughput.rate()), 1.0))
+        self.stats.pushed_back += 1
+        raise RequestError(
+            429,
+            f"the server is busy: this request would be answered in about {estimate:.0f} s, over its limit of "
+            f"{limit:.0f} s (max_queue_s); retry after {retry} s",
+            "server_busy",
+            headers={"Retry-After": str(retry)},
+        )
 
     async def load_weights(self, path: str) -> dict:
         """Load a safetensors file into the served model between batches: {"loaded", "seconds"}.
@@ -268,11 +298,19 @@ class TeacherEngine:
                 # requests arriving while these run wait in the queue and form the next batch
                 scoring = [j for j in batch if isinstance(j, ScoreJob)]
                 generating = [j for j in batch if not isinstance(j, ScoreJob)]
-                async with self._model_lock:  # a weight load waits until the batch is done
-                    if scoring:
-                        await loop.run_in_executor(self._executor, self._score_batch, scoring)
-                    if generating:
-                        await loop.run_in_executor(self._executor, self._generate_batch, generating)
+                if generating:  # the queue's estimate counts these rows as running from now
+                    self.throughput.begin(budget(generating), max(j.max_tokens for j in generating))
+                stopped = self.stats.rows_stopped
+                try:
+                    async with self._model_lock:  # a weight load waits until the batch is done
+                        if scoring:
+                            await loop.run_in_executor(self._executor, self._score_batch, scoring)
+                        if generating:
+                            await loop.run_in_executor(self._executor, self._generate_batch, generating)
+                finally:
+                    # a batch cut short by clients that left, or by stopping, would look fast: not measured
+                    self.throughput.end(complete=self.stats.rows_stopped == stopped and not self.stopping)
+                    self.stats.budget_tokens_per_s = self.throughput.rate()
             except asyncio.CancelledError:  # stopping: answer the rows taken from the queue but not finished
                 for job in batch:
                     if not job.done:
