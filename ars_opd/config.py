@@ -28,7 +28,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 import yaml
 
@@ -653,6 +653,7 @@ class EndpointConfig:
     """First retry waits about this long; doubles each attempt (with jitter)."""
     backoff_max_s: float = 30.0
     """Longest backoff between attempts."""
+    auto_concurrency: ClassVar[bool] = False  # whether concurrency may be null (derived at run time)
 
     def __post_init__(self):
         local = self.endpoint == LOCAL_ENDPOINT
@@ -662,7 +663,13 @@ class EndpointConfig:
             f"must be 'local' or an http(s) base URL, got {self.endpoint!r}",
         )
         _require(local or bool(self.model), "model", "must name the model when endpoint is a URL")
-        _require(1 <= self.concurrency <= 4096, "concurrency", f"must be in 1..4096, got {self.concurrency}")
+        auto = " or null" if self.auto_concurrency else ""
+        _require(
+            (self.concurrency is None and self.auto_concurrency)
+            or (self.concurrency is not None and 1 <= self.concurrency <= 4096),
+            "concurrency",
+            f"must be in 1..4096{auto}, got {self.concurrency}",
+        )
         _require(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
         _require(self.max_attempts >= 1, "max_attempts", f"must be >= 1, got {self.max_attempts}")
         _require(self.backoff_base_s >= 0, "backoff_base_s", f"must be >= 0, got {self.backoff_base_s}")
@@ -679,6 +686,10 @@ class EndpointConfig:
 class TeacherGenConfig(EndpointConfig):
     """Asking the teacher for a completion of every prompt."""
 
+    concurrency: int | None = None
+    """Requests in flight at once; null: derived when the stage runs and recorded in its manifest (endpoint
+    local: two of the bundled server's batches of max_tokens answers, one running and one waiting; a URL: 32)."""
+    auto_concurrency: ClassVar[bool] = True
     model_revision: str | None = None
     """Identifies the remote model's weights in cache keys (set it when the endpoint's model changes under one name)."""
     splits: tuple[Literal["train", "eval"], ...] = ("train", "eval")

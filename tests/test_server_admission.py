@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
-from ars_opd.config import EndpointConfig
+from ars_opd.config import ConfigError, EndpointConfig, TeacherGenConfig, TeacherServerConfig
 from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make_client, post_json
+from ars_opd.teacher.client.generate import REMOTE_CONCURRENCY, resolve_concurrency
 from ars_opd.teacher.server import app as teacher_server
 from ars_opd.teacher.server.admission import RowQueue, Throughput, budget, plan
 from ars_opd.teacher.server.handlers import ENGINE_KEY
@@ -248,3 +250,18 @@ def test_nothing_is_pushed_back_before_a_speed_is_measured(serve, monkeypatch):
 
     # the first batch has not ended: no speed measured, so no estimate to refuse by (the limit is 1 ms)
     assert len(asyncio.run(go())) == 6 and srv.stats.pushed_back == 0
+
+
+def test_teacher_gens_default_concurrency_is_two_of_the_bundled_servers_batches():
+    cfg = TeacherGenConfig()  # params.yaml's defaults: concurrency null, 32 tokens, batches of 64 rows / 1536 tokens
+    assert cfg.concurrency is None and resolve_concurrency(cfg) == 2 * (1536 // 32)
+    assert resolve_concurrency(replace(cfg, max_tokens=48)) == 2 * 32
+    assert resolve_concurrency(replace(cfg, max_tokens=8)) == 2 * 64  # max_batch_size is the tighter limit
+    assert resolve_concurrency(replace(cfg, max_tokens=4096)) == 2  # one row per batch, one running, one waiting
+    no_token_limit = replace(cfg, server=TeacherServerConfig(max_batch_tokens=None))
+    assert resolve_concurrency(replace(no_token_limit, max_tokens=2048)) == 2 * 64
+    assert resolve_concurrency(replace(cfg, concurrency=7)) == 7  # a number is honoured
+    remote = TeacherGenConfig(endpoint="http://127.0.0.1:9/v1", model="m")
+    assert resolve_concurrency(remote) == REMOTE_CONCURRENCY
+    with pytest.raises(ConfigError, match="concurrency: must be in 1..4096, got None"):
+        EndpointConfig(concurrency=None)  # only teacher_gen derives it; opd's scoring endpoint needs a number

@@ -58,6 +58,14 @@ def exit_with_parent(cmd: Sequence[str], python: str | None = None) -> list[str]
     return [python or sys.executable, "-c", _EXIT_WITH_PARENT, str(os.getpid()), *cmd]
 
 
+def batch_rows(server: TeacherServerConfig, max_tokens: int) -> int:
+    """How many requests of ``max_tokens`` each one batch of the bundled server takes: ``max_batch_size``, or
+    fewer where ``max_batch_tokens`` (rows × longest max_tokens) is the tighter limit; at least one."""
+    if server.max_batch_tokens is None:
+        return server.max_batch_size
+    return max(1, min(server.max_batch_size, server.max_batch_tokens // max_tokens))
+
+
 @contextlib.contextmanager
 def local_teacher_server(
     model_dir: str,
