@@ -16,6 +16,8 @@ from dataclasses import replace
 import pytest
 
 from ars_opd.config import ConfigError, EndpointConfig, TeacherGenConfig, TeacherServerConfig
+from ars_opd.teacher.client.cache import TeacherCache, cache_key
+from ars_opd.teacher.client.chat import TeacherRequest, ask_all
 from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make_client, post_json
 from ars_opd.teacher.client.generate import REMOTE_CONCURRENCY, resolve_concurrency
 from ars_opd.teacher.server import app as teacher_server
@@ -23,6 +25,7 @@ from ars_opd.teacher.server.admission import RowQueue, Throughput, budget, plan
 from ars_opd.teacher.server.handlers import ENGINE_KEY
 from ars_opd.teacher.server.jobs import Job, ScoreJob
 from ars_opd.teacher.server.options import ServerOptions
+from fake_endpoint import FakeEndpoint
 from server_thread import ServerThread
 from tiny_models import save_tiny_model
 
@@ -180,7 +183,7 @@ def test_the_wait_estimate_adds_the_running_batch_and_the_queue_at_the_measured_
     now = [100.0]
     meter = Throughput(clock=lambda: now[0])
     assert meter.estimate_s([], _row(8), 64, None) is None  # nothing measured yet: no estimate, no pushback
-    meter.record(budget=400, longest=40, steps=20, seconds=4.0)  # 100 budget tokens/s; batches ran half way
+    meter.record(400, 4.0, longest=40, steps=20)  # 100 budget tokens/s; the batch ran half its longest
     assert meter.rate() == 100.0
     queued = [_row(50) for _ in range(3)]
     # nothing running: three rows of 50 and the new one, one batch of 4 x 50 = 200 -> 2 s
@@ -190,27 +193,31 @@ def test_the_wait_estimate_adds_the_running_batch_and_the_queue_at_the_measured_
     # a row of 10 behind them: 3 x 50 + its own batch; a long row in front of short ones makes them pay its length
     assert meter.estimate_s(queued, _row(10), 64, 100) == pytest.approx((100 + 100) / 100)
     assert meter.estimate_s([_row(50)], _row(10), 64, None) == pytest.approx(2 * 50 / 100)
-    meter.begin(budget=300, longest=30)  # before its steps are timed: its budget at the rate, less time spent
+    meter.begin(budget=300, longest=30)  # ten rows; before its steps are timed: its budget at the rate, less time spent
     now[0] += 1.0
     assert meter.running_left_s(100.0) == pytest.approx(2.0)
     for _ in range(5):
         meter.step()
     now[0] += 4.0  # 5 steps in 5 s; recent batches ran half their longest (15 of 30 steps): 10 steps to go
     assert meter.running_left_s(100.0) == pytest.approx(10.0)
-    assert meter.estimate_s([], _row(50), 64, None) == pytest.approx(10.0 + 0.5)
-    meter.end(complete=True)  # 300 tokens in 5 s (60/s) joins the window: (400 + 300) / (4 + 5)
+    # the running batch's slots so far join the rate: (400 + 10 rows x 5 steps) / (4 + 5 s) = 50/s
+    assert meter.rate() == pytest.approx(50.0)
+    assert meter.estimate_s([], _row(50), 64, None) == pytest.approx(10.0 + 50 / 50)
+    meter.end(complete=True)  # its budget, 300 tokens in 5 s, joins the window: (400 + 300) / (4 + 5)
     assert meter.rate() == pytest.approx(700 / 9) and meter.running is None
     meter.begin(budget=1000, longest=100)
+    for _ in range(3):
+        meter.step()
     now[0] += 1.0
-    meter.end(complete=False)  # cut short by a client that left: 1000 tokens in 1 s would look fast
-    assert meter.rate() == pytest.approx(700 / 9)
+    meter.end(complete=False)  # cut short by clients that left: the 10 x 3 slots it ran, not its budget of 1000
+    assert meter.rate() == pytest.approx(730 / 10)
 
 
 def test_a_request_that_would_outwait_the_limit_gets_429_with_retry_after(serve, monkeypatch):
     srv = serve(max_wait_ms=1, max_queue_s=10.5)
     engine = srv.app[ENGINE_KEY]
     entered, release = _gate_generation(engine, monkeypatch)
-    engine.throughput.record(budget=1000, longest=100, steps=100, seconds=10.0)  # a measured 100 tokens/s
+    engine.throughput.record(1000, 10.0, longest=100, steps=100)  # a measured 100 tokens/s
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -265,3 +272,25 @@ def test_teacher_gens_default_concurrency_is_two_of_the_bundled_servers_batches(
     assert resolve_concurrency(remote) == REMOTE_CONCURRENCY
     with pytest.raises(ConfigError, match="concurrency: must be in 1..4096, got None"):
         EndpointConfig(concurrency=None)  # only teacher_gen derives it; opd's scoring endpoint needs a number
+
+
+def test_each_429_takes_one_request_out_of_flight_for_the_rest_of_the_run(tmp_path):
+    """A server that pushes back is at its limit: the client keeps asking, with one request fewer in flight per
+    429, instead of sending the same excess again and again (each 429 is a request)."""
+    requests = [
+        TeacherRequest(
+            cache_key({"q": i}), {"model": "fake-teacher", "messages": [{"role": "user", "content": f"q{i}"}]}, {"q": i}
+        )
+        for i in range(80)
+    ]
+    limits = EndpointConfig(concurrency=8, request_timeout_s=10, backoff_base_s=0.01, backoff_max_s=0.01)
+    with (
+        FakeEndpoint(latency_s=0.05, pushback_first=3, retry_after_s=0.05) as ep,
+        TeacherCache(tmp_path / "c") as cache,
+    ):
+        summary = asyncio.run(ask_all(requests, cache, ClientSettings(ep.base_url, limits=limits), progress=False))
+    assert summary.completed == 80 and summary.failed == 0
+    assert (summary.pushed_back, summary.retries, summary.concurrency) == (3, 3, 8 - 3)
+    in_flight = [e["in_flight"] for e in ep.log]
+    assert max(in_flight) == 8  # all eight at first
+    assert max(in_flight[-40:]) == 8 - 3  # the three workers that were pushed back retired after their prompt

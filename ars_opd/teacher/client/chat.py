@@ -6,11 +6,15 @@ does not grow with the number of prompts). Each answer goes to the cache the mom
 
 Requests, retries and errors are the shared HTTP layer's (``ars_opd.teacher.client.endpoint``: ``post_json``,
 ``with_retries``, ``preflight``), so this client retries as every other one does; here an empty
-``choices`` is retried too. An answer with no text (empty or whitespace content) is a failure
-(``empty_completion``), not an answer: it is never cached, so it cannot be served again as if it were one.
-Every final failure is returned with its reason and HTTP status. 401/403 abort the whole run (the key is
-wrong for every request), and so does a run whose first ``abort_after`` results are all failures: a
-misconfigured endpoint is reported in seconds, not after hours.
+``choices`` is retried too. A 429 (an endpoint's pushback: its queue would outlast the timeout, or a rate
+limit) also lowers the concurrency by one, at least to one, for the rest of the run: the worker that got it
+retires once its prompt is done, so after k pushbacks k fewer requests wait in the endpoint's queue, and
+the requests beyond what it can answer in time stop coming back as 429s (each of which is a request).
+An answer with no text (empty or whitespace content) is a failure (``empty_completion``), not an answer: it
+is never cached, so it cannot be served again as if it were one. Every final failure is returned with its
+reason and HTTP status. 401/403 abort the whole run (the key is wrong for every request), and so does a run
+whose first ``abort_after`` results are all failures: a misconfigured endpoint is reported in seconds, not
+after hours.
 
 What this module leaves out: streaming (answers are short and wanted whole), logprobs, tool calls.
 """
@@ -63,6 +67,10 @@ class AskSummary:
     completed: int = 0
     failures: list[Failure] = field(default_factory=list)
     retries: int = 0
+    pushed_back: int = 0
+    """Answers 429 (the endpoint's pushback or rate limit), each retried after its retry-after."""
+    concurrency: int = 0
+    """Requests in flight at the end: the configured concurrency less one per 429 (at least one)."""
     seconds: float = 0.0
 
     @property
@@ -134,13 +142,18 @@ async def ask_all(
     abort: list[EndpointError] = []
     results_seen = 0
     queue = iter(pending)
+    summary.concurrency = min(settings.limits.concurrency, len(pending))
+    workers = summary.concurrency
 
     async def handle(req: TeacherRequest) -> None:
         nonlocal results_seen
         key = req.key
 
-        def count_retry() -> None:
+        def count_retry(e: RetryableError) -> None:
             summary.retries += 1
+            if e.reason.startswith("http_429"):  # past what the endpoint answers in time: one fewer in flight
+                summary.pushed_back += 1
+                summary.concurrency = max(1, summary.concurrency - 1)
 
         while True:
             try:
@@ -180,10 +193,14 @@ async def ask_all(
             bar.set_postfix(failed=summary.failed, retries=summary.retries, refresh=False)
 
     async def worker() -> None:
+        nonlocal workers
         for req in queue:
             if abort:
                 return
             await handle(req)
+            if workers > summary.concurrency:  # a 429 lowered the concurrency: this worker retires
+                workers -= 1
+                return
 
     try:
         if check_endpoint:
@@ -197,7 +214,7 @@ async def ask_all(
             smoothing=0.05,
             dynamic_ncols=True,
         )
-        await asyncio.gather(*(worker() for _ in range(min(settings.limits.concurrency, len(pending)))))
+        await asyncio.gather(*(worker() for _ in range(workers)))
     finally:
         if bar is not None:
             bar.close()

@@ -194,13 +194,15 @@ async def post_json(client: openai.AsyncOpenAI, path: str, body: dict) -> dict:
 
 
 async def with_retries(
-    call: Callable[[], Awaitable[T]], settings: ClientSettings, on_retry: Callable[[], None] | None = None
+    call: Callable[[], Awaitable[T]],
+    settings: ClientSettings,
+    on_retry: Callable[[RetryableError], None] | None = None,
 ) -> tuple[T, int]:
     """``await call()`` until it succeeds: (result, attempts). The one retry loop of every endpoint client.
 
     ``RetryableError`` errors are retried with exponential backoff and jitter (honouring a capped retry-after)
     up to ``settings.limits.max_attempts``, then re-raised with ``attempts`` set; ``FinalError`` is re-raised at
-    once with ``attempts`` set. ``on_retry`` is called before each wait.
+    once with ``attempts`` set. ``on_retry`` is called with the error before each wait.
     """
     attempt = 0
     while True:
@@ -215,7 +217,7 @@ async def with_retries(
                 e.attempts = attempt
                 raise
             if on_retry is not None:
-                on_retry()
+                on_retry(e)
             cap = min(settings.limits.backoff_max_s, settings.limits.backoff_base_s * 2 ** (attempt - 1))
             wait = cap / 2 + random.uniform(0, cap / 2)
             if e.wait_s is not None:

@@ -133,27 +133,35 @@ class _Running:
     longest: int
     steps: int = 0
 
+    @property
+    def rows(self) -> int:
+        return self.budget // max(1, self.longest)
+
 
 class Throughput:
-    """How fast the engine gets through token budgets: budget tokens per second of its last few batches.
+    """How fast the engine gets through token budgets: budget tokens per second of its last few batches and of
+    the running one.
 
     Measured in the unit the estimate adds up (``budget``), so rows that end early at EOS make the rate look
-    higher rather than the estimate wrong. A batch cut short by rows whose clients left is not recorded (it
-    would look fast). ``clock``: a monotonic clock in seconds (a test passes its own).
+    higher rather than the estimate wrong. What a batch cut short by clients that left, and the running batch
+    so far, count is the decoding slots they ran (rows × steps): their budget would make them look fast.
+    ``clock``: a monotonic clock in seconds (a test passes its own).
     """
 
     WINDOW = 4  # batches: a machine that slows down shows in the rate within a few batches
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
-        self._done: deque[tuple[int, int, int, float]] = deque(maxlen=self.WINDOW)  # budget, longest, steps, s
+        # (tokens counted, seconds, longest max_tokens, steps run); longest 0 for a batch cut short
+        self._done: deque[tuple[int, float, int, int]] = deque(maxlen=self.WINDOW)
         self.running: _Running | None = None
 
-    def record(self, budget: int, longest: int, steps: int, seconds: float) -> None:
-        """A finished batch: its token budget, its longest ``max_tokens``, the decoding steps it ran (fewer when
-        every row ended early), and how long it took."""
-        if budget > 0 and seconds > 0:
-            self._done.append((budget, longest, steps, seconds))
+    def record(self, tokens: int, seconds: float, longest: int = 0, steps: int = 0) -> None:
+        """A finished batch: the tokens it counts for (its budget; the slots it ran when cut short) in
+        ``seconds``; for a batch that ran to its end also its longest ``max_tokens`` and the steps it ran
+        (fewer when every row ended early)."""
+        if tokens > 0 and seconds > 0:
+            self._done.append((tokens, seconds, longest, steps))
 
     def begin(self, budget: int, longest: int) -> None:
         self.running = _Running(self.clock(), budget, longest)
@@ -166,14 +174,21 @@ class Throughput:
     def end(self, complete: bool) -> None:
         """The running batch is over; ``complete``: no row of it was stopped because its client left."""
         running, self.running = self.running, None
-        if running is not None and complete:
-            self.record(running.budget, running.longest, running.steps, self.clock() - running.started)
+        if running is None:
+            return
+        seconds = self.clock() - running.started
+        if complete:
+            self.record(running.budget, seconds, running.longest, running.steps)
+        else:
+            self.record(running.rows * running.steps, seconds)
 
     def rate(self) -> float | None:
-        """Budget tokens per second over the recent batches; None before the first one."""
-        if not self._done:
-            return None
-        return sum(d[0] for d in self._done) / sum(d[3] for d in self._done)
+        """Budget tokens per second over the recent batches and the running one; None before any step."""
+        tokens, seconds = sum(d[0] for d in self._done), sum(d[1] for d in self._done)
+        running = self.running
+        if running is not None and running.steps > 0:  # a machine that slows down shows before the batch ends
+            tokens, seconds = tokens + running.rows * running.steps, seconds + self.clock() - running.started
+        return tokens / seconds if tokens > 0 and seconds > 0 else None
 
     def running_left_s(self, rate: float) -> float:
         """Seconds until the running batch ends (0 when none runs): after a few steps from its own speed and the
@@ -184,8 +199,9 @@ class Throughput:
         elapsed = self.clock() - running.started
         if running.steps < 2:  # the first step includes the prompts' forward: too early to time the steps
             return max(0.0, running.budget / rate - elapsed)
-        share = sum(d[2] for d in self._done) / max(1, sum(d[1] for d in self._done))  # steps run / longest
-        steps_left = max(min(1.0, share) * running.longest - running.steps, 1.0)
+        longest = sum(d[2] for d in self._done)
+        share = min(1.0, sum(d[3] for d in self._done if d[2]) / longest) if longest else 1.0
+        steps_left = max(share * running.longest - running.steps, 1.0)
         return steps_left * elapsed / running.steps
 
     def estimate_s(self, queued: Iterable[Row], row: Row, max_rows: int, max_tokens: int | None) -> float | None:
