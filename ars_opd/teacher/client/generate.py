@@ -86,6 +86,15 @@ def resolve_concurrency(cfg: TeacherGenConfig) -> int:
     return 2 * batch_rows(cfg.server, cfg.max_tokens)
 
 
+def bundled_server(cfg: TeacherGenConfig, model_dir: str, log_requests: str | None = None):
+    """The bundled server as ``endpoint: local`` starts it for ``model_dir`` (a context manager yielding its base
+    URL): ``teacher_gen.server``'s batching and threads, and pushback past ``server.max_queue_fraction`` of
+    this client's ``request_timeout_s``."""
+    return local_teacher_server(
+        model_dir, cfg.server, log_requests=log_requests, request_timeout_s=cfg.request_timeout_s
+    )
+
+
 def build_requests(
     rows: list[dict], cfg: TeacherGenConfig, model: str, model_revision: str | None
 ) -> list[TeacherRequest]:
@@ -163,12 +172,7 @@ def generate_teacher_completions(
     if cfg.endpoint == LOCAL_ENDPOINT:
         # model_path verifies the teacher's files against the pin, so the revision in the keys is the truth
         model, revision = LOCAL_MODEL_NAME, read_manifest(paths.models_dir)["teacher"]["revision"]
-        server = local_teacher_server(
-            model_path(paths.models_dir, "teacher"),
-            cfg.server,
-            log_requests=log_requests,
-            request_timeout_s=cfg.request_timeout_s,
-        )
+        server = bundled_server(cfg, model_path(paths.models_dir, "teacher"), log_requests)
     else:
         model, revision = cfg.model, cfg.model_revision
         server = contextlib.nullcontext(cfg.endpoint)
