@@ -9,6 +9,7 @@ out, and the pushback tests give the engine a measured speed instead of letting 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from dataclasses import replace
@@ -20,6 +21,7 @@ from ars_opd.teacher.client.cache import TeacherCache, cache_key
 from ars_opd.teacher.client.chat import TeacherRequest, ask_all
 from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make_client, post_json
 from ars_opd.teacher.client.generate import REMOTE_CONCURRENCY, resolve_concurrency
+from ars_opd.teacher.client.local_server import server_env
 from ars_opd.teacher.server import app as teacher_server
 from ars_opd.teacher.server.admission import RowQueue, Throughput, budget, plan
 from ars_opd.teacher.server.handlers import ENGINE_KEY
@@ -294,3 +296,12 @@ def test_each_429_takes_one_request_out_of_flight_for_the_rest_of_the_run(tmp_pa
     in_flight = [e["in_flight"] for e in ep.log]
     assert max(in_flight) == 8  # all eight at first
     assert max(in_flight[-40:]) == 8 - 3  # the three workers that were pushed back retired after their prompt
+
+
+def test_the_started_servers_threads_wait_passively_unless_the_caller_says_otherwise(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = server_env("/checkout")
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["PYTHONPATH"] == os.pathsep.join(["/checkout", "/elsewhere"])
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert server_env("/checkout")["OMP_WAIT_POLICY"] == "ACTIVE"

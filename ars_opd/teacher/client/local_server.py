@@ -5,7 +5,8 @@ ephemeral port, reported through a ready file), yields its base URL, and stops i
 errors and Ctrl-C. The client side names the server only on that command line: nothing here imports it.
 The server runs in its own session (a Ctrl-C at the terminal reaches this process, which stops it in order)
 and watches this process (``--parent-pid``): a ``kill -9`` here, which runs no cleanup, stops it within a
-second or two instead of leaving it serving.
+second or two instead of leaving it serving. Its OpenMP threads wait passively (``SERVER_ENV``): on a shared
+machine spinning threads slow it several times over.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from typing import Iterator, Sequence
 from ars_opd.config import TeacherServerConfig
 
 LOCAL_MODEL_NAME = "ars-opd-teacher"
+# OpenMP threads (torch's libgomp) spin at every barrier before they sleep: on cores that other work keeps busy
+# a spinning thread holds a core its partner needs: HF generate of SmolLM2-135M on 2 threads, beside other
+# jobs (load average 4-6 on 2 cores), made 4-14 tokens/s spinning and 31-39 passive (batches of 16 and 32).
+# The caller's environment wins: OMP_WAIT_POLICY=ACTIVE brings the spinning back.
+SERVER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 class LocalServerError(RuntimeError):
@@ -56,6 +62,13 @@ def exit_with_parent(cmd: Sequence[str], python: str | None = None) -> list[str]
     and the CLI start theirs from the main thread).
     """
     return [python or sys.executable, "-c", _EXIT_WITH_PARENT, str(os.getpid()), *cmd]
+
+
+def server_env(root: str) -> dict[str, str]:
+    """The server process's environment: this one over ``SERVER_ENV``, with ``root`` (the checkout whose
+    ``ars_opd`` this process runs) first on ``PYTHONPATH``, so the server runs the same code."""
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return {**SERVER_ENV, **os.environ, "PYTHONPATH": path}
 
 
 def batch_rows(server: TeacherServerConfig, max_tokens: int) -> int:
@@ -119,7 +132,7 @@ def local_teacher_server(
         cmd += list(extra_args)
         # the server runs this process's ars_opd (a worktree or checkout), not whichever one is installed
         root = str(Path(__file__).resolve().parents[3])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        env = server_env(root)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             deadline = time.monotonic() + server.startup_timeout_s
