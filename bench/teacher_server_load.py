@@ -50,27 +50,29 @@ THINGS = (
     "a lighthouse", "green tea", "desert nights", "a violin", "river stones", "autumn leaves",
 )  # fmt: skip
 TEMPLATES = (
-    "What is {a} plus {b}? Answer with one short sentence.",
-    "Write one sentence about {thing}.",
-    "Give two reasons why people enjoy {thing}, in a few words each.",
-    "Explain in one or two sentences what {thing} has to do with {other}.",
+    "What is {a} plus {b}? Please answer with one short sentence that states the sum.",
+    "Write one sentence about {thing} that a friend might enjoy reading on a quiet afternoon.",
+    "Give two reasons why people enjoy {thing}, and keep each reason to a few words.",
+    "Explain in one or two sentences what {thing} has to do with {other}, even if the link is loose.",
     "If I have {a} apples and give away {c}, how many apples are left? Show the subtraction.",
-    "Describe {thing} to a child in simple words, using at most three sentences.",
-    "Write a short friendly greeting for a postcard about {thing}.",
-    "What is {a} times {c}? Reply with the number and nothing else.",
+    "Describe {thing} to a curious child in simple words, using at most three short sentences.",
+    "Write a short friendly greeting for a postcard about {thing}, signed by a traveller named Sam.",
+    "What is {a} times {c}? Reply with the number and nothing else, please.",
+    "Tell me a fun fact about {thing} and then suggest one question I could ask a teacher about it.",
+    "Compare {thing} and {other} in two sentences: one about how they look and one about how they feel.",
 )
 
 
 def prompts(n: int, seed: int = 0) -> list[dict]:
-    """``n`` subset-style rows of natural chat prompts, the same for a seed."""
+    """``n`` subset-style rows of distinct natural chat prompts (the client asks a repeated one once), the same
+    for a seed."""
     rng = random.Random(seed)
-    rows = []
-    for i in range(n):
+    texts: dict[str, None] = {}
+    while len(texts) < n:
         thing, other = rng.sample(THINGS, 2)
         a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 12)
-        text = rng.choice(TEMPLATES).format(a=a, b=b, c=c, thing=thing, other=other)
-        rows.append({"id": f"p{i}", "messages": [{"role": "user", "content": text}]})
-    return rows
+        texts[rng.choice(TEMPLATES).format(a=a, b=b, c=c, thing=thing, other=other)] = None
+    return [{"id": f"p{i}", "messages": [{"role": "user", "content": t}]} for i, t in enumerate(texts)]
 
 
 def server_stats(base_url: str) -> dict:
@@ -122,7 +124,7 @@ def main() -> None:
                 wall = time.perf_counter() - t0
                 answer_tokens = sum(
                     (cache.get(r.key)["response"].get("usage") or {}).get("completion_tokens") or 0
-                    for r in requests
+                    for r in {r.key: r for r in requests}.values()
                     if r.key in cache
                 )
             stats = server_stats(url)

@@ -1,4 +1,5 @@
-"""What the bundled server runs next: the queue of waiting rows and the batches they form.
+"""What the bundled server runs next and what it refuses: the queue of waiting rows, the batches they form,
+and how long a new request would wait.
 
 A batch runs until its longest row ends (no continuous batching), so what a batch costs is its generating
 rows times the longest ``max_tokens`` among them, its *token budget*, not its number of rows: 64 rows of 8
@@ -10,6 +11,15 @@ one cannot be starved). One generating row alone always fits: a budget smaller t
 count against ``max_batch_size`` only.
 
 Rows whose client has gone (``cancelled``) are dropped as the queue reaches them, never computed.
+
+``Throughput`` estimates a new request's wait for its answer, which the engine compares with
+``max_queue_s`` before queueing it (over: 429 with Retry-After): the running batch's rest, plus the budgets
+of every batch the queue would form up to and including the request's own (``plan``), at the budget tokens
+per second of the last few batches and the running one. What it assumes: that the rows ahead run as long
+as recent batches did (their share of the longest ``max_tokens``) and that the speed holds; a machine that
+slows down after a request was admitted can still make it outlast the client's timeout, which is why the
+limit is a fraction of that timeout. Before the first decoding step there is no estimate, and nothing is
+refused.
 """
 
 from __future__ import annotations
