@@ -179,7 +179,8 @@ def main() -> None:
                         "largest_batch",
                         "largest_batch_tokens",
                         "tokens_generated",
-                        "budget_tokens_per_s",
+                        "step_fixed_s",
+                        "step_per_row_s",
                     )
                 },
             }

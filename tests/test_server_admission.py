@@ -142,7 +142,7 @@ def test_batches_are_taken_in_order_within_the_row_and_token_limits():
     rows = [_row(8), _row(8), _row(16), _row(8, cancelled=True), _row(100), _row(4), ScoreJob([1], 0, None, None)]
     for row in rows:
         queue.put(row)
-    assert plan(queue, max_rows=3, max_tokens=32) == [16, 16, 100, 4]
+    assert plan(queue, max_rows=3, max_tokens=32) == [(2, 8), (1, 16), (1, 100), (1, 4)]  # (generating rows, longest)
     # two rows of 8 (16); a third of 16 would make 3 x 16 = 48: it starts the next batch
     assert queue.take(3, 32) == ([rows[0], rows[1]], 0)
     # the cancelled row is dropped on the way; 100 > 32 after the 16-token row: the next batch again
@@ -181,56 +181,55 @@ def test_a_served_batch_never_exceeds_the_token_limit(serve, monkeypatch):
     )
 
 
-def test_the_wait_estimate_adds_the_running_batch_and_the_queue_at_the_measured_rate():
+def test_the_wait_estimate_times_each_batch_by_a_step_model_fitted_to_recent_batches():
     now = [100.0]
     meter = Throughput(clock=lambda: now[0])
-    assert meter.estimate_s([], _row(8), 64, None) is None  # nothing measured yet: no estimate, no pushback
-    meter.record(400, 4.0, longest=40, steps=20)  # 100 budget tokens/s; the batch ran half its longest
-    assert meter.rate() == 100.0
-    queued = [_row(50) for _ in range(3)]
-    # nothing running: three rows of 50 and the new one, one batch of 4 x 50 = 200 -> 2 s
-    assert meter.estimate_s(queued, _row(50), 64, None) == pytest.approx(2.0)
-    # with a 100-token limit: batches of two, 100 each -> the same 200 tokens, in two batches
-    assert meter.estimate_s(queued, _row(50), 64, 100) == pytest.approx(2.0)
-    # a row of 10 behind them: 3 x 50 + its own batch; a long row in front of short ones makes them pay its length
-    assert meter.estimate_s(queued, _row(10), 64, 100) == pytest.approx((100 + 100) / 100)
-    assert meter.estimate_s([_row(50)], _row(10), 64, None) == pytest.approx(2 * 50 / 100)
-    meter.begin(budget=300, longest=30)  # ten rows; before its steps are timed: its budget at the rate, less time spent
+    assert meter.estimate_s([], _row(8), 64, None) is None  # nothing timed yet: no estimate, no pushback
+    # steps of 0.05 s + 0.01 s per row; both batches ran 20 of their longest 40 steps (rows ended at EOS)
+    meter.record(rows=10, steps=20, seconds=20 * 0.15, longest=40)
+    meter.record(rows=30, steps=20, seconds=20 * 0.35, longest=40)
+    assert meter.step_model() == pytest.approx((0.05, 0.01)) and meter.share() == 0.5
+    queued = [_row(40) for _ in range(3)]
+    # nothing running: the three and the new row make one batch of 4 rows, 20 steps of 0.09 s
+    assert meter.estimate_s(queued, _row(40), 64, None) == pytest.approx(20 * 0.09)
+    # under an 80-token limit two batches of two: the same tokens take longer in smaller batches
+    assert meter.estimate_s(queued, _row(40), 64, 80) == pytest.approx(2 * 20 * 0.07)
+    # a short row batched with a long one runs the long one's steps
+    assert meter.estimate_s([_row(40)], _row(10), 64, None) == pytest.approx(20 * 0.07)
+    meter.begin(rows=10, longest=40)  # before its steps are timed: the model's 20 x 0.15 s, less the time spent
     now[0] += 1.0
-    assert meter.running_left_s(100.0) == pytest.approx(2.0)
-    for _ in range(5):
+    assert meter.running_left_s(meter.step_model()) == pytest.approx(20 * 0.15 - 1.0)
+    for _ in range(10):
         meter.step()
-    now[0] += 4.0  # 5 steps in 5 s; recent batches ran half their longest (15 of 30 steps): 10 steps to go
-    assert meter.running_left_s(100.0) == pytest.approx(10.0)
-    # the running batch's slots so far join the rate: (400 + 10 rows x 5 steps) / (4 + 5 s) = 50/s
-    assert meter.rate() == pytest.approx(50.0)
-    assert meter.estimate_s([], _row(50), 64, None) == pytest.approx(10.0 + 50 / 50)
-    meter.end(complete=True)  # its budget, 300 tokens in 5 s, joins the window: (400 + 300) / (4 + 5)
-    assert meter.rate() == pytest.approx(700 / 9) and meter.running is None
-    meter.begin(budget=1000, longest=100)
-    for _ in range(3):
-        meter.step()
-    now[0] += 1.0
-    meter.end(complete=False)  # cut short by clients that left: the 10 x 3 slots it ran, not its budget of 1000
-    assert meter.rate() == pytest.approx(730 / 10)
+    now[0] += 4.0  # 10 steps in 5 s, slower than the model said: 10 steps to go at its own 0.5 s
+    assert meter.running_left_s(meter.step_model()) == pytest.approx(10 * 0.5)
+    fixed, per_row = meter.step_model()  # and the slow steps join the model at once
+    assert fixed + 10 * per_row > 0.15
+    meter.end(complete=False)  # cut short by clients that left: its steps are timed, its share is not known
+    assert len(meter._done) == 3 and meter.share() == 0.5 and meter.running is None
+    one_size = Throughput(clock=lambda: now[0])
+    one_size.record(rows=20, steps=10, seconds=2.0, longest=10)  # 0.2 s a step at 20 rows: half of it fixed
+    assert one_size.step_model() == pytest.approx((0.1, 0.005)) and one_size.share() == 1.0
 
 
 def test_a_request_that_would_outwait_the_limit_gets_429_with_retry_after(serve, monkeypatch):
-    srv = serve(max_wait_ms=1, max_queue_s=10.5)
+    srv = serve(max_wait_ms=1, max_queue_s=19.5)
     engine = srv.app[ENGINE_KEY]
     entered, release = _gate_generation(engine, monkeypatch)
-    engine.throughput.record(1000, 10.0, longest=100, steps=100)  # a measured 100 tokens/s
+    # timed batches of 1 and 11 rows, 100 steps each: a step takes 0.09 s + 0.01 s per row
+    engine.throughput.record(rows=1, steps=100, seconds=10.0, longest=100)
+    engine.throughput.record(rows=11, steps=100, seconds=20.0, longest=100)
 
     async def go():
         loop = asyncio.get_running_loop()
-        # a 4-token batch holds the generation thread; its estimate left is at most 4/100 s
+        # a 4-token batch of one row holds the generation thread: at most 4 x 0.1 s left by the model
         running = [asyncio.create_task(_ask(srv.url, _body("first"), timeout_s=60))]
         await loop.run_in_executor(None, entered.wait, 30)
-        # each queued row of 100 tokens adds 1 s: the 10th is answered in 10-10.04 s, within 10.5
+        # n queued rows of 100 tokens make one batch of 100 x (0.09 + 0.01 n) s: the 10th waits 19-19.4 s
         for i in range(10):
             running.append(asyncio.create_task(_ask(srv.url, _body(f"q{i}", max_tokens=100), timeout_s=60)))
             await loop.run_in_executor(None, _wait_for, lambda: srv.stats.completions == i + 2, "a queued row")
-        try:  # the 11th would be answered in 11 s
+        try:  # the 11th would wait 20-20.4 s, over 19.5
             await _ask(srv.url, _body("one too many", max_tokens=100), timeout_s=20)
         except RetryableError as e:
             refused = e
@@ -238,8 +237,8 @@ def test_a_request_that_would_outwait_the_limit_gets_429_with_retry_after(serve,
         return refused, await asyncio.gather(*running)
 
     refused, answers = asyncio.run(go())
-    # the client reads the status and the header it must wait for: 11 - 10.5 s, rounded up
-    assert refused.reason.startswith("http_429") and "about 11 s" in refused.reason and refused.wait_s == 1.0
+    # the client reads the status and the header it must wait for: 0.5-0.9 s over the limit, rounded up
+    assert refused.reason.startswith("http_429") and "about 20 s" in refused.reason and refused.wait_s == 1.0
     assert len(answers) == 11 and all(a["choices"] for a in answers)  # none of the admitted was refused
     assert (srv.stats.pushed_back, srv.stats.completions) == (1, 11)
 

@@ -13,13 +13,15 @@ count against ``max_batch_size`` only.
 Rows whose client has gone (``cancelled``) are dropped as the queue reaches them, never computed.
 
 ``Throughput`` estimates a new request's wait for its answer, which the engine compares with
-``max_queue_s`` before queueing it (over: 429 with Retry-After): the running batch's rest, plus the budgets
-of every batch the queue would form up to and including the request's own (``plan``), at the budget tokens
-per second of the last few batches and the running one. What it assumes: that the rows ahead run as long
-as recent batches did (their share of the longest ``max_tokens``) and that the speed holds; a machine that
-slows down after a request was admitted can still make it outlast the client's timeout, which is why the
-limit is a fraction of that timeout. Before the first decoding step there is no estimate, and nothing is
-refused.
+``max_queue_s`` before queueing it (over: 429 with Retry-After): the running batch's rest, plus every batch
+the queue would form up to and including the request's own (``plan``), each timed by a model of a decoding
+step (a fixed part and a part per row, fitted to the last few batches and the running one) times the steps
+it should run. A model with a part per row matters: timed in tokens per second, small batches look slow,
+so a server that pushed back would estimate the small batches it was left with as slower still, and refuse
+more. What it assumes: that the rows ahead run as far towards their longest ``max_tokens`` as recent
+batches did and that the speed holds; a machine that slows down after a request was admitted can still
+make it outlast the client's timeout, which is why the limit is a fraction of that timeout. Before the
+first timed step there is no estimate, and nothing is refused.
 """
 
 from __future__ import annotations
@@ -73,20 +75,20 @@ def budget(rows: Iterable[Row]) -> int:
     return batch.budget
 
 
-def plan(rows: Iterable[Row], max_rows: int, max_tokens: int | None) -> list[int]:
-    """The token budgets of the batches ``rows`` would form, in order, taken as ``RowQueue.take`` takes them
-    (cancelled rows left out)."""
-    budgets, batch = [], _Batch(max_rows, max_tokens)
+def plan(rows: Iterable[Row], max_rows: int, max_tokens: int | None) -> list[tuple[int, int]]:
+    """The batches ``rows`` would form, in order, taken as ``RowQueue.take`` takes them (cancelled rows left
+    out): for each its generating rows and their longest ``max_tokens``."""
+    shapes, batch = [], _Batch(max_rows, max_tokens)
     for row in rows:
         if row.cancelled:
             continue
         if not batch.fits(row):
-            budgets.append(batch.budget)
+            shapes.append((batch.generating, batch.longest))
             batch = _Batch(max_rows, max_tokens)
         batch.add(row)
     if batch.rows:
-        budgets.append(batch.budget)
-    return budgets
+        shapes.append((batch.generating, batch.longest))
+    return shapes
 
 
 class RowQueue:
@@ -136,45 +138,43 @@ class RowQueue:
 # -- how long the queue would take ----------------------------------------------------------------------------
 
 
+TIMED_STEPS = 8  # the first step includes the prompts' forward: a batch's own speed is read after this many
+
+
 @dataclass
 class _Running:
     started: float
-    budget: int
+    rows: int
     longest: int
     steps: int = 0
 
-    @property
-    def rows(self) -> int:
-        return self.budget // max(1, self.longest)
-
 
 class Throughput:
-    """How fast the engine gets through token budgets: budget tokens per second of its last few batches and of
-    the running one.
+    """How long the engine's batches take, measured on its last few batches and the running one.
 
-    Measured in the unit the estimate adds up (``budget``), so rows that end early at EOS make the rate look
-    higher rather than the estimate wrong. What a batch cut short by clients that left, and the running batch
-    so far, count is the decoding slots they ran (rows × steps): their budget would make them look fast.
-    ``clock``: a monotonic clock in seconds (a test passes its own).
+    A decoding step of a batch of ``rows`` rows takes ``fixed_s + per_row_s × rows`` (the weights are read once
+    per step whatever the batch; each row adds its own arithmetic), fitted by least squares to the recent
+    batches' seconds per step, weighted by their steps. With batches of a single size the fit has nothing to
+    separate the two by, and takes half the step as fixed. A batch takes ``share × longest max_tokens`` steps,
+    ``share`` being how far recent batches ran to their longest ``max_tokens`` (rows end early at EOS). A batch
+    cut short by clients that left still times its steps. ``clock``: monotonic seconds (a test passes its own).
     """
 
-    WINDOW = 4  # batches: a machine that slows down shows in the rate within a few batches
+    WINDOW = 8  # batches: a machine that slows down shows within a few batches (and the running one at once)
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
-        # (tokens counted, seconds, longest max_tokens, steps run); longest 0 for a batch cut short
-        self._done: deque[tuple[int, float, int, int]] = deque(maxlen=self.WINDOW)
+        self._done: deque[tuple[int, int, float, int]] = deque(maxlen=self.WINDOW)  # rows, steps, s, longest
         self.running: _Running | None = None
 
-    def record(self, tokens: int, seconds: float, longest: int = 0, steps: int = 0) -> None:
-        """A finished batch: the tokens it counts for (its budget; the slots it ran when cut short) in
-        ``seconds``; for a batch that ran to its end also its longest ``max_tokens`` and the steps it ran
-        (fewer when every row ended early)."""
-        if tokens > 0 and seconds > 0:
-            self._done.append((tokens, seconds, longest, steps))
+    def record(self, rows: int, steps: int, seconds: float, longest: int = 0) -> None:
+        """A finished batch: ``rows`` generating rows ran ``steps`` decoding steps in ``seconds``; ``longest``
+        their longest ``max_tokens`` when it ran to its end (0 when cut short by clients that left)."""
+        if rows > 0 and steps > 0 and seconds > 0:
+            self._done.append((rows, steps, seconds, longest))
 
-    def begin(self, budget: int, longest: int) -> None:
-        self.running = _Running(self.clock(), budget, longest)
+    def begin(self, rows: int, longest: int) -> None:
+        self.running = _Running(self.clock(), rows, longest)
 
     def step(self) -> None:
         """One decoding step of the running batch (called on the generation thread)."""
@@ -184,40 +184,56 @@ class Throughput:
     def end(self, complete: bool) -> None:
         """The running batch is over; ``complete``: no row of it was stopped because its client left."""
         running, self.running = self.running, None
-        if running is None:
-            return
-        seconds = self.clock() - running.started
-        if complete:
-            self.record(running.budget, seconds, running.longest, running.steps)
-        else:
-            self.record(running.rows * running.steps, seconds)
+        if running is not None:
+            seconds = self.clock() - running.started
+            self.record(running.rows, running.steps, seconds, running.longest if complete else 0)
 
-    def rate(self) -> float | None:
-        """Budget tokens per second over the recent batches and the running one; None before any step."""
-        tokens, seconds = sum(d[0] for d in self._done), sum(d[1] for d in self._done)
+    def step_model(self) -> tuple[float, float] | None:
+        """(fixed_s, per_row_s) of a decoding step, from the recent batches and the running one's steps so far;
+        None before any step was timed."""
+        points = [(rows, seconds / steps, steps) for rows, steps, seconds, _ in self._done]
         running = self.running
-        if running is not None and running.steps > 0:  # a machine that slows down shows before the batch ends
-            tokens, seconds = tokens + running.rows * running.steps, seconds + self.clock() - running.started
-        return tokens / seconds if tokens > 0 and seconds > 0 else None
+        if running is not None and running.steps >= TIMED_STEPS:  # a slower machine shows before the batch ends
+            points.append((running.rows, (self.clock() - running.started) / running.steps, running.steps))
+        if not points:
+            return None
+        weight = sum(w for _, _, w in points)
+        mean_rows = sum(r * w for r, _, w in points) / weight
+        mean_step = sum(t * w for _, t, w in points) / weight
+        var = sum(w * (r - mean_rows) ** 2 for r, _, w in points)
+        if var > 0:
+            per_row = sum(w * (r - mean_rows) * (t - mean_step) for r, t, w in points) / var
+            fixed = mean_step - per_row * mean_rows
+            if per_row >= 0 and fixed >= 0:
+                return fixed, per_row
+        return mean_step / 2, mean_step / (2 * mean_rows)  # one size (or a fit that makes no sense): half fixed
 
-    def running_left_s(self, rate: float) -> float:
-        """Seconds until the running batch ends (0 when none runs): after a few steps from its own speed and the
-        share of their longest ``max_tokens`` recent batches ran, before that from ``rate``."""
+    def share(self) -> float:
+        """How far recent batches ran to their longest ``max_tokens`` (1 before any ran to its end)."""
+        longest = sum(d[3] for d in self._done)
+        return min(1.0, sum(d[1] for d in self._done if d[3]) / longest) if longest else 1.0
+
+    def batch_s(self, rows: int, longest: int, model: tuple[float, float]) -> float:
+        fixed, per_row = model
+        return max(1.0, self.share() * longest) * (fixed + per_row * rows)
+
+    def running_left_s(self, model: tuple[float, float]) -> float:
+        """Seconds until the running batch ends (0 when none runs): after ``TIMED_STEPS`` steps at its own speed,
+        before that as ``model`` says, less the time spent."""
         running = self.running
         if running is None:
             return 0.0
         elapsed = self.clock() - running.started
-        if running.steps < 2:  # the first step includes the prompts' forward: too early to time the steps
-            return max(0.0, running.budget / rate - elapsed)
-        longest = sum(d[2] for d in self._done)
-        share = min(1.0, sum(d[3] for d in self._done if d[2]) / longest) if longest else 1.0
-        steps_left = max(share * running.longest - running.steps, 1.0)
+        if running.steps < TIMED_STEPS:
+            return max(0.0, self.batch_s(running.rows, running.longest, model) - elapsed)
+        steps_left = max(self.share() * running.longest - running.steps, 1.0)
         return steps_left * elapsed / running.steps
 
     def estimate_s(self, queued: Iterable[Row], row: Row, max_rows: int, max_tokens: int | None) -> float | None:
         """Seconds until ``row`` would be answered if queued now behind ``queued``: the running batch's rest, then
-        every batch the queue forms up to and including ``row``'s, at ``rate``. None before any measurement."""
-        rate = self.rate()
-        if rate is None:
+        every batch the queue forms up to and including ``row``'s. None before any step was timed."""
+        model = self.step_model()
+        if model is None:
             return None
-        return self.running_left_s(rate) + sum(plan([*queued, row], max_rows, max_tokens)) / rate
+        ahead = plan([*queued, row], max_rows, max_tokens)
+        return self.running_left_s(model) + sum(self.batch_s(rows, longest, model) for rows, longest in ahead)

@@ -126,8 +126,10 @@ class ServerStats:
     """Weight files loaded through ``/collective_rpc`` (pretended ones included, under the fault option)."""
     pushed_back: int = 0
     """Generation requests answered 429 because their estimated wait exceeded ``max_queue_s``."""
-    budget_tokens_per_s: float | None = None
-    """The measured speed the estimate uses: token budget (rows × longest max_tokens) per second, recent batches."""
+    step_fixed_s: float | None = None
+    """The wait estimate's model of a decoding step: this many seconds ..."""
+    step_per_row_s: float | None = None
+    """... plus this many per row of the batch (``ars_opd.teacher.server.admission.Throughput``)."""
 
 
 class TeacherEngine:
@@ -252,7 +254,8 @@ class TeacherEngine:
         if estimate is None or estimate <= limit:
             return
         # the queue moves when the running batch ends: asking again sooner cannot find room
-        retry = math.ceil(max(estimate - limit, self.throughput.running_left_s(self.throughput.rate()), 1.0))
+        left = self.throughput.running_left_s(self.throughput.step_model())
+        retry = math.ceil(max(estimate - limit, left, 1.0))
         self.stats.pushed_back += 1
         raise RequestError(
             429,
@@ -299,7 +302,7 @@ class TeacherEngine:
                 scoring = [j for j in batch if isinstance(j, ScoreJob)]
                 generating = [j for j in batch if not isinstance(j, ScoreJob)]
                 if generating:  # the queue's estimate counts these rows as running from now
-                    self.throughput.begin(budget(generating), max(j.max_tokens for j in generating))
+                    self.throughput.begin(len(generating), max(j.max_tokens for j in generating))
                 stopped = self.stats.rows_stopped
                 try:
                     async with self._model_lock:  # a weight load waits until the batch is done
@@ -310,7 +313,7 @@ class TeacherEngine:
                 finally:
                     # a batch cut short by clients that left, or by stopping, would look fast: not measured
                     self.throughput.end(complete=self.stats.rows_stopped == stopped and not self.stopping)
-                    self.stats.budget_tokens_per_s = self.throughput.rate()
+                    self.stats.step_fixed_s, self.stats.step_per_row_s = self.throughput.step_model() or (None, None)
             except asyncio.CancelledError:  # stopping: answer the rows taken from the queue but not finished
                 for job in batch:
                     if not job.done:
