@@ -23,7 +23,7 @@ from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make
 from ars_opd.teacher.client.generate import REMOTE_CONCURRENCY, resolve_concurrency
 from ars_opd.teacher.client.local_server import server_env
 from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server.admission import RowQueue, Throughput, budget, plan
+from ars_opd.teacher.server.admission import Limits, RowQueue, Throughput, budget, plan
 from ars_opd.teacher.server.handlers import ENGINE_KEY
 from ars_opd.teacher.server.jobs import Job, ScoreJob
 from ars_opd.teacher.server.options import ServerOptions
@@ -142,18 +142,18 @@ def test_batches_are_taken_in_order_within_the_row_and_token_limits():
     rows = [_row(8), _row(8), _row(16), _row(8, cancelled=True), _row(100), _row(4), ScoreJob([1], 0, None, None)]
     for row in rows:
         queue.put(row)
-    assert plan(queue, max_rows=3, max_tokens=32) == [(2, 8), (1, 16), (1, 100), (1, 4)]  # (generating rows, longest)
+    assert plan(queue, Limits(3, 32)) == [(2, 8), (1, 16), (1, 100), (1, 4)]  # (generating rows, longest)
     # two rows of 8 (16); a third of 16 would make 3 x 16 = 48: it starts the next batch
-    assert queue.take(3, 32) == ([rows[0], rows[1]], 0)
+    assert queue.take(Limits(3, 32)) == ([rows[0], rows[1]], 0)
     # the cancelled row is dropped on the way; 100 > 32 after the 16-token row: the next batch again
-    assert queue.take(3, 32) == ([rows[2]], 1)
-    assert queue.take(3, 32) == ([rows[4]], 0)  # alone over the budget, it still runs: it cannot be split
+    assert queue.take(Limits(3, 32)) == ([rows[2]], 1)
+    assert queue.take(Limits(3, 32)) == ([rows[4]], 0)  # alone over the budget, it still runs: it cannot be split
     # a scoring row costs no decoding steps: it joins whatever batch has room
-    assert queue.take(3, 32) == ([rows[5], rows[6]], 0) and len(queue) == 0
+    assert queue.take(Limits(3, 32)) == ([rows[5], rows[6]], 0) and len(queue) == 0
     assert budget(rows[:3]) == 3 * 16 and budget([rows[6]]) == 0
     for row in rows:
         queue.put(row)
-    assert [len(queue.take(64, None)[0]) for _ in range(2)] == [6, 0]  # no token limit: rows alone
+    assert [len(queue.take(Limits(64))[0]) for _ in range(2)] == [6, 0]  # no token limit: rows alone
 
 
 def test_a_served_batch_never_exceeds_the_token_limit(serve, monkeypatch):
@@ -184,18 +184,26 @@ def test_a_served_batch_never_exceeds_the_token_limit(serve, monkeypatch):
 def test_the_wait_estimate_times_each_batch_by_a_step_model_fitted_to_recent_batches():
     now = [100.0]
     meter = Throughput(clock=lambda: now[0])
-    assert meter.estimate_s([], _row(8), 64, None) is None  # nothing timed yet: no estimate, no pushback
+    assert meter.estimate_s([], _row(8), Limits(64)) is None  # nothing timed yet: no estimate, no pushback
     # steps of 0.05 s + 0.01 s per row; both batches ran 20 of their longest 40 steps (rows ended at EOS)
     meter.record(rows=10, steps=20, seconds=20 * 0.15, longest=40)
     meter.record(rows=30, steps=20, seconds=20 * 0.35, longest=40)
     assert meter.step_model() == pytest.approx((0.05, 0.01)) and meter.share() == 0.5
     queued = [_row(40) for _ in range(3)]
     # nothing running: the three and the new row make one batch of 4 rows, 20 steps of 0.09 s
-    assert meter.estimate_s(queued, _row(40), 64, None) == pytest.approx(20 * 0.09)
+    assert meter.estimate_s(queued, _row(40), Limits(64)) == pytest.approx(20 * 0.09)
     # under an 80-token limit two batches of two: the same tokens take longer in smaller batches
-    assert meter.estimate_s(queued, _row(40), 64, 80) == pytest.approx(2 * 20 * 0.07)
+    assert meter.estimate_s(queued, _row(40), Limits(64, 80)) == pytest.approx(2 * 20 * 0.07)
     # a short row batched with a long one runs the long one's steps
-    assert meter.estimate_s([_row(40)], _row(10), 64, None) == pytest.approx(20 * 0.07)
+    assert meter.estimate_s([_row(40)], _row(10), Limits(64)) == pytest.approx(20 * 0.07)
+    # under pushback a batch is also held to a time as the model says: 20 steps x (0.05 + 0.01 x rows) <= 2 s
+    assert meter.limits(64, None, None) == Limits(64)  # no pushback: rows and tokens only
+    limits = meter.limits(64, None, 2.0)
+    queue = RowQueue()
+    for _ in range(12):
+        queue.put(_row(40))
+    assert [len(queue.take(limits)[0]) for _ in range(4)] == [5, 5, 2, 0]
+    assert Throughput().limits(64, 1536, 2.0) == Limits(64, 1536)  # nothing timed yet: no time limit
     meter.begin(rows=10, longest=40)  # before its steps are timed: the model's 20 x 0.15 s, less the time spent
     now[0] += 1.0
     assert meter.running_left_s(meter.step_model()) == pytest.approx(20 * 0.15 - 1.0)
@@ -213,23 +221,24 @@ def test_the_wait_estimate_times_each_batch_by_a_step_model_fitted_to_recent_bat
 
 
 def test_a_request_that_would_outwait_the_limit_gets_429_with_retry_after(serve, monkeypatch):
-    srv = serve(max_wait_ms=1, max_queue_s=19.5)
+    srv = serve(max_wait_ms=1, max_queue_s=4.15)
     engine = srv.app[ENGINE_KEY]
     entered, release = _gate_generation(engine, monkeypatch)
-    # timed batches of 1 and 11 rows, 100 steps each: a step takes 0.09 s + 0.01 s per row
-    engine.throughput.record(rows=1, steps=100, seconds=10.0, longest=100)
-    engine.throughput.record(rows=11, steps=100, seconds=20.0, longest=100)
+    # timed batches of 1 and 11 rows, 100 steps each: a step takes 0.01 s + 0.001 s per row, so a batch of n
+    # rows of 100 tokens takes 1 + 0.1 n s, and under half the limit (2.075 s) holds at most 10 rows
+    engine.throughput.record(rows=1, steps=100, seconds=1.1, longest=100)
+    engine.throughput.record(rows=11, steps=100, seconds=2.1, longest=100)
 
     async def go():
         loop = asyncio.get_running_loop()
-        # a 4-token batch of one row holds the generation thread: at most 4 x 0.1 s left by the model
+        # a 4-token batch of one row holds the generation thread: at most 4 x 0.011 s left by the model
         running = [asyncio.create_task(_ask(srv.url, _body("first"), timeout_s=60))]
         await loop.run_in_executor(None, entered.wait, 30)
-        # n queued rows of 100 tokens make one batch of 100 x (0.09 + 0.01 n) s: the 10th waits 19-19.4 s
-        for i in range(10):
+        # rows 1-10 queue as one batch (2 s), rows 11-20 as the next: the 20th waits 4-4.044 s, within 4.15
+        for i in range(20):
             running.append(asyncio.create_task(_ask(srv.url, _body(f"q{i}", max_tokens=100), timeout_s=60)))
             await loop.run_in_executor(None, _wait_for, lambda: srv.stats.completions == i + 2, "a queued row")
-        try:  # the 11th would wait 20-20.4 s, over 19.5
+        try:  # the 21st would start a third batch: 2 + 2 + 1.1 s
             await _ask(srv.url, _body("one too many", max_tokens=100), timeout_s=20)
         except RetryableError as e:
             refused = e
@@ -237,10 +246,10 @@ def test_a_request_that_would_outwait_the_limit_gets_429_with_retry_after(serve,
         return refused, await asyncio.gather(*running)
 
     refused, answers = asyncio.run(go())
-    # the client reads the status and the header it must wait for: 0.5-0.9 s over the limit, rounded up
-    assert refused.reason.startswith("http_429") and "about 20 s" in refused.reason and refused.wait_s == 1.0
-    assert len(answers) == 11 and all(a["choices"] for a in answers)  # none of the admitted was refused
-    assert (srv.stats.pushed_back, srv.stats.completions) == (1, 11)
+    # the client reads the status and the header it must wait for: 0.95-0.99 s over the limit, rounded up
+    assert refused.reason.startswith("http_429") and "about 5 s" in refused.reason and refused.wait_s == 1.0
+    assert len(answers) == 21 and all(a["choices"] for a in answers)  # none of the admitted was refused
+    assert (srv.stats.pushed_back, srv.stats.completions) == (1, 21)
 
 
 def test_nothing_is_pushed_back_before_a_speed_is_measured(serve, monkeypatch):
@@ -275,9 +284,9 @@ def test_teacher_gens_default_concurrency_is_two_of_the_bundled_servers_batches(
         EndpointConfig(concurrency=None)  # only teacher_gen derives it; opd's scoring endpoint needs a number
 
 
-def test_each_429_takes_one_request_out_of_flight_for_the_rest_of_the_run(tmp_path):
+def test_each_worker_pushed_back_leaves_after_its_prompt_and_half_start_late(tmp_path):
     """A server that pushes back is at its limit: the client keeps asking, with one request fewer in flight per
-    429, instead of sending the same excess again and again (each 429 is a request)."""
+    worker that got a 429, instead of sending the same excess again and again (each 429 is a request)."""
     requests = [
         TeacherRequest(
             cache_key({"q": i}), {"model": "fake-teacher", "messages": [{"role": "user", "content": f"q{i}"}]}, {"q": i}
@@ -285,16 +294,18 @@ def test_each_429_takes_one_request_out_of_flight_for_the_rest_of_the_run(tmp_pa
         for i in range(80)
     ]
     limits = EndpointConfig(concurrency=8, request_timeout_s=10, backoff_base_s=0.01, backoff_max_s=0.01)
+    # the first six requests get 429: the four workers that start at once, then two of them again on retry
     with (
-        FakeEndpoint(latency_s=0.05, pushback_first=3, retry_after_s=0.05) as ep,
+        FakeEndpoint(latency_s=0.05, pushback_first=6, retry_after_s=0.05) as ep,
         TeacherCache(tmp_path / "c") as cache,
     ):
         summary = asyncio.run(ask_all(requests, cache, ClientSettings(ep.base_url, limits=limits), progress=False))
     assert summary.completed == 80 and summary.failed == 0
-    assert (summary.pushed_back, summary.retries, summary.concurrency) == (3, 3, 8 - 3)
+    assert (summary.pushed_back, summary.retries, summary.concurrency) == (6, 6, 8 - 4)
     in_flight = [e["in_flight"] for e in ep.log]
-    assert max(in_flight) == 8  # all eight at first
-    assert max(in_flight[-40:]) == 8 - 3  # the three workers that were pushed back retired after their prompt
+    assert max(in_flight[:6]) <= 4  # half started at once; the rest waited for the first answer
+    assert max(in_flight) > 4  # then they came
+    assert max(in_flight[-40:]) == 8 - 4  # the four pushed back retired after their prompt, once each
 
 
 def test_the_started_servers_threads_wait_passively_unless_the_caller_says_otherwise(monkeypatch):

@@ -8,8 +8,10 @@ Requests, retries and errors are the shared HTTP layer's (``ars_opd.teacher.clie
 ``with_retries``, ``preflight``), so this client retries as every other one does; here an empty
 ``choices`` is retried too. A 429 (an endpoint's pushback: its queue would outlast the timeout, or a rate
 limit) also lowers the concurrency by one, at least to one, for the rest of the run: the worker that got it
-retires once its prompt is done, so after k pushbacks k fewer requests wait in the endpoint's queue, and
-the requests beyond what it can answer in time stop coming back as 429s (each of which is a request).
+retires once its prompt is done (a worker retires once, however often its prompt is pushed back), so the
+requests beyond what the endpoint answers in time stop coming back as 429s (each of which is a request).
+Half the workers start at once and the rest with the first result: by then an endpoint that batches has
+timed its first batch, and can push back what it cannot answer in time rather than queue it unknowingly.
 An answer with no text (empty or whitespace content) is a failure (``empty_completion``), not an answer: it
 is never cached, so it cannot be served again as if it were one. Every final failure is returned with its
 reason and HTTP status. 401/403 abort the whole run (the key is wrong for every request), and so does a run
@@ -78,6 +80,12 @@ class AskSummary:
         return len(self.failures)
 
 
+@dataclass
+class _Worker:
+    retiring: bool = False
+    """A 429 came back for one of its requests: it stops once its prompt is done."""
+
+
 def count_by_reason(reasons: Iterable[str]) -> dict[str, int]:
     """How many failures of each kind (the part of a reason before its first ':'), sorted by kind."""
     out: dict[str, int] = {}
@@ -144,16 +152,19 @@ async def ask_all(
     queue = iter(pending)
     summary.concurrency = min(settings.limits.concurrency, len(pending))
     workers = summary.concurrency
+    first_result = asyncio.Event()
 
-    async def handle(req: TeacherRequest) -> None:
+    async def handle(req: TeacherRequest, me: _Worker) -> None:
         nonlocal results_seen
         key = req.key
 
         def count_retry(e: RetryableError) -> None:
             summary.retries += 1
-            if e.reason.startswith("http_429"):  # past what the endpoint answers in time: one fewer in flight
+            if e.reason.startswith("http_429"):
                 summary.pushed_back += 1
-                summary.concurrency = max(1, summary.concurrency - 1)
+                if not me.retiring:  # past what the endpoint answers in time: one fewer in flight
+                    me.retiring = True  # once per worker, however often its prompt is pushed back
+                    summary.concurrency = max(1, summary.concurrency - 1)
 
         while True:
             try:
@@ -180,6 +191,7 @@ async def ask_all(
             summary.completed += 1
             break
         results_seen += 1
+        first_result.set()
         if results_seen == settings.abort_after and summary.completed == 0 and not abort:
             reasons = sorted({f.reason for f in summary.failures})[:3]
             abort.append(
@@ -192,13 +204,16 @@ async def ask_all(
         if summary.failures:
             bar.set_postfix(failed=summary.failed, retries=summary.retries, refresh=False)
 
-    async def worker() -> None:
+    async def worker(late: bool) -> None:
         nonlocal workers
+        if late:
+            await first_result.wait()
+        me = _Worker()
         for req in queue:
             if abort:
                 return
-            await handle(req)
-            if workers > summary.concurrency:  # a 429 lowered the concurrency: this worker retires
+            await handle(req, me)
+            if me.retiring and workers > summary.concurrency:  # it was pushed back: it leaves
                 workers -= 1
                 return
 
@@ -214,7 +229,9 @@ async def ask_all(
             smoothing=0.05,
             dynamic_ncols=True,
         )
-        await asyncio.gather(*(worker() for _ in range(workers)))
+        # half at once, the rest with the first result: an endpoint that batches has timed its steps by then,
+        # and can push back the excess instead of finding it queued behind a first batch slower than expected
+        await asyncio.gather(*(worker(late=i >= (workers + 1) // 2) for i in range(workers)))
     finally:
         if bar is not None:
             bar.close()

@@ -5,10 +5,10 @@ A batch runs until its longest row ends (no continuous batching), so what a batc
 rows times the longest ``max_tokens`` among them, its *token budget*, not its number of rows: 64 rows of 8
 tokens are a short batch, 64 rows of 2,048 tokens hold everyone behind them for minutes. ``RowQueue.take``
 forms batches in arrival order up to ``max_batch_size`` rows and, when ``max_batch_tokens`` is set, up to
-that budget; a row that would break either limit starts the next batch (no row overtakes another, so a long
-one cannot be starved). One generating row alone always fits: a budget smaller than one request's
-``max_tokens`` slows nothing but that request. Scoring rows (``ScoreJob``: one forward, no decoding steps)
-count against ``max_batch_size`` only.
+that budget; under pushback, once steps are timed, also to half the wait limit (below); a row that would
+break a limit starts the next batch (no row overtakes another, so a long one cannot be starved). One
+generating row alone always fits: a budget smaller than one request's ``max_tokens`` slows nothing but that
+request. Scoring rows (``ScoreJob``: one forward, no decoding steps) count against ``max_batch_size`` only.
 
 Rows whose client has gone (``cancelled``) are dropped as the queue reaches them, never computed.
 
@@ -21,7 +21,9 @@ so a server that pushed back would estimate the small batches it was left with a
 more. What it assumes: that the rows ahead run as far towards their longest ``max_tokens`` as recent
 batches did and that the speed holds; a machine that slows down after a request was admitted can still
 make it outlast the client's timeout, which is why the limit is a fraction of that timeout. Before the
-first timed step there is no estimate, and nothing is refused.
+first timed step there is no estimate, and nothing is refused. Batches are kept to half the limit as the
+model times them: a request that waits out one running batch and runs in the next is then answered within
+it, where on a machine too slow for whole batches every queued request would be refused.
 """
 
 from __future__ import annotations
@@ -37,23 +39,38 @@ from ars_opd.teacher.server.jobs import Job, ScoreJob
 Row = Job | ScoreJob
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one batch may hold: ``max_rows`` rows; a token budget of ``max_tokens`` (None: any); and, given
+    ``batch_s`` (the seconds a batch of (generating rows, longest max_tokens) should take), ``max_s`` seconds."""
+
+    max_rows: int
+    max_tokens: int | None = None
+    max_s: float | None = None
+    batch_s: Callable[[int, int], float] | None = None
+
+
 class _Batch:
     """Rows gathered for one batch under the limits, in order."""
 
-    def __init__(self, max_rows: int, max_tokens: int | None):
-        self.max_rows, self.max_tokens = max_rows, max_tokens
+    def __init__(self, limits: Limits):
+        self.limits = limits
         self.rows: list[Row] = []
         self.generating = 0
         self.longest = 0
 
     def fits(self, row: Row) -> bool:
+        limits = self.limits
         if not self.rows:
             return True
-        if len(self.rows) >= self.max_rows:
+        if len(self.rows) >= limits.max_rows:
             return False
-        if isinstance(row, ScoreJob) or self.max_tokens is None or self.generating == 0:
+        if isinstance(row, ScoreJob) or self.generating == 0:
             return True
-        return (self.generating + 1) * max(self.longest, row.max_tokens) <= self.max_tokens
+        rows, longest = self.generating + 1, max(self.longest, row.max_tokens)
+        if limits.max_tokens is not None and rows * longest > limits.max_tokens:
+            return False
+        return limits.max_s is None or limits.batch_s is None or limits.batch_s(rows, longest) <= limits.max_s
 
     def add(self, row: Row) -> None:
         self.rows.append(row)
@@ -69,22 +86,22 @@ class _Batch:
 
 def budget(rows: Iterable[Row]) -> int:
     """The token budget of a batch of ``rows``: its generating rows × the longest ``max_tokens`` among them."""
-    batch = _Batch(1 << 62, None)
+    batch = _Batch(Limits(1 << 62))
     for row in rows:
         batch.add(row)
     return batch.budget
 
 
-def plan(rows: Iterable[Row], max_rows: int, max_tokens: int | None) -> list[tuple[int, int]]:
+def plan(rows: Iterable[Row], limits: Limits) -> list[tuple[int, int]]:
     """The batches ``rows`` would form, in order, taken as ``RowQueue.take`` takes them (cancelled rows left
     out): for each its generating rows and their longest ``max_tokens``."""
-    shapes, batch = [], _Batch(max_rows, max_tokens)
+    shapes, batch = [], _Batch(limits)
     for row in rows:
         if row.cancelled:
             continue
         if not batch.fits(row):
             shapes.append((batch.generating, batch.longest))
-            batch = _Batch(max_rows, max_tokens)
+            batch = _Batch(limits)
         batch.add(row)
     if batch.rows:
         shapes.append((batch.generating, batch.longest))
@@ -114,9 +131,9 @@ class RowQueue:
             self._waiting.clear()
             await self._waiting.wait()
 
-    def take(self, max_rows: int, max_tokens: int | None) -> tuple[list[Row], int]:
+    def take(self, limits: Limits) -> tuple[list[Row], int]:
         """The next batch from the head of the queue, and how many cancelled rows were dropped on the way."""
-        batch, dropped = _Batch(max_rows, max_tokens), 0
+        batch, dropped = _Batch(limits), 0
         while self._rows:
             row = self._rows[0]
             if row.cancelled:
@@ -229,11 +246,19 @@ class Throughput:
         steps_left = max(self.share() * running.longest - running.steps, 1.0)
         return steps_left * elapsed / running.steps
 
-    def estimate_s(self, queued: Iterable[Row], row: Row, max_rows: int, max_tokens: int | None) -> float | None:
+    def limits(self, max_rows: int, max_tokens: int | None, max_s: float | None) -> Limits:
+        """A batch's limits: with ``max_s`` and a timed step, also at most ``max_s`` seconds as the model says."""
+        model = self.step_model() if max_s is not None else None
+        if model is None:
+            return Limits(max_rows, max_tokens)
+        return Limits(max_rows, max_tokens, max_s, lambda rows, longest: self.batch_s(rows, longest, model))
+
+    def estimate_s(self, queued: Iterable[Row], row: Row, limits: Limits) -> float | None:
         """Seconds until ``row`` would be answered if queued now behind ``queued``: the running batch's rest, then
-        every batch the queue forms up to and including ``row``'s. None before any step was timed."""
+        every batch the queue forms under ``limits`` up to and including ``row``'s. None before any step was
+        timed."""
         model = self.step_model()
         if model is None:
             return None
-        ahead = plan([*queued, row], max_rows, max_tokens)
+        ahead = plan([*queued, row], limits)
         return self.running_left_s(model) + sum(self.batch_s(rows, longest, model) for rows, longest in ahead)

@@ -54,7 +54,7 @@ from transformers import (
 )
 
 from ars_opd.lm.batching import pad_left
-from ars_opd.teacher.server.admission import RowQueue, Throughput, budget
+from ars_opd.teacher.server.admission import Limits, RowQueue, Throughput, budget
 from ars_opd.teacher.server.generation import GenerateRequest
 from ars_opd.teacher.server.jobs import Job, Progress, ScoreJob
 from ars_opd.teacher.server.options import ServerOptions
@@ -250,7 +250,7 @@ class TeacherEngine:
         limit, pending = self.options.max_queue_s, self._pending
         if limit is None or (self.throughput.running is None and all(r.cancelled for r in pending)):
             return  # alone on an idle server it runs at once: refusing it could only delay it
-        estimate = self.throughput.estimate_s(pending, job, self.max_batch_size, self.options.max_batch_tokens)
+        estimate = self.throughput.estimate_s(pending, job, self._limits())
         if estimate is None or estimate <= limit:
             return
         # the queue moves when the running batch ends: asking again sooner cannot find room
@@ -264,6 +264,13 @@ class TeacherEngine:
             "server_busy",
             headers={"Retry-After": str(retry)},
         )
+
+    def _limits(self) -> Limits:
+        """A batch's limits: ``max_batch_size``, ``max_batch_tokens`` and, under pushback once steps are timed,
+        half of ``max_queue_s`` (a request that waits for one batch and runs in the next is then answered
+        within it)."""
+        limit = self.options.max_queue_s
+        return self.throughput.limits(self.max_batch_size, self.options.max_batch_tokens, limit and limit / 2)
 
     async def load_weights(self, path: str) -> dict:
         """Load a safetensors file into the served model between batches: {"loaded", "seconds"}.
@@ -296,7 +303,7 @@ class TeacherEngine:
                 if self.max_wait_s > 0 and len(self._pending) < self.max_batch_size:
                     await asyncio.sleep(self.max_wait_s)  # give concurrent requests a moment to join
                 # in arrival order, within max_batch_size rows and max_batch_tokens; rows of clients gone dropped
-                batch, dropped = self._pending.take(self.max_batch_size, self.options.max_batch_tokens)
+                batch, dropped = self._pending.take(self._limits())
                 self.stats.rows_dropped += dropped
                 # requests arriving while these run wait in the queue and form the next batch
                 scoring = [j for j in batch if isinstance(j, ScoreJob)]
