@@ -10,8 +10,9 @@ Requests, retries and errors are the shared HTTP layer's (``ars_opd.teacher.clie
 limit) also lowers the concurrency by one, at least to one, for the rest of the run: the worker that got it
 retires once its prompt is done (a worker retires once, however often its prompt is pushed back), so the
 requests beyond what the endpoint answers in time stop coming back as 429s (each of which is a request).
-Half the workers start at once and the rest with the first result: by then an endpoint that batches has
-timed its first batch, and can push back what it cannot answer in time rather than queue it unknowingly.
+A quarter of the workers start at once and the rest with the first result: by then an endpoint that batches
+has timed its first (small) batch, and can push back what it cannot answer in time rather than queue it
+unknowingly.
 An answer with no text (empty or whitespace content) is a failure (``empty_completion``), not an answer: it
 is never cached, so it cannot be served again as if it were one. Every final failure is returned with its
 reason and HTTP status. 401/403 abort the whole run (the key is wrong for every request), and so does a run
@@ -229,9 +230,9 @@ async def ask_all(
             smoothing=0.05,
             dynamic_ncols=True,
         )
-        # half at once, the rest with the first result: an endpoint that batches has timed its steps by then,
-        # and can push back the excess instead of finding it queued behind a first batch slower than expected
-        await asyncio.gather(*(worker(late=i >= (workers + 1) // 2) for i in range(workers)))
+        # a quarter at once, the rest with the first result: an endpoint that batches has timed its steps by
+        # then, and can push back the excess instead of finding it queued behind a first batch slower than expected
+        await asyncio.gather(*(worker(late=i >= (workers + 3) // 4) for i in range(workers)))
     finally:
         if bar is not None:
             bar.close()
