@@ -185,60 +185,59 @@ def test_the_wait_estimate_times_each_batch_by_a_step_model_fitted_to_recent_bat
     now = [100.0]
     meter = Throughput(clock=lambda: now[0])
     assert meter.estimate_s([], _row(8), Limits(64)) is None  # nothing timed yet: no estimate, no pushback
-    # steps of 0.05 s + 0.01 s per row; both batches ran 20 of their longest 40 steps (rows ended at EOS)
-    meter.record(rows=10, steps=20, seconds=20 * 0.15, longest=40)
-    meter.record(rows=30, steps=20, seconds=20 * 0.35, longest=40)
-    assert meter.step_model() == pytest.approx((0.05, 0.01)) and meter.share() == 0.5
+    # steps of 0.005 s x (16 + rows); both batches ran 20 of their longest 40 steps (rows ended at EOS)
+    meter.record(rows=4, steps=20, seconds=20 * 0.1, longest=40)
+    meter.record(rows=24, steps=20, seconds=20 * 0.2, longest=40)
+    assert meter.step_model() == pytest.approx((16 * 0.005, 0.005)) and meter.share() == 0.5
     queued = [_row(40) for _ in range(3)]
-    # nothing running: the three and the new row make one batch of 4 rows, 20 steps of 0.09 s
-    assert meter.estimate_s(queued, _row(40), Limits(64)) == pytest.approx(20 * 0.09)
+    # nothing running: the three and the new row make one batch of 4 rows, 20 steps of 0.1 s
+    assert meter.estimate_s(queued, _row(40), Limits(64)) == pytest.approx(20 * 0.1)
     # under an 80-token limit two batches of two: the same tokens take longer in smaller batches
-    assert meter.estimate_s(queued, _row(40), Limits(64, 80)) == pytest.approx(2 * 20 * 0.07)
+    assert meter.estimate_s(queued, _row(40), Limits(64, 80)) == pytest.approx(2 * 20 * 0.09)
     # a short row batched with a long one runs the long one's steps
-    assert meter.estimate_s([_row(40)], _row(10), Limits(64)) == pytest.approx(20 * 0.07)
-    # under pushback a batch is also held to a time as the model says: 20 steps x (0.05 + 0.01 x rows) <= 2 s
+    assert meter.estimate_s([_row(40)], _row(10), Limits(64)) == pytest.approx(20 * 0.09)
+    # under pushback a batch is also held to a time as the model says: 20 x 0.005 x (16 + rows) <= 2 s
     assert meter.limits(64, None, None) == Limits(64)  # no pushback: rows and tokens only
     limits = meter.limits(64, None, 2.0)
     queue = RowQueue()
     for _ in range(12):
         queue.put(_row(40))
-    assert [len(queue.take(limits)[0]) for _ in range(4)] == [5, 5, 2, 0]
+    assert [len(queue.take(limits)[0]) for _ in range(4)] == [4, 4, 4, 0]
     assert Throughput().limits(64, 1536, 2.0) == Limits(64, 1536)  # nothing timed yet: no time limit
-    meter.begin(rows=10, longest=40)  # before its steps are timed: the model's 20 x 0.15 s, less the time spent
+    meter.begin(rows=10, longest=40)  # before its steps are timed: the model's 20 x 0.13 s, less the time spent
     now[0] += 1.0
-    assert meter.running_left_s(meter.step_model()) == pytest.approx(20 * 0.15 - 1.0)
+    assert meter.running_left_s(meter.step_model()) == pytest.approx(20 * 0.13 - 1.0)
     for _ in range(10):
         meter.step()
     now[0] += 4.0  # 10 steps in 5 s, slower than the model said: 10 steps to go at its own 0.5 s
     assert meter.running_left_s(meter.step_model()) == pytest.approx(10 * 0.5)
     fixed, per_row = meter.step_model()  # and the slow steps join the model at once
-    assert fixed + 10 * per_row > 0.15
+    assert fixed + 10 * per_row > 0.13
     meter.end(complete=False)  # cut short by clients that left: its steps are timed, its share is not known
     assert len(meter._done) == 3 and meter.share() == 0.5 and meter.running is None
     one_size = Throughput(clock=lambda: now[0])
-    one_size.record(rows=20, steps=10, seconds=2.0, longest=10)  # 0.2 s a step at 20 rows: half of it fixed
-    assert one_size.step_model() == pytest.approx((0.1, 0.005)) and one_size.share() == 1.0
+    one_size.record(rows=16, steps=10, seconds=2.0, longest=10)  # 0.2 s a step at 16 rows: c = 0.2 / 32
+    assert one_size.step_model() == pytest.approx((0.1, 0.2 / 32)) and one_size.share() == 1.0
 
 
 def test_a_request_that_would_outwait_the_limit_gets_429_with_retry_after(serve, monkeypatch):
-    srv = serve(max_wait_ms=1, max_queue_s=4.15)
+    srv = serve(max_wait_ms=1, max_queue_s=5.3)
     engine = srv.app[ENGINE_KEY]
     entered, release = _gate_generation(engine, monkeypatch)
-    # timed batches of 1 and 11 rows, 100 steps each: a step takes 0.01 s + 0.001 s per row, so a batch of n
-    # rows of 100 tokens takes 1 + 0.1 n s, and under half the limit (2.075 s) holds at most 10 rows
-    engine.throughput.record(rows=1, steps=100, seconds=1.1, longest=100)
-    engine.throughput.record(rows=11, steps=100, seconds=2.1, longest=100)
+    # a timed batch of 4 rows, 100 steps of 0.02 s: a step takes 0.001 s x (16 + rows), so a batch of n rows
+    # of 100 tokens takes 1.6 + 0.1 n s, and under half the limit (2.65 s) holds at most 10 rows
+    engine.throughput.record(rows=4, steps=100, seconds=2.0, longest=100)
 
     async def go():
         loop = asyncio.get_running_loop()
-        # a 4-token batch of one row holds the generation thread: at most 4 x 0.011 s left by the model
+        # a 4-token batch of one row holds the generation thread: at most 4 x 0.017 s left by the model
         running = [asyncio.create_task(_ask(srv.url, _body("first"), timeout_s=60))]
         await loop.run_in_executor(None, entered.wait, 30)
-        # rows 1-10 queue as one batch (2 s), rows 11-20 as the next: the 20th waits 4-4.044 s, within 4.15
+        # rows 1-10 queue as one batch (2.6 s), rows 11-20 as the next: the 20th waits 5.2-5.27 s, within 5.3
         for i in range(20):
             running.append(asyncio.create_task(_ask(srv.url, _body(f"q{i}", max_tokens=100), timeout_s=60)))
             await loop.run_in_executor(None, _wait_for, lambda: srv.stats.completions == i + 2, "a queued row")
-        try:  # the 21st would start a third batch: 2 + 2 + 1.1 s
+        try:  # the 21st would start a third batch: 2.6 + 2.6 + 1.7 s
             await _ask(srv.url, _body("one too many", max_tokens=100), timeout_s=20)
         except RetryableError as e:
             refused = e
@@ -246,8 +245,8 @@ def test_a_request_that_would_outwait_the_limit_gets_429_with_retry_after(serve,
         return refused, await asyncio.gather(*running)
 
     refused, answers = asyncio.run(go())
-    # the client reads the status and the header it must wait for: 0.95-0.99 s over the limit, rounded up
-    assert refused.reason.startswith("http_429") and "about 5 s" in refused.reason and refused.wait_s == 1.0
+    # the client reads the status and the header it must wait for: 1.6-1.67 s over the limit, rounded up
+    assert refused.reason.startswith("http_429") and "about 7 s" in refused.reason and refused.wait_s == 2.0
     assert len(answers) == 21 and all(a["choices"] for a in answers)  # none of the admitted was refused
     assert (srv.stats.pushed_back, srv.stats.completions) == (1, 21)
 

@@ -15,10 +15,10 @@ Rows whose client has gone (``cancelled``) are dropped as the queue reaches them
 ``Throughput`` estimates a new request's wait for its answer, which the engine compares with
 ``max_queue_s`` before queueing it (over: 429 with Retry-After): the running batch's rest, plus every batch
 the queue would form up to and including the request's own (``plan``), each timed by a model of a decoding
-step (a fixed part and a part per row, fitted to the last few batches and the running one) times the steps
-it should run. A model with a part per row matters: timed in tokens per second, small batches look slow,
-so a server that pushed back would estimate the small batches it was left with as slower still, and refuse
-more. What it assumes: that the rows ahead run as far towards their longest ``max_tokens`` as recent
+step (a fixed part as large as 16 rows' and a part per row, scaled to the last few batches and the running
+one) times the steps it should run. The fixed part matters: timed in tokens per second, small batches look
+slow, so a server that pushed back would estimate the small batches it was left with as slower still, and
+refuse more. What it assumes: that the rows ahead run as far towards their longest ``max_tokens`` as recent
 batches did and that the speed holds; a machine that slows down after a request was admitted can still
 make it outlast the client's timeout, which is why the limit is a fraction of that timeout. Before the
 first timed step there is no estimate, and nothing is refused. Batches are kept to half the limit as the
@@ -156,6 +156,9 @@ class RowQueue:
 
 
 TIMED_STEPS = 8  # the first step includes the prompts' forward: a batch's own speed is read after this many
+# A decoding step's fixed part, in rows: SmolLM2-135M on 2 CPU threads took 89, 178 and 320 ms a step at 8, 32
+# and 64 rows, 3.7 ms x (16 + rows) within 7%. A GPU's is larger: there this overprices big batches.
+FIXED_ROWS = 16
 
 
 @dataclass
@@ -169,12 +172,15 @@ class _Running:
 class Throughput:
     """How long the engine's batches take, measured on its last few batches and the running one.
 
-    A decoding step of a batch of ``rows`` rows takes ``fixed_s + per_row_s × rows`` (the weights are read once
-    per step whatever the batch; each row adds its own arithmetic), fitted by least squares to the recent
-    batches' seconds per step, weighted by their steps. With batches of a single size the fit has nothing to
-    separate the two by, and takes half the step as fixed. A batch takes ``share × longest max_tokens`` steps,
-    ``share`` being how far recent batches ran to their longest ``max_tokens`` (rows end early at EOS). A batch
-    cut short by clients that left still times its steps. ``clock``: monotonic seconds (a test passes its own).
+    A decoding step of a batch of ``rows`` rows takes ``c × (FIXED_ROWS + rows)``: a fixed part (the weights
+    are read once per step whatever the batch) as large as ``FIXED_ROWS`` rows' own arithmetic, with ``c``
+    fitted to the recent batches' seconds per step, weighted by their steps. The ratio is not fitted: the
+    batches a server runs under load are of few sizes and their times noisy, and a fit that takes small
+    batches' steps as mostly per-row work prices bigger batches far too high, so that a server that pushed
+    back, left with small batches, would allow only smaller ones (a smoke run ended with batches of one to
+    seven rows). A batch takes ``share × longest max_tokens`` steps, ``share`` being how far recent batches
+    ran to their longest ``max_tokens`` (rows end early at EOS). A batch cut short by clients that left still
+    times its steps. ``clock``: monotonic seconds (a test passes its own).
     """
 
     WINDOW = 8  # batches: a machine that slows down shows within a few batches (and the running one at once)
@@ -214,16 +220,8 @@ class Throughput:
             points.append((running.rows, (self.clock() - running.started) / running.steps, running.steps))
         if not points:
             return None
-        weight = sum(w for _, _, w in points)
-        mean_rows = sum(r * w for r, _, w in points) / weight
-        mean_step = sum(t * w for _, t, w in points) / weight
-        var = sum(w * (r - mean_rows) ** 2 for r, _, w in points)
-        if var > 0:
-            per_row = sum(w * (r - mean_rows) * (t - mean_step) for r, t, w in points) / var
-            fixed = mean_step - per_row * mean_rows
-            if per_row >= 0 and fixed >= 0:
-                return fixed, per_row
-        return mean_step / 2, mean_step / (2 * mean_rows)  # one size (or a fit that makes no sense): half fixed
+        per_row = sum(t * w for _, t, w in points) / sum((FIXED_ROWS + r) * w for r, _, w in points)
+        return FIXED_ROWS * per_row, per_row
 
     def share(self) -> float:
         """How far recent batches ran to their longest ``max_tokens`` (1 before any ran to its end)."""
