@@ -283,10 +283,10 @@ def test_teacher_gens_default_concurrency_is_two_of_the_bundled_servers_batches(
         EndpointConfig(concurrency=None)  # only teacher_gen derives it; opd's scoring endpoint needs a number
 
 
-def test_pushed_back_workers_leave_once_a_quarter_start_first_and_429s_use_no_attempt(tmp_path):
+def test_each_429_takes_a_request_out_of_flight_a_quarter_start_first_and_429s_use_no_attempt(tmp_path):
     """A server that pushes back is at its limit: the client keeps asking, with one request fewer in flight per
-    worker that got a 429, instead of sending the same excess again and again (each 429 is a request); and a
-    prompt pushed back more often than max_attempts is still answered, since a pushback is no failed attempt."""
+    429 (the worker hands its prompt on and leaves), instead of sending the same excess again and again (each
+    429 is a request); and a prompt pushed back more often than max_attempts is still answered."""
     requests = [
         TeacherRequest(
             cache_key({"q": i}), {"model": "fake-teacher", "messages": [{"role": "user", "content": f"q{i}"}]}, {"q": i}
@@ -296,18 +296,21 @@ def test_pushed_back_workers_leave_once_a_quarter_start_first_and_429s_use_no_at
     limits = EndpointConfig(
         concurrency=8, request_timeout_s=10, max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.01
     )
-    # two workers start; the first six requests get 429: those two workers' prompts, three times each
+    # two workers start, get 429 and leave; the six others start, two take the handed-on prompts (which wait
+    # the retry-after), four new ones are sent, get 429 and leave: six 429s, two workers left
     with (
         FakeEndpoint(latency_s=0.05, pushback_first=6, retry_after_s=0.05) as ep,
         TeacherCache(tmp_path / "c") as cache,
     ):
         summary = asyncio.run(ask_all(requests, cache, ClientSettings(ep.base_url, limits=limits), progress=False))
     assert summary.completed == 80 and summary.failed == 0
-    assert (summary.pushed_back, summary.retries, summary.concurrency) == (6, 6, 8 - 2)
+    assert (summary.pushed_back, summary.retries, summary.concurrency) == (6, 6, 8 - 6)
     in_flight = [e["in_flight"] for e in ep.log]
-    assert max(in_flight[:8]) <= 2  # a quarter started at once; the rest waited for the first answer
-    assert max(in_flight) > 2  # then they came
-    assert max(in_flight[-40:]) == 8 - 2  # the two pushed back retired after their prompt, once each
+    assert max(in_flight[:2]) <= 2 < max(in_flight)  # a quarter at once, the rest after the first answer
+    assert max(in_flight[-60:]) == 8 - 6
+    # every prompt pushed back was asked again, after its retry-after, and answered once
+    pushed = [e["prompt"] for e in ep.log if e["outcome"] == "429"]
+    assert len(set(pushed)) == 6 and all(sum(e["prompt"] == p for e in ep.log) == 2 for p in pushed)
 
 
 def test_the_started_servers_threads_wait_passively_unless_the_caller_says_otherwise(monkeypatch):

@@ -7,12 +7,12 @@ does not grow with the number of prompts). Each answer goes to the cache the mom
 Requests, retries and errors are the shared HTTP layer's (``ars_opd.teacher.client.endpoint``: ``post_json``,
 ``with_retries``, ``preflight``), so this client retries as every other one does; here an empty
 ``choices`` is retried too. A 429 (an endpoint's pushback: its queue would outlast the timeout, or a rate
-limit) also lowers the concurrency by one, at least to one, for the rest of the run: the worker that got it
-retires once its prompt is done (a worker retires once, however often its prompt is pushed back), so the
-requests beyond what the endpoint answers in time stop coming back as 429s (each of which is a request).
-A quarter of the workers start at once and the rest with the first result: by then an endpoint that batches
-has timed its first (small) batch, and can push back what it cannot answer in time rather than queue it
-unknowingly.
+limit) also takes one request out of flight for the rest of the run: the worker that got it hands its
+prompt on, to be asked first, after the retry-after, by another worker, and leaves (the last worker waits
+the retry-after out instead). The requests beyond what the endpoint answers in time then stop coming back
+as 429s, each of which is a request. A quarter of the workers start at once and the rest with the first
+answer: by then an endpoint that batches has timed its first (small) batch, and can push back what it
+cannot answer in time rather than queue it unknowingly.
 An answer with no text (empty or whitespace content) is a failure (``empty_completion``), not an answer: it
 is never cached, so it cannot be served again as if it were one. Every final failure is returned with its
 reason and HTTP status. 401/403 abort the whole run (the key is wrong for every request), and so does a run
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -73,7 +74,8 @@ class AskSummary:
     pushed_back: int = 0
     """Answers 429 (the endpoint's pushback or rate limit), each retried after its retry-after."""
     concurrency: int = 0
-    """Requests in flight at the end: the configured concurrency less one per 429 (at least one)."""
+    """Requests in flight at the end: the configured concurrency (at most the prompts asked) less one per 429
+    that a worker left on."""
     seconds: float = 0.0
 
     @property
@@ -81,10 +83,12 @@ class AskSummary:
         return len(self.failures)
 
 
-@dataclass
-class _Worker:
-    retiring: bool = False
-    """A 429 came back for one of its requests: it stops once its prompt is done."""
+class _PushedBack(Exception):
+    """A 429: the endpoint cannot answer in time what is in flight. The worker hands its prompt on and leaves."""
+
+    def __init__(self, wait_s: float | None):
+        super().__init__("http_429")
+        self.wait_s = wait_s
 
 
 def count_by_reason(reasons: Iterable[str]) -> dict[str, int]:
@@ -151,25 +155,39 @@ async def ask_all(
     abort: list[EndpointError] = []
     results_seen = 0
     queue = iter(pending)
+    later: deque[tuple[float, TeacherRequest]] = deque()  # pushed back: asked first, not before the time
     summary.concurrency = min(settings.limits.concurrency, len(pending))
-    workers = summary.concurrency
-    first_result = asyncio.Event()
+    alive = summary.concurrency  # workers not ended, those waiting to start included
+    first_response = asyncio.Event()
 
-    async def handle(req: TeacherRequest, me: _Worker) -> None:
+    async def handle(req: TeacherRequest) -> bool:
+        """Ask for ``req`` until it has a result; False when it was pushed back and handed on (its worker
+        leaves: one request fewer in flight)."""
         nonlocal results_seen
         key = req.key
 
         def count_retry(e: RetryableError) -> None:
             summary.retries += 1
-            if e.reason.startswith("http_429"):
-                summary.pushed_back += 1
-                if not me.retiring:  # past what the endpoint answers in time: one fewer in flight
-                    me.retiring = True  # once per worker, however often its prompt is pushed back
-                    summary.concurrency = max(1, summary.concurrency - 1)
+            summary.pushed_back += e.reason.startswith("http_429")
+
+        async def ask() -> dict:
+            try:
+                return await _ask_once(client, req.body)
+            except RetryableError as e:
+                if e.reason.startswith("http_"):
+                    first_response.set()
+                if e.reason.startswith("http_429") and alive > 1:  # the last worker waits it out instead
+                    raise _PushedBack(e.wait_s) from None
+                raise
 
         while True:
             try:
-                answer, attempt = await with_retries(lambda: _ask_once(client, req.body), settings, count_retry)
+                answer, attempt = await with_retries(ask, settings, count_retry)
+            except _PushedBack as p:
+                count_retry(RetryableError("http_429"))
+                summary.concurrency -= 1
+                later.append((time.monotonic() + (p.wait_s or 0.0), req))
+                return False
             except FinalError as e:
                 summary.failures.append(Failure(key, e.reason, e.attempts, e.status))
                 if e.status in AUTH_STATUS:
@@ -192,7 +210,7 @@ async def ask_all(
             summary.completed += 1
             break
         results_seen += 1
-        first_result.set()
+        first_response.set()
         if results_seen == settings.abort_after and summary.completed == 0 and not abort:
             reasons = sorted({f.reason for f in summary.failures})[:3]
             abort.append(
@@ -204,19 +222,25 @@ async def ask_all(
         bar.update(1)
         if summary.failures:
             bar.set_postfix(failed=summary.failed, retries=summary.retries, refresh=False)
+        return True
+
+    async def next_request() -> TeacherRequest | None:
+        if later:
+            not_before, req = later.popleft()
+            await asyncio.sleep(max(0.0, not_before - time.monotonic()))
+            return req
+        return next(queue, None)
 
     async def worker(late: bool) -> None:
-        nonlocal workers
-        if late:
-            await first_result.wait()
-        me = _Worker()
-        for req in queue:
-            if abort:
-                return
-            await handle(req, me)
-            if me.retiring and workers > summary.concurrency:  # it was pushed back: it leaves
-                workers -= 1
-                return
+        nonlocal alive
+        try:
+            if late:
+                await first_response.wait()
+            while not abort and (req := await next_request()) is not None:
+                if not await handle(req):
+                    return
+        finally:
+            alive -= 1
 
     try:
         if check_endpoint:
@@ -230,9 +254,9 @@ async def ask_all(
             smoothing=0.05,
             dynamic_ncols=True,
         )
-        # a quarter at once, the rest with the first result: an endpoint that batches has timed its steps by
+        # a quarter at once, the rest with the first answer: an endpoint that batches has timed its steps by
         # then, and can push back the excess instead of finding it queued behind a first batch slower than expected
-        await asyncio.gather(*(worker(late=i >= (workers + 3) // 4) for i in range(workers)))
+        await asyncio.gather(*(worker(late=i >= (alive + 3) // 4) for i in range(alive)))
     finally:
         if bar is not None:
             bar.close()
