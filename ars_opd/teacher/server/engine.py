@@ -318,7 +318,8 @@ class TeacherEngine:
                         if generating:
                             await loop.run_in_executor(self._executor, self._generate_batch, generating)
                 finally:
-                    # a batch cut short by clients that left, or by stopping, would look fast: not measured
+                    # its steps are timed either way; one cut short by clients that left says nothing of how far
+                    # batches run towards their longest max_tokens
                     self.throughput.end(complete=self.stats.rows_stopped == stopped and not self.stopping)
                     self.stats.step_fixed_s, self.stats.step_per_row_s = self.throughput.step_model() or (None, None)
             except asyncio.CancelledError:  # stopping: answer the rows taken from the queue but not finished
