@@ -7,12 +7,13 @@ does not grow with the number of prompts). Each answer goes to the cache the mom
 Requests, retries and errors are the shared HTTP layer's (``ars_opd.teacher.client.endpoint``: ``post_json``,
 ``with_retries``, ``preflight``), so this client retries as every other one does; here an empty
 ``choices`` is retried too. A 429 (an endpoint's pushback: its queue would outlast the timeout, or a rate
-limit) also takes one request out of flight for the rest of the run: the worker that got it hands its
-prompt on, to be asked first, after the retry-after, by another worker, and leaves (the last worker waits
-the retry-after out instead). The requests beyond what the endpoint answers in time then stop coming back
-as 429s, each of which is a request. A quarter of the workers start at once and the rest with the first
-answer: by then an endpoint that batches has timed its first (small) batch, and can push back what it
-cannot answer in time rather than queue it unknowingly.
+limit) also takes one request out of flight: the worker that got it hands its prompt on, to be asked first,
+after the retry-after, by another worker, and leaves (the last worker waits the retry-after out instead).
+The requests beyond what the endpoint answers in time then stop coming back as 429s, each of which is a
+request; after twice as many answers as are in flight with no 429, one more is (up to ``concurrency``), so
+a slow spell does not slow the rest of the run. A quarter of the workers start at once and the rest with
+the first answer: by then an endpoint that batches has timed its first (small) batch, and can push back
+what it cannot answer in time rather than queue it unknowingly.
 An answer with no text (empty or whitespace content) is a failure (``empty_completion``), not an answer: it
 is never cached, so it cannot be served again as if it were one. Every final failure is returned with its
 reason and HTTP status. 401/403 abort the whole run (the key is wrong for every request), and so does a run
@@ -74,8 +75,8 @@ class AskSummary:
     pushed_back: int = 0
     """Answers 429 (the endpoint's pushback or rate limit), each retried after its retry-after."""
     concurrency: int = 0
-    """Requests in flight at the end: the configured concurrency (at most the prompts asked) less one per 429
-    that a worker left on."""
+    """Requests in flight at the end: the configured concurrency (at most the prompts asked), less one per 429
+    that a worker left on, plus one per calm spell since (``ask_all``)."""
     seconds: float = 0.0
 
     @property
@@ -156,14 +157,16 @@ async def ask_all(
     results_seen = 0
     queue = iter(pending)
     later: deque[tuple[float, TeacherRequest]] = deque()  # pushed back: asked first, not before the time
-    summary.concurrency = min(settings.limits.concurrency, len(pending))
+    summary.concurrency = most = min(settings.limits.concurrency, len(pending))
     alive = summary.concurrency  # workers not ended, those waiting to start included
     first_response = asyncio.Event()
+    tasks: list[asyncio.Task] = []
+    calm = 0  # answers since the last 429
 
     async def handle(req: TeacherRequest) -> bool:
         """Ask for ``req`` until it has a result; False when it was pushed back and handed on (its worker
         leaves: one request fewer in flight)."""
-        nonlocal results_seen
+        nonlocal results_seen, calm
         key = req.key
 
         def count_retry(e: RetryableError) -> None:
@@ -186,6 +189,7 @@ async def ask_all(
             except _PushedBack as p:
                 count_retry(RetryableError("http_429"))
                 summary.concurrency -= 1
+                calm = 0
                 later.append((time.monotonic() + (p.wait_s or 0.0), req))
                 return False
             except FinalError as e:
@@ -208,6 +212,7 @@ async def ask_all(
                 break
             cache.put(key, req.identity, answer)
             summary.completed += 1
+            grow()
             break
         results_seen += 1
         first_response.set()
@@ -223,6 +228,17 @@ async def ask_all(
         if summary.failures:
             bar.set_postfix(failed=summary.failed, retries=summary.retries, refresh=False)
         return True
+
+    def grow() -> None:
+        """One more in flight after twice as many answers as are in flight with no 429 among them (up to the
+        concurrency asked): a slow spell that pushed requests back does not slow the rest of the run."""
+        nonlocal calm, alive
+        calm += 1
+        if calm >= 2 * summary.concurrency and summary.concurrency < most:
+            calm = 0
+            summary.concurrency += 1
+            alive += 1
+            tasks.append(asyncio.create_task(worker(late=False)))
 
     async def next_request() -> TeacherRequest | None:
         if later:
@@ -256,8 +272,14 @@ async def ask_all(
         )
         # a quarter at once, the rest with the first answer: an endpoint that batches has timed its steps by
         # then, and can push back the excess instead of finding it queued behind a first batch slower than expected
-        await asyncio.gather(*(worker(late=i >= (alive + 3) // 4) for i in range(alive)))
+        tasks.extend(asyncio.create_task(worker(late=i >= (alive + 3) // 4)) for i in range(alive))
+        done = 0
+        while done < len(tasks):  # workers added meanwhile join the list
+            await tasks[done]
+            done += 1
     finally:
+        for task in tasks:
+            task.cancel()  # a no-op for finished ones; the others when this run ends early
         if bar is not None:
             bar.close()
         summary.seconds = time.perf_counter() - t0

@@ -160,6 +160,7 @@ class TeacherEngine:
         self.requests = RequestPreparer(
             self.tokenizer, self.model_name, self.context_length, self.vocab, options.max_logprobs
         )
+        self._warm_up()
         self._token_text: dict[int, str] = {}
         self.stats = ServerStats()
         self.throughput = Throughput()
@@ -168,6 +169,19 @@ class TeacherEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._batcher: asyncio.Task | None = None
         self._model_lock: asyncio.Lock | None = None  # held by a batch while it runs, and by a weight load
+
+    def _warm_up(self) -> None:
+        """One two-token generate before serving: a fresh process's first calls set up threads, kernels and
+        memory, and the first batch, timed with them, would make the wait estimate take the server for slow
+        just when the first requests arrive (and push them back)."""
+        ids = self.tokenizer("warm up", add_special_tokens=False)["input_ids"] or [self.pad_id]
+        with torch.inference_mode():
+            self.model.generate(
+                input_ids=torch.tensor([ids], device=self.device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=self.device),
+                do_sample=False,
+                max_new_tokens=2,
+            )
 
     # -- event loop side --------------------------------------------------------------------------------
 
