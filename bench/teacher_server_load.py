@@ -161,6 +161,7 @@ def main() -> None:
                 },
                 "client": {
                     "concurrency": cfg.concurrency,
+                    "concurrency_at_end": summary.concurrency,
                     "request_timeout_s": cfg.request_timeout_s,
                     "max_attempts": cfg.max_attempts,
                     "max_tokens": cfg.max_tokens,
