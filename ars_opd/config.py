@@ -532,7 +532,8 @@ class TeacherServerConfig:
     max_batch_size: int = 64
     """Most requests batched into one generate call."""
     max_wait_ms: float = 5.0
-    """How long the first request of a batch waits for company."""
+    """How long the first request of a batch waits for company (again while more arrive and less than a batch
+    waits, 20 times at most)."""
     max_batch_tokens: int | None = None
     """Most token budget per generate call: rows × their longest max_tokens, what a batch costs since it runs
     until its longest row ends (null: max_batch_size alone; a single row always runs)."""

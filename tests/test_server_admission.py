@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,6 +24,7 @@ from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make
 from ars_opd.teacher.client.generate import REMOTE_CONCURRENCY, resolve_concurrency
 from ars_opd.teacher.client.local_server import server_env
 from ars_opd.teacher.server import app as teacher_server
+from ars_opd.teacher.server import engine as engine_module
 from ars_opd.teacher.server.admission import Limits, RowQueue, Throughput, budget, plan
 from ars_opd.teacher.server.handlers import ENGINE_KEY
 from ars_opd.teacher.server.jobs import Job, ScoreJob
@@ -323,3 +325,30 @@ def test_the_started_servers_threads_wait_passively_unless_the_caller_says_other
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["PYTHONPATH"] == os.pathsep.join(["/checkout", "/elsewhere"])
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert server_env("/checkout")["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_a_batch_waits_for_a_burst_to_finish_arriving(monkeypatch):
+    """The batcher waits max_wait_ms, and again while rows kept arriving and less than a batch waits: a burst
+    of requests takes tens of milliseconds to arrive, and a batch started after its first few would leave the
+    rest a batch behind. Each wait here is replaced by the arrival of a scripted number of rows."""
+
+    def waits_for(arrivals: list[int], limits: Limits) -> int:
+        queue, waited = RowQueue(), []
+        queue.put(_row(8))
+
+        async def arrive(_seconds):
+            for _ in range(arrivals[len(waited)]):
+                queue.put(_row(8))
+            waited.append(_seconds)
+
+        monkeypatch.setattr(engine_module.asyncio, "sleep", arrive)
+        stub = SimpleNamespace(_pending=queue, max_wait_s=0.005, _limits=lambda: limits)
+        asyncio.run(engine_module.TeacherEngine._gather(stub))
+        monkeypatch.undo()
+        assert all(s == 0.005 for s in waited)
+        return len(waited)
+
+    assert waits_for([3, 2, 0, 9], Limits(64)) == 3  # until a wait brings nobody
+    assert waits_for([3, 2, 0, 9], Limits(4)) == 2  # until more than a batch waits
+    assert waits_for([1] * 30, Limits(64)) == engine_module.GATHER_WAITS  # a trickle: at most this many
+    assert waits_for([0], Limits(64)) == 1  # a lone request waits max_wait_ms once, as it always did

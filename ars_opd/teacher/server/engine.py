@@ -1,10 +1,11 @@
 """The bundled server's model side: the queue of waiting requests and the batcher that serves them.
 
-A batcher task takes the first waiting request, waits ``max_wait_ms`` for others, and runs them in arrival
-order, up to ``max_batch_size`` rows and ``max_batch_tokens`` (rows × longest ``max_tokens``: the queue and
-its batches are ``ars_opd.teacher.server.admission``), left-padded, through one ``model.generate`` call in a
-single worker thread, so the event loop keeps accepting requests while the next batch gathers. Rows of one
-batch may differ in temperature, top_p, max_tokens, seed and stop strings:
+A batcher task takes the first waiting request, waits ``max_wait_ms`` for others (again while a burst is
+still arriving), and runs them in arrival order, up to ``max_batch_size`` rows and ``max_batch_tokens``
+(rows × longest ``max_tokens``: the queue and its batches are ``ars_opd.teacher.server.admission``),
+left-padded, through one ``model.generate`` call in a single worker thread, so the event loop keeps
+accepting requests while the next batch gathers. Rows of one batch may differ in temperature, top_p,
+max_tokens, seed and stop strings:
 
 * sampling is a logits processor, ``ars_opd.teacher.server.sampling.RowSampler``: per-row temperature,
   top_p and seeded Gumbel noise, so a seeded request gives the same text alone or batched.
@@ -54,7 +55,7 @@ from transformers import (
 )
 
 from ars_opd.lm.batching import pad_left
-from ars_opd.teacher.server.admission import Limits, RowQueue, Throughput, budget
+from ars_opd.teacher.server.admission import Limits, RowQueue, Throughput, budget, plan
 from ars_opd.teacher.server.generation import GenerateRequest
 from ars_opd.teacher.server.jobs import Job, Progress, ScoreJob
 from ars_opd.teacher.server.options import ServerOptions
@@ -66,6 +67,7 @@ from ars_opd.teacher.server.weights import load_state_file
 
 log = logging.getLogger(__name__)
 
+GATHER_WAITS = 20  # a batch waits for company at most this many times max_wait_ms (100 ms at the default 5 ms)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
@@ -314,8 +316,7 @@ class TeacherEngine:
             await self._pending.wait()
             batch = []
             try:
-                if self.max_wait_s > 0 and len(self._pending) < self.max_batch_size:
-                    await asyncio.sleep(self.max_wait_s)  # give concurrent requests a moment to join
+                await self._gather()
                 # in arrival order, within max_batch_size rows and max_batch_tokens; rows of clients gone dropped
                 batch, dropped = self._pending.take(self._limits())
                 self.stats.rows_dropped += dropped
@@ -341,6 +342,18 @@ class TeacherEngine:
                     if not job.done:
                         job.fail(503, "the server is shutting down")
                 raise
+
+    async def _gather(self) -> None:
+        """Give concurrent requests a moment to join the batch: ``max_wait_ms``, and again while more arrived
+        during the last wait and the queue holds less than a batch (``GATHER_WAITS`` at most). A burst of
+        requests takes tens of milliseconds to arrive; a batch started after its first few would leave the
+        rest waiting a whole batch, or, under pushback, refused."""
+        seen = 0
+        for _ in range(GATHER_WAITS):
+            if self.max_wait_s <= 0 or len(self._pending) == seen or len(plan(self._pending, self._limits())) > 1:
+                return
+            seen = len(self._pending)
+            await asyncio.sleep(self.max_wait_s)
 
     # -- generation thread side -------------------------------------------------------------------------
 

@@ -23,7 +23,8 @@ class ServerOptions:
     max_batch_size: int = TeacherServerConfig.max_batch_size
     """Most rows in one generate call or scoring forward."""
     max_wait_ms: float = TeacherServerConfig.max_wait_ms
-    """How long the first row of a batch waits for company."""
+    """How long the first row of a batch waits for company (again while more arrive, ``engine.GATHER_WAITS``
+    times at most)."""
     max_batch_tokens: int | None = TeacherServerConfig.max_batch_tokens
     """Most token budget in one generate call: rows × their longest ``max_tokens`` (None: rows only)."""
     max_queue_s: float | None = None
