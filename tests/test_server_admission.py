@@ -187,9 +187,10 @@ def test_the_wait_estimate_times_each_batch_by_a_step_model_fitted_to_recent_bat
     now = [100.0]
     meter = Throughput(clock=lambda: now[0])
     assert meter.estimate_s([], _row(8), Limits(64)) is None  # nothing timed yet: no estimate, no pushback
-    # steps of 0.005 s x (16 + rows); both batches ran 20 of their longest 40 steps (rows ended at EOS)
-    meter.record(rows=4, steps=20, seconds=20 * 0.1, longest=40)
-    meter.record(rows=24, steps=20, seconds=20 * 0.2, longest=40)
+    # steps of 0.005 s x (16 + rows); both batches ran 20 of their longest 40 steps (rows ended at EOS), the
+    # 19 after the first (which includes the prompts' forward) timed
+    meter.record(rows=4, steps=19, seconds=19 * 0.1, longest=40)
+    meter.record(rows=24, steps=19, seconds=19 * 0.2, longest=40)
     assert meter.step_model() == pytest.approx((16 * 0.005, 0.005)) and meter.share() == 0.5
     queued = [_row(40) for _ in range(3)]
     # nothing running: the three and the new row make one batch of 4 rows, 20 steps of 0.1 s
@@ -209,9 +210,10 @@ def test_the_wait_estimate_times_each_batch_by_a_step_model_fitted_to_recent_bat
     meter.begin(rows=10, longest=40)  # before its steps are timed: the model's 20 x 0.13 s, less the time spent
     now[0] += 1.0
     assert meter.running_left_s(meter.step_model()) == pytest.approx(20 * 0.13 - 1.0)
-    for _ in range(10):
+    meter.step()  # the first step ends: the others are timed from here
+    for _ in range(9):
         meter.step()
-    now[0] += 4.0  # 10 steps in 5 s, slower than the model said: 10 steps to go at its own 0.5 s
+    now[0] += 4.5  # 9 more steps in 4.5 s, slower than the model said: 10 steps to go at its own 0.5 s
     assert meter.running_left_s(meter.step_model()) == pytest.approx(10 * 0.5)
     fixed, per_row = meter.step_model()  # and the slow steps join the model at once
     assert fixed + 10 * per_row > 0.13

@@ -155,7 +155,7 @@ class RowQueue:
 # -- how long the queue would take ----------------------------------------------------------------------------
 
 
-TIMED_STEPS = 8  # the first step includes the prompts' forward: a batch's own speed is read after this many
+TIMED_STEPS = 4  # a batch's own speed is read once this many steps ran (the first, with the prompts, untimed)
 # A decoding step's fixed part, in rows: SmolLM2-135M on 2 CPU threads took 89, 178 and 320 ms a step at 8, 32
 # and 64 rows, 3.7 ms x (16 + rows) within 7%. A GPU's is larger: there this overprices big batches.
 FIXED_ROWS = 16
@@ -167,6 +167,12 @@ class _Running:
     rows: int
     longest: int
     steps: int = 0
+    first_step: float = 0.0
+    """When the first step (the prompts' forward and the first token) ended: later steps are timed from it."""
+
+    def step_s(self, now: float) -> float | None:
+        """Seconds per decoding step so far, the first (with the prompts' forward) left out."""
+        return (now - self.first_step) / (self.steps - 1) if self.steps >= 2 else None
 
 
 class Throughput:
@@ -178,9 +184,11 @@ class Throughput:
     batches a server runs under load are of few sizes and their times noisy, and a fit that takes small
     batches' steps as mostly per-row work prices bigger batches far too high, so that a server that pushed
     back, left with small batches, would allow only smaller ones (a smoke run ended with batches of one to
-    seven rows). A batch takes ``share × longest max_tokens`` steps, ``share`` being how far recent batches
-    ran to their longest ``max_tokens`` (rows end early at EOS). A batch cut short by clients that left still
-    times its steps. ``clock``: monotonic seconds (a test passes its own).
+    seven rows). Steps are timed from the end of a batch's first, whose forward over the prompts would make
+    early readings of a running batch slow (a smoke run pushed back its whole second wave on them); a batch
+    is timed at ``share × longest max_tokens`` steps, ``share`` being how far recent batches ran to their
+    longest ``max_tokens`` (rows end early at EOS), its prompts' forward not counted. A batch cut short by
+    clients that left still times its steps. ``clock``: monotonic seconds (a test passes its own).
     """
 
     WINDOW = 8  # batches: a machine that slows down shows within a few batches (and the running one at once)
@@ -191,8 +199,9 @@ class Throughput:
         self.running: _Running | None = None
 
     def record(self, rows: int, steps: int, seconds: float, longest: int = 0) -> None:
-        """A finished batch: ``rows`` generating rows ran ``steps`` decoding steps in ``seconds``; ``longest``
-        their longest ``max_tokens`` when it ran to its end (0 when cut short by clients that left)."""
+        """A finished batch: ``rows`` generating rows ran ``steps`` decoding steps in ``seconds`` after their
+        first; ``longest``: their longest ``max_tokens`` when it ran to its end (0 when cut short by clients
+        that left)."""
         if rows > 0 and steps > 0 and seconds > 0:
             self._done.append((rows, steps, seconds, longest))
 
@@ -201,15 +210,18 @@ class Throughput:
 
     def step(self) -> None:
         """One decoding step of the running batch (called on the generation thread)."""
-        if self.running is not None:
-            self.running.steps += 1
+        running = self.running
+        if running is not None:
+            running.steps += 1
+            if running.steps == 1:
+                running.first_step = self.clock()
 
     def end(self, complete: bool) -> None:
         """The running batch is over; ``complete``: no row of it was stopped because its client left."""
         running, self.running = self.running, None
-        if running is not None:
-            seconds = self.clock() - running.started
-            self.record(running.rows, running.steps, seconds, running.longest if complete else 0)
+        if running is not None and running.steps >= 2:
+            seconds = self.clock() - running.first_step
+            self.record(running.rows, running.steps - 1, seconds, running.longest if complete else 0)
 
     def step_model(self) -> tuple[float, float] | None:
         """(fixed_s, per_row_s) of a decoding step, from the recent batches and the running one's steps so far;
@@ -217,7 +229,7 @@ class Throughput:
         points = [(rows, seconds / steps, steps) for rows, steps, seconds, _ in self._done]
         running = self.running
         if running is not None and running.steps >= TIMED_STEPS:  # a slower machine shows before the batch ends
-            points.append((running.rows, (self.clock() - running.started) / running.steps, running.steps))
+            points.append((running.rows, running.step_s(self.clock()), running.steps - 1))
         if not points:
             return None
         per_row = sum(t * w for _, t, w in points) / sum((FIXED_ROWS + r) * w for r, _, w in points)
@@ -226,7 +238,8 @@ class Throughput:
     def share(self) -> float:
         """How far recent batches ran to their longest ``max_tokens`` (1 before any ran to its end)."""
         longest = sum(d[3] for d in self._done)
-        return min(1.0, sum(d[1] for d in self._done if d[3]) / longest) if longest else 1.0
+        ran = sum(d[1] + 1 for d in self._done if d[3])  # the timed steps and the first
+        return min(1.0, ran / longest) if longest else 1.0
 
     def batch_s(self, rows: int, longest: int, model: tuple[float, float]) -> float:
         fixed, per_row = model
@@ -238,11 +251,11 @@ class Throughput:
         running = self.running
         if running is None:
             return 0.0
-        elapsed = self.clock() - running.started
+        now = self.clock()
         if running.steps < TIMED_STEPS:
-            return max(0.0, self.batch_s(running.rows, running.longest, model) - elapsed)
+            return max(0.0, self.batch_s(running.rows, running.longest, model) - (now - running.started))
         steps_left = max(self.share() * running.longest - running.steps, 1.0)
-        return steps_left * elapsed / running.steps
+        return steps_left * running.step_s(now)
 
     def limits(self, max_rows: int, max_tokens: int | None, max_s: float | None) -> Limits:
         """A batch's limits: with ``max_s`` and a timed step, also at most ``max_s`` seconds as the model says."""
