@@ -28,7 +28,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 import yaml
 
@@ -639,7 +639,14 @@ class TeacherServerConfig:
     max_batch_size: int = 64
     """Most requests batched into one generate call."""
     max_wait_ms: float = 5.0
-    """How long the first request of a batch waits for company."""
+    """How long the first request of a batch waits for company (again while more arrive and less than a batch
+    waits, 20 times at most)."""
+    max_batch_tokens: int | None = None
+    """Most token budget per generate call: rows × their longest max_tokens, what a batch costs since it runs
+    until its longest row ends (null: max_batch_size alone; a single row always runs)."""
+    max_queue_fraction: float | None = None
+    """Answer 429 with Retry-After when a request's estimated wait for its answer exceeds this fraction of the
+    client's request_timeout_s, passed by the stage that starts the server (teacher_gen); null: never."""
     threads: int = 2
     """torch CPU threads of the server process."""
     startup_timeout_s: float = 180.0
@@ -648,6 +655,16 @@ class TeacherServerConfig:
     def __post_init__(self):
         _require(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")
         _require(self.max_wait_ms >= 0, "max_wait_ms", f"must be >= 0, got {self.max_wait_ms}")
+        _require(
+            self.max_batch_tokens is None or self.max_batch_tokens > 0,
+            "max_batch_tokens",
+            f"must be null or > 0, got {self.max_batch_tokens}",
+        )
+        _require(
+            self.max_queue_fraction is None or 0 < self.max_queue_fraction <= 1,
+            "max_queue_fraction",
+            f"must be null or in (0, 1], got {self.max_queue_fraction}",
+        )
         _require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
         _require(self.startup_timeout_s > 0, "startup_timeout_s", f"must be > 0, got {self.startup_timeout_s}")
 
@@ -775,6 +792,7 @@ class EndpointConfig:
     """First retry waits about this long; doubles each attempt (with jitter)."""
     backoff_max_s: float = 30.0
     """Longest backoff between attempts."""
+    auto_concurrency: ClassVar[bool] = False  # whether concurrency may be null (derived at run time)
 
     def __post_init__(self):
         local = self.endpoint == LOCAL_ENDPOINT
@@ -784,7 +802,13 @@ class EndpointConfig:
             f"must be 'local' or an http(s) base URL, got {self.endpoint!r}",
         )
         _require(local or bool(self.model), "model", "must name the model when endpoint is a URL")
-        _require(1 <= self.concurrency <= 4096, "concurrency", f"must be in 1..4096, got {self.concurrency}")
+        auto = " or null" if self.auto_concurrency else ""
+        _require(
+            (self.concurrency is None and self.auto_concurrency)
+            or (self.concurrency is not None and 1 <= self.concurrency <= 4096),
+            "concurrency",
+            f"must be in 1..4096{auto}, got {self.concurrency}",
+        )
         _require(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
         _require(self.max_attempts >= 1, "max_attempts", f"must be >= 1, got {self.max_attempts}")
         _require(self.backoff_base_s >= 0, "backoff_base_s", f"must be >= 0, got {self.backoff_base_s}")
@@ -801,6 +825,10 @@ class EndpointConfig:
 class TeacherGenConfig(EndpointConfig):
     """Asking the teacher for a completion of every prompt."""
 
+    concurrency: int | None = None
+    """Requests in flight at once; null: derived when the stage runs and recorded in its manifest (endpoint
+    local: two of the bundled server's batches of max_tokens answers, one running and one waiting; a URL: 32)."""
+    auto_concurrency: ClassVar[bool] = True
     model_revision: str | None = None
     """Identifies the remote model's weights in cache keys (set it when the endpoint's model changes under one name)."""
     splits: tuple[Literal["train", "eval"], ...] = ("train", "eval")
@@ -823,8 +851,11 @@ class TeacherGenConfig(EndpointConfig):
     """Fail the stage when more than this fraction of prompts ends without an answer."""
     retry_failed: bool = False
     """Ask again the prompts whose failure a rerun cannot change (refused with 400/413/422, empty greedy answer)."""
-    server: TeacherServerConfig = field(default_factory=TeacherServerConfig)
-    """The bundled server (endpoint 'local' only)."""
+    server: TeacherServerConfig = field(
+        default_factory=lambda: TeacherServerConfig(max_batch_tokens=1536, max_queue_fraction=0.5)
+    )
+    """The bundled server (endpoint 'local' only); its batches are bounded by their token budget so that a batch
+    and the one waiting behind it end well within request_timeout_s (see README, Teacher generation)."""
 
     def __post_init__(self):
         super().__post_init__()

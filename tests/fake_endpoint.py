@@ -5,8 +5,9 @@ can check every answer) after ``latency_s``, and ``GET /v1/models``. With ``faul
 deterministic share of prompts (chosen by a hash of the prompt) misbehaves on its first attempt, each
 with one of: 429 with ``Retry-After``, 500, a hang past any sane timeout, a malformed JSON body, an
 empty ``choices`` list, or a dropped connection. ``always_fail_400`` / ``always_fail_500`` make shares of
-prompts fail on every attempt, and ``always_empty`` answers a share with no text. Every request is
-logged (prompt, attempt, outcome, time) in memory and, optionally, to a JSON Lines file, so tests can
+prompts fail on every attempt, and ``always_empty`` answers a share with no text; ``pushback_first`` answers
+the first N requests 429, as a full server pushes back. Every request is logged (prompt, attempt, outcome,
+time, requests in flight) in memory and, optionally, to a JSON Lines file, so tests can
 count re-requests.
 
 It runs in a background thread of the caller (``FakeEndpoint(...).start()``) or as its own process
@@ -58,12 +59,15 @@ class FakeEndpoint:
     hang_s: float = 30.0
     log_path: str | None = None
     api_key: str | None = None  # if set, requests without "Authorization: Bearer <api_key>" get 401
+    pushback_first: int = 0  # the first N chat requests get 429 with Retry-After (a server full at the start)
     host: str = "127.0.0.1"
     port: int = 0
     log: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         self._attempts: dict[str, int] = {}
+        self._served = 0
+        self._in_flight = 0
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -87,6 +91,7 @@ class FakeEndpoint:
             "outcome": outcome,
             "time": time.time(),
             "messages": body.get("messages"),
+            "in_flight": self._in_flight,  # chat requests being answered, this one included
         }
         with self._lock:
             self.log.append(entry)
@@ -100,6 +105,13 @@ class FakeEndpoint:
         return None
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self._in_flight += 1
+        try:
+            return await self._answer(request)
+        finally:
+            self._in_flight -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         if (denied := self._unauthorized(request)) is not None:
             return denied
         body = await request.json()
@@ -109,6 +121,9 @@ class FakeEndpoint:
             attempt = self._attempts.get(prompt, 0) + 1
             self._attempts[prompt] = attempt
         fault = self.fault_for(prompt, attempt)
+        self._served += 1
+        if self._served <= self.pushback_first:
+            fault = "429"
         self._record(prompt, attempt, fault or "ok", body)
         if self.latency_s:
             await asyncio.sleep(self.latency_s)

@@ -12,6 +12,7 @@ import threading
 
 from aiohttp import web
 
+from ars_opd.teacher.server import app as server_app
 from ars_opd.teacher.server import engine, handlers
 
 
@@ -20,7 +21,7 @@ class ServerThread:
 
     def __init__(self, app: web.Application):
         self.app, self.loop = app, asyncio.new_event_loop()
-        self.runner = web.AppRunner(app)
+        self.runner = server_app.app_runner(app)  # as the server process runs it: handlers cancelled when clients go
         started = threading.Event()
 
         def serve():

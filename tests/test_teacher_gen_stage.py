@@ -197,10 +197,13 @@ def test_stage_end_to_end_with_the_bundled_server_on_micro_models(in_tmp):
         paths.models_metrics,
         progress=False,
     )
-    cfg = parse_section(TeacherGenConfig, {"max_tokens": 6, "concurrency": 8, "server": {"threads": 1}}, "teacher_gen")
+    cfg = parse_section(TeacherGenConfig, {"max_tokens": 6, "server": {"threads": 1}}, "teacher_gen")
     log = in_tmp / "requests.jsonl"
     m = generate_teacher_completions(cfg, paths, progress=False, log_requests=str(log))
     assert m["answered"] == m["unique_requests"] and m["failed"] == 0 and m["prompts"] == 30
+    # concurrency null: two batches of the server's, resolved when the stage ran and recorded
+    manifest = json.loads((Path(paths.teacher_dir) / "manifest.json").read_text())
+    assert manifest["config"]["teacher_gen"]["concurrency"] == 2 * 64
     out = read_jsonl(paths.completions("train")) + read_jsonl(paths.completions("eval"))
     # the server's greedy answers equal local greedy generation with the same teacher (independent path)
     tok, teacher = load_tokenizer(paths.models_dir), load_model(paths.models_dir, "teacher")

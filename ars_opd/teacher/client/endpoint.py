@@ -7,7 +7,9 @@ ours, not the SDK's. ``post_json`` sends one request and maps every failure to `
 
 Retries: timeouts, dropped connections, 408/409/425/429 and 5xx, and malformed bodies are retried with
 exponential backoff and jitter, honouring ``retry-after`` / ``retry-after-ms`` (capped), up to
-``max_attempts``. 400/401/403/404/413/422 cannot succeed by retrying and fail at once.
+``max_attempts``. A 429 that names its retry-after is an endpoint's pushback (its queue would outlast our
+timeout, or a rate limit), not a failed attempt: it is waited out without using one, up to
+``max_pushbacks`` times per request. 400/401/403/404/413/422 cannot succeed by retrying and fail at once.
 
 Before the first request, ``preflight`` checks that the endpoint answers (``GET /models``) and names the
 URL if it does not. The API key is read from the environment (``api_key``) and only passed to the client;
@@ -60,6 +62,7 @@ class ClientSettings:
     api_key: str = "EMPTY"
     limits: EndpointConfig = EndpointConfig()
     max_retry_after_s: float = 60.0
+    max_pushbacks: int = 20  # 429s with a retry-after waited out per request without using an attempt
     abort_after: int = 20
     transport: str = "aiohttp"  # "aiohttp" (faster at high concurrency) or "httpx"
 
@@ -194,15 +197,18 @@ async def post_json(client: openai.AsyncOpenAI, path: str, body: dict) -> dict:
 
 
 async def with_retries(
-    call: Callable[[], Awaitable[T]], settings: ClientSettings, on_retry: Callable[[], None] | None = None
+    call: Callable[[], Awaitable[T]],
+    settings: ClientSettings,
+    on_retry: Callable[[RetryableError], None] | None = None,
 ) -> tuple[T, int]:
     """``await call()`` until it succeeds: (result, attempts). The one retry loop of every endpoint client.
 
     ``RetryableError`` errors are retried with exponential backoff and jitter (honouring a capped retry-after)
-    up to ``settings.limits.max_attempts``, then re-raised with ``attempts`` set; ``FinalError`` is re-raised at
-    once with ``attempts`` set. ``on_retry`` is called before each wait.
+    up to ``settings.limits.max_attempts``, then re-raised with ``attempts`` (requests sent) set; a 429 with a
+    retry-after uses no attempt, ``settings.max_pushbacks`` times at most. ``FinalError`` is re-raised at once
+    with ``attempts`` set. ``on_retry`` is called with the error before each wait.
     """
-    attempt = 0
+    attempt = failed = pushbacks = 0
     while True:
         attempt += 1
         try:
@@ -211,12 +217,16 @@ async def with_retries(
             e.attempts = attempt
             raise
         except RetryableError as e:
-            if attempt >= settings.limits.max_attempts:
+            if e.reason.startswith("http_429") and e.wait_s is not None and pushbacks < settings.max_pushbacks:
+                pushbacks += 1
+            else:
+                failed += 1
+            if failed >= settings.limits.max_attempts:
                 e.attempts = attempt
                 raise
             if on_retry is not None:
-                on_retry()
-            cap = min(settings.limits.backoff_max_s, settings.limits.backoff_base_s * 2 ** (attempt - 1))
+                on_retry(e)
+            cap = min(settings.limits.backoff_max_s, settings.limits.backoff_base_s * 2 ** max(0, failed - 1))
             wait = cap / 2 + random.uniform(0, cap / 2)
             if e.wait_s is not None:
                 wait = max(wait, min(e.wait_s, settings.max_retry_after_s))

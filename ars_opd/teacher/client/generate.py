@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -47,11 +48,12 @@ from ars_opd.teacher.client.failures import (
     is_remembered,
     write_failure_report,
 )
-from ars_opd.teacher.client.local_server import LOCAL_MODEL_NAME, local_teacher_server
+from ars_opd.teacher.client.local_server import LOCAL_MODEL_NAME, batch_rows, local_teacher_server
 
 SPLITS = ("train", "eval")
 FAILURES_FILE, MANIFEST_FILE = "failures.jsonl", "manifest.json"
 FAILURE_KEYS = ("id", "split", "key", "reason", "attempts")  # the rows of failures.jsonl
+REMOTE_CONCURRENCY = 32  # teacher_gen.concurrency: null for a URL, whose batching this stage cannot know
 _THINK = re.compile(r"^\s*<think>.*?</think>\s*", re.DOTALL)
 
 
@@ -70,6 +72,27 @@ def strip_thinking(text: str) -> str:
     if stripped == text and text.lstrip().startswith("<think>"):
         return ""  # the answer was cut off inside its reasoning
     return stripped
+
+
+def resolve_concurrency(cfg: TeacherGenConfig) -> int:
+    """``teacher_gen.concurrency``, or when null what suits the endpoint: for the bundled server two of its
+    batches of ``max_tokens`` answers (``batch_rows``), so that one batch runs while the next waits complete
+    behind it and no request waits behind more than one batch (more in flight would only queue, and queue
+    time counts against ``request_timeout_s``); for a URL ``REMOTE_CONCURRENCY``."""
+    if cfg.concurrency is not None:
+        return cfg.concurrency
+    if cfg.endpoint != LOCAL_ENDPOINT:
+        return REMOTE_CONCURRENCY
+    return 2 * batch_rows(cfg.server, cfg.max_tokens)
+
+
+def bundled_server(cfg: TeacherGenConfig, model_dir: str, log_requests: str | None = None):
+    """The bundled server as ``endpoint: local`` starts it for ``model_dir`` (a context manager yielding its base
+    URL): ``teacher_gen.server``'s batching and threads, and pushback past ``server.max_queue_fraction`` of
+    this client's ``request_timeout_s``."""
+    return local_teacher_server(
+        model_dir, cfg.server, log_requests=log_requests, request_timeout_s=cfg.request_timeout_s
+    )
 
 
 def build_requests(
@@ -137,7 +160,9 @@ def generate_teacher_completions(
 ) -> dict:
     """Run the stage; returns its metrics. Raises ``TeacherGenerationError`` above the failure threshold.
 
-    Every run past its setup writes ``paths.teacher_failure_report`` (also when it then fails)."""
+    Every run past its setup writes ``paths.teacher_failure_report`` (also when it then fails). A null
+    ``concurrency`` is resolved first (``resolve_concurrency``), so the manifest records the number used."""
+    cfg = dataclasses.replace(cfg, concurrency=resolve_concurrency(cfg))
     split_paths = {"train": paths.subset_train, "eval": paths.subset_eval}  # teacher_gen reads the subset
     rows = {split: read_jsonl(split_paths[split]) if split in cfg.splits else [] for split in SPLITS}
     api_key = endpoint.api_key(
@@ -147,7 +172,7 @@ def generate_teacher_completions(
     if cfg.endpoint == LOCAL_ENDPOINT:
         # model_path verifies the teacher's files against the pin, so the revision in the keys is the truth
         model, revision = LOCAL_MODEL_NAME, read_manifest(paths.models_dir)["teacher"]["revision"]
-        server = local_teacher_server(model_path(paths.models_dir, "teacher"), cfg.server, log_requests=log_requests)
+        server = bundled_server(cfg, model_path(paths.models_dir, "teacher"), log_requests)
     else:
         model, revision = cfg.model, cfg.model_revision
         server = contextlib.nullcontext(cfg.endpoint)

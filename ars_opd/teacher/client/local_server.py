@@ -5,7 +5,8 @@ ephemeral port, reported through a ready file), yields its base URL, and stops i
 errors and Ctrl-C. The client side names the server only on that command line: nothing here imports it.
 The server runs in its own session (a Ctrl-C at the terminal reaches this process, which stops it in order)
 and watches this process (``--parent-pid``): a ``kill -9`` here, which runs no cleanup, stops it within a
-second or two instead of leaving it serving.
+second or two instead of leaving it serving. Its OpenMP threads wait passively (``SERVER_ENV``): on a shared
+machine spinning threads slow it several times over.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from typing import Iterator, Sequence
 from ars_opd.config import TeacherServerConfig
 
 LOCAL_MODEL_NAME = "ars-opd-teacher"
+# OpenMP threads (torch's libgomp) spin at every barrier before they sleep: on cores that other work keeps busy
+# a spinning thread holds a core its partner needs: HF generate of SmolLM2-135M on 2 threads, beside other
+# jobs (load average 4-6 on 2 cores), made 4-14 tokens/s spinning and 31-39 passive (batches of 16 and 32).
+# The caller's environment wins: OMP_WAIT_POLICY=ACTIVE brings the spinning back.
+SERVER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 class LocalServerError(RuntimeError):
@@ -58,6 +64,21 @@ def exit_with_parent(cmd: Sequence[str], python: str | None = None) -> list[str]
     return [python or sys.executable, "-c", _EXIT_WITH_PARENT, str(os.getpid()), *cmd]
 
 
+def server_env(root: str) -> dict[str, str]:
+    """The server process's environment: this one over ``SERVER_ENV``, with ``root`` (the checkout whose
+    ``ars_opd`` this process runs) first on ``PYTHONPATH``, so the server runs the same code."""
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return {**SERVER_ENV, **os.environ, "PYTHONPATH": path}
+
+
+def batch_rows(server: TeacherServerConfig, max_tokens: int) -> int:
+    """How many requests of ``max_tokens`` each one batch of the bundled server takes: ``max_batch_size``, or
+    fewer where ``max_batch_tokens`` (rows × longest max_tokens) is the tighter limit; at least one."""
+    if server.max_batch_tokens is None:
+        return server.max_batch_size
+    return max(1, min(server.max_batch_size, server.max_batch_tokens // max_tokens))
+
+
 @contextlib.contextmanager
 def local_teacher_server(
     model_dir: str,
@@ -66,11 +87,14 @@ def local_teacher_server(
     log_requests: str | None = None,
     max_logprobs: int | None = None,
     extra_args: Sequence[str] = (),
+    request_timeout_s: float | None = None,
 ) -> Iterator[str]:
     """Start the bundled server for ``model_dir`` on 127.0.0.1 (ephemeral port); yield its base URL.
 
     ``max_logprobs``: the largest ``prompt_logprobs`` k it answers (OPD scoring; the server's default if None).
     ``extra_args``: further command-line flags (e.g. ``--weight-updates`` for a rollout engine).
+    ``request_timeout_s``: the client's timeout; with ``server.max_queue_fraction`` the server pushes back (429,
+    Retry-After) requests it estimates would wait longer than that fraction of it.
     """
     with tempfile.TemporaryDirectory(prefix="ars-opd-serve-") as tmp:
         ready = Path(tmp) / "ready.json"
@@ -97,6 +121,10 @@ def local_teacher_server(
             "--parent-pid",  # it lives in its own session: without this a kill -9 of this process orphans it
             str(os.getpid()),
         ]
+        if server.max_batch_tokens is not None:
+            cmd += ["--max-batch-tokens", str(server.max_batch_tokens)]
+        if server.max_queue_fraction is not None and request_timeout_s is not None:
+            cmd += ["--max-queue-s", str(server.max_queue_fraction * request_timeout_s)]
         if log_requests:
             cmd += ["--log-requests", log_requests]
         if max_logprobs is not None:
@@ -104,7 +132,7 @@ def local_teacher_server(
         cmd += list(extra_args)
         # the server runs this process's ars_opd (a worktree or checkout), not whichever one is installed
         root = str(Path(__file__).resolve().parents[3])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        env = server_env(root)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             deadline = time.monotonic() + server.startup_timeout_s

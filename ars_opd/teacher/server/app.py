@@ -21,7 +21,9 @@ the command line, ``main``.
 One client cannot stall the others: a body larger than ``body_limit`` (what the longest prompt that fits
 the context can take, JSON-escaped) is answered 413 without being decoded; decoding, validation, chat
 template and tokenization run in threads, off the event loop; a prompt with more characters than the
-context can hold is refused with 400 before it is tokenized (``ars_opd.teacher.server.preparation``).
+context can hold is refused with 400 before it is tokenized (``ars_opd.teacher.server.preparation``). Nor is
+work done for clients that have gone: a client that times out or drops its connection cancels its handler
+(``app_runner``), and its row is dropped if still queued or stopped at its batch's next decoding step.
 
 What it deliberately leaves out: authentication, TLS, tool/function calls, logprobs, ``n`` > 1,
 penalties and logit bias, response formats, text prompts on ``/v1/completions``, top-k, continuous batching
@@ -109,6 +111,17 @@ def create_app(model_dir: str, options: ServerOptions = ServerOptions()) -> web.
     return app
 
 
+def app_runner(app: web.Application, **kwargs) -> web.AppRunner:
+    """The runner every server of this app is served by (``serve``, and the tests' in-process servers).
+
+    ``handler_cancellation``: a handler whose client has gone (a timeout, a dropped connection) is cancelled,
+    so its ``finally`` marks its row cancelled and the engine drops it before generating it (or stops it at the
+    next decoding step). aiohttp leaves it off by default, and then a request whose client timed out would be
+    generated for nobody while its retry waits behind it.
+    """
+    return web.AppRunner(app, handler_cancellation=True, **kwargs)
+
+
 def _write_ready_file(path: str, info: dict) -> None:
     """Write JSON atomically, so a watcher never reads a half-written file."""
     target = Path(path)
@@ -154,7 +167,7 @@ async def serve(
 ) -> None:
     """Serve ``app`` until SIGTERM or SIGINT (or until process ``parent_pid`` is gone), then shut down gracefully;
     the ready file lives while serving."""
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    runner = app_runner(app, handle_signals=False, access_log=None)
     await runner.setup()
     wrote_ready_file = False
     try:
@@ -209,6 +222,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-wait-ms", type=float, default=defaults.max_wait_ms, help="how long a batch waits for more requests"
     )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=defaults.max_batch_tokens,
+        help="most rows x longest max_tokens per generate call (default: no limit but --max-batch-size)",
+    )
+    parser.add_argument(
+        "--max-queue-s",
+        type=float,
+        help="answer 429 with Retry-After when a new request's estimated wait for its answer exceeds this "
+        "(the client's timeout or less; default: never)",
+    )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--device", default=defaults.device, help="torch device for the model (default: %(default)s)")
     parser.add_argument(
@@ -251,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_name=args.model_name,
             max_batch_size=args.max_batch_size,
             max_wait_ms=args.max_wait_ms,
+            max_batch_tokens=args.max_batch_tokens,
+            max_queue_s=args.max_queue_s,
             threads=args.threads,
             device=args.device,
             dtype=args.dtype,

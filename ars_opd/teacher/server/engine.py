@@ -1,9 +1,11 @@
 """The bundled server's model side: the queue of waiting requests and the batcher that serves them.
 
-A batcher task takes the first waiting request, waits ``max_wait_ms`` for others, and runs up to
-``max_batch_size`` of them, left-padded, through one ``model.generate`` call in a single worker thread, so
-the event loop keeps accepting requests while the next batch gathers. Rows of one batch may differ in
-temperature, top_p, max_tokens, seed and stop strings:
+A batcher task takes the first waiting request, waits ``max_wait_ms`` for others (again while a burst is
+still arriving), and runs them in arrival order, up to ``max_batch_size`` rows and ``max_batch_tokens``
+(rows × longest ``max_tokens``: the queue and its batches are ``ars_opd.teacher.server.admission``),
+left-padded, through one ``model.generate`` call in a single worker thread, so the event loop keeps
+accepting requests while the next batch gathers. Rows of one batch may differ in temperature, top_p,
+max_tokens, seed and stop strings:
 
 * sampling is a logits processor, ``ars_opd.teacher.server.sampling.RowSampler``: per-row temperature,
   top_p and seeded Gumbel noise, so a seeded request gives the same text alone or batched.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import time
@@ -53,6 +56,7 @@ from transformers import (
 )
 
 from ars_opd.lm.batching import pad_left
+from ars_opd.teacher.server.admission import Limits, RowQueue, Throughput, budget, plan
 from ars_opd.teacher.server.generation import GenerateRequest
 from ars_opd.teacher.server.jobs import Job, Progress, ScoreJob
 from ars_opd.teacher.server.options import ServerOptions
@@ -64,6 +68,7 @@ from ars_opd.teacher.server.weights import load_state_file, state_fingerprint
 
 log = logging.getLogger(__name__)
 
+GATHER_WAITS = 20  # a batch waits for company at most this many times max_wait_ms (100 ms at the default 5 ms)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
@@ -75,13 +80,15 @@ class _RowProgress(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         last = input_ids[:, -1].tolist()
+        self.engine.throughput.step()
         for row, (job, token) in enumerate(zip(self.jobs, last)):
             if job.done:  # generate pads finished rows; nothing to record
                 continue
             if self.engine.stopping:
                 job.fail(503, "the server is shutting down")
-            elif job.cancelled:
+            elif job.cancelled:  # its client has gone: no more steps for nobody
                 job.done = True
+                self.engine.stats.rows_stopped += 1
             else:
                 self.engine.advance(job, token, self.sampler.raw_logprob(row, token))
         return torch.tensor([j.done for j in self.jobs], dtype=torch.bool, device=input_ids.device)
@@ -97,7 +104,17 @@ class ServerStats:
     """``model.generate`` calls started (one per batch)."""
     rows_generated: int = 0
     """Sum of batch sizes."""
+    tokens_generated: int = 0
+    """Completion tokens recorded (the rows' own tokens, not the padding of rows that ended earlier)."""
+    clients_gone: int = 0
+    """Requests whose client left (a timeout, a dropped connection) before their answer."""
+    rows_dropped: int = 0
+    """Rows whose client had left while they waited: taken out of the queue and never computed."""
+    rows_stopped: int = 0
+    """Rows whose client left during their batch: stopped at the next decoding step."""
     largest_batch: int = 0
+    largest_batch_tokens: int = 0
+    """Largest token budget of a generate call: its rows × their longest ``max_tokens``."""
     generating: bool = False
     """A ``generate`` call is running now."""
     scores: int = 0
@@ -110,6 +127,12 @@ class ServerStats:
     """Token-id generation requests accepted (``/v1/completions`` without ``prompt_logprobs``)."""
     weight_loads: int = 0
     """Weight files loaded through ``/collective_rpc`` (pretended ones included, under the fault option)."""
+    pushed_back: int = 0
+    """Generation requests answered 429 because their estimated wait exceeded ``max_queue_s``."""
+    step_fixed_s: float | None = None
+    """The wait estimate's model of a decoding step: this many seconds ..."""
+    step_per_row_s: float | None = None
+    """... plus this many per row of the batch (``ars_opd.teacher.server.admission.Throughput``)."""
 
 
 class TeacherEngine:
@@ -140,18 +163,33 @@ class TeacherEngine:
         self.requests = RequestPreparer(
             self.tokenizer, self.model_name, self.context_length, self.vocab, options.max_logprobs
         )
+        self._warm_up()
         self._token_text: dict[int, str] = {}
         self.stats = ServerStats()
+        self.throughput = Throughput()
         self.stopping = False
-        self._pending: asyncio.Queue[Job] | None = None
+        self._pending: RowQueue | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._batcher: asyncio.Task | None = None
         self._model_lock: asyncio.Lock | None = None  # held by a batch while it runs, and by a weight load
 
+    def _warm_up(self) -> None:
+        """One two-token generate before serving: a fresh process's first calls set up threads, kernels and
+        memory, and the first batch, timed with them, would make the wait estimate take the server for slow
+        just when the first requests arrive (and push them back)."""
+        ids = self.tokenizer("warm up", add_special_tokens=False)["input_ids"] or [self.pad_id]
+        with torch.inference_mode():
+            self.model.generate(
+                input_ids=torch.tensor([ids], device=self.device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=self.device),
+                do_sample=False,
+                max_new_tokens=2,
+            )
+
     # -- event loop side --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._pending = asyncio.Queue()
+        self._pending = RowQueue()
         self._model_lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
         self.requests.start()
@@ -160,8 +198,8 @@ class TeacherEngine:
     async def stop(self) -> None:
         """Refuse new requests, end the running batch at its next step with 503, and join the worker threads."""
         self.stopping = True
-        while self._pending is not None and not self._pending.empty():
-            self._pending.get_nowait().fail(503, "the server is shutting down")
+        for job in self._pending.drain() if self._pending is not None else ():
+            job.fail(503, "the server is shutting down")
         if self._batcher is not None:
             self._batcher.cancel()
             await asyncio.gather(self._batcher, return_exceptions=True)
@@ -177,7 +215,7 @@ class TeacherEngine:
         jobs = [ScoreJob(ids, request.top_k or 0, loop, asyncio.Queue()) for ids in request.prompts]
         self.stats.scores += len(jobs)
         for job in jobs:
-            self._pending.put_nowait(job)
+            self._pending.put(job)
         return jobs
 
     def submit(self, chat: ChatRequest, prompt_ids: list[int], max_tokens: int) -> Job:
@@ -195,8 +233,9 @@ class TeacherEngine:
             loop=asyncio.get_running_loop(),
             events=asyncio.Queue(),
         )
+        self._admit(job)
         self.stats.completions += 1
-        self._pending.put_nowait(job)
+        self._pending.put(job)
         return job
 
     def submit_generation(self, request: GenerateRequest) -> Job:
@@ -216,9 +255,39 @@ class TeacherEngine:
             stop_ids=request.stop_ids,
             logprobs=[] if request.logprobs else None,
         )
+        self._admit(job)
         self.stats.generations += 1
-        self._pending.put_nowait(job)
+        self._pending.put(job)
         return job
+
+    def _admit(self, job: Job) -> None:
+        """Refuse ``job`` with 429 and Retry-After when its estimated wait for an answer exceeds ``max_queue_s``:
+        pushed back, its client waits and asks again instead of timing out in the queue, which costs a retry
+        and, had the server not noticed the client leave, computing for nobody."""
+        limit, pending = self.options.max_queue_s, self._pending
+        if limit is None or (self.throughput.running is None and all(r.cancelled for r in pending)):
+            return  # alone on an idle server it runs at once: refusing it could only delay it
+        estimate = self.throughput.estimate_s(pending, job, self._limits())
+        if estimate is None or estimate <= limit:
+            return
+        # the queue moves when the running batch ends: asking again sooner cannot find room
+        left = self.throughput.running_left_s(self.throughput.step_model())
+        retry = math.ceil(max(estimate - limit, left, 1.0))
+        self.stats.pushed_back += 1
+        raise RequestError(
+            429,
+            f"the server is busy: this request would be answered in about {estimate:.0f} s, over its limit of "
+            f"{limit:.0f} s (max_queue_s); retry after {retry} s",
+            "server_busy",
+            headers={"Retry-After": str(retry)},
+        )
+
+    def _limits(self) -> Limits:
+        """A batch's limits: ``max_batch_size``, ``max_batch_tokens`` and, under pushback once steps are timed,
+        half of ``max_queue_s`` (a request that waits for one batch and runs in the next is then answered
+        within it)."""
+        limit = self.options.max_queue_s
+        return self.throughput.limits(self.max_batch_size, self.options.max_batch_tokens, limit and limit / 2)
 
     async def load_weights(self, path: str) -> dict:
         """Load a safetensors file into the served model between batches: {"loaded", "seconds"}.
@@ -263,26 +332,47 @@ class TeacherEngine:
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            batch = [await self._pending.get()]
+            await self._pending.wait()
+            batch = []
             try:
-                if self.max_wait_s > 0 and self._pending.qsize() < self.max_batch_size - 1:
-                    await asyncio.sleep(self.max_wait_s)  # give concurrent requests a moment to join
-                while len(batch) < self.max_batch_size and not self._pending.empty():
-                    batch.append(self._pending.get_nowait())
-                batch = [j for j in batch if not j.cancelled]
+                await self._gather()
+                # in arrival order, within max_batch_size rows and max_batch_tokens; rows of clients gone dropped
+                batch, dropped = self._pending.take(self._limits())
+                self.stats.rows_dropped += dropped
                 # requests arriving while these run wait in the queue and form the next batch
                 scoring = [j for j in batch if isinstance(j, ScoreJob)]
                 generating = [j for j in batch if not isinstance(j, ScoreJob)]
-                async with self._model_lock:  # a weight load waits until the batch is done
-                    if scoring:
-                        await loop.run_in_executor(self._executor, self._score_batch, scoring)
-                    if generating:
-                        await loop.run_in_executor(self._executor, self._generate_batch, generating)
+                if generating:  # the queue's estimate counts these rows as running from now
+                    self.throughput.begin(len(generating), max(j.max_tokens for j in generating))
+                stopped = self.stats.rows_stopped
+                try:
+                    async with self._model_lock:  # a weight load waits until the batch is done
+                        if scoring:
+                            await loop.run_in_executor(self._executor, self._score_batch, scoring)
+                        if generating:
+                            await loop.run_in_executor(self._executor, self._generate_batch, generating)
+                finally:
+                    # its steps are timed either way; one cut short by clients that left says nothing of how far
+                    # batches run towards their longest max_tokens
+                    self.throughput.end(complete=self.stats.rows_stopped == stopped and not self.stopping)
+                    self.stats.step_fixed_s, self.stats.step_per_row_s = self.throughput.step_model() or (None, None)
             except asyncio.CancelledError:  # stopping: answer the rows taken from the queue but not finished
                 for job in batch:
                     if not job.done:
                         job.fail(503, "the server is shutting down")
                 raise
+
+    async def _gather(self) -> None:
+        """Give concurrent requests a moment to join the batch: ``max_wait_ms``, and again while more arrived
+        during the last wait and the queue holds less than a batch (``GATHER_WAITS`` at most). A burst of
+        requests takes tens of milliseconds to arrive; a batch started after its first few would leave the
+        rest waiting a whole batch, or, under pushback, refused."""
+        seen = 0
+        for _ in range(GATHER_WAITS):
+            if self.max_wait_s <= 0 or len(self._pending) == seen or len(plan(self._pending, self._limits())) > 1:
+                return
+            seen = len(self._pending)
+            await asyncio.sleep(self.max_wait_s)
 
     # -- generation thread side -------------------------------------------------------------------------
 
@@ -291,6 +381,7 @@ class TeacherEngine:
         stats.generate_calls += 1
         stats.rows_generated += len(jobs)
         stats.largest_batch = max(stats.largest_batch, len(jobs))
+        stats.largest_batch_tokens = max(stats.largest_batch_tokens, budget(jobs))
         stats.generating = True
         ids, mask = pad_left([j.prompt_ids for j in jobs], self.pad_id)  # (B, T) each
         sampler = RowSampler(jobs, self.device, self.vocab)
@@ -349,6 +440,7 @@ class TeacherEngine:
         """Record ``token`` (and its raw ``logprob`` when the job keeps them) for ``job``, decide whether the
         row is finished, and post its progress."""
         job.completion_ids.append(token)
+        self.stats.tokens_generated += 1
         if job.logprobs is not None:
             job.logprobs.append(logprob)
         n = len(job.completion_ids)

@@ -14,6 +14,7 @@ the keys they read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -24,7 +25,7 @@ from aiohttp import web
 
 from ars_opd.teacher.server.engine import TeacherEngine
 from ars_opd.teacher.server.generation import GenerateRequest
-from ars_opd.teacher.server.jobs import Failure, Job
+from ars_opd.teacher.server.jobs import Failure, Job, ScoreJob
 from ars_opd.teacher.server.scoring import vllm_prompt_logprobs
 from ars_opd.teacher.server.validation import ChatRequest, RequestError
 
@@ -89,12 +90,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         with open(log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.model_name}
-    try:
+    with _awaiting(engine, [job]):
         if chat.stream:
             return await _stream_completion(request, chat, job, meta)
         return await _whole_completion(job, meta)
+
+
+@contextlib.contextmanager
+def _awaiting(engine: TeacherEngine, jobs: Sequence[Job | ScoreJob]):
+    """Around a handler's wait for its rows. When the client goes (a timeout, a dropped connection) aiohttp
+    cancels the handler (``app.app_runner``): that is counted. On the way out, however it ends, the rows are
+    marked cancelled: a no-op for finished rows; a queued row is then dropped before it is generated, a running
+    one stopped at its batch's next decoding step."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        engine.stats.clients_gone += 1
+        raise
     finally:
-        job.cancelled = True  # no-op when finished; otherwise the batch drops the row at its next step
+        for job in jobs:
+            job.cancelled = True
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -123,11 +138,8 @@ async def completions(request: web.Request) -> web.Response:
         jobs = engine.submit_scores(score)
     except RequestError as e:
         return e.response()
-    try:
+    with _awaiting(engine, jobs):
         rows = [await job.events.get() for job in jobs]
-    finally:
-        for job in jobs:
-            job.cancelled = True  # no-op when finished; otherwise the batch drops the row
     failed = next((r for r in rows if isinstance(r, Failure)), None)
     if failed is not None:
         return RequestError(failed.status, failed.message).response()
@@ -140,15 +152,13 @@ async def _generation(engine: TeacherEngine, gen: GenerateRequest) -> web.Respon
     """Generate one completion and answer in vLLM's completions shape (``token_ids`` when asked, the sampled
     tokens' raw ``logprobs.token_logprobs`` when ``logprobs`` is 0)."""
     job = engine.submit_generation(gen)
-    try:
+    with _awaiting(engine, [job]):
         while True:
             event = await job.events.get()
             if isinstance(event, Failure):
                 return RequestError(event.status, event.message).response()
             if event.finish_reason is not None:
                 break
-    finally:
-        job.cancelled = True  # no-op when finished; otherwise the batch drops the row at its next step
     ids = list(job.completion_ids)
     tok = engine.tokenizer
     logprobs = None

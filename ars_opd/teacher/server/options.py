@@ -23,7 +23,13 @@ class ServerOptions:
     max_batch_size: int = TeacherServerConfig.max_batch_size
     """Most rows in one generate call or scoring forward."""
     max_wait_ms: float = TeacherServerConfig.max_wait_ms
-    """How long the first row of a batch waits for company."""
+    """How long the first row of a batch waits for company (again while more arrive, ``engine.GATHER_WAITS``
+    times at most)."""
+    max_batch_tokens: int | None = TeacherServerConfig.max_batch_tokens
+    """Most token budget in one generate call: rows × their longest ``max_tokens`` (None: rows only)."""
+    max_queue_s: float | None = None
+    """Answer a generation request 429 with Retry-After when its estimated time to an answer (the queue ahead
+    at the measured speed, ``ars_opd.teacher.server.admission``) exceeds this many seconds (None: never)."""
     threads: int | None = None
     """torch intra-op threads of the server process (None: torch's choice)."""
     device: str = "cpu"
@@ -53,5 +59,9 @@ class ServerOptions:
             raise ValueError(
                 f"need max_batch_size >= 1 and max_wait_ms >= 0, got {self.max_batch_size}, {self.max_wait_ms}"
             )
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise ValueError(f"need max_batch_tokens >= 1 or None, got {self.max_batch_tokens}")
+        if self.max_queue_s is not None and self.max_queue_s <= 0:
+            raise ValueError(f"need max_queue_s > 0 or None, got {self.max_queue_s}")
         if (self.ignore_weight_updates or self.keep_old_head) and not self.weight_updates:
             raise ValueError("ignore_weight_updates and keep_old_head (fault injections) need weight_updates")

@@ -32,14 +32,22 @@ UNSUPPORTED_FIELDS = (
 class RequestError(Exception):
     """A client mistake, answered with an OpenAI-style error body and a 4xx status (or 503 when stopping)."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers or {}
 
     def response(self) -> web.Response:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status)
+        return web.json_response(body, status=self.status, headers=self.headers)
 
 
 @dataclass(frozen=True)
