@@ -71,6 +71,8 @@ $(REAL_GGUF): $(VENV)/.real-installed
 repro-real: setup real-setup
 	ars-opd profile run profiles/real.yaml -n real-smollm2
 	ars-opd check
+	ars-opd summary --out reports/real_model.md --command "make repro-real" \
+	  --title "SmolLM2-135M-Instruct distilled into a half-depth student, on CPU"
 
 # The whole default pipeline with the teacher served by vLLM: teacher_gen asks it for every completion and
 # OPD scores every rollout through its prompt_logprobs (the topk loss: an endpoint gives no full vocabulary).

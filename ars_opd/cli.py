@@ -11,6 +11,9 @@ Subcommands:
   them, ``run`` runs the experiment (``make repro-real``).
 - ``ars-opd check [--stages s1,s2] [--file params.yaml]``: validate the stages' outputs (files, schemas,
   row counts across stages, finite in-range metrics); exits 1 listing every problem.
+- ``ars-opd summary --out FILE --command CMD [--title T]``: a run's summary in Markdown written from its own
+  outputs (models, data, the held-out table per model and per kind, training, each stage's wall time and peak
+  memory; ``ars_opd.evaluation.run_summary``): ``make repro-real`` writes ``reports/real_model.md`` with it.
 - ``ars-opd scenarios [--from exp.json] [--out reports/scenarios.md]``: compare the seed scenarios of the DVC
   experiments (``dvc exp show --json``) against the paper's expected ordering.
 - ``ars-opd distillation [--from exp.json] [--out reports/distillation.md] [--where K=V] [--regime L:K=V]
@@ -59,6 +62,19 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"ars-opd profile: invalid params: {e}", file=sys.stderr)
         return 2
+
+
+def _cmd_summary(args: argparse.Namespace) -> int:
+    from ars_opd.evaluation.run_summary import write_summary
+
+    try:
+        paths = load_params(args.file, sections=("paths",)).paths
+    except ConfigError as e:
+        print(f"ars-opd: invalid params: {e}", file=sys.stderr)
+        return 2
+    out = write_summary(paths, args.out, args.command_line, args.title)
+    print(f"wrote {out}")
+    return 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -290,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stages", default=None, help="comma-separated stages (default: all)")
     c.add_argument("--file", default="params.yaml", help="params file (default: params.yaml)")
     c.set_defaults(func=_cmd_check)
+    sm = sub.add_parser("summary", help="a run's summary in Markdown, from its own outputs (make repro-real)")
+    sm.add_argument("--out", required=True, help="the Markdown file to write, e.g. reports/real_model.md")
+    sm.add_argument("--command", dest="command_line", required=True, help="the command that made the run")
+    sm.add_argument("--title", default="Pipeline run", help="the page's title")
+    sm.add_argument("--file", default="params.yaml", help="params file (default: params.yaml)")
+    sm.set_defaults(func=_cmd_summary)
     pr = sub.add_parser("profile", help="a profile of params overrides (profiles/*.yaml) as a DVC experiment")
     prs = pr.add_subparsers(dest="profile_command", required=True)
     show = prs.add_parser("show", help="print the profile's `dvc exp run -S` overrides, after checking them")

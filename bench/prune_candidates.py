@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:
 from ars_opd.artifacts import read_jsonl  # noqa: E402
 from ars_opd.config import EvaluateConfig, load_params  # noqa: E402
 from ars_opd.data.prompts import encode_prompts, encode_teacher_completions  # noqa: E402
-from ars_opd.evaluation.evaluate import HeldOut, checkable_rows, score_model  # noqa: E402
+from ars_opd.evaluation.evaluate import HeldOut, is_checkable, score_model  # noqa: E402
 from ars_opd.models.loading import load_model, load_tokenizer  # noqa: E402
 from ars_opd.models.pruning import decoder_layers, prune_model  # noqa: E402
 
@@ -108,7 +108,7 @@ def main() -> None:
         rows,
         encode_prompts(tokenizer, [r["messages"] for r in rows]),
         encode_teacher_completions(tokenizer, rows),
-        checkable_rows(rows),
+        [is_checkable(r) for r in rows],
     )
     teacher = load_model(p.paths.models_dir, "teacher").eval().requires_grad_(False)
     n_layers = len(decoder_layers(teacher))
