@@ -29,7 +29,9 @@ Subcommands:
   vLLM on 127.0.0.1 with the flags OPD scoring needs (``ars_opd.teacher.client.vllm_server``); with a COMMAND,
   run it with the server's URL in ``$ARS_OPD_VLLM_URL``, stop the server and exit with the command's status
   (``make repro-vllm``); without one, serve until Ctrl-C. ``--rollout-engine`` serves a student for
-  ``opd.rollouts: engine`` (``ars_opd.rollouts``).
+  ``opd.rollouts: engine`` (``ars_opd.rollouts``). The launch fits the build (``--build auto`` asks the vLLM
+  environment): fp32, eager and a small KV cache on CPU, the checkpoint's dtype, CUDA graphs and
+  ``--gpu-memory-utilization`` on a GPU.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import argparse
 import json
 import sys
 
-from ars_opd.config import ConfigError, load_params, to_dict
+from ars_opd.config import VLLM_DTYPES, ConfigError, load_params, to_dict
 
 
 def _cmd_params(args: argparse.Namespace) -> int:
@@ -276,6 +278,10 @@ def _vllm_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_logprobs=args.max_logprobs,
         logprobs_mode=args.logprobs_mode,
+        build=args.build,
+        dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
         weight_sync=args.rollout_engine,
     )
     command = args.command_line
@@ -367,6 +373,31 @@ def build_parser() -> argparse.ArgumentParser:
     vs.add_argument("--max-logprobs", type=int, default=20, help="largest prompt_logprobs k (default 20)")
     vs.add_argument(
         "--logprobs-mode", default="raw_logprobs", help="vLLM's --logprobs-mode (default raw_logprobs: OPD needs it)"
+    )
+    vs.add_argument(
+        "--build",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="the vLLM environment's build (default auto: ask its python whether torch sees a GPU); a CPU build "
+        "serves fp32, eager, in a 256 MiB KV cache, a GPU build in the checkpoint's dtype with CUDA graphs",
+    )
+    vs.add_argument(
+        "--dtype",
+        choices=VLLM_DTYPES,
+        default=None,
+        help="vLLM's --dtype (default: float32 on a CPU build, auto on a GPU build)",
+    )
+    vs.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="a GPU build's share of the GPU's memory (default 0.9, vLLM's; lower it beside a trainer)",
+    )
+    vs.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's --enforce-eager (default: on a CPU build, off on a GPU build)",
     )
     vs.add_argument("--log", default=None, help="write the server's output here (default: a temporary file)")
     vs.add_argument(

@@ -630,6 +630,7 @@ def check_inputs(
 
 
 LOCAL_ENDPOINT = "local"
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype choices
 
 
 @dataclass(frozen=True)
@@ -722,9 +723,24 @@ class RolloutEngineConfig:
     max_importance_weight: float = 2.0
     """Truncation c of the importance weight min(c, q_now / q_sampler) of sampled_token under max_lag >= 1."""
     max_model_len: int | None = None
-    """Context length a started vLLM reserves (prompt + rollout); null: the student's max_position_embeddings."""
+    """Context length a started vLLM reserves per sequence; null: what the stage asks for, max_prompt_tokens +
+    max_new_tokens (or probe_tokens + 1 if longer), at most the student's max_position_embeddings (a real
+    student's full context, 40,960 for Qwen3, is more KV cache than a GPU gives and vLLM refuses to start)."""
+    build: Literal["auto", "cpu", "gpu"] = "auto"
+    """Which vLLM a started engine is (its environment: .venv-vllm or $ARS_OPD_VLLM_PYTHON); auto: ask that
+    environment's python whether its torch sees a GPU. It decides the launch settings left null below."""
+    dtype: str | None = None
+    """A started vLLM's --dtype (auto, float32, bfloat16, float16, ...); null: float32 on a CPU build (the
+    trainer's precision, the version check's derived fp32 bound), auto on a GPU build (the checkpoint's dtype,
+    bf16 for fp32 weights; refused while probe_tolerance is null, whose first sync holds to the fp32 bound)."""
+    enforce_eager: bool | None = None
+    """A started vLLM's --enforce-eager; null: on a CPU build (no torch.compile: a quick start), off on a GPU
+    build (CUDA graphs)."""
+    gpu_memory_utilization: float = 0.4
+    """A started GPU vLLM's share of the GPU's memory (weights, activations and KV cache); less than vLLM's 0.9
+    because the training workers start after it on the same GPUs. Not used by a CPU build (a 256 MiB KV cache)."""
     cpus: str | None = None
-    """A started vLLM's cores (VLLM_CPU_OMP_THREADS_BIND, e.g. "0"); null: vLLM's choice."""
+    """A started CPU vLLM's cores (VLLM_CPU_OMP_THREADS_BIND, e.g. "0"); null: vLLM's choice."""
     startup_timeout_s: float = 300.0
     """Give up if a started engine is not ready after this long."""
     bundled: TeacherServerConfig = field(default_factory=lambda: TeacherServerConfig(threads=1))
@@ -763,6 +779,17 @@ class RolloutEngineConfig:
             self.max_model_len is None or self.max_model_len > 0,
             "max_model_len",
             f"must be > 0, got {self.max_model_len}",
+        )
+        _require(self.build in ("auto", "cpu", "gpu"), "build", f"must be auto, cpu or gpu, got {self.build!r}")
+        _require(
+            self.dtype in (None, *VLLM_DTYPES),
+            "dtype",
+            f"must be null or one of {', '.join(VLLM_DTYPES)}, got {self.dtype!r}",
+        )
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
         )
         _require(
             not (self.transport == "nccl" and self.server == "bundled"),

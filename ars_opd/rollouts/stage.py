@@ -21,7 +21,7 @@ from typing import Iterator, NamedTuple
 from ars_opd.config import ConfigError, OPDConfig, launched_externally
 from ars_opd.models.loading import model_path
 from ars_opd.rollouts.engine_api import EngineClient, SamplingSpec
-from ars_opd.rollouts.engines import BUNDLED, VLLM, RolloutEndpoint, rollout_endpoint
+from ars_opd.rollouts.engines import BUNDLED, VLLM, RolloutEndpoint, rollout_endpoint, stage_context
 from ars_opd.rollouts.schedule import EngineRollouts, RolloutPlan
 from ars_opd.rollouts.version_check import CheckSettings
 
@@ -48,7 +48,7 @@ def stage_engine(cfg: OPDConfig, models_dir: str, checkpoints: str) -> Iterator[
             "which every rank then shares",
         )
     student = model_path(models_dir, "student") if engine.server in (BUNDLED, VLLM) else ""  # a URL serves its own
-    with rollout_endpoint(engine, student, checkpoints) as endpoint:
+    with rollout_endpoint(engine, student, checkpoints, stage_context(cfg)) as endpoint:
         yield endpoint
 
 

