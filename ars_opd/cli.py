@@ -21,12 +21,12 @@ Subcommands:
   teacher's data cost across the training seeds of a DVC sweep, with intervals, a positive control, further
   regimes (sets of seeds selected by their params), and on long-horizon tasks where each model first goes
   wrong; ``--family`` writes one task family's section of the file.
-- ``ars-opd serve MODEL_DIR [...]``: the bundled OpenAI-compatible server (``ars_opd.teacher.server``)
+- ``ars-opd serve MODEL_DIR [...]``: the bundled OpenAI-compatible server (``ars_opd.serving.server``)
   for any local Hugging Face causal-LM directory, on 127.0.0.1 by default.
 - ``ars-opd vllm check``: start a real vLLM server (``.venv-vllm``, ``make vllm``) on a tiny model built here,
   ask it one chat completion and one scoring request, stop it; exits 1 naming what failed.
 - ``ars-opd vllm serve MODEL_DIR [--port P] [--name N] [-- COMMAND ...]``: serve a local model directory with
-  vLLM on 127.0.0.1 with the flags OPD scoring needs (``ars_opd.teacher.client.vllm_server``); with a COMMAND,
+  vLLM on 127.0.0.1 with the flags OPD scoring needs (``ars_opd.serving.vllm_server``); with a COMMAND,
   run it with the server's URL in ``$ARS_OPD_VLLM_URL``, stop the server and exit with the command's status
   (``make repro-vllm``); without one, serve until Ctrl-C. ``--rollout-engine`` serves a student for
   ``opd.rollouts: engine`` (``ars_opd.rollouts``). The launch fits the build (``--build auto`` asks the vLLM
@@ -215,7 +215,7 @@ def _cmd_distillation(args: argparse.Namespace) -> int:
 
 
 def _serve(argv: list[str]) -> int:
-    from ars_opd.teacher.server import app  # heavy imports only for this subcommand
+    from ars_opd.serving.server import app  # heavy imports only for this subcommand
 
     return app.main(argv)
 
@@ -229,8 +229,8 @@ def _vllm_check(args: argparse.Namespace) -> int:
     from ars_opd.data import synthetic
     from ars_opd.models.builtin import save_builtin_model
     from ars_opd.models.tokenizer import build_char_word_tokenizer
-    from ars_opd.teacher.client.local_server import LocalServerError
-    from ars_opd.teacher.client.vllm_server import VLLMOptions, vllm_server
+    from ars_opd.serving.local_server import LocalServerError
+    from ars_opd.serving.vllm_server import VLLMOptions, vllm_server
 
     def post(url: str, body: dict) -> dict:
         req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
@@ -270,8 +270,8 @@ def _vllm_serve(args: argparse.Namespace) -> int:
     import subprocess
     import threading
 
-    from ars_opd.teacher.client.local_server import LocalServerError
-    from ars_opd.teacher.client.vllm_server import VLLMOptions, vllm_server
+    from ars_opd.serving.local_server import LocalServerError
+    from ars_opd.serving.vllm_server import VLLMOptions, vllm_server
 
     opts = VLLMOptions(
         served_model_name=args.name,

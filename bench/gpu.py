@@ -439,7 +439,7 @@ def bench_engine(a, device) -> list[dict]:
     elif importlib.util.find_spec("aiohttp") is None:
         why = "the engine client needs the pipeline's environment (aiohttp is not installed)"
     else:
-        from ars_opd.teacher.client.vllm_server import VLLMUnavailableError, vllm_python
+        from ars_opd.serving.vllm_server import VLLMUnavailableError, vllm_python
 
         try:
             vllm_python()  # what bench/rollouts.py's engine will run on

@@ -168,7 +168,7 @@ def sync_adapter(model, root: EngineClient, sync_dir: Path, version: int, ids) -
 
 
 def start(model_dir: Path, lora_rank: int | None, pin: bool, log: Path):
-    from ars_opd.teacher.client.vllm_server import VLLMOptions, VLLMServer
+    from ars_opd.serving.vllm_server import VLLMOptions, VLLMServer
 
     extra: tuple[str, ...] = ()
     if lora_rank is not None:
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--syncs", type=int, default=3)
     p.add_argument("--log-dir", type=Path)
     args = p.parse_args(argv)
-    from ars_opd.teacher.client.vllm_server import VLLMUnavailableError, vllm_python
+    from ars_opd.serving.vllm_server import VLLMUnavailableError, vllm_python
 
     try:
         vllm_python()

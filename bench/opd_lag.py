@@ -26,7 +26,7 @@ STUDENT = dict(hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=8, inte
 
 def problem(params) -> str | None:
     """Why the OPD lag cannot be measured here, or None."""
-    from ars_opd.teacher.client.vllm_server import VLLMUnavailableError, vllm_python
+    from ars_opd.serving.vllm_server import VLLMUnavailableError, vllm_python
 
     try:
         vllm_python()

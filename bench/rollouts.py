@@ -9,7 +9,7 @@ Two models, random weights, saved as Hugging Face directories that every path lo
   the built-in tokenizer's chat template) so that every sampled id decodes on both servers.
 
 Paths: ``trainer_dynamic`` / ``trainer_static`` (``ars_opd.lm.generation.generate_token_ids`` in this process,
-``cache="dynamic"`` / ``"static"``, one batch of B), ``bundled`` (``python -m ars_opd.teacher.server
+``cache="dynamic"`` / ``"static"``, one batch of B), ``bundled`` (``python -m ars_opd.serving.server
 --weight-updates``, ``--max-batch-size`` ≥ B) and ``vllm`` (``.venv-vllm``, ``VLLMOptions(weight_sync=True)``,
 eager, no prefix caching), both asked through ``ars_opd.rollouts.engine_api.EngineClient`` exactly as the opd
 stage asks: one seeded token-id request per prompt, all B in flight. The engine and the trainer are pinned to
@@ -238,16 +238,16 @@ def start_engine(
     """The engine ``path`` serving ``model_dir`` in ``dtype``, started on the engine core; yields its URL."""
     cpus = {ENGINE_CPU} if pin else None
     if path == "bundled":
-        from ars_opd.teacher.client.local_server import local_teacher_server
+        from ars_opd.serving.local_server import local_server
 
         server = TeacherServerConfig(max_batch_size=max_batch, max_wait_ms=args.bundled_wait_ms, threads=1)
         extra = ("--weight-updates", "--dtype", SERVER_DTYPE[dtype])
         with contextlib.ExitStack() as stack:
             with affinity(cpus):
-                url = stack.enter_context(local_teacher_server(str(model_dir), server, SERVED, extra_args=extra))
+                url = stack.enter_context(local_server(str(model_dir), server, SERVED, extra_args=extra))
             yield url
     elif path == "vllm":
-        from ars_opd.teacher.client.vllm_server import VLLMOptions, VLLMServer
+        from ars_opd.serving.vllm_server import VLLMOptions, VLLMServer
 
         config = json.loads((model_dir / "config.json").read_text())
         kv_bytes = 2 * config["num_hidden_layers"] * config["hidden_size"] * 4 * max_batch * 256  # fp32 K and V
@@ -592,7 +592,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     if args.quick:
-        from ars_opd.teacher.client.vllm_server import VLLMUnavailableError, vllm_python
+        from ars_opd.serving.vllm_server import VLLMUnavailableError, vllm_python
 
         try:
             vllm_python()

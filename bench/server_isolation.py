@@ -1,7 +1,7 @@
-"""Does one oversized prompt stall the bundled teacher server for everyone else?
+"""Does one oversized prompt stall the bundled server for everyone else?
 
 Builds a tiny model directory (the built-in tokenizer, a given context length; ``save_builtin_model``),
-starts ``ars-opd serve`` on it as its own process (``local_teacher_server``, as the stages do), sends one
+starts ``ars-opd serve`` on it as its own process (``local_server``, as the stages do), sends one
 huge prompt, and meanwhile small requests (max_tokens 2): ``--small`` of them one after another, or all at
 once with ``--burst``. Prints one JSON line per scenario: the huge request's status and seconds, and the
 small requests' count, median and max latency and failures.
@@ -32,7 +32,7 @@ from ars_opd.config import ArchConfig, TeacherServerConfig
 from ars_opd.data import synthetic
 from ars_opd.models.builtin import save_builtin_model
 from ars_opd.models.tokenizer import build_char_word_tokenizer
-from ars_opd.teacher.client.local_server import local_teacher_server
+from ars_opd.serving.local_server import local_server
 
 SCENARIOS = ((256, 8_000_000), (256, 50_000), (200_000, 1_500_000))
 
@@ -46,7 +46,7 @@ def serve(context: int, tmp: Path):
         dataclasses.replace(arch, max_position_embeddings=context),
         build_char_word_tokenizer(synthetic.instruction_words()),
     )
-    return local_teacher_server(
+    return local_server(
         str(model_dir), TeacherServerConfig(threads=1, max_wait_ms=1.0, startup_timeout_s=120), model_name="m"
     )
 

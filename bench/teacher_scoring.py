@@ -37,8 +37,8 @@ from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.models.tokenizer import build_char_word_tokenizer
+from ars_opd.serving.local_server import local_server
 from ars_opd.teacher.client.endpoint import ClientSettings
-from ars_opd.teacher.client.local_server import local_teacher_server
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.distributed import WorkerContext
 from ars_opd.training.opd import OPDData, OPDTask
@@ -157,7 +157,7 @@ def main() -> None:
         teacher.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         server = TeacherServerConfig(max_batch_size=64, max_wait_ms=5.0, threads=a.server_threads)
-        with local_teacher_server(tmp, server, MODEL, max_logprobs=a.topk) as url:
+        with local_server(tmp, server, MODEL, max_logprobs=a.topk) as url:
             emit(agreement(url, teacher, tokenizer, prompts, completions, a.topk))
             for c in a.concurrency:
                 emit(throughput(url, tokenizer, prompts, completions, c, a.topk))

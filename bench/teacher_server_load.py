@@ -35,12 +35,12 @@ from collections import Counter
 from pathlib import Path
 
 from ars_opd.config import load_params
+from ars_opd.serving.local_server import LOCAL_MODEL_NAME
 from ars_opd.teacher.client import chat
 from ars_opd.teacher.client.cache import TeacherCache
 from ars_opd.teacher.client.chat import ask_all
 from ars_opd.teacher.client.endpoint import ClientSettings
 from ars_opd.teacher.client.generate import build_requests, bundled_server, resolve_concurrency
-from ars_opd.teacher.client.local_server import LOCAL_MODEL_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 BUSY_LOOP = "while True: pass"

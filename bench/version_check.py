@@ -121,12 +121,12 @@ def start_engine(kind: str, student: Path, log_dir: Path):
     """The engine as the stage starts it, as a context manager yielding its URL."""
     if kind == "bundled":
         from ars_opd.config import TeacherServerConfig
-        from ars_opd.teacher.client.local_server import local_teacher_server
+        from ars_opd.serving.local_server import local_server
 
-        return local_teacher_server(
+        return local_server(
             str(student), TeacherServerConfig(threads=1), model_name="student", extra_args=("--weight-updates",)
         )
-    from ars_opd.teacher.client.vllm_server import VLLMOptions, vllm_server
+    from ars_opd.serving.vllm_server import VLLMOptions, vllm_server
 
     opts = VLLMOptions(served_model_name="student", max_model_len=256, cpus="0", weight_sync=True)
     return vllm_server(str(student), opts, log_path=log_dir / "vllm.log")

@@ -31,8 +31,8 @@ from ars_opd.data.prompts import encode_completions, encode_prompts
 from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.models.loading import load_model, load_tokenizer, model_path
+from ars_opd.serving.vllm_server import VLLMOptions, vllm_server
 from ars_opd.teacher.client.endpoint import ClientSettings
-from ars_opd.teacher.client.vllm_server import VLLMOptions, vllm_server
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
 
 

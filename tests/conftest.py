@@ -72,7 +72,7 @@ def vllm_teacher(tmp_path_factory):
     that does not start, is an error naming why (never a skip): ``make test`` builds ``.venv-vllm`` first."""
     from ars_opd.config import load_params
     from ars_opd.models.loading import model_path
-    from ars_opd.teacher.client.vllm_server import VLLMOptions, VLLMServer
+    from ars_opd.serving.vllm_server import VLLMOptions, VLLMServer
     from micro import distill_workspace
 
     root = tmp_path_factory.mktemp("vllm") / "workspace"
@@ -123,7 +123,7 @@ def vllm_student(tmp_path_factory, char_tokenizer):
     """Started for the module that asks for it and stopped after it (about 40 s to start); an error, never a
     skip, when it cannot start."""
     from ars_opd.config import ArchConfig
-    from ars_opd.teacher.client.vllm_server import VLLMOptions, VLLMServer
+    from ars_opd.serving.vllm_server import VLLMOptions, VLLMServer
     from test_engine_server import save_student
 
     model_dir = save_student(tmp_path_factory.mktemp("vllm_student"), char_tokenizer, ArchConfig(**VLLM_STUDENT_ARCH))

@@ -72,7 +72,7 @@ class FakeEngine:
     async def collective_rpc(self, request):
         body = await request.json()
         if body.get("method") == "ars_opd_fingerprint":
-            from ars_opd.teacher.server.weights import state_fingerprint
+            from ars_opd.serving.server.weights import state_fingerprint
 
             return web.json_response({"results": [{"tensors": state_fingerprint(self.model)}]})
         if body.get("method") != "ars_opd_load_weights":

@@ -43,7 +43,7 @@ class RecordingEngine:
         pass  # no prefix cache
 
     def fingerprint(self):
-        from ars_opd.teacher.server.weights import state_fingerprint
+        from ars_opd.serving.server.weights import state_fingerprint
 
         return {"tensors": state_fingerprint(self.model)}
 

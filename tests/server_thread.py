@@ -1,6 +1,6 @@
-"""The bundled teacher server's application served in this process, for the tests that talk to it over HTTP.
+"""The bundled server's application served in this process, for the tests that talk to it over HTTP.
 
-``ServerThread`` serves an aiohttp application (``ars_opd.teacher.server.app.create_app``) on an ephemeral
+``ServerThread`` serves an aiohttp application (``ars_opd.serving.server.app.create_app``) on an ephemeral
 127.0.0.1 port from an event loop in a background thread, so a test reaches the real server over real HTTP
 without a subprocess and can still read the engine (``stats``, its ``requests``) directly.
 """
@@ -12,8 +12,8 @@ import threading
 
 from aiohttp import web
 
-from ars_opd.teacher.server import app as server_app
-from ars_opd.teacher.server import engine, handlers
+from ars_opd.serving.server import app as server_app
+from ars_opd.serving.server import engine, handlers
 
 
 class ServerThread:

@@ -243,7 +243,7 @@ def test_type_checking_imports_are_not_run_time_deps(tmp_path):
     src.write_text(
         "from typing import TYPE_CHECKING\n"
         "import typing\n"
-        "if TYPE_CHECKING:\n    from ars_opd.teacher.server import app\n"
+        "if TYPE_CHECKING:\n    from ars_opd.serving.server import app\n"
         "else:\n    from ars_opd import seeding\n"
         "if typing.TYPE_CHECKING:\n    import ars_opd.rollouts.engines\n"
         "def f():\n    from ars_opd import artifacts\n"

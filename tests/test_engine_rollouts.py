@@ -89,14 +89,14 @@ def test_an_engine_that_keeps_its_old_weights_is_refused_at_the_first_update(tmp
     import stages.opd
     from ars_opd.config import TeacherServerConfig, load_params
     from ars_opd.models.loading import model_path
-    from ars_opd.teacher.client.local_server import local_teacher_server
+    from ars_opd.serving.local_server import local_server
     from stages import EXIT_ENDPOINT, run_stage
 
     root = tmp_path / "w"
     distill_workspace(REPO, root, {"steps": 3}, workers=1)
     student = model_path(str(root / load_params(root / "params.yaml").paths.models_dir), "student")
     stale = ("--weight-updates", "--ignore-weight-updates")
-    with local_teacher_server(student, TeacherServerConfig(threads=1), model_name="student", extra_args=stale) as url:
+    with local_server(student, TeacherServerConfig(threads=1), model_name="student", extra_args=stale) as url:
         distill_workspace(REPO, root, {"steps": 3, "rollouts": "engine", "engine": {"server": url}}, workers=1)
         capsys.readouterr()
         cwd = os.getcwd()

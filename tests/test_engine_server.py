@@ -42,9 +42,9 @@ from ars_opd.rollouts.engine_api import (
 )
 from ars_opd.rollouts.fingerprint import TrainerHashes, compare
 from ars_opd.rollouts.verify import StaleEngineError, check_probe, probe_bound, probe_ids, trainer_logprobs
+from ars_opd.serving.server import app as server_app
+from ars_opd.serving.server.options import ServerOptions
 from ars_opd.teacher.client.endpoint import ClientSettings
-from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server.options import ServerOptions
 from server_thread import ServerThread
 from tolerances import forward_bound, two_computations
 
@@ -228,7 +228,7 @@ def student_dir(tmp_path_factory, char_tokenizer) -> Path:
 
 def serve(directory: Path, **options) -> ServerThread:
     opts = ServerOptions(model_name=MODEL, max_batch_size=256, max_wait_ms=5, **options)
-    return ServerThread(teacher_server.create_app(str(directory), opts))
+    return ServerThread(server_app.create_app(str(directory), opts))
 
 
 @pytest.fixture(scope="module")

@@ -413,7 +413,7 @@ def test_a_real_vllm_without_the_extension_is_named_and_the_flag_given(tmp_path,
     from ars_opd.models.builtin import build_causal_lm
     from ars_opd.rollouts.engine_api import EngineClient, EngineSetupError
     from ars_opd.rollouts.weights import engine_state_dict, write_version
-    from ars_opd.teacher.client.vllm_server import VLLMOptions, vllm_server
+    from ars_opd.serving.vllm_server import VLLMOptions, vllm_server
     from conftest import ONE_PROCESS_ENGINE, VLLM_STUDENT_ARCH
     from test_engine_server import save_student
 

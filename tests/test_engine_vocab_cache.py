@@ -21,8 +21,8 @@ import torch
 from ars_opd.rollouts.engine_api import EngineClient
 from ars_opd.rollouts.schedule import EngineRollouts, RolloutPlan
 from ars_opd.rollouts.verify import StaleEngineError, probe_bound, probe_ids, trainer_logprobs
-from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server.options import ServerOptions
+from ars_opd.serving.server import app as server_app
+from ars_opd.serving.server.options import ServerOptions
 from server_thread import ServerThread
 
 PADDING_ROWS = 13
@@ -88,7 +88,7 @@ def test_a_padded_vocabulary_is_probed_over_the_bundled_engines_tokenizer_ids(pa
     model = load_hf(padded_dir)
     assert model.get_output_embeddings().weight.shape[0] == vocab + PADDING_ROWS
     opts = ServerOptions(model_name="student", max_batch_size=8, max_wait_ms=1, weight_updates=True)
-    server = ServerThread(teacher_server.create_app(str(padded_dir), opts))
+    server = ServerThread(server_app.create_app(str(padded_dir), opts))
     try:
         rows = _syncs(EngineClient(server.url, "student"), model, vocab, tmp_path / "sync", range(20))
     finally:
@@ -109,7 +109,7 @@ def test_a_padded_vocabulary_is_probed_over_the_bundled_engines_tokenizer_ids(pa
 def padded_vllm(padded_dir, tmp_path_factory):
     """One vLLM for the module, a rollout engine (our extension, dev mode) serving the padded student WITH
     prefix caching (vLLM's default, not the flags the stage starts it with); an error, never a skip."""
-    from ars_opd.teacher.client.vllm_server import VLLMOptions, VLLMServer
+    from ars_opd.serving.vllm_server import VLLMOptions, VLLMServer
     from conftest import ONE_PROCESS_ENGINE
 
     opts = VLLMOptions(

@@ -25,8 +25,8 @@ from ars_opd.rollouts import vllm_extension
 from ars_opd.rollouts.engine_api import EngineClient
 from ars_opd.rollouts.fingerprint import TrainerHashes, compare, tensor_sha256
 from ars_opd.rollouts.weights import engine_state_dict, tied_aliases
-from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server.options import ServerOptions
+from ars_opd.serving.server import app as server_app
+from ars_opd.serving.server.options import ServerOptions
 from server_thread import ServerThread
 from tiny_models import perturbed, sync_student
 
@@ -56,7 +56,7 @@ def test_the_comparison_names_what_differs_and_checks_the_tied_head(student):
     state = engine_state_dict(student)
     aliases = tied_aliases(student)
     assert aliases == {"lm_head.weight": "model.embed_tokens.weight"} and "lm_head.weight" not in state
-    from ars_opd.teacher.server.weights import state_fingerprint
+    from ars_opd.serving.server.weights import state_fingerprint
 
     engine = {"tensors": state_fingerprint(student)}
     ok = compare(engine, TrainerHashes(state, aliases))
@@ -78,7 +78,7 @@ def test_the_comparison_names_what_differs_and_checks_the_tied_head(student):
 def test_an_engine_in_another_dtype_is_compared_with_the_cast_it_loaded(student):
     state = engine_state_dict(student)
     bf16 = copy.deepcopy(student).to(torch.bfloat16)  # what a bf16 engine holds after copy_ of the fp32 file
-    from ars_opd.teacher.server.weights import state_fingerprint
+    from ars_opd.serving.server.weights import state_fingerprint
 
     result = compare({"tensors": state_fingerprint(bf16)}, TrainerHashes(state, tied_aliases(student)))
     assert result.verified == len(state) + 1 and not result.mismatched
@@ -92,7 +92,7 @@ def test_the_bundled_server_fingerprints_what_it_loaded(student, char_tokenizer,
     newer = engine_state_dict(perturbed(student, 1))
     save_file(newer, str(tmp_path / "v1.safetensors"))
     opts = ServerOptions(model_name="student", weight_updates=True, ignore_weight_updates=fault)
-    server = ServerThread(teacher_server.create_app(str(directory), opts))
+    server = ServerThread(server_app.create_app(str(directory), opts))
     try:
         client = EngineClient(server.url, "student")
         client.load_weights(str(tmp_path / "v1.safetensors"))

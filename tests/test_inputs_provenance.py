@@ -117,7 +117,7 @@ def test_teacher_gen_refuses_a_changed_teacher_before_asking(tmp_path, local_pai
         Path(getattr(paths, f"subset_{split}")).parent.mkdir(parents=True, exist_ok=True)
         Path(getattr(paths, f"subset_{split}")).write_text("")
     (teacher / "config.json").write_text((teacher / "config.json").read_text().replace("}", ',"x": 1}', 1))
-    monkeypatch.setattr(generate, "local_teacher_server", lambda *a, **k: pytest.fail("server started"))
+    monkeypatch.setattr(generate, "local_server", lambda *a, **k: pytest.fail("server started"))
     with pytest.raises(ModelPinError, match="size or time changed: config.json"):
         generate.generate_teacher_completions(TeacherGenConfig(), paths, progress=False)
 

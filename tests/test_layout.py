@@ -1,5 +1,6 @@
 """The library's layout, read from its imports: every import points down (or within its own package), the
-teacher's server and client sides never import each other, and no module imports another's private name.
+bundled server and the code that starts or talks to a server never import each other, and no module imports
+another's private name.
 
 A floor lists the modules that may import one another and anything below; a package's floor holds all its
 modules. What is tested here is what ``import`` statements (at any depth in a file) say, as the dvc deps
@@ -19,13 +20,16 @@ FLOORS = (
     ("ars_opd.data",),
     ("ars_opd.lm",),
     ("ars_opd.models",),
+    ("ars_opd.serving",),  # serves any model: the teacher's client and the rollout engine start it from above
     ("ars_opd.teacher",),
     ("ars_opd.rollouts",),
     ("ars_opd.training",),
     ("ars_opd.evaluation", "ars_opd.checks"),  # both read the stages' outputs (checks: the engine's log too)
     ("ars_opd.cli",),
 )
-SIDES = ("ars_opd.teacher.server", "ars_opd.teacher.client")
+SERVER = "ars_opd.serving.server"  # the bundled server, run as its own process
+# what starts a server (the launchers: the rest of ars_opd.serving) or talks to one as a teacher
+CLIENTS = ("ars_opd.serving", "ars_opd.teacher.client")
 
 
 def _module_name(path: Path) -> str:
@@ -62,8 +66,18 @@ def _library_files():
     return sorted((REPO / "ars_opd").rglob("*.py"))
 
 
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
 def _side(module: str) -> str | None:
-    return next((s for s in SIDES if module == s or module.startswith(s + ".")), None)
+    """``server`` for the bundled server's modules, ``client`` for those that start a server (the launchers) or
+    talk to a teacher's, None for the rest (the serving package's own ``__init__`` included)."""
+    if _within(module, SERVER):
+        return "server"
+    if any(module.startswith(c + ".") for c in CLIENTS):
+        return "client"
+    return None
 
 
 def test_every_import_points_down_or_within_its_package():
@@ -85,15 +99,24 @@ def test_every_import_points_down_or_within_its_package():
     assert not up, "imports that run back up a floor:\n" + "\n".join(sorted(set(up)))
 
 
-def test_the_teachers_server_and_client_never_import_each_other():
+def test_the_server_and_what_starts_or_talks_to_it_never_import_each_other():
+    """A launcher names the server by its module path on a command line; the server runs without them."""
     crossing = []
+    sides = {}
     for path in _library_files():
         here = _side(_module_name(path))
+        sides.setdefault(here, []).append(_module_name(path))
         for module, _, line in _imports(path):
             there = _side(module)
             if here and there and here != there:
                 crossing.append(f"{path.relative_to(REPO)}:{line} imports {module}")
     assert not crossing, "\n".join(crossing)
+    # both sides are there to keep apart: the server's app and the launchers that start it beside the teacher's client
+    assert f"{SERVER}.app" in sides["server"]
+    assert {"ars_opd.serving.local_server", "ars_opd.serving.vllm_server", "ars_opd.teacher.client.chat"} <= set(
+        sides["client"]
+    )
+    assert not list((REPO / "ars_opd" / "teacher").rglob("server/*.py"))  # what is served is not only a teacher
 
 
 def test_no_module_imports_another_modules_private_name():
@@ -170,7 +193,7 @@ def _parameter_count(fn: ast.FunctionDef | ast.AsyncFunctionDef, in_class: bool)
 
 
 MAX_PARAMETERS = 6
-NARROW = ("ars_opd/training", "ars_opd/teacher/server")
+NARROW = ("ars_opd/training", "ars_opd/serving/server")
 
 
 def wide_functions(limit: int = MAX_PARAMETERS, roots: tuple[str, ...] = NARROW) -> list[str]:

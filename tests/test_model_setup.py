@@ -51,7 +51,7 @@ def test_models_stage_writes_loadable_pinned_models(built):
         m = load_model(d, role)
         assert m.config.vocab_size == len(tok)
         assert (d / role / "model.safetensors").exists()
-        # each model directory is self-contained (the teacher server loads it alone)
+        # each model directory is self-contained (the bundled server loads it alone)
         assert AutoTokenizer.from_pretrained(d / role).get_vocab() == tok.get_vocab()
 
 

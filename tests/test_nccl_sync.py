@@ -217,7 +217,7 @@ def test_versions_travel_in_vllms_protocol_and_the_engine_gets_the_trainers_weig
 
 def test_the_recorded_payloads_parse_in_vllms_own_classes(student, tmp_path):
     """The init and update bodies the trainer sent, read by vLLM's dataclasses in the vLLM environment."""
-    from ars_opd.teacher.client.vllm_server import vllm_python
+    from ars_opd.serving.vllm_server import vllm_python
 
     engine = FakeVllm(copy.deepcopy(student), workers=1)
     try:

@@ -19,7 +19,7 @@ from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.lm.opd_objectives import check_config, get_objective
 from ars_opd.models.loading import load_model, load_tokenizer, model_path
 from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError
-from ars_opd.teacher.client.generate import LOCAL_MODEL_NAME, local_teacher_server
+from ars_opd.teacher.client.generate import LOCAL_MODEL_NAME, local_server
 from ars_opd.teacher.client.score import ScoringError
 from ars_opd.training.opd import run_opd
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
@@ -82,7 +82,7 @@ def test_endpoint_scores_equal_the_local_forward(micro):
     local = LocalTeacher(load_model(models, "teacher"), len(tokenizer), chunk_size=7, topk=5)
     batches = _batches(tokenizer)
     worst = {"token": 0.0, "topk": 0.0}
-    with local_teacher_server(model_path(models, "teacher"), SERVER, max_logprobs=5) as url:
+    with local_server(model_path(models, "teacher"), SERVER, max_logprobs=5) as url:
         remote = _endpoint(url, len(tokenizer))
         try:
             for name in ("sampled_token", "topk"):
@@ -131,7 +131,7 @@ def test_faults_on_the_endpoint_leave_the_scores_identical(micro):
     objective = get_objective("topk")
     # one row per forward, so a retried request cannot meet other batch mates (bit-identical answers)
     alone = dataclasses.replace(SERVER, max_batch_size=1)
-    with local_teacher_server(model_path(models, "teacher"), alone, max_logprobs=5) as url:
+    with local_server(model_path(models, "teacher"), alone, max_logprobs=5) as url:
         direct, faulty = [dict(b) for b in batches], [dict(b) for b in batches]
         clean = _endpoint(url, len(tokenizer))
         clean.attach(direct, objective)
@@ -154,7 +154,7 @@ def test_faults_on_the_endpoint_leave_the_scores_identical(micro):
 def test_a_sequence_that_keeps_failing_stops_the_step_naming_the_endpoint(micro):
     models = _models_dir(micro)
     tokenizer = load_tokenizer(models)
-    with local_teacher_server(model_path(models, "teacher"), SERVER, max_logprobs=5) as url:
+    with local_server(model_path(models, "teacher"), SERVER, max_logprobs=5) as url:
         proxy = FaultyProxy(fault_rate=1.0, retry_after_s=0.05, hang_s=5.0, upstream=url.removesuffix("/v1"))
         with proxy:
             teacher = _endpoint(proxy.base_url, len(tokenizer), max_attempts=1, request_timeout_s=1.0)
@@ -270,7 +270,7 @@ def test_endpoint_opd_worker_never_loads_teacher_weights(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     p = load_params("params.yaml")
     teacher_dir = str(Path(model_path(p.paths.models_dir, "teacher")).resolve())
-    with local_teacher_server(teacher_dir, SERVER, max_logprobs=1) as url:
+    with local_server(teacher_dir, SERVER, max_logprobs=1) as url:
         job = TrainingJob(
             "opd",
             p.opd,

@@ -18,17 +18,17 @@ from types import SimpleNamespace
 import pytest
 
 from ars_opd.config import ConfigError, EndpointConfig, TeacherGenConfig, TeacherServerConfig
+from ars_opd.serving.local_server import server_env
+from ars_opd.serving.server import app as server_app
+from ars_opd.serving.server import engine as engine_module
+from ars_opd.serving.server.admission import Limits, RowQueue, Throughput, budget, plan
+from ars_opd.serving.server.handlers import ENGINE_KEY
+from ars_opd.serving.server.jobs import Job, ScoreJob
+from ars_opd.serving.server.options import ServerOptions
 from ars_opd.teacher.client.cache import TeacherCache, cache_key
 from ars_opd.teacher.client.chat import TeacherRequest, ask_all
 from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make_client, post_json
 from ars_opd.teacher.client.generate import REMOTE_CONCURRENCY, resolve_concurrency
-from ars_opd.teacher.client.local_server import server_env
-from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server import engine as engine_module
-from ars_opd.teacher.server.admission import Limits, RowQueue, Throughput, budget, plan
-from ars_opd.teacher.server.handlers import ENGINE_KEY
-from ars_opd.teacher.server.jobs import Job, ScoreJob
-from ars_opd.teacher.server.options import ServerOptions
 from fake_endpoint import FakeEndpoint
 from server_thread import ServerThread
 from tiny_models import save_tiny_model
@@ -56,7 +56,7 @@ def serve(model_dir):
     servers = []
 
     def start(**options) -> ServerThread:
-        srv = ServerThread(teacher_server.create_app(str(model_dir), ServerOptions(model_name=MODEL, **options)))
+        srv = ServerThread(server_app.create_app(str(model_dir), ServerOptions(model_name=MODEL, **options)))
         servers.append(srv)
         return srv
 

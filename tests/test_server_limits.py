@@ -10,10 +10,10 @@ import time
 import aiohttp
 import pytest
 
-from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server.handlers import BODY_LIMIT_KEY, ENGINE_KEY
-from ars_opd.teacher.server.options import ServerOptions
-from ars_opd.teacher.server.preparation import CHARS_MARGIN
+from ars_opd.serving.server import app as server_app
+from ars_opd.serving.server.handlers import BODY_LIMIT_KEY, ENGINE_KEY
+from ars_opd.serving.server.options import ServerOptions
+from ars_opd.serving.server.preparation import CHARS_MARGIN
 from server_thread import ServerThread
 from tiny_models import save_tiny_model
 
@@ -23,7 +23,7 @@ MODEL = "tiny"
 def _serve(tmp_path_factory, tokenizer, context: int) -> ServerThread:
     """The bundled server, in this process, on a tiny model whose context is ``context`` tokens."""
     model_dir = save_tiny_model(tmp_path_factory.mktemp(f"ctx{context}"), tokenizer, context=context)
-    return ServerThread(teacher_server.create_app(str(model_dir), ServerOptions(model_name=MODEL, max_wait_ms=1)))
+    return ServerThread(server_app.create_app(str(model_dir), ServerOptions(model_name=MODEL, max_wait_ms=1)))
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +58,8 @@ def test_the_bounds_follow_the_context_and_the_tokenizer(small_context, char_tok
     assert preparer.max_prompt_chars == 256 * longest * CHARS_MARGIN
     assert (
         small_context.app[BODY_LIMIT_KEY]
-        == teacher_server.body_limit(preparer.max_prompt_chars)
-        == teacher_server.BYTES_PER_CHAR * preparer.max_prompt_chars + teacher_server.BODY_OVERHEAD
+        == server_app.body_limit(preparer.max_prompt_chars)
+        == server_app.BYTES_PER_CHAR * preparer.max_prompt_chars + server_app.BODY_OVERHEAD
     )
     # the premise of the bound: no token covers more than `longest` characters of the text (vocabulary words,
     # letters, spaces and characters the tokenizer does not know, in random order)

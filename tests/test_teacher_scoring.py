@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from ars_opd.config import EndpointConfig
+from ars_opd.serving.server import app as server_app
+from ars_opd.serving.server.options import ServerOptions
 from ars_opd.teacher.client.endpoint import ClientSettings, RetryableError, make_client
 from ars_opd.teacher.client.score import ScoringError, check_tokenizer, parse_prompt_logprobs, score_sequences
-from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server.options import ServerOptions
 from server_thread import ServerThread
 from test_teacher_server import save_scaled_model
 from tolerances import forward_bound, two_computations, vs_oracle
@@ -76,7 +76,7 @@ def scorer_dir(tmp_path_factory, char_tokenizer):
 @pytest.fixture(scope="module")
 def scorer(scorer_dir):
     srv = ServerThread(
-        teacher_server.create_app(
+        server_app.create_app(
             str(scorer_dir), ServerOptions(model_name=MODEL, max_batch_size=64, max_wait_ms=50, max_logprobs=8)
         )
     )

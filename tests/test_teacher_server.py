@@ -1,4 +1,4 @@
-"""The teacher server over real HTTP on 127.0.0.1: OpenAI wire format, batching, sampling, streaming, errors.
+"""The bundled server over real HTTP on 127.0.0.1: OpenAI wire format, batching, sampling, streaming, errors.
 
 The oracle for greedy text is ``ars_opd.lm.generation.generate_token_ids`` on the same model directory,
 which shares no code with the server's engine, sampler or stopping logic. One test runs the module as
@@ -27,9 +27,9 @@ from ars_opd.config import ArchConfig
 from ars_opd.data.prompts import encode_prompt
 from ars_opd.lm.generation import decode_completion, generate_token_ids
 from ars_opd.models.builtin import build_causal_lm
-from ars_opd.teacher.server import app as teacher_server
-from ars_opd.teacher.server import handlers, sampling
-from ars_opd.teacher.server.options import ServerOptions
+from ars_opd.serving.server import app as server_app
+from ars_opd.serving.server import handlers, sampling
+from ars_opd.serving.server.options import ServerOptions
 from server_thread import ServerThread
 
 MODEL = "tiny-teacher"
@@ -65,7 +65,7 @@ def save_scaled_model(d: Path, tokenizer, num_layers: int, seed: int, scale: flo
 def server(model_dir):
     # a generous wait makes "concurrent requests share a batch" hold even on a busy 2-core machine
     srv = ServerThread(
-        teacher_server.create_app(str(model_dir), ServerOptions(model_name=MODEL, max_batch_size=64, max_wait_ms=50))
+        server_app.create_app(str(model_dir), ServerOptions(model_name=MODEL, max_batch_size=64, max_wait_ms=50))
     )
     yield srv
     srv.close()
@@ -364,7 +364,7 @@ def test_module_runs_as_a_process_and_stops_cleanly_on_sigterm(model_dir, tmp_pa
         [
             sys.executable,
             "-m",
-            "ars_opd.teacher.server",
+            "ars_opd.serving.server",
             str(model_dir),
             "--port",
             "0",
@@ -411,9 +411,9 @@ STAGE = """
 import json, sys, time
 from pathlib import Path
 from ars_opd.config import TeacherServerConfig
-from ars_opd.teacher.client.local_server import local_teacher_server
+from ars_opd.serving.local_server import local_server
 
-with local_teacher_server(sys.argv[1], TeacherServerConfig(threads=1)) as url:
+with local_server(sys.argv[1], TeacherServerConfig(threads=1)) as url:
     print(url, flush=True)
     time.sleep(600)  # killed with SIGKILL here: no cleanup runs
 """
@@ -475,7 +475,7 @@ def test_a_started_server_stops_when_its_stage_is_killed(model_dir):
 
 WRAPPED_STAGE = """
 import subprocess, sys, time
-from ars_opd.teacher.client.local_server import exit_with_parent
+from ars_opd.serving.local_server import exit_with_parent
 
 proc = subprocess.Popen(exit_with_parent(["/bin/sleep", "600"]), start_new_session=True)
 print(proc.pid, flush=True)

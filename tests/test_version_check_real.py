@@ -120,13 +120,13 @@ TENSORS = 138  # 137 published (the tied head left out) and the head the engine 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", [None, "ignore_weight_updates", "keep_old_head"])
 def test_the_bundled_engine_at_real_scale(student_dir, versions, tmp_path, fault):
-    from ars_opd.teacher.server import app as teacher_server
-    from ars_opd.teacher.server.options import ServerOptions
+    from ars_opd.serving.server import app as server_app
+    from ars_opd.serving.server.options import ServerOptions
     from server_thread import ServerThread
 
     faults = {fault: True} if fault else {}
     opts = ServerOptions(model_name="student", max_batch_size=8, max_wait_ms=1, weight_updates=True, **faults)
-    server = ServerThread(teacher_server.create_app(str(student_dir), opts))
+    server = ServerThread(server_app.create_app(str(student_dir), opts))
     try:
         first, second = two_syncs(EngineClient(server.url, "student"), versions, tmp_path / "sync")
     finally:
@@ -138,7 +138,7 @@ def test_the_bundled_engine_at_real_scale(student_dir, versions, tmp_path, fault
 def real_vllm(student_dir, tmp_path_factory):
     """One vLLM (the stage's rollout-engine flags, fp32, a short context) serving the real student for the module;
     an error, never a skip, when it cannot start."""
-    from ars_opd.teacher.client.vllm_server import VLLMOptions, VLLMServer
+    from ars_opd.serving.vllm_server import VLLMOptions, VLLMServer
     from conftest import ONE_PROCESS_ENGINE
 
     opts = VLLMOptions(served_model_name="student", weight_sync=True, max_model_len=128, extra_args=ONE_PROCESS_ENGINE)

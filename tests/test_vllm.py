@@ -197,7 +197,7 @@ def _stage_failure(root: Path, **teacher_gen) -> tuple[int, list[str]]:
 
 def test_wrong_model_unreachable_port_and_overlong_prompt_give_our_errors(vllm_teacher, in_tmp):
     """Each is one line on stderr naming what to do, exit code 4 (an endpoint error), no traceback."""
-    from ars_opd.teacher.client.vllm_server import free_port
+    from ars_opd.serving.vllm_server import free_port
 
     _gen_workspace(in_tmp, vllm_teacher, n=30, eval_size=4)
     code, err = _stage_failure(in_tmp, endpoint=vllm_teacher.url, model="no-such-model")
@@ -407,7 +407,7 @@ def test_vllm_serve_runs_the_command_after_dashes_against_the_server(monkeypatch
     import contextlib
 
     from ars_opd import cli
-    from ars_opd.teacher.client import vllm_server
+    from ars_opd.serving import vllm_server
 
     started = []
 

@@ -1,4 +1,4 @@
-"""How vLLM is launched for the build it is, without starting one (``ars_opd.teacher.client.vllm_server``).
+"""How vLLM is launched for the build it is, without starting one (``ars_opd.serving.vllm_server``).
 
 - **The build decides the CPU settings.** A CPU build gets fp32, ``--enforce-eager`` and a 256 MiB KV cache,
   the command byte for byte as before the build was asked; a GPU build gets vLLM's ``--dtype auto``, CUDA
@@ -25,8 +25,8 @@ import pytest
 
 from ars_opd.config import ConfigError, OPDConfig, RolloutEngineConfig
 from ars_opd.rollouts import engines, stage
-from ars_opd.teacher.client import vllm_server
-from ars_opd.teacher.client.vllm_server import (
+from ars_opd.serving import vllm_server
+from ars_opd.serving.vllm_server import (
     PYTHON_ENV,
     VLLMOptions,
     VLLMServer,

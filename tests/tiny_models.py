@@ -1,7 +1,7 @@
 """Tiny models on disk, for the tests that need a model directory.
 
 ``save_tiny_model`` writes a one-layer built-in model (hidden 16) with its tokenizer: a self-contained
-Hugging Face directory, the shape of a user's local teacher or student, loadable by the teacher server
+Hugging Face directory, the shape of a user's local teacher or student, loadable by the bundled server
 (``context``: its context length, for the server's prompt bounds). ``prepare_local_models`` runs the
 models stage on one thread into ``root/models`` (metrics in ``root/m.json``), as the tests of pinning, of
 the teacher gate and of the models stage itself do. ``sync_student`` and ``perturbed`` are the weight-sync

@@ -11,8 +11,8 @@ real checkpoint's ``generation_config.json`` carries sampling defaults (Qwen2.5-
 duration of each call the model's ``generation_config`` is replaced by one that holds only this call's
 settings (``_own_decoding_policy``; restored afterwards, so a published model keeps its own). Otherwise the
 rollouts would not be samples of the student's distribution, which ``sampled_token`` needs and every OPD
-objective assumes, and greedy evaluation would be something else than greedy. The bundled teacher server
-does the same (``ars_opd.teacher.server.engine``).
+objective assumes, and greedy evaluation would be something else than greedy. The bundled server
+does the same (``ars_opd.serving.server.engine``).
 
 A model may stop at several EOS ids: ``eos_token_ids`` is the tokenizer's EOS plus the model's
 ``generation_config.eos_token_id`` (one id or a list), and any of them ends a completion, here, in the

@@ -2,7 +2,7 @@
 
 ``build_causal_lm`` creates a Qwen3- or Llama-shaped model for the local tokenizer with a seeded
 initialisation; saved beside a copy of the tokenizer it is a complete HF directory that
-``from_pretrained`` and the teacher server load.
+``from_pretrained`` and the bundled server load.
 
 The offline default needs a teacher that is good at the tasks, so the ``models`` stage trains one from
 scratch (``train_builtin_teacher``): a fresh, seeded stream of synthetic examples each step (no example

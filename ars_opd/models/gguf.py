@@ -7,7 +7,7 @@ half-read by a parser of ours.
 
 The loaded model cannot be used as it is by the rest of the pipeline: transformers marks it as quantized
 (``quantization_config: {quant_method: gguf}``) and refuses to ``save_pretrained`` it, every later stage and
-the teacher server load directories, and vLLM's CPU build serves directories. So ``convert_gguf`` writes a
+the bundled server load directories, and vLLM's CPU build serves directories. So ``convert_gguf`` writes a
 plain HF directory: the same architecture's config without the quantization entry, the dequantized weights as
 fp32 safetensors (loaded into a model built from that config, strictly: every tensor accounted for), the
 tokenizer with its chat template, and the generation config (its EOS and padding ids). The models stage pins

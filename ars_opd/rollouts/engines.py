@@ -2,15 +2,15 @@
 
 ``opd.engine.server``:
 
-- ``bundled``: our server (``python -m ars_opd.teacher.server``) with weight updates on, the embedded
+- ``bundled``: our server (``python -m ars_opd.serving.server``) with weight updates on, the embedded
   default: nothing to install;
-- ``vllm``: vLLM from its own environment (``ars_opd.teacher.client.vllm_server``), started with our weight
+- ``vllm``: vLLM from its own environment (``ars_opd.serving.vllm_server``), started with our weight
   sync worker extension, chunked prefill off (per-request seeds otherwise crash vLLM CPU's engine) and
   vLLM's own generation defaults (never the checkpoint's);
 - an ``http(s)://`` URL: a server the user started (the README gives the exact vLLM command); it must have
   the extension loaded and ``VLLM_SERVER_DEV_MODE=1``, which the first sync checks.
 
-A started vLLM's launch fits its build (``ars_opd.teacher.client.vllm_server``: fp32, eager and a small KV cache
+A started vLLM's launch fits its build (``ars_opd.serving.vllm_server``: fp32, eager and a small KV cache
 on a CPU build; the checkpoint's dtype, CUDA graphs and ``opd.engine.gpu_memory_utilization`` on a GPU build)
 and its context is what the stage asks for (``vllm_options``), not the student's full context.
 
@@ -97,7 +97,7 @@ def vllm_options(engine, student_dir: str, context: int = 0):
     is ``opd.engine.max_model_len`` when set, else ``context`` (the stage's need) up to the student's
     ``max_position_embeddings``: vLLM reserves KV cache for a full context per sequence, and a real student's
     (40,960 for Qwen3) would not start where the stage's few hundred tokens do."""
-    from ars_opd.teacher.client.vllm_server import VLLMOptions
+    from ars_opd.serving.vllm_server import VLLMOptions
 
     model_context = int(json.loads((Path(student_dir) / "config.json").read_text())["max_position_embeddings"])
     return VLLMOptions(
@@ -119,7 +119,7 @@ def check_engine_dtype(engine, opts) -> None:
     version check holds its first sync to the derived fp32 bound (``opd.engine.probe_tolerance`` null): it
     would refuse that sync after the minutes of start-up. ``opts``: resolved for the build."""
     from ars_opd.config import ConfigError
-    from ars_opd.teacher.client.vllm_server import FP32
+    from ars_opd.serving.vllm_server import FP32
 
     if opts.dtype not in FP32 and engine.probe_tolerance is None:
         raise ConfigError(
@@ -135,14 +135,14 @@ def rollout_engine(engine, student_dir: str, log_dir: Path, context: int = 0) ->
     """Start (or name) the engine described by ``engine`` (``RolloutEngineConfig``); yield its base URL.
     ``context``: the longest sequence the stage asks of it (``stage_context``), a started vLLM's default context."""
     if engine.server == BUNDLED:
-        from ars_opd.teacher.client.local_server import local_teacher_server
+        from ars_opd.serving.local_server import local_server
 
-        with local_teacher_server(
+        with local_server(
             student_dir, engine.bundled, model_name=engine.model, extra_args=("--weight-updates",)
         ) as url:
             yield url
     elif engine.server == VLLM:
-        from ars_opd.teacher.client.vllm_server import resolve_build, resolve_options, vllm_server
+        from ars_opd.serving.vllm_server import resolve_build, resolve_options, vllm_server
 
         opts = vllm_options(engine, student_dir, context)
         opts = resolve_options(opts, resolve_build(opts))

@@ -4,7 +4,7 @@ Face names, compared with the tensors the trainer published.
 The probe (``ars_opd.rollouts.verify``) compares log-probabilities within a tolerance, so an update smaller than
 twice the tolerance leaves a stale engine undetected. A hash has no tolerance: after each load the engine hashes
 what it holds (``POST /collective_rpc`` ``ars_opd_fingerprint``: the bundled server every tensor of its model,
-``ars_opd.teacher.server.weights``; vLLM our worker extension, ``ars_opd.rollouts.vllm_extension``, which reads
+``ars_opd.serving.server.weights``; vLLM our worker extension, ``ars_opd.rollouts.vllm_extension``, which reads
 a CPU linear layer's weight back through its own kernel and maps packed layers back to the checkpoint's
 names), and rank 0 hashes what it published (in a thread, while the engine loads). A tensor whose hashes differ
 is refused by name; a tensor the engine cannot read (a quantized layer; an engine without the method) is
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ars_opd.teacher.server.weights import dtype_name, tensor_sha256  # the engines' format, defined with them
+from ars_opd.serving.server.weights import dtype_name, tensor_sha256  # the engines' format, defined with them
 
 __all__ = ["FingerprintResult", "TrainerHashes", "compare", "dtype_name", "tensor_sha256"]
 

@@ -4,7 +4,7 @@ says exactly which weights the engine computes with (the fingerprint).
 STANDALONE: vLLM runs in its own environment (``.venv-vllm``), which does not have the ``ars_opd`` package, so
 this file imports only the standard library at the top, and torch, safetensors and vLLM inside the methods
 (it runs inside vLLM's worker process). ``VLLMOptions(weight_sync=True)``
-(``ars_opd.teacher.client.vllm_server``) copies it next to the server as ``ars_opd_vllm_ext.py`` and starts
+(``ars_opd.serving.vllm_server``) copies it next to the server as ``ars_opd_vllm_ext.py`` and starts
 vLLM with what weight sync needs, each flag for a reason measured on vLLM CPU 0.32 (fp32):
 
 - ``VLLM_SERVER_DEV_MODE=1``: enables ``POST /collective_rpc`` ``{"method", "kwargs"}`` ->

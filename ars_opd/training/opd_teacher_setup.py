@@ -23,8 +23,8 @@ from ars_opd.config import OPDConfig, PathsConfig
 from ars_opd.lm.precision import frozen_model_dtype
 from ars_opd.models.loading import load_model, load_tokenizer, model_path
 from ars_opd.models.tokenizer import check_shared_tokenizer
+from ars_opd.serving.local_server import LOCAL_MODEL_NAME, local_server
 from ars_opd.teacher.client.endpoint import ClientSettings, api_key, make_client, preflight
-from ars_opd.teacher.client.local_server import LOCAL_MODEL_NAME, local_teacher_server
 from ars_opd.teacher.client.score import check_tokenizer
 from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
@@ -90,7 +90,7 @@ def scoring_endpoint(cfg: OPDConfig, paths: PathsConfig) -> Iterator[ScoringEndp
     if ep.endpoint != "local":
         yield ScoringEndpoint(ep.endpoint, ep.model, ClientSettings(ep.endpoint, key, ep))
         return
-    with local_teacher_server(
+    with local_server(
         model_path(paths.models_dir, "teacher"), cfg.teacher_server, max_logprobs=max(cfg.topk, 1)
     ) as url:
         yield ScoringEndpoint(url, LOCAL_MODEL_NAME, ClientSettings(url, key, ep))

@@ -3,7 +3,7 @@
 Flow: read the subset splits; build one request per prompt (the configured system prompt prepended
 where a prompt has none) and its cache key; ask only for keys missing from the persistent cache
 (``ars_opd.teacher.client.chat``); join answers back to the prompts in subset order. With ``endpoint: local``
-the stage starts the bundled server (``ars_opd.teacher.server``) on 127.0.0.1 for the teacher pinned by the
+the stage starts the bundled server (``ars_opd.serving.server``) on 127.0.0.1 for the teacher pinned by the
 models stage, and stops it afterwards, also on errors and Ctrl-C.
 
 The cache key covers model name, model revision (the teacher's file hash for the local server, or
@@ -37,6 +37,7 @@ from pathlib import Path
 from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
 from ars_opd.config import LOCAL_ENDPOINT, PathsConfig, TeacherGenConfig, to_dict
 from ars_opd.models.loading import model_path, read_manifest
+from ars_opd.serving.local_server import LOCAL_MODEL_NAME, batch_rows, local_server
 from ars_opd.teacher.client import endpoint
 from ars_opd.teacher.client.cache import TeacherCache, cache_key
 from ars_opd.teacher.client.chat import AskSummary, TeacherRequest, ask_all, count_by_reason
@@ -48,7 +49,6 @@ from ars_opd.teacher.client.failures import (
     is_remembered,
     write_failure_report,
 )
-from ars_opd.teacher.client.local_server import LOCAL_MODEL_NAME, batch_rows, local_teacher_server
 
 SPLITS = ("train", "eval")
 FAILURES_FILE, MANIFEST_FILE = "failures.jsonl", "manifest.json"
@@ -90,9 +90,7 @@ def bundled_server(cfg: TeacherGenConfig, model_dir: str, log_requests: str | No
     """The bundled server as ``endpoint: local`` starts it for ``model_dir`` (a context manager yielding its base
     URL): ``teacher_gen.server``'s batching and threads, and pushback past ``server.max_queue_fraction`` of
     this client's ``request_timeout_s``."""
-    return local_teacher_server(
-        model_dir, cfg.server, log_requests=log_requests, request_timeout_s=cfg.request_timeout_s
-    )
+    return local_server(model_dir, cfg.server, log_requests=log_requests, request_timeout_s=cfg.request_timeout_s)
 
 
 def build_requests(

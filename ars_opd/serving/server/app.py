@@ -1,27 +1,27 @@
 """A small OpenAI-compatible chat server for any local Hugging Face causal-LM directory.
 
-``python -m ars_opd.teacher.server MODEL_DIR --port 0 --ready-file ready.json`` loads the model and its
+``python -m ars_opd.serving.server MODEL_DIR --port 0 --ready-file ready.json`` loads the model and its
 tokenizer, listens on 127.0.0.1, and writes ``{"host", "port", "pid", "model"}`` to the ready file once it
 answers. Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /stats`` (batching counters),
 ``POST /v1/chat/completions``, plain or streamed as Server-Sent Events in OpenAI's chunk format,
 ``POST /v1/completions`` for scoring (token-id prompts with ``prompt_logprobs: k``, ``max_tokens`` 0 or 1,
-``echo``, answered in exactly vLLM's shape: ``ars_opd.teacher.server.scoring``) and, without
+``echo``, answered in exactly vLLM's shape: ``ars_opd.serving.server.scoring``) and, without
 ``prompt_logprobs``, for generating from one token-id prompt (a rollout engine's request:
-``ars_opd.teacher.server.generation``), vLLM's ``POST /tokenize``, and, with ``--weight-updates``, vLLM's
+``ars_opd.serving.server.generation``), vLLM's ``POST /tokenize``, and, with ``--weight-updates``, vLLM's
 ``POST /collective_rpc`` for two methods, ``ars_opd_load_weights`` (load a published safetensors file between
-batches: ``ars_opd.teacher.server.weights``; ``--ignore-weight-updates`` is a fault injection for tests) and
+batches: ``ars_opd.serving.server.weights``; ``--ignore-weight-updates`` is a fault injection for tests) and
 ``ars_opd_fingerprint`` (the sha256 of every loaded tensor, for the trainer's version check).
 Each chat request's messages go through the directory's chat template (generation
-prompt appended); requests are answered by the route handlers of ``ars_opd.teacher.server.handlers``,
-prepared by ``ars_opd.teacher.server.preparation`` (validated by ``ars_opd.teacher.server.validation``) and
-batched, chat and scoring rows alike, by ``ars_opd.teacher.server.engine``. This module builds the
+prompt appended); requests are answered by the route handlers of ``ars_opd.serving.server.handlers``,
+prepared by ``ars_opd.serving.server.preparation`` (validated by ``ars_opd.serving.server.validation``) and
+batched, chat and scoring rows alike, by ``ars_opd.serving.server.engine``. This module builds the
 application (routes, body limit, the batcher's lifetime) and runs the process: ``serve``, ``run_server`` and
 the command line, ``main``.
 
 One client cannot stall the others: a body larger than ``body_limit`` (what the longest prompt that fits
 the context can take, JSON-escaped) is answered 413 without being decoded; decoding, validation, chat
 template and tokenization run in threads, off the event loop; a prompt with more characters than the
-context can hold is refused with 400 before it is tokenized (``ars_opd.teacher.server.preparation``). Nor is
+context can hold is refused with 400 before it is tokenized (``ars_opd.serving.server.preparation``). Nor is
 work done for clients that have gone: a client that times out or drops its connection cancels its handler
 (``app_runner``), and its row is dropped if still queued or stopped at its batch's next decoding step.
 
@@ -48,10 +48,10 @@ from typing import Sequence
 import torch
 from aiohttp import web
 
-from ars_opd.teacher.server import handlers
-from ars_opd.teacher.server.engine import DTYPES, TeacherEngine
-from ars_opd.teacher.server.handlers import BODY_LIMIT_KEY, ENGINE_KEY, REQUEST_LOG_KEY
-from ars_opd.teacher.server.options import ServerOptions
+from ars_opd.serving.server import handlers
+from ars_opd.serving.server.engine import DTYPES, TeacherEngine
+from ars_opd.serving.server.handlers import BODY_LIMIT_KEY, ENGINE_KEY, REQUEST_LOG_KEY
+from ars_opd.serving.server.options import ServerOptions
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 64 << 20  # the largest body any model gets (aiohttp's default of 1 MiB is too small)

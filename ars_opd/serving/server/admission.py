@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-from ars_opd.teacher.server.jobs import Job, ScoreJob
+from ars_opd.serving.server.jobs import Job, ScoreJob
 
 Row = Job | ScoreJob
 

@@ -29,7 +29,7 @@ class ServerOptions:
     """Most token budget in one generate call: rows × their longest ``max_tokens`` (None: rows only)."""
     max_queue_s: float | None = None
     """Answer a generation request 429 with Retry-After when its estimated time to an answer (the queue ahead
-    at the measured speed, ``ars_opd.teacher.server.admission``) exceeds this many seconds (None: never)."""
+    at the measured speed, ``ars_opd.serving.server.admission``) exceeds this many seconds (None: never)."""
     threads: int | None = None
     """torch intra-op threads of the server process (None: torch's choice)."""
     device: str = "cpu"

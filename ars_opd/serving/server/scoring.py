@@ -30,8 +30,8 @@ from typing import Callable
 import torch
 
 from ars_opd.lm.head import OutputHead, last_hidden_states
-from ars_opd.teacher.server.options import DEFAULT_MAX_LOGPROBS
-from ars_opd.teacher.server.validation import UNSUPPORTED_FIELDS, RequestError, check_model
+from ars_opd.serving.server.options import DEFAULT_MAX_LOGPROBS
+from ars_opd.serving.server.validation import UNSUPPORTED_FIELDS, RequestError, check_model
 
 
 @dataclass(frozen=True)

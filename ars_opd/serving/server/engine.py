@@ -2,22 +2,22 @@
 
 A batcher task takes the first waiting request, waits ``max_wait_ms`` for others (again while a burst is
 still arriving), and runs them in arrival order, up to ``max_batch_size`` rows and ``max_batch_tokens``
-(rows × longest ``max_tokens``: the queue and its batches are ``ars_opd.teacher.server.admission``),
+(rows × longest ``max_tokens``: the queue and its batches are ``ars_opd.serving.server.admission``),
 left-padded, through one ``model.generate`` call in a single worker thread, so the event loop keeps
 accepting requests while the next batch gathers. Rows of one batch may differ in temperature, top_p,
 max_tokens, seed and stop strings:
 
-* sampling is a logits processor, ``ars_opd.teacher.server.sampling.RowSampler``: per-row temperature,
+* sampling is a logits processor, ``ars_opd.serving.server.sampling.RowSampler``: per-row temperature,
   top_p and seeded Gumbel noise, so a seeded request gives the same text alone or batched.
 * a stopping criterion called after every decoding step records each row's new token, ends the row at
   EOS, at a stop string or at its ``max_tokens``, and pushes the row's progress to its request, which is
   how streaming sends tokens while they are generated.
 
-The rows and the events that answer them are ``ars_opd.teacher.server.jobs``. Scoring rows
-(``/v1/completions`` with ``prompt_logprobs``, ``ars_opd.teacher.server.scoring``) wait in the same
+The rows and the events that answer them are ``ars_opd.serving.server.jobs``. Scoring rows
+(``/v1/completions`` with ``prompt_logprobs``, ``ars_opd.serving.server.scoring``) wait in the same
 queue and are taken into the same batches; a batch's scoring rows run as one right-padded forward before its
 chat rows generate. Token-id generation rows (``/v1/completions`` without ``prompt_logprobs``,
-``ars_opd.teacher.server.generation``) are chat rows without a template: they also stop at their request's
+``ars_opd.serving.server.generation``) are chat rows without a template: they also stop at their request's
 ``stop_token_ids`` and keep each sampled token's raw log-probability (``RowSampler.raw_logprob``).
 
 Weight loads (``load_weights``, the ``/collective_rpc`` route) take the lock each batch holds while it runs
@@ -29,7 +29,7 @@ defaults: temperature 1, top_p 1) decide the decoding alone. On stop, the runnin
 decoding step and requests still in flight are answered with 503.
 
 Requests reach the queue prepared: decoded, validated and tokenized off the event loop by the engine's
-``requests`` (``ars_opd.teacher.server.preparation``), which the engine starts and stops with its batcher.
+``requests`` (``ars_opd.serving.server.preparation``), which the engine starts and stops with its batcher.
 """
 
 from __future__ import annotations
@@ -56,15 +56,15 @@ from transformers import (
 )
 
 from ars_opd.lm.batching import pad_left
-from ars_opd.teacher.server.admission import Limits, RowQueue, Throughput, budget, plan
-from ars_opd.teacher.server.generation import GenerateRequest
-from ars_opd.teacher.server.jobs import Job, Progress, ScoreJob
-from ars_opd.teacher.server.options import ServerOptions
-from ars_opd.teacher.server.preparation import RequestPreparer
-from ars_opd.teacher.server.sampling import RowSampler
-from ars_opd.teacher.server.scoring import ScoreRequest, score_rows
-from ars_opd.teacher.server.validation import ChatRequest, RequestError
-from ars_opd.teacher.server.weights import load_state_file, state_fingerprint
+from ars_opd.serving.server.admission import Limits, RowQueue, Throughput, budget, plan
+from ars_opd.serving.server.generation import GenerateRequest
+from ars_opd.serving.server.jobs import Job, Progress, ScoreJob
+from ars_opd.serving.server.options import ServerOptions
+from ars_opd.serving.server.preparation import RequestPreparer
+from ars_opd.serving.server.sampling import RowSampler
+from ars_opd.serving.server.scoring import ScoreRequest, score_rows
+from ars_opd.serving.server.validation import ChatRequest, RequestError
+from ars_opd.serving.server.weights import load_state_file, state_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class ServerStats:
     step_fixed_s: float | None = None
     """The wait estimate's model of a decoding step: this many seconds ..."""
     step_per_row_s: float | None = None
-    """... plus this many per row of the batch (``ars_opd.teacher.server.admission.Throughput``)."""
+    """... plus this many per row of the batch (``ars_opd.serving.server.admission.Throughput``)."""
 
 
 class TeacherEngine:
@@ -239,7 +239,7 @@ class TeacherEngine:
         return job
 
     def submit_generation(self, request: GenerateRequest) -> Job:
-        """One queued row for a token-id generation request (``ars_opd.teacher.server.generation``)."""
+        """One queued row for a token-id generation request (``ars_opd.serving.server.generation``)."""
         if self.stopping or self._pending is None:
             raise RequestError(503, "the server is shutting down", "unavailable")
         job = Job(
@@ -294,7 +294,7 @@ class TeacherEngine:
 
         Takes the lock a batch holds while it runs, then loads on the generation thread, so no batch ever
         runs on a half-loaded model; a file that does not fit the model is refused before any tensor is
-        copied (``ars_opd.teacher.server.weights``). Under the fault option ``ignore_weight_updates`` it
+        copied (``ars_opd.serving.server.weights``). Under the fault option ``ignore_weight_updates`` it
         reads and checks the file, answers the same, and keeps the old weights.
         """
         if self.stopping or self._model_lock is None:

@@ -1,7 +1,7 @@
 """Generating from a token-id prompt on ``POST /v1/completions``: the rollout engine's request, in vLLM's shape.
 
 A completions request *without* ``prompt_logprobs`` is a generation request (with it, a scoring request:
-``ars_opd.teacher.server.scoring``). It is what an OPD trainer that generates its student's rollouts on an
+``ars_opd.serving.server.scoring``). It is what an OPD trainer that generates its student's rollouts on an
 engine sends, one prompt per request, and the same body works against vLLM:
 
 - ``prompt``: one list of token ids (one prompt per request; text and several prompts are refused);
@@ -15,7 +15,7 @@ engine sends, one prompt per request, and the same body works against vLLM:
 - ``skip_special_tokens`` only shapes ``text``.
 
 Sampling is softmax(logits / T) restricted to the top-p nucleus, by the chat path's ``RowSampler``
-(``ars_opd.teacher.server.sampling``), over the tokenizer's vocabulary (embedding rows beyond it are padding
+(``ars_opd.serving.server.sampling``), over the tokenizer's vocabulary (embedding rows beyond it are padding
 and are never sampled, as the trainer's head leaves them out). The checkpoint's generation_config does not
 apply (the engine resets it). Fields this server does not implement are refused with 400 when set to anything
 but their neutral value (``NEUTRAL``): a repetition penalty, ``min_p``, ``n`` > 1, stop strings, ... would
@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ars_opd.teacher.server.validation import RequestError, check_model
+from ars_opd.serving.server.validation import RequestError, check_model
 
 # field -> the values that mean "off"; anything else is refused (see the module docstring)
 NEUTRAL: dict[str, tuple] = {

@@ -1,4 +1,4 @@
-"""Validating OpenAI-style chat requests for the bundled teacher server.
+"""Validating OpenAI-style chat requests for the bundled server.
 
 ``parse_chat_request`` turns a decoded ``/v1/chat/completions`` body into a ``ChatRequest`` or raises
 ``RequestError`` with an OpenAI-style error body: 400 for client mistakes, 404 for an unknown model.

@@ -7,9 +7,9 @@ prompt must not stall every other client. Before tokenizing it refuses a prompt 
 that many characters of the text, so a longer prompt cannot fit (the factor 2 leaves room for
 normalizers that merge characters; a tokenizer that deletes most of its input, or whose unknown token
 covers whole words, could still be refused wrongly, with a message naming the bound). The application
-also derives its body-size limit from that bound (``ars_opd.teacher.server.app.body_limit``).
+also derives its body-size limit from that bound (``ars_opd.serving.server.app.body_limit``).
 
-The engine (``ars_opd.teacher.server.engine``) owns one preparer and starts and stops its threads; the
+The engine (``ars_opd.serving.server.engine``) owns one preparer and starts and stops its threads; the
 handlers hand it each body and submit what it returns to the engine's queue.
 """
 
@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from jinja2 import TemplateError
 
 from ars_opd.data.prompts import encode_prompt
-from ars_opd.teacher.server.generation import GenerateRequest, parse_generate_request
-from ars_opd.teacher.server.scoring import ScoreRequest, parse_score_request
-from ars_opd.teacher.server.validation import ChatRequest, RequestError, parse_chat_request
+from ars_opd.serving.server.generation import GenerateRequest, parse_generate_request
+from ars_opd.serving.server.scoring import ScoreRequest, parse_score_request
+from ars_opd.serving.server.validation import ChatRequest, RequestError, parse_chat_request
 
 CHARS_MARGIN = 2  # see the module docstring: max_prompt_chars
 PREPARE_THREADS = 4  # requests prepared at once: a few huge ones cannot hold up the small ones behind them
@@ -115,7 +115,7 @@ class RequestPreparer:
 
     def prepare_completion(self, body: bytes) -> ScoreRequest | GenerateRequest:
         """Raw ``/v1/completions`` body -> a scoring request when it has ``prompt_logprobs``, else a
-        generation request (``ars_opd.teacher.server.generation``); ``RequestError`` on a 4xx."""
+        generation request (``ars_opd.serving.server.generation``); ``RequestError`` on a 4xx."""
         try:
             decoded = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:

@@ -1,8 +1,9 @@
-"""The bundled teacher server as a local subprocess, for the stages that ask a teacher (teacher_gen, opd).
+"""The bundled server as a local subprocess: the teacher for the stages that ask one (teacher_gen, opd), or
+the student as opd's rollout engine.
 
-``local_teacher_server`` starts ``python -m ars_opd.teacher.server`` for a model directory on 127.0.0.1 (an
+``local_server`` starts ``python -m ars_opd.serving.server`` for a model directory on 127.0.0.1 (an
 ephemeral port, reported through a ready file), yields its base URL, and stops it afterwards, also on
-errors and Ctrl-C. The client side names the server only on that command line: nothing here imports it.
+errors and Ctrl-C. It names the server only on that command line: nothing here imports it.
 The server runs in its own session (a Ctrl-C at the terminal reaches this process, which stops it in order)
 and watches this process (``--parent-pid``): a ``kill -9`` here, which runs no cleanup, stops it within a
 second or two instead of leaving it serving. Its OpenMP threads wait passively (``SERVER_ENV``): on a shared
@@ -80,7 +81,7 @@ def batch_rows(server: TeacherServerConfig, max_tokens: int) -> int:
 
 
 @contextlib.contextmanager
-def local_teacher_server(
+def local_server(
     model_dir: str,
     server: TeacherServerConfig,
     model_name: str = LOCAL_MODEL_NAME,
@@ -102,7 +103,7 @@ def local_teacher_server(
         cmd = [
             sys.executable,
             "-m",
-            "ars_opd.teacher.server",
+            "ars_opd.serving.server",
             model_dir,
             "--model-name",
             model_name,
@@ -131,7 +132,7 @@ def local_teacher_server(
             cmd += ["--max-logprobs", str(max_logprobs)]
         cmd += list(extra_args)
         # the server runs this process's ars_opd (a worktree or checkout), not whichever one is installed
-        root = str(Path(__file__).resolve().parents[3])
+        root = str(Path(__file__).resolve().parents[2])
         env = server_env(root)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
@@ -140,12 +141,12 @@ def local_teacher_server(
                 if proc.poll() is not None:
                     log.seek(0)
                     raise LocalServerError(
-                        f"the local teacher server exited with {proc.returncode} "
+                        f"the local server for {model_dir} exited with {proc.returncode} "
                         f"before it was ready:\n{log.read()[-2000:]}"
                     )
                 if time.monotonic() > deadline:
                     raise LocalServerError(
-                        f"the local teacher server was not ready after {server.startup_timeout_s:.0f} s"
+                        f"the local server for {model_dir} was not ready after {server.startup_timeout_s:.0f} s"
                     )
                 time.sleep(0.05)
             info = json.loads(ready.read_text())

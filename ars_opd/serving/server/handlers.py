@@ -1,13 +1,13 @@
 """The bundled server's HTTP handlers: one coroutine per route, reading requests and writing answers.
 
 Each POST handler reads its body (413 past the app's ``BODY_LIMIT_KEY``), has the engine's ``requests``
-(``ars_opd.teacher.server.preparation``) prepare it in threads, submits its rows to the engine
-(``ars_opd.teacher.server.engine``) and turns the events that answer them (``ars_opd.teacher.server.jobs``)
+(``ars_opd.serving.server.preparation``) prepare it in threads, submits its rows to the engine
+(``ars_opd.serving.server.engine``) and turns the events that answer them (``ars_opd.serving.server.jobs``)
 into OpenAI's or vLLM's wire format: a whole ``chat.completion``, a stream of Server-Sent Events chunks, a
 scoring answer, errors as ``RequestError`` bodies. The rule the chat and scoring handlers keep: work
 proportional to a request's size runs off the event loop (decoding and tokenizing in the preparation threads,
 formatting a scoring answer in an executor), so one client cannot stall the others; ``/tokenize`` still
-decodes and tokenizes on the loop. The app (``ars_opd.teacher.server.app``) registers the handlers and fills
+decodes and tokenizes on the loop. The app (``ars_opd.serving.server.app``) registers the handlers and fills
 the keys they read.
 """
 
@@ -23,11 +23,11 @@ from typing import Sequence
 
 from aiohttp import web
 
-from ars_opd.teacher.server.engine import TeacherEngine
-from ars_opd.teacher.server.generation import GenerateRequest
-from ars_opd.teacher.server.jobs import Failure, Job, ScoreJob
-from ars_opd.teacher.server.scoring import vllm_prompt_logprobs
-from ars_opd.teacher.server.validation import ChatRequest, RequestError
+from ars_opd.serving.server.engine import TeacherEngine
+from ars_opd.serving.server.generation import GenerateRequest
+from ars_opd.serving.server.jobs import Failure, Job, ScoreJob
+from ars_opd.serving.server.scoring import vllm_prompt_logprobs
+from ars_opd.serving.server.validation import ChatRequest, RequestError
 
 
 def streamable_prefix(text: str, stops: Sequence[str]) -> str:
@@ -128,8 +128,8 @@ async def _read_body(request: web.Request) -> bytes:
 
 async def completions(request: web.Request) -> web.Response:
     """Scoring (with ``prompt_logprobs``): vLLM-shaped ``prompt_logprobs`` for token-id prompts
-    (``ars_opd.teacher.server.scoring``); generation (without): one token-id prompt's completion
-    (``ars_opd.teacher.server.generation``)."""
+    (``ars_opd.serving.server.scoring``); generation (without): one token-id prompt's completion
+    (``ars_opd.serving.server.generation``)."""
     engine = request.app[ENGINE_KEY]
     try:
         score = await engine.requests.prepare_completion_async(await _read_body(request))
@@ -200,7 +200,7 @@ async def collective_rpc(request: web.Request) -> web.Response:
     "prefix_cache": false}]}`` (one worker; ``vocab``: the ids its log-probabilities are normalised over, the
     tokenizer's; no prefix cache for the trainer to reset), and ``{"method":
     "ars_opd_fingerprint"}`` -> ``{"results": [{"tensors": {name: {"sha256", ...}}, "vocab", "seconds"}]}``
-    (``ars_opd.teacher.server.weights.state_fingerprint``). Only with ``ServerOptions.weight_updates``
+    (``ars_opd.serving.server.weights.state_fingerprint``). Only with ``ServerOptions.weight_updates``
     (``--weight-updates``); else 404."""
     engine = request.app[ENGINE_KEY]
     if not engine.options.weight_updates:

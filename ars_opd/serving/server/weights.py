@@ -22,7 +22,7 @@ import hashlib
 
 import torch
 
-from ars_opd.teacher.server.validation import RequestError
+from ars_opd.serving.server.validation import RequestError
 
 
 def _read(path: str) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 from transformers import LogitsProcessor
 
-from ars_opd.teacher.server.jobs import Job
+from ars_opd.serving.server.jobs import Job
 
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy: dividing logits by them overflows (as in vLLM)
 

