@@ -1,6 +1,6 @@
 """An independent implementation on the long-horizon family: TRL's ``DistillationTrainer`` from the same pinned SFT
 student and teacher, on the same prompts, at OPD's settings, scored by our evaluation on the same curve prompts
-(issue 31 item 3: does OPD's failure to rise from its start belong to the method in this regime, or to our code?).
+(does OPD's failure to rise from its start belong to the method in this regime, or to our code?).
 
 Run it in the workspace that ``bench/opd_ablation.sh`` built (the pinned student ``data/study/long_horizon_sft_init``,
 the models stage's teacher and the teacher_gen splits, with the study's params applied), with trl installed (for

@@ -151,7 +151,7 @@ def test_missing_file_and_hub_unreachable_are_clear(tmp_path, monkeypatch):
         make_subset(_cfg("tatsu-lab/alpaca"), SYNTH, seed=0)
 
 
-# -- rows the first real-data trial got wrong (issue 14) ----------------------------------------------------
+# -- rows the first real-data trial got wrong: Unicode line breaks, prompt-only rows, a subset of all ------------
 
 # JSON writes these raw inside strings (ensure_ascii=False), and str.splitlines() breaks lines at them
 LINE_BREAKERS = "\u2028\u2029\u0085\x1c\x1d\x1e\x0b\x0c"
