@@ -16,9 +16,12 @@ Candidates, all keeping the same number of layers k (half the teacher's, rounded
 - ``first_k``: the first k layers (the deepest block dropped, the last layer with it);
 - ``angular``: Gromov et al. 2024 ("The Unreasonable Ineffectiveness of the Deeper Layers"): drop the block of
   n = L - k consecutive layers l..l+n-1 whose input and output residual streams are closest in angular distance
-  arccos(cos(h_l, h_{l+n})) / pi, averaged over the prompts' last token, measured on these prompts;
+  arccos(cos(h_l, h_{l+n})) / pi, averaged over the prompts' last token, measured on training prompts;
 - ``block_influence``: ShortGPT (Men et al. 2024): drop the n layers of lowest Block Influence
-  1 - cos(h_in, h_out), averaged over every prompt token.
+  1 - cos(h_in, h_out), averaged over every prompt token of training prompts.
+
+The two data-driven choices read the teacher_gen train split (as many prompts as ``--examples``), so the layers
+are never chosen on the held-out prompts that then score them.
 
 Each candidate's line: the kept layers, the held-out reverse KL to the teacher on the candidate's own samples
 (temperature 1, the evaluate stage's seed), the NLL of the teacher's completions, and exact match where the rows
@@ -114,7 +117,10 @@ def main() -> None:
     n_layers = len(decoder_layers(teacher))
     keep = args.keep or (n_layers + 1) // 2
     t0 = time.perf_counter()
-    streams = residual_streams(teacher, data)
+    # the data-driven choices see training prompts only, never the held-out ones they are scored on
+    train_rows = read_jsonl(p.paths.completions("train"))[: args.examples]
+    train = HeldOut(train_rows, encode_prompts(tokenizer, [r["messages"] for r in train_rows]), [], [])
+    streams = residual_streams(teacher, train)
     candidates = {
         "every_other": list(range(0, n_layers, 2))[:keep],
         "every_other_odd": list(range(1, n_layers, 2))[:keep],
@@ -129,6 +135,7 @@ def main() -> None:
                 "teacher_layers": n_layers,
                 "keep": keep,
                 "examples": len(rows),
+                "streams_from": f"the first {len(train_rows)} training prompts",
                 "streams_s": round(time.perf_counter() - t0, 1),
             }
         ),

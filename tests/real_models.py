@@ -15,7 +15,18 @@ import os
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-KEEP_LAYERS = "every_other"  # the real profile's student
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _profile_keep_layers() -> list[int]:
+    import yaml
+
+    keep = yaml.safe_load((REPO / "profiles" / "real.yaml").read_text())["models"]["student"]["keep_layers"]
+    assert isinstance(keep, list), "the real profile names its student's layers explicitly"
+    return keep
+
+
+KEEP_LAYERS = _profile_keep_layers()  # the real profile's student: the layers bench/prune_candidates.py chose
 
 
 def wheel_gguf() -> Path:

@@ -31,7 +31,7 @@ from ars_opd.models.gguf import convert_gguf, load_gguf
 from ars_opd.models.loading import ModelPinError, ModelSourceError, load_model, model_path, read_manifest
 from ars_opd.models.prepare import prepare_models
 from ars_opd.models.pruning import prune_model
-from real_models import shared_real_models, wheel_gguf
+from real_models import KEEP_LAYERS, shared_real_models, wheel_gguf
 
 
 class _Skip(nn.Module):
@@ -197,7 +197,8 @@ def test_the_gguf_teacher_is_written_as_a_plain_directory_and_pinned(real_models
 def test_the_pruned_real_student_is_the_teacher_with_layers_skipped(real_models):
     models_dir, _ = real_models
     manifest = read_manifest(models_dir)
-    kept = list(range(0, 30, 2))
+    kept = KEEP_LAYERS
+    assert len(kept) == 15 and kept == sorted(set(kept)) and kept[-1] < 30
     assert manifest["student"]["kept_layers"] == kept and manifest["student"]["teacher_layers"] == 30
     config = json.loads((models_dir / "student" / "config.json").read_text())
     assert config["num_hidden_layers"] == 15 and "quantization_config" not in config
