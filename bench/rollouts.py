@@ -1,9 +1,11 @@
 """Student rollouts in the trainer vs on an inference engine: tokens/s, and the cost of one weight sync.
 
-Two models, random weights, saved as Hugging Face directories that every path loads:
+Three models, saved as Hugging Face directories that every path loads:
 
 - ``builtin_student``: the default pipeline's student (params.yaml ``models.student_arch``, the built-in
   tokenizer);
+- ``real_student``: not random: the student the models stage wrote to ``paths.models_dir`` with its tokenizer
+  (after ``make repro-real``, SmolLM2-135M-Instruct pruned to 15 layers, 81.4M parameters, vocabulary 49,152);
 - ``llama50m``: a ~48M Llama as the issue measured (10 layers, width 512, 8 heads of 64, MLP 1376, vocabulary
   32,000, tied head), with a word-level tokenizer of exactly 32,000 ids (``w<i>`` words plus pad/EOS/unk and
   the built-in tokenizer's chat template) so that every sampled id decodes on both servers.
@@ -56,6 +58,7 @@ errors.
 
     python bench/rollouts.py                                   # everything (long: see --paths / --batches)
     python bench/rollouts.py --models llama50m --paths trainer_dynamic vllm --batches 128 --repeats 3
+    python bench/rollouts.py --models real_student --batches 32 --new-tokens 48 --dtypes fp32   # after repro-real
     python bench/rollouts.py --quick                           # builtin student, B=4, 8 tokens (the test's)
     python bench/rollouts.py --opd-only --opd-steps 6          # the opd stage at lag 0 and 1 (after dvc repro)
     python bench/rollouts.py --device cuda --models llama50m --paths trainer_dynamic trainer_static vllm \
@@ -95,7 +98,7 @@ from ars_opd.rollouts.verify import check_probe, probe_bound, probe_ids, trainer
 from ars_opd.rollouts.weights import FilesystemTransport, engine_state_dict  # noqa: E402
 from ars_opd.teacher.client.endpoint import ClientSettings  # noqa: E402
 
-MODELS = ("builtin_student", "llama50m")
+MODELS = ("builtin_student", "llama50m", "real_student")
 TRAINER_PATHS = ("trainer_dynamic", "trainer_static")
 ENGINE_PATHS = ("bundled", "vllm")
 PATHS = TRAINER_PATHS + ENGINE_PATHS
@@ -216,6 +219,13 @@ def save_model(name: str, directory: Path, seed: int = 0) -> Path:
         model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         model.save_pretrained(directory)
         tok.save_pretrained(directory)
+        return directory
+    if name == "real_student":  # the student the models stage wrote (make repro-real: SmolLM2-135M pruned to 15 layers)
+        models_dir = Path(load_params(sections=("paths",)).paths.models_dir)
+        if not (models_dir / "student" / "config.json").is_file():
+            raise SystemExit(f"real_student: no student in {models_dir}: run `make repro-real` first")
+        shutil.copytree(models_dir / "student", directory, dirs_exist_ok=True)
+        shutil.copytree(models_dir / "tokenizer", directory, dirs_exist_ok=True)
         return directory
     raise ValueError(f"unknown model {name!r}: one of {MODELS}")
 
