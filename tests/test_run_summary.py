@@ -61,7 +61,7 @@ def test_figures_come_from_the_files_and_missing_outputs_are_named(tmp_path, mon
 
     assert "`make repro-real`" in page and page.startswith("# T\n")
     assert "`Model.Q4_1.gguf` | 134.5M | 30 |" in page
-    assert "`keep_layers: deep_block`: [0, 1, 2, 29]) | 81.4M | 4 |" in page
+    assert "layers [0, 1, 2, 29] (`keep_layers: deep_block`) | 81.4M | 4 |" in page
     assert "| opd | 50.0% | 1.0000 | 1.5000 |" in page and "232 checkable rows of the 300" in page
     assert "| sft_continued |" not in page.split("## Training")[0]  # no made-up row for a model not evaluated
     # the failed sft run is not the one reported; the total adds the successful runs only

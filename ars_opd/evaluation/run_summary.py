@@ -37,10 +37,16 @@ def _json(path: str | Path) -> dict | None:
 
 
 def _commit() -> str:
+    """HEAD, and whether code differs from it: params.yaml, dvc.lock and data/ are what a DVC experiment applied
+    to the workspace changes by design, so they do not count."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-        return out.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=30
+        ).stdout.splitlines()
+        changed = [line[3:] for line in status if line[3:] not in ("params.yaml", "dvc.lock")]
+        changed = [f for f in changed if not f.startswith(("data/", "reports/"))]
+        return out.stdout.strip() + (f" (with uncommitted changes to {', '.join(changed[:5])})" if changed else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -58,8 +64,10 @@ def _models_section(paths: PathsConfig) -> list[str]:
         f"| sha256 {str(t.get('revision', '?'))[:12]} |"
     )
     if s.get("source") == "pruned":
-        kept = s.get("kept_layers", [])
-        s_source = f"pruned from the teacher (`keep_layers: {s.get('keep_layers')}`: {kept})"
+        kept, rule = s.get("kept_layers", []), s.get("keep_layers")
+        s_source = "pruned from the teacher, layers " + (
+            f"{kept}" if isinstance(rule, list) else f"{kept} (`keep_layers: {rule}`)"
+        )
         s_layers = len(kept)
     else:
         s_source, s_layers = f"{s.get('source', '?')}: `{s.get('name', '?')}`", ""
