@@ -52,6 +52,7 @@ under a hash of everything it depends on and read back, the outputs byte for byt
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import cached_property
@@ -346,7 +347,14 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
             model = teacher if name == "teacher" else _load(paths, name, trust_remote_code, device)
             return score_model(model, teacher, tokenizer, data, cfg, vocab, device, is_teacher=name == "teacher")
 
+        started = time.perf_counter()
         m, texts = _scored(cache, lambda name=name: _identity(paths, name), data, name == "teacher", compute)
+        em = "n/a" if m.get("exact_match") is None else f"{m['exact_match']:.1%}"
+        print(  # a real model takes minutes per model: say where the stage is
+            f"evaluate: {name}: exact match {em}, reverse KL {m['reverse_kl']:.4f}, teacher NLL "
+            f"{m['teacher_nll']:.4f} on {len(data.rows)} prompts ({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
         if name in TRAINED:
             m["budget"] = read_budget(paths.training(name).model)
         if name == "teacher":  # the data-cost view charges 2 of these FLOPs per token the teacher wrote
