@@ -119,6 +119,28 @@ def _training_section(paths: PathsConfig) -> list[str]:
     return lines
 
 
+def _consistency_section(paths: PathsConfig) -> list[str]:
+    m = _json(paths.report_metrics)
+    if m is None:
+        return [f"*The report stage's metrics ({paths.report_metrics}) are missing.*"]
+    lines = ["| stage | alarms | of them silent | alarms per 1,000 judged steps |", "|---|---|---|---|"]
+    for stage in TRAINING_STAGES:
+        if f"{stage}/alarms" in m:
+            lines.append(
+                f"| {stage} | {m[f'{stage}/alarms']} | {m.get(f'{stage}/alarms_silent')} "
+                f"| {m.get(f'{stage}/alarms_per_1000', float('nan')):.2f} |"
+            )
+    rate = m.get("detector/false_alarms_per_1000_measured")
+    if rate is not None:
+        lo, hi = m.get("detector/false_alarms_per_1000_ci_low"), m.get("detector/false_alarms_per_1000_ci_high")
+        lines += [
+            "",
+            f"The detector's false-alarm rate measured on healthy runs at this worker count: {rate:.2f} per 1,000 "
+            f"steps (95% interval {lo:.2f}-{hi:.2f}); details in `{paths.report_md}`.",
+        ]
+    return lines
+
+
 def _costs_section(paths: PathsConfig) -> list[str]:
     runs = latest_runs(paths.stage_runs)
     lines = [
@@ -171,6 +193,10 @@ def render_summary(paths: PathsConfig, command: str, title: str) -> str:
         "## Training",
         "",
         *_training_section(paths),
+        "",
+        "## Worker consistency (the report stage's detector)",
+        "",
+        *_consistency_section(paths),
         "",
         "## What each stage cost",
         "",
