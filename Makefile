@@ -4,6 +4,8 @@
 # and, for the served paths:
 #   make vllm        set up .venv-vllm (a real vLLM, CPU build) and check that it serves a model
 #   make repro-vllm  the default pipeline with teacher_gen and OPD scoring through a real vLLM server
+#   make repro-real  the real profile (profiles/real.yaml: SmolLM2-135M-Instruct from a GGUF wheel, a pruned
+#                    student, natural prompts) as a DVC experiment, then reports/real_model.md
 VENV := .venv
 VLLM_VENV := .venv-vllm
 VLLM_PORT ?= 8000
