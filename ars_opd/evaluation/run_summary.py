@@ -36,7 +36,7 @@ def _json(path: str | Path) -> dict | None:
         return None
 
 
-def _commit() -> str:
+def _commit(paths: PathsConfig) -> str:
     """HEAD, and whether code differs from it: params.yaml, dvc.lock and data/ are what a DVC experiment applied
     to the workspace changes by design, so they do not count."""
     try:
@@ -45,7 +45,8 @@ def _commit() -> str:
             ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=30
         ).stdout.splitlines()
         changed = [line[3:] for line in status if line[3:] not in ("params.yaml", "dvc.lock")]
-        changed = [f for f in changed if not f.startswith(("data/", "reports/"))]
+        outputs = {Path(paths.models_dir).parts[0], Path(paths.report_md).parts[0]}  # the stages' output trees
+        changed = [f for f in changed if Path(f).parts[0] not in outputs]
         return out.stdout.strip() + (f" (with uncommitted changes to {', '.join(changed[:5])})" if changed else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -166,7 +167,7 @@ def render_summary(paths: PathsConfig, command: str, title: str) -> str:
     parts = [
         f"# {title}",
         "",
-        f"Made by `{command}` at commit {_commit()}, on {os.cpu_count()} CPU cores. Every figure below is read "
+        f"Made by `{command}` at commit {_commit(paths)}, on {os.cpu_count()} CPU cores. Every figure below is read "
         "from this run's own outputs by `ars-opd summary`; rerun both to refresh it.",
         "",
         "## Models",
