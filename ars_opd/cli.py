@@ -66,13 +66,20 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         return 2
 
 
+def _paths_or_none(params_file: str):
+    """The params file's paths section, or None after saying why it is invalid (the caller exits 2)."""
+    try:
+        return load_params(params_file, sections=("paths",)).paths
+    except ConfigError as e:
+        print(f"ars-opd: invalid params: {e}", file=sys.stderr)
+        return None
+
+
 def _cmd_summary(args: argparse.Namespace) -> int:
     from ars_opd.evaluation.run_summary import write_summary
 
-    try:
-        paths = load_params(args.file, sections=("paths",)).paths
-    except ConfigError as e:
-        print(f"ars-opd: invalid params: {e}", file=sys.stderr)
+    paths = _paths_or_none(args.file)
+    if paths is None:
         return 2
     out = write_summary(paths, args.out, args.command_line, args.title)
     print(f"wrote {out}")
@@ -82,10 +89,8 @@ def _cmd_summary(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from ars_opd.checks import STAGES, check_outputs
 
-    try:
-        paths = load_params(args.file, sections=("paths",)).paths
-    except ConfigError as e:
-        print(f"ars-opd: invalid params: {e}", file=sys.stderr)
+    paths = _paths_or_none(args.file)
+    if paths is None:
         return 2
     stages = tuple(s.strip() for s in args.stages.split(",")) if args.stages else STAGES
     try:
