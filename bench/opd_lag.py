@@ -38,6 +38,17 @@ def problem(params) -> str | None:
     return None
 
 
+def student_dir(params, which: str, directory: Path) -> Path:
+    """The student to train: ``pipeline`` is the opd stage's own start (``paths.distill_init``, as the pipeline
+    left it: on the real profile the pruned SmolLM2 after SFT), ``llama50m`` the ~50M built-in one."""
+    if which == "pipeline":
+        start = Path(params.paths.distill_init)
+        if not (start / "config.json").is_file():
+            raise SystemExit(f"--opd-student pipeline: no model in {start}: run the pipeline first")
+        return start
+    return save_student(params, directory)
+
+
 def save_student(params, directory: Path) -> Path:
     """The ~50M built-in student with the pipeline's tokenizer (so the pipeline's teacher can score it)."""
     from ars_opd.config import ArchConfig

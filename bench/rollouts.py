@@ -61,6 +61,8 @@ errors.
     python bench/rollouts.py --models real_student --batches 32 --new-tokens 48 --dtypes fp32   # after repro-real
     python bench/rollouts.py --quick                           # builtin student, B=4, 8 tokens (the test's)
     python bench/rollouts.py --opd-only --opd-steps 6          # the opd stage at lag 0 and 1 (after dvc repro)
+    python bench/rollouts.py --opd-only --opd-steps 8 --opd-batch 8 --new-tokens 48 --opd-student pipeline
+                                                               # the same at real size (real-smollm2 applied)
     python bench/rollouts.py --device cuda --models llama50m --paths trainer_dynamic trainer_static vllm \
         --transports filesystem nccl                           # GPUs (bench/gpu.py's engine case runs this)
 
@@ -514,7 +516,7 @@ def measure_opd_lag(args, pin: bool, log_dir: Path) -> list[dict]:
     work = Path("build") / f"opd-lag-{os.getpid()}"  # the stage's paths are relative to the repo root (ignored)
     lines = []
     try:
-        student = opd_lag.save_student(params, work / "student")
+        student = opd_lag.student_dir(params, args.opd_student, work / "student")
         with start_engine("vllm", student.resolve(), "fp32", args.opd_batch, args, pin, log_dir) as url:
             lines = _opd_lag_runs(args, params, student, url, work)
     finally:
@@ -522,6 +524,7 @@ def measure_opd_lag(args, pin: bool, log_dir: Path) -> list[dict]:
     lag0, lag1 = lines
     ratio = {
         "kind": "opd_lag",
+        "student": args.opd_student,
         "lag1_over_lag0": lag1["step_s"] / lag0["step_s"],
         "rollout_share_lag0": lag0["gen_s"] / lag0["step_s"],
         "sync_share_lag0": lag0["sync_s"] / lag0["step_s"],
@@ -547,6 +550,7 @@ def _opd_lag_runs(args, params, student: Path, url: str, work: Path) -> list[dic
             "run_s": time.perf_counter() - t0,
             "engine_cpus": engine_cpus(),
             "trainer_cpus": _cpus_allowed(os.getpid()),
+            "student": args.opd_student,
         }
         emit(line)
         lines.append(line)
@@ -594,6 +598,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also time the opd stage on vLLM at lag 0 and lag 1 for this many steps (bench/opd_lag.py; 0: no)",
     )
     p.add_argument("--opd-batch", type=int, default=32, help="the opd stage's global batch for --opd-steps")
+    p.add_argument(
+        "--opd-student",
+        choices=["llama50m", "pipeline"],
+        default="llama50m",
+        help="the student --opd-steps trains: a ~50M random Llama, or the stage's own start (paths.distill_init: "
+        "on the real profile, SmolLM2 pruned to 15 layers after SFT)",
+    )
     p.add_argument("--opd-only", action="store_true", help="with --opd-steps: only the OPD lag lines")
     p.add_argument(
         "--quick",
