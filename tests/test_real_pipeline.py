@@ -28,29 +28,21 @@ from real_models import shared_real_models
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
+# two steps of two sequences per worker, every step checkpointed and snapshotted: the same for both trainers
+FEW_STEPS = {
+    "steps": 2,
+    "global_batch_size": 4,
+    "micro_batch_size": 2,
+    "warmup_steps": 1,
+    "checkpoint_every": 1,
+    "snapshot_every": 1,
+}
 SMALL = {
     "data": {"subset_size": 40, "eval_size": 8},
     "teacher_gen": {"max_tokens": 16, "server": {"threads": 2}},
     "ddp": {"workers": 2, "threads_per_worker": 1},
-    "sft": {
-        "steps": 2,
-        "global_batch_size": 4,
-        "micro_batch_size": 2,
-        "warmup_steps": 1,
-        "checkpoint_every": 1,
-        "snapshot_every": 1,
-        "max_completion_tokens": 16,
-        "max_seq_len": 128,
-    },
-    "opd": {
-        "steps": 2,
-        "global_batch_size": 4,
-        "micro_batch_size": 2,
-        "warmup_steps": 1,
-        "checkpoint_every": 1,
-        "snapshot_every": 1,
-        "max_new_tokens": 8,
-    },
+    "sft": {**FEW_STEPS, "max_completion_tokens": 16, "max_seq_len": 128},
+    "opd": {**FEW_STEPS, "max_new_tokens": 8},
     "evaluate": {"max_examples": 8, "max_new_tokens": 16, "batch_size": 8, "curve_examples": 2, "threads": 2},
 }
 

@@ -153,12 +153,9 @@ async def _generation(engine: TeacherEngine, gen: GenerateRequest) -> web.Respon
     tokens' raw ``logprobs.token_logprobs`` when ``logprobs`` is 0)."""
     job = engine.submit_generation(gen)
     with _awaiting(engine, [job]):
-        while True:
-            event = await job.events.get()
-            if isinstance(event, Failure):
-                return RequestError(event.status, event.message).response()
-            if event.finish_reason is not None:
-                break
+        event = await _last_event(job)
+    if isinstance(event, Failure):
+        return RequestError(event.status, event.message).response()
     ids = list(job.completion_ids)
     tok = engine.tokenizer
     logprobs = None
@@ -299,13 +296,19 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-async def _whole_completion(job: Job, meta: dict) -> web.Response:
+async def _last_event(job: Job):
+    """A generation's final event (the one with its ``finish_reason``), or the ``Failure`` that ended it: the
+    events before it (the streaming deltas) are passed over."""
     while True:
         event = await job.events.get()
-        if isinstance(event, Failure):
-            return RequestError(event.status, event.message).response()
-        if event.finish_reason is not None:
-            break
+        if isinstance(event, Failure) or event.finish_reason is not None:
+            return event
+
+
+async def _whole_completion(job: Job, meta: dict) -> web.Response:
+    event = await _last_event(job)
+    if isinstance(event, Failure):
+        return RequestError(event.status, event.message).response()
     return web.json_response(
         {
             **meta,
