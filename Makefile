@@ -3,7 +3,8 @@
 #   make test    set up .venv and .venv-vllm and run the test suite (its vllm tests start a real vLLM)
 # and, for the served paths:
 #   make vllm        set up .venv-vllm (a real vLLM, CPU build) and check that it serves a model
-#   make repro-vllm  the default pipeline with teacher_gen and OPD scoring through a real vLLM server
+#   make repro-vllm  the default pipeline with teacher_gen and OPD scoring through a real vLLM server;
+#                    with PROFILE=profiles/real.yaml the real profile, the student's rollouts on vLLM too
 #   make repro-real  the real profile (profiles/real.yaml: SmolLM2-135M-Instruct from a GGUF wheel, a pruned
 #                    student, natural prompts) as a DVC experiment, then reports/real_model.md
 VENV := .venv
@@ -76,23 +77,36 @@ repro-real: setup real-setup
 	ars-opd summary --out reports/real_model.md --command "make repro-real" \
 	  --title "SmolLM2-135M-Instruct distilled into a half-depth student, on CPU"
 
-# The whole default pipeline with the teacher served by vLLM: teacher_gen asks it for every completion and
-# OPD scores every rollout through its prompt_logprobs (the topk loss: an endpoint gives no full vocabulary).
-# The models stage runs first (vLLM serves its teacher), and teacher_gen's cache keys carry that teacher's
-# pinned revision (make expands this recipe after its prerequisites ran). The experiment is left applied in
-# the workspace (`dvc exp show`; `git checkout params.yaml dvc.lock && dvc checkout` returns to the default).
+# The whole pipeline with the teacher served by vLLM: teacher_gen asks it for every completion and OPD scores
+# every rollout through its prompt_logprobs (the topk loss: an endpoint gives no full vocabulary). The models
+# stage runs first (vLLM serves its teacher), and teacher_gen's cache keys carry that teacher's pinned revision
+# (make expands this recipe after its prerequisites ran). The experiment is left applied in the workspace
+# (`dvc exp show`; `git checkout params.yaml dvc.lock && dvc checkout` returns to the default).
+# PROFILE=profiles/real.yaml runs a profile's overrides (`ars-opd profile run`) under the vLLM ones, and puts the
+# student's rollouts on a second vLLM that the opd stage starts and syncs (opd.rollouts: engine, server: vllm);
+# ROLLOUTS=engine does that without a profile, ROLLOUTS=trainer leaves them on the trainer. With a profile the teacher's context is 512 tokens (its prompts may be as long
+# as opd.max_prompt_tokens, 256, before the completion), and the run's page is written as reports/<experiment>.md.
 VLLM_URL := http://127.0.0.1:$(VLLM_PORT)/v1
 TEACHER_REVISION = $(shell $(VENV)/bin/python -c "from ars_opd.models.loading import read_manifest as m; print(m('data/models')['teacher']['revision'])")
+PROFILE ?=
+VLLM_EXP := $(if $(PROFILE),vllm-$(basename $(notdir $(PROFILE))),vllm-teacher)
+EXP_RUN = $(if $(PROFILE),ars-opd profile run $(PROFILE) -n $(1) --,dvc exp run -n $(1))
+ROLLOUTS ?= $(if $(PROFILE),engine,trainer)
+VLLM_ROLLOUTS := $(if $(filter engine,$(ROLLOUTS)),-S opd.rollouts=engine -S opd.engine.server=vllm)
+# a profile's prompts may be as long as opd.max_prompt_tokens (256) before the completion: room for both
+VLLM_CONTEXT := $(if $(PROFILE),--max-model-len 512)
 
-models-stage: setup
-	dvc repro models
+models-stage: setup $(if $(PROFILE),real-setup)
+	$(if $(PROFILE),$(call EXP_RUN,$(VLLM_EXP)-models) models,dvc repro models)
 
 repro-vllm: setup $(VLLM_VENV)/.installed models-stage
-	ars-opd vllm serve data/models/teacher --port $(VLLM_PORT) --name teacher -- dvc exp run -n vllm-teacher \
+	ars-opd vllm serve data/models/teacher --port $(VLLM_PORT) --name teacher $(VLLM_CONTEXT) -- $(call EXP_RUN,$(VLLM_EXP)) \
 	  -S teacher_gen.endpoint=$(VLLM_URL) -S teacher_gen.model=teacher -S teacher_gen.model_revision=$(TEACHER_REVISION) \
 	  -S opd.teacher=endpoint -S opd.loss=topk -S opd.teacher_endpoint.endpoint=$(VLLM_URL) \
-	  -S opd.teacher_endpoint.model=teacher
+	  -S opd.teacher_endpoint.model=teacher $(VLLM_ROLLOUTS)
 	ars-opd check
+	$(if $(PROFILE),ars-opd summary --out reports/$(VLLM_EXP).md --command "make repro-vllm PROFILE=$(PROFILE)" \
+	  --title "The $(basename $(notdir $(PROFILE))) profile with the teacher and the student's rollouts on vLLM CPU")
 
 # Two pytest workers (pytest-xdist), one test file each at a time (--dist loadfile: a file's module and session
 # fixtures, such as the vLLM servers, start once, in one worker). Run one after another the tests kept one of
