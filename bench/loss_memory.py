@@ -153,6 +153,13 @@ def cpu_extra_peak(run) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
+    return profiled_peak(prof)
+
+
+def profiled_peak(prof) -> int:
+    """The peak of the running sum of the allocations and frees a finished ``torch.profiler.profile`` (started with
+    ``profile_memory=True``) recorded: for code that cannot be wrapped in one call (a step inside another
+    library's loop, started and stopped from its callbacks)."""
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
     live = peak = 0
