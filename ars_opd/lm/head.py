@@ -142,6 +142,8 @@ class OutputHead:
         vocab = rows if vocab is None else vocab
         if not 0 < vocab <= rows:
             raise ValueError(f"the model has {rows} output rows, fewer than the {vocab} vocabulary ids to score")
+        if vocab == rows:  # the parameters themselves: a slice's backward would zero-fill a (V, H) buffer to copy into
+            return cls(head.weight, head.bias)
         bias = head.bias[:vocab] if head.bias is not None else None
         return cls(head.weight[:vocab], bias)
 
@@ -173,7 +175,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             b = bias.to(dtype) if bias is not None else None
             total = torch.zeros((), dtype=torch.float32, device=device)
             grad_h = torch.empty((M, H), dtype=torch.float32, device=device) if need_h else None
-            grad_w = torch.zeros((V, H), dtype=torch.float32, device=device) if need_w else None
+            grad_w = None  # (V, H) fp32: the first chunk's product, then a sum (no zero-filled buffer to add to)
             grad_b = torch.zeros((V,), dtype=torch.float32, device=device) if need_b else None
             for start in range(0, M, chunk_size):
                 end = min(M, start + chunk_size)
@@ -188,13 +190,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                         if need_h:
                             torch.mm(dz, w, out=grad_h[start:end])
                         if need_w:
-                            grad_w.addmm_(dz.t(), h)
+                            grad_w = torch.mm(dz.t(), h) if grad_w is None else grad_w.addmm_(dz.t(), h)
                     else:  # products in bf16/fp16 (fp32 accumulation inside each), sums over chunks in fp32
                         dz = dz.to(dtype)
                         if need_h:
                             grad_h[start:end] = torch.mm(dz, w)
                         if need_w:
-                            grad_w += torch.mm(dz.t(), h)
+                            part = torch.mm(dz.t(), h).float()
+                            grad_w = part if grad_w is None else grad_w.add_(part)
                 del z, dz, value
         ctx.grads = (grad_h, grad_w, grad_b) if need else None
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
