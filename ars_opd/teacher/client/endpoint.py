@@ -29,12 +29,15 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
-
-import httpx2
-import openai
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
 from ars_opd.config import EndpointConfig
+
+if TYPE_CHECKING:  # the client's own modules are imported where a client is made or used: the error types and
+    # settings here are also imported by code that never talks to an endpoint (the OPD stage with its own
+    # rollouts), which then runs where only torch and transformers are installed
+    import httpx2
+    import openai
 
 T = TypeVar("T")
 NON_RETRYABLE_STATUS = {400, 401, 403, 404, 413, 422}
@@ -131,6 +134,9 @@ def _short(text: Any, n: int = 160) -> str:
 
 def make_client(settings: ClientSettings) -> openai.AsyncOpenAI:
     """An AsyncOpenAI client whose connection pool matches the concurrency; retries are ours, not its."""
+    import httpx2
+    import openai
+
     n, timeout_s = settings.limits.concurrency, settings.limits.request_timeout_s
     limits = httpx2.Limits(max_connections=n, max_keepalive_connections=n)
     timeout = httpx2.Timeout(timeout_s, connect=min(10.0, timeout_s))
@@ -148,6 +154,8 @@ async def preflight(
 
     ``section``: the params section whose keys the error messages name (``teacher_gen``, ``opd.teacher_endpoint``).
     """
+    import openai
+
     try:
         page = await asyncio.wait_for(client.models.list(), timeout_s)
     except (openai.APIConnectionError, asyncio.TimeoutError, OSError) as e:
@@ -177,6 +185,8 @@ async def post_json(client: openai.AsyncOpenAI, path: str, body: dict) -> dict:
     # ``client.post`` with ``cast_to=object`` is the SDK's public route for a raw JSON body: it keeps the
     # client's transport and error mapping but skips the typed request transform and the response model,
     # whose CPU cost per request limits throughput at high concurrency (bench/teacher_gen.py measures it).
+    import openai
+
     try:
         resp = await client.post(path, body=body, cast_to=object)
     except openai.APITimeoutError:

@@ -35,8 +35,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass
-
-import openai
+from typing import TYPE_CHECKING
 
 from ars_opd.teacher.client.endpoint import (
     ClientSettings,
@@ -46,6 +45,9 @@ from ars_opd.teacher.client.endpoint import (
     post_json,
     with_retries,
 )
+
+if TYPE_CHECKING:  # annotations only (see endpoint.py)
+    import openai
 
 PROBE_TEXT = "Reverse the word 'distillation', then add 12 + 30 = 42.\nDone? Yes: <ok> {x} [1, 2]"
 
