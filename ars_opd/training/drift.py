@@ -80,11 +80,17 @@ def column_sums(grid: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """(3,) int64 checksums over the bytes of ``tensors`` (on one device); each tensor's own word index i
-    restarts at 0, so all tensors share one set of column sums."""
+    """(3,) int64 checksums over the bytes of ``tensors``; each tensor's own word index i restarts at 0, so all
+    tensors share one set of column sums. They are summed on the accelerator if any tensor is on one: a tensor
+    elsewhere (AdamW keeps its step counts on the CPU beside moments on the GPU) is copied there, the small one
+    to the large ones."""
+    tensors = list(tensors)
+    device = next((t.device for t in tensors if t.device.type != "cpu"), None)
     cols = None
     for t in tensors:
         u = _words(t)
+        if device is not None and u.device != device:
+            u = u.to(device)
         if cols is None:
             cols = torch.zeros(_MODULUS, dtype=torch.int64, device=u.device)
         rows = u.numel() // _MODULUS
