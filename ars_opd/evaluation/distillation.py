@@ -118,7 +118,7 @@ def with_curves(runs: list[dict], read: Callable[[str, str], str | None] = git_m
     return out
 
 
-def _interval(mean_lo_hi: tuple[float, float, float], pct: bool = False) -> str:
+def interval_cell(mean_lo_hi: tuple[float, float, float], pct: bool = False) -> str:
     """``mean [lo, hi]`` as the tables print it."""
     m, lo, hi = mean_lo_hi
     return f"{fmt(m, pct)} [{fmt(lo, pct)}, {fmt(hi, pct)}]"
@@ -143,8 +143,9 @@ VIEWS = (
 )
 
 
-def _comparison(runs: list[dict], level: str = "##") -> tuple[list[str], dict, list[str]]:
-    """The equal-steps and equal-FLOPs tables of a set of seeds: (markdown, flat summary, verdict bits)."""
+def comparison(runs: list[dict], level: str = "##", arm: str = "OPD") -> tuple[list[str], dict, list[str]]:
+    """The equal-steps and equal-FLOPs tables of a set of seeds: (markdown, flat summary, verdict bits). ``arm``:
+    how the tables name the evaluation's ``opd`` entry (a study of several arms evaluates each as ``opd``)."""
     lines: list[str] = []
     summary: dict = {}
     verdict_bits = []
@@ -154,7 +155,7 @@ def _comparison(runs: list[dict], level: str = "##") -> tuple[list[str], dict, l
         lines += [
             f"{level} {title}",
             "",
-            "| metric | OPD | continued SFT (control) | OPD − control |",
+            f"| metric | {arm} | continued SFT (control) | {arm} − control |",
             "|---|---|---|---|",
         ]
         for metric, label, direction in METRICS:
@@ -164,17 +165,16 @@ def _comparison(runs: list[dict], level: str = "##") -> tuple[list[str], dict, l
             pct = metric == "exact_match"
             diff = mean_ci([x - y for x, y in zip(a, b)])
             _, ld, hd = diff
-            lines.append(
-                f"| {label} | {_interval(mean_ci(a), pct)} | {_interval(mean_ci(b), pct)} | {_interval(diff, pct)} |"
-            )
+            cells = (interval_cell(mean_ci(a), pct), interval_cell(mean_ci(b), pct), interval_cell(diff, pct))
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
             summary[f"{where}/{metric}/diff"] = diff
             if metric in ("reverse_kl", "exact_match"):
                 good = (hd < 0) if direction == "lower" else (ld > 0)
                 bad = (ld > 0) if direction == "lower" else (hd < 0)
-                word = "OPD better" if good else "control better" if bad else "no difference resolved"
+                word = f"{arm} better" if good else "control better" if bad else "no difference resolved"
                 if ld == hd:  # every seed gave the same difference: a zero-width interval says nothing
                     word = "not resolved (every seed gave the same difference, so the interval has no width)"
-                verdict_bits.append(f"{title.lower()}, {label}: {word} (OPD − control {_interval(diff, pct)})")
+                verdict_bits.append(f"{title.lower()}, {label}: {word} ({arm} − control {interval_cell(diff, pct)})")
         lines.append("")
     return lines, summary, verdict_bits
 
@@ -212,9 +212,9 @@ def render_study(
     budget = budget_note(runs[0]["evaluate"]) if runs else []
     if budget:
         lines += ["Seed " + str(runs[0]["seed"]) + ": " + budget[0], ""]
-    table, summary, verdict_bits = _comparison(runs)
+    table, summary, verdict_bits = comparison(runs)
     lines += table
-    control = _instrument_control(runs)
+    control = instrument_control(runs)
     if control:
         lines += [
             "## Can this sweep see an effect? (positive control)",
@@ -229,7 +229,7 @@ def render_study(
         ]
         for metric, label, _ in METRICS:
             if metric in control:
-                lines.append(f"| {label} | {_interval(control[metric], metric == 'exact_match')} |")
+                lines.append(f"| {label} | {interval_cell(control[metric], metric == 'exact_match')} |")
                 summary[f"control_last_half/{metric}"] = control[metric]
         lines.append("")
     for key, path in figures.items():
@@ -256,7 +256,7 @@ def render_study(
     lines += ["## Verdict", "", "- " + "\n- ".join(verdict_bits), ""] if verdict_bits else []
     regime_bits = []
     for label, seeds in (regimes or {}).items():
-        table, regime_summary, bits = _comparison(seeds, level="###")
+        table, regime_summary, bits = comparison(seeds, level="###")
         summary.update({f"{label}/{k}": v for k, v in regime_summary.items()})
         lines += [f"## Regime: {label}", "", f"Seeds: {[r['seed'] for r in seeds]}."]
         note = budget_note(seeds[0]["evaluate"]) if seeds else []
@@ -307,7 +307,7 @@ def refresh_regime(text: str) -> str:
     return "\n".join(paragraph if line.startswith(REGIME_LEAD) else line for line in text.split("\n"))
 
 
-def _instrument_control(runs: list[dict]) -> dict:
+def instrument_control(runs: list[dict]) -> dict:
     """Per metric, mean [95% CI] over seeds of the control arm's change over the second half of its steps
     (on its learning curve): an effect the sweep should resolve if it can resolve anything."""
     out = {}

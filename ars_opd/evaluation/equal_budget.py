@@ -221,7 +221,7 @@ def _number(cell: str) -> float:
 
 
 def _differences(table: str) -> dict[str, tuple[float, float, float]]:
-    """{metric key: OPD − control (mean, lo, hi)} of a comparison table (``distillation._comparison``'s rows)."""
+    """{metric key: OPD − control (mean, lo, hi)} of a comparison table (``distillation.comparison``'s rows)."""
     out = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

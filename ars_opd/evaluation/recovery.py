@@ -1,0 +1,321 @@
+"""The pruned-recovery study's page: several distillation arms against continued SFT, over paired training seeds.
+
+``bench/pruned_recovery.py`` runs the study: from one start (the real profile's SFT'd pruned student), per training
+seed, the control (``sft_continued``: more SFT on the teacher's completions) and one ``opd`` stage run per arm
+(the arms differ in the opd section's objective only: divergence β, on-policy share λ, loss), each evaluated by
+the evaluate stage against that seed's control. Every arm therefore comes with an evaluation whose ``opd`` entry is
+the arm and whose ``sft_continued`` entry is the control, and is compared exactly as the seed sweep compares OPD
+with its control (``ars_opd.evaluation.distillation``: the same ``equal_budget.compare``, the same paired
+t-intervals, the same positive control). This module adds what several arms need: one table of every arm at
+equal steps and at equal FLOPs, the curves of every arm in one figure, the rollouts of each on-policy arm
+(``rollout_dashboard``), and a verdict per arm. Text and arithmetic only; the runs are read by the bench script.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ars_opd.evaluation.distillation import comparison, instrument_control, interval_cell
+from ars_opd.evaluation.equal_budget import METRICS, compare, interpolate
+from ars_opd.evaluation.rollout_dashboard import dashboard_section, has_rollouts
+from ars_opd.evaluation.stats import mean_ci
+from ars_opd.evaluation.tables import fmt
+
+CONTROL = "sft"
+TITLE = "# Recovering a depth-pruned real model: distillation arms against continued SFT"
+
+# arm -> (label, what it is, the opd section's overrides; None: the control, the sft_continued stage)
+ARMS: dict[str, tuple[str, str, dict | None]] = {
+    CONTROL: (
+        "SFT on teacher completions (control)",
+        "sequence-level KD: more SFT on the teacher's greedy completions (the `sft_continued` stage)",
+        None,
+    ),
+    "kd": (
+        "supervised KD (forward KL, λ = 0)",
+        "full-vocabulary forward KL to the teacher on the teacher's completions (Minitron-style recovery)",
+        {"loss": "full_vocab", "beta": 0.0, "on_policy_fraction": 0.0},
+    ),
+    "opd": (
+        "OPD, reverse KL (λ = 1)",
+        "full-vocabulary reverse KL on the student's own samples",
+        {"loss": "full_vocab", "beta": 1.0, "on_policy_fraction": 1.0},
+    ),
+    "gkd": (
+        "GKD, JSD(β = 0.5), λ = 0.5",
+        "generalised JSD at β = 0.5, on the student's samples on half the steps, the teacher's completions on the rest",
+        {"loss": "full_vocab", "beta": 0.5, "on_policy_fraction": 0.5},
+    ),
+    "opd_sampled": (
+        "OPD, sampled-token reverse KL",
+        "the single-sample estimator of reverse KL's gradient from the sampled tokens' teacher log-probabilities",
+        {"loss": "sampled_token", "beta": 1.0, "on_policy_fraction": 1.0},
+    ),
+}
+VIEW_KEYS = ("equal_steps", "equal_flops", "equal_total_flops")
+
+
+def label(arm: str) -> str:
+    return ARMS[arm][0] if arm in ARMS else arm
+
+
+def _paired_values(runs: list[dict], where: str, metric: str) -> tuple[list[float], list[float]]:
+    """(arm, control) values of ``metric`` in view ``where``, one pair per seed that has both."""
+    a, b = [], []
+    for r in runs:
+        c = compare(r["evaluate"]) or {}
+        view = c.get(where) or {}
+        x, y = (view.get("opd") or {}).get(metric), (view.get("sft_continued") or {}).get(metric)
+        if x is not None and y is not None and math.isfinite(x) and math.isfinite(y):
+            a.append(x)
+            b.append(y)
+    return a, b
+
+
+def summary_table(by_arm: dict[str, list[dict]], where: str) -> list[str]:
+    """Markdown: every arm's metrics in view ``where`` (mean [95% t-interval over seeds], n seeds) and below them
+    its paired difference from the control. At equal steps the control's own row comes first; at equal FLOPs
+    the control is read at each pair's own budget (the cheaper arm's total), so it has no single row and each
+    arm's difference is from the control at that arm's budget."""
+    arms = [a for a in by_arm if by_arm[a]]
+    if not arms:
+        return []
+    lines = ["| arm | " + " | ".join(lbl for _, lbl, _ in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
+    if where == "equal_steps":
+        control_cells = []
+        for metric, _, _ in METRICS:
+            _, b = _paired_values(by_arm[arms[0]], where, metric)
+            control_cells.append(interval_cell(mean_ci(b), metric == "exact_match") if len(b) >= 2 else "n/a")
+        lines.append(f"| {label(CONTROL)} | " + " | ".join(control_cells) + " |")
+    for arm in arms:
+        cells = []
+        for metric, _, _ in METRICS:
+            a, b = _paired_values(by_arm[arm], where, metric)
+            if len(a) < 2:
+                cells.append(f"n/a ({len(a)} seed(s))")
+                continue
+            pct = metric == "exact_match"
+            diff = mean_ci([x - y for x, y in zip(a, b)])
+            cells.append(f"{interval_cell(mean_ci(a), pct)}<br>− control: {interval_cell(diff, pct)} (n = {len(a)})")
+        lines.append(f"| {label(arm)} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def verdict(by_arm: dict[str, list[dict]]) -> list[str]:
+    """One line per arm and view: better, worse or not resolved against the control, on reverse KL and exact
+    match, by whether the paired 95% interval excludes 0."""
+    out = []
+    for arm, runs in by_arm.items():
+        bits = []
+        for where, words in (("equal_steps", "equal steps"), ("equal_flops", "equal FLOPs")):
+            for metric, lbl, direction in METRICS:
+                if metric not in ("reverse_kl", "exact_match"):
+                    continue
+                a, b = _paired_values(runs, where, metric)
+                if len(a) < 2:
+                    continue
+                pct = metric == "exact_match"
+                m, lo, hi = mean_ci([x - y for x, y in zip(a, b)])
+                if lo == hi:
+                    word = "not resolved (every seed gave the same difference)"
+                elif (hi < 0) if direction == "lower" else (lo > 0):
+                    word = "better than the control"
+                elif (lo > 0) if direction == "lower" else (hi < 0):
+                    word = "worse than the control"
+                else:
+                    word = "no difference resolved"
+                bits.append(f"at {words}, {lbl}: {word} ({interval_cell((m, lo, hi), pct)})")
+        if bits:
+            out.append(f"- **{label(arm)}**: " + "; ".join(bits))
+    return out
+
+
+def rollout_sections(logs: dict[str, list[pd.DataFrame]]) -> list[str]:
+    """Each on-policy arm's rollout dashboard (``rollout_dashboard``) over the steps that trained on the student's
+    own samples (``task/on_policy``), each step the mean over the seeds that sampled at it, after a summary line
+    per arm: how its rollouts' EOS rate, truncation and length moved from the first span of steps to the last."""
+    lines, summary = [], []
+    for arm, frames in logs.items():
+        frames = [f for f in frames if not f.empty and has_rollouts(f)]
+        # only the steps on the student's own samples: a GKD step on the teacher's completions describes the
+        # teacher's text, not the student's rollouts (the on-policy steps differ by seed, so rows are pooled)
+        frames = [f[f["task/on_policy"] == 1] if "task/on_policy" in f else f for f in frames]
+        frames = [f for f in frames if not f.empty]
+        if not frames:
+            continue  # no rollouts (an arm on the teacher's completions alone: λ = 0)
+        pooled = pd.concat(frames, ignore_index=True).groupby("step", as_index=False).mean(numeric_only=True)
+        name = f"{label(arm)} (its steps on its own samples, mean over the {len(frames)} seeds that had each)"
+        md, flat = dashboard_section(name, pooled)
+        lines += md
+        key = f"{name}/rollouts/"
+        moves = [
+            f"{what} {fmt(flat[key + col + '_start'], pct)} → {fmt(flat[key + col + '_end'], pct)}"
+            for col, what, pct in (
+                ("eos_rate", "EOS rate", True),
+                ("truncation_rate", "cut at max_new_tokens", True),
+                ("response_length", "mean length (tokens)", False),
+                ("divergence_second_half", "divergence in the second half", False),
+            )
+            if key + col + "_start" in flat and key + col + "_end" in flat
+        ]
+        if "task/eos_rate" in pooled:  # each seed alone, its first and last fifth of its own-sample steps
+            per_seed = []
+            for f in frames:
+                k = max(1, len(f) // 5)
+                eos = pd.to_numeric(f["task/eos_rate"], errors="coerce")
+                per_seed.append(f"{fmt(float(eos.iloc[:k].mean()), True)} → {fmt(float(eos.iloc[-k:].mean()), True)}")
+            moves.append("EOS rate seed by seed (first fifth → last fifth of its steps): " + "; ".join(per_seed))
+        if moves:
+            summary.append(f"- {label(arm)}, its own samples, first span of steps → last: " + ", ".join(moves) + ".")
+    return (summary + [""] if summary else []) + lines
+
+
+def start_table(by_arm: dict[str, list[dict]]) -> list[str]:
+    """The models every arm shares (the pruned base, the start, the teacher), as the first evaluation scored them."""
+    ev = next((runs[0]["evaluate"] for runs in by_arm.values() if runs), {})
+    rows = [
+        (name, ev.get(key)) for key, name in (("base", "pruned base"), ("sft", "start (SFT)"), ("teacher", "teacher"))
+    ]
+    rows = [(name, m) for name, m in rows if m]
+    if not rows:
+        return []
+    out = ["| model | " + " | ".join(lbl for _, lbl, _ in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
+    for name, m in rows:
+        out.append(f"| {name} | " + " | ".join(fmt(m.get(k), k == "exact_match") for k, _, _ in METRICS) + " |")
+    return out + [""]
+
+
+def curves_figure(by_arm: dict[str, list[dict]], x_key: str, path: Path) -> None:
+    """One panel per metric, one line per arm (and the control): mean over seeds of the learning curve on the
+    curve prompts, min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(15, 4))
+    series = [(CONTROL, "sft_continued", next(iter(by_arm.values()), []))]
+    series += [(arm, "opd", runs) for arm, runs in by_arm.items()]
+    for ax, (metric, lbl, _) in zip(axes, METRICS):
+        for arm, stage, runs in series:
+            curves = [c for c in ((r["evaluate"].get("curves") or {}).get(stage) or [] for r in runs) if c]
+            if not curves:
+                continue
+            xs = sorted({p[x_key] for c in curves for p in c})
+            ys = np.array([[interpolate(c, x_key, x, metric) for x in xs] for c in curves], dtype=float)
+            keep = ~np.any(np.isnan(ys), 0)  # where every seed has a value: no mean over a changing set of seeds
+            xs, ys = np.asarray(xs)[keep], ys[:, keep]
+            (line,) = ax.plot(xs, np.nanmean(ys, 0), label=label(arm))
+            ax.fill_between(xs, np.nanmin(ys, 0), np.nanmax(ys, 0), color=line.get_color(), alpha=0.15)
+        ax.set_xlabel("FLOPs from scratch" if x_key == "flops" else "optimiser steps from scratch")
+        ax.set_title(lbl, fontsize=9)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def render(
+    by_arm: dict[str, list[dict]],
+    logs: dict[str, list[pd.DataFrame]],
+    meta: dict,
+    figures: dict[str, str],
+) -> str:
+    """The study's markdown. ``by_arm``: arm -> one run per seed ({"seed", "evaluate"}: the evaluation of that
+    arm against that seed's control); ``logs``: arm -> its per-seed step logs; ``meta``: how it was run
+    (command, seeds, steps, device, seconds, overrides)."""
+    seeds = sorted({r["seed"] for runs in by_arm.values() for r in runs})
+    lines = [
+        TITLE,
+        "",
+        f"Made by `{meta.get('command', 'python bench/pruned_recovery.py')}` "
+        f"in {meta.get('seconds', float('nan')) / 60:.1f} minutes on {meta.get('device', '?')}"
+        + (f" (commit {meta['commit']})" if meta.get("commit") else "")
+        + ".",
+        "",
+        f"Every arm starts from the same student, {meta.get('start', 'the SFT stage model')}, and runs the same "
+        f"loop: {meta.get('steps')} optimiser steps of {meta.get('batch')} sequences, the opd section's "
+        "learning-rate schedule and clipping. Only the objective and its data differ:",
+        "",
+    ]
+    lines += [f"- **{label(a)}**: {ARMS[a][1]}." for a in [CONTROL, *by_arm] if a in ARMS]
+    skipped = [label(a) for a in ARMS if a != CONTROL and a not in by_arm]
+    if skipped:
+        lines += [f"- Not run in this study: {', '.join(skipped)}."]
+    if meta.get("rollouts"):
+        lines += ["", f"The on-policy arms' rollouts: `opd.rollouts: {meta['rollouts']}`."]
+    lines += [
+        "",
+        f"Seeds: {seeds} (`ddp.seed`, paired: seed s of every arm against seed s of the control). Each cell: mean "
+        "over seeds [95% t-interval over training seeds]; the difference from the control is paired by seed. "
+        "The held-out prompts are the same for every seed, so the intervals hold for these prompts. At equal "
+        "FLOPs each arm is read off its learning curve (on the curve prompts) at the cheaper arm's total; the "
+        "teacher's cost of the completions the SFT stage and the control trained on is counted in the third "
+        "view.",
+        "",
+    ]
+    missing = meta.get("missing") or []
+    if missing:
+        lines += [
+            f"**{len(missing)} run(s) did not finish** and are left out, with their seed's pairs: "
+            + ", ".join(f"`{m}`" for m in missing)
+            + ". Each cell says how many seeds it has.",
+            "",
+        ]
+    lines += ["The shared models, on all the held-out prompts:", "", *start_table(by_arm)]
+    if meta.get("overrides"):
+        base = f"the profile `{meta['profile']}` over params.yaml" if meta.get("profile") else "params.yaml"
+        lines += [f"Params of every run, over {base}: `" + " ".join(meta["overrides"]) + "`.", ""]
+    tables = {}
+    for where, title in (
+        ("equal_steps", "At equal steps"),
+        ("equal_flops", "At equal FLOPs"),
+        ("equal_total_flops", "At equal FLOPs, the teacher's data cost counted"),
+    ):
+        table = summary_table(by_arm, where)
+        tables[where] = table
+        if len(table) <= 3:
+            continue
+        if where == "equal_total_flops" and table == tables.get("equal_flops"):
+            lines += [
+                f"## {title}",
+                "",
+                "The same as at equal FLOPs: every arm trains on rows the SFT stage paid for (or on its own samples), "
+                "so each carries the same teacher's data cost.",
+                "",
+            ]
+            continue
+        lines += [f"## {title}", "", *table]
+    control = instrument_control(next(iter(by_arm.values()), []))
+    if control:
+        lines += [
+            "## Can the study see an effect? (positive control)",
+            "",
+            "The control arm's improvement over the second half of its steps (its curve at the end minus half-way, "
+            "paired by seed), measured with the same seeds and curve prompts. A difference between arms smaller "
+            "than this is one the study may miss.",
+            "",
+            "| metric | control, end − half-way |",
+            "|---|---|",
+        ]
+        for metric, lbl, _ in METRICS:
+            if metric in control:
+                lines.append(f"| {lbl} | {interval_cell(control[metric], metric == 'exact_match')} |")
+        lines.append("")
+    for key, path in figures.items():
+        lines += [f"![learning curves against {key}]({path})", ""]
+    lines += ["## Verdict", "", *verdict(by_arm), ""]
+    dash = rollout_sections(logs)
+    if dash:
+        lines += ["## The on-policy arms' rollouts", "", *dash]
+    detail = []
+    for arm, runs in by_arm.items():
+        table, _, _ = comparison(runs, level="###", arm=label(arm))
+        if table:
+            detail += [f"## {label(arm)} against the control, view by view", "", *table]
+    lines += detail
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,216 @@
+"""The pruned-recovery study's page (ars_opd.evaluation.recovery) and its runner's plumbing (bench/pruned_recovery.py).
+
+The page's numbers are checked against an independent computation: per-seed differences taken by hand from the
+evaluations, their mean and a t-interval from the closed form of Student's t at 2 degrees of freedom, not from
+the module's own mean_ci.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from ars_opd.evaluation import recovery
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _curve(steps, flops, rkl, em):
+    return [
+        {"steps": s, "flops": f, "reverse_kl": r, "exact_match": e, "teacher_nll": 1.0}
+        for s, f, r, e in zip(steps, flops, rkl, em)
+    ]
+
+
+def _evaluation(arm_rkl: float, ctl_rkl: float, arm_em: float, ctl_em: float) -> dict:
+    """An evaluate stage's metrics: the arm as ``opd``, the seed's control as ``sft_continued``."""
+    return {
+        "opd": {"reverse_kl": arm_rkl, "exact_match": arm_em, "teacher_nll": 0.5, "budget": {"steps": 120}},
+        "sft_continued": {"reverse_kl": ctl_rkl, "exact_match": ctl_em, "teacher_nll": 0.4, "budget": {"steps": 120}},
+        "teacher": {"matmul_parameters": 1e8},
+        "curves": {
+            "opd": _curve([80, 140, 200], [1e12, 3e12, 5e12], [2.0, 1.6, arm_rkl], [0.3, 0.35, arm_em]),
+            "sft_continued": _curve([80, 140, 200], [1e12, 2e12, 3e12], [2.0, 1.7, ctl_rkl], [0.3, 0.36, ctl_em]),
+        },
+    }
+
+
+def _t_interval(xs: list[float]) -> tuple[float, float, float]:
+    """Mean and 95% t-interval of three values, independent of ars_opd.evaluation.stats: Student's t with 2
+    degrees of freedom has the closed-form CDF 1/2 + t / (2 sqrt(2 + t^2)), so its 0.975 quantile is
+    a sqrt(2 / (1 - a^2)) with a = 0.95 (4.3027)."""
+    assert len(xs) == 3
+    x = torch.tensor(xs, dtype=torch.float64)
+    q = 0.95 * math.sqrt(2 / (1 - 0.95**2))
+    half = q * x.std(unbiased=True).item() / math.sqrt(3)
+    m = x.mean().item()
+    return m, m - half, m + half
+
+
+ARM_RKL = {"opd": [1.10, 1.20, 1.15], "kd": [1.60, 1.66, 1.70]}
+CTL_RKL = [1.40, 1.45, 1.50]
+EM = {"opd": [0.40, 0.42, 0.38], "kd": [0.40, 0.43, 0.41]}
+CTL_EM = [0.40, 0.41, 0.42]
+
+
+@pytest.fixture
+def by_arm():
+    return {
+        arm: [
+            {"name": f"{arm}-{s}", "seed": s, "evaluate": _evaluation(ARM_RKL[arm][i], CTL_RKL[i], EM[arm][i], c)}
+            for i, (s, c) in enumerate(zip((1, 2, 3), CTL_EM))
+        ]
+        for arm in ("opd", "kd")
+    }
+
+
+def _cells(text: str, section: str, arm_label: str) -> list[str]:
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in body.splitlines() if line.startswith(f"| {arm_label} |"))
+    return [c.strip() for c in row.strip("|").split("|")][1:]
+
+
+def _numbers(cell: str) -> list[float]:
+    cell = re.sub(r"\(n = \d+\)", "", cell)  # the seed count is not a value
+    return [float(x) for x in re.findall(r"-?\d+\.?\d*(?:e-?\d+)?", cell)]
+
+
+def test_every_arm_against_the_control_with_paired_seed_differences(by_arm):
+    text = recovery.render(by_arm, {}, {"command": "python bench/pruned_recovery.py", "seconds": 60, "steps": 120}, {})
+    for arm in ("opd", "kd"):
+        rkl, em, _ = _cells(text, "At equal steps", recovery.label(arm))
+        arm_mean, arm_lo, arm_hi, d_mean, d_lo, d_hi = _numbers(rkl.replace("− control:", ""))
+        assert (arm_mean, arm_lo, arm_hi) == pytest.approx(_t_interval(ARM_RKL[arm]), abs=6e-4)
+        diffs = [a - c for a, c in zip(ARM_RKL[arm], CTL_RKL)]
+        assert (d_mean, d_lo, d_hi) == pytest.approx(_t_interval(diffs), abs=6e-4)
+    control = _cells(text, "At equal steps", recovery.label(recovery.CONTROL))
+    assert _numbers(control[0]) == pytest.approx(_t_interval(CTL_RKL), abs=6e-4)
+    verdict = text.split("## Verdict\n", 1)[1].split("\n## ", 1)[0]
+    opd_line = next(line for line in verdict.splitlines() if recovery.label("opd") in line)
+    kd_line = next(line for line in verdict.splitlines() if recovery.label("kd") in line)
+    # OPD's reverse KL is below the control's on every seed, KD's above: both resolved, opposite ways
+    assert "at equal steps, reverse KL to the teacher (per token): better than the control" in opd_line
+    assert "at equal steps, reverse KL to the teacher (per token): worse than the control" in kd_line
+    # exact match differences straddle 0 for OPD: nothing resolved
+    assert "at equal steps, exact match: no difference resolved" in opd_line
+
+
+def test_equal_flops_reads_each_arm_off_its_curve_at_the_cheaper_total(by_arm):
+    text = recovery.render(by_arm, {}, {"seconds": 1}, {})
+    # the control's curve ends at 3e12 FLOPs, cheaper than the arm's 5e12: the arm is read at 3e12, i.e. half
+    # way between its 1e12 and 5e12 points... (1.6 at 3e12, its middle point); the control at its end
+    rkl = _cells(text, "At equal FLOPs", recovery.label("opd"))[0]
+    assert _numbers(rkl)[0] == pytest.approx(1.6)
+    assert _numbers(rkl)[3] == pytest.approx(1.6 - sum(CTL_RKL) / 3)
+
+
+def test_rollout_dashboards_use_only_the_steps_on_the_students_own_samples():
+    seed_a = pd.DataFrame(
+        {
+            "step": [1, 2],
+            "task/on_policy": [1.0, 1.0],
+            "task/response_length": [10.0, 20.0],
+            "task/divergence_first_half": [1.0, 3.0],
+        }
+    )
+    # seed b trained on the teacher's completions at step 2 (GKD): that row describes the teacher's text
+    seed_b = pd.DataFrame(
+        {
+            "step": [1, 2],
+            "task/on_policy": [1.0, 0.0],
+            "task/response_length": [30.0, 99.0],
+            "task/divergence_first_half": [2.0, 9.0],
+        }
+    )
+    teacher_text = [f.assign(**{"task/on_policy": 0.0}) for f in (seed_a, seed_b)]
+    md = "\n".join(recovery.rollout_sections({"gkd": [seed_a, seed_b], "kd": teacher_text}))
+    assert recovery.label("kd") + " (" not in md  # an arm with no rollouts (λ = 0) has no dashboard
+    rows = [line for line in md.splitlines() if line.startswith("| 1–1") or line.startswith("| 2–2")]
+    assert _numbers(rows[0].split("|")[2])[0] == 20.0 and _numbers(rows[0].split("|")[3])[0] == 1.5  # both seeds
+    assert _numbers(rows[1].split("|")[2])[0] == 20.0 and _numbers(rows[1].split("|")[3])[0] == 3.0  # seed a only
+    assert "mean length (tokens) 20 → 20" in md
+
+
+def test_run_params_set_the_arm_the_seed_and_the_studys_keys():
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import pruned_recovery as pr
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    base = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = pr.run_params(base, [("opd.steps", 7), ("ddp.workers", 1)], seed=3, arm="gkd")
+    assert params["opd"]["steps"] == 7 and params["ddp"]["workers"] == 1 and params["ddp"]["seed"] == 3
+    assert params["opd"]["beta"] == 0.5 and params["opd"]["on_policy_fraction"] == 0.5
+    control = pr.run_params(base, [], seed=3, arm="sft")
+    assert control["opd"] == base["opd"]  # the control's loop is the opd section, unchanged
+    assert json.dumps(base) == json.dumps(yaml.safe_load((REPO / "params.yaml").read_text()))
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        pr.parse_set(["opd.steps"])
+
+
+def test_the_trainer_side_runs_without_the_endpoint_client():
+    """The training and evaluation stages import no HTTP client unless a run talks to an endpoint: a machine with
+    torch and transformers alone (a GPU node) runs them."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('openai', 'datasets'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import stages.models, stages.sft, stages.opd, stages.sft_continued, stages.evaluate\n"
+        "import ars_opd.training.opd, ars_opd.training.sft, ars_opd.evaluation.evaluate, ars_opd.models.prepare\n"
+        "import ars_opd.rollouts.schedule, ars_opd.training.opd_teacher_setup\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def _bench():
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import pruned_recovery
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return pruned_recovery
+
+
+def test_a_stage_is_done_only_with_the_params_it_ran_with(tmp_path):
+    pr = _bench()
+    (tmp_path / "params.yaml").write_text("opd:\n  steps: 60\n")
+    marker = tmp_path / f"{pr.DONE}-opd"
+    marker.write_text(json.dumps({"seconds": 1.0, "params_sha256": pr.params_sha(tmp_path)}))
+    assert pr.finished(tmp_path, "opd")
+    (tmp_path / "params.yaml").write_text("opd:\n  steps: 90\n")  # a rerun with other steps
+    assert not pr.finished(tmp_path, "opd")
+    marker.write_text("12.5")  # a marker without the params' hash proves nothing
+    assert not pr.finished(tmp_path, "opd")
+
+
+def test_a_failed_stage_is_counted_and_leaves_no_marker(tmp_path):
+    pr = _bench()
+    run = tmp_path / "study" / "seed-1" / "opd"
+    run.mkdir(parents=True)
+    (run / "params.yaml").write_text("{}\n")
+    runner = pr.Runner(jobs=1, threads=None)
+    runner.stage(run, "no_such_stage", runner.env(tmp_path / "cache"))
+    assert runner.failed == ["seed-1/opd:no_such_stage"]
+    assert not (run / f"{pr.DONE}-no_such_stage").exists() and not runner.ran
+
+
+def test_the_page_names_runs_that_did_not_finish(by_arm):
+    text = recovery.render(by_arm, {}, {"seconds": 1, "missing": ["seed-3/gkd"]}, {})
+    assert "1 run(s) did not finish" in text and "`seed-3/gkd`" in text
+    two = {"opd": by_arm["opd"][:2]}
+    cell = _cells(recovery.render(two, {}, {"seconds": 1}, {}), "At equal steps", recovery.label("opd"))[0]
+    assert "(n = 2)" in cell
