@@ -224,14 +224,9 @@ def render_study(
             "its curve half-way, interpolated on steps), paired by seed. A difference between the arms "
             "smaller than this is one the sweep may miss.",
             "",
-            "| metric | control, end − half-way |",
-            "|---|---|",
+            *control_table(control),
         ]
-        for metric, label, _ in METRICS:
-            if metric in control:
-                lines.append(f"| {label} | {interval_cell(control[metric], metric == 'exact_match')} |")
-                summary[f"control_last_half/{metric}"] = control[metric]
-        lines.append("")
+        summary.update({f"control_last_half/{metric}": v for metric, v in control.items()})
     for key, path in figures.items():
         if key in ("steps", "flops"):
             lines += [f"![learning curves against {key}]({path})", ""]
@@ -305,6 +300,16 @@ def refresh_regime(text: str) -> str:
     ``render_study`` writes it) replaced by the one quoting ``text``'s own measurement of that regime."""
     paragraph = regime_paragraph(text)
     return "\n".join(paragraph if line.startswith(REGIME_LEAD) else line for line in text.split("\n"))
+
+
+def control_table(control: dict) -> list[str]:
+    """Markdown: the positive control (``instrument_control``), one row per metric it has, and a blank line."""
+    rows = [
+        f"| {label} | {interval_cell(control[metric], metric == 'exact_match')} |"
+        for metric, label, _ in METRICS
+        if metric in control
+    ]
+    return ["| metric | control, end − half-way |", "|---|---|", *rows, ""]
 
 
 def instrument_control(runs: list[dict]) -> dict:

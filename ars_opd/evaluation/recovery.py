@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ars_opd.evaluation.distillation import comparison, instrument_control, interval_cell
+from ars_opd.evaluation.distillation import comparison, control_table, instrument_control, interval_cell
 from ars_opd.evaluation.equal_budget import METRICS, compare, interpolate
 from ars_opd.evaluation.rollout_dashboard import dashboard_section, has_rollouts
 from ars_opd.evaluation.stats import mean_ci
@@ -299,13 +299,8 @@ def render(
             "paired by seed), measured with the same seeds and curve prompts. A difference between arms smaller "
             "than this is one the study may miss.",
             "",
-            "| metric | control, end − half-way |",
-            "|---|---|",
+            *control_table(control),
         ]
-        for metric, lbl, _ in METRICS:
-            if metric in control:
-                lines.append(f"| {lbl} | {interval_cell(control[metric], metric == 'exact_match')} |")
-        lines.append("")
     for key, path in figures.items():
         lines += [f"![learning curves against {key}]({path})", ""]
     lines += ["## Verdict", "", *verdict(by_arm), ""]
