@@ -380,8 +380,10 @@ class PrunedStudentConfig:
     models are made (Minitron prunes, then recovers the model by distillation). It shares the teacher's
     tokenizer, embeddings and head by construction."""
 
-    prune_from: Literal["teacher"] = "teacher"
-    """The model whose layers are kept: the models stage's teacher."""
+    prune_from: str = "teacher"
+    """The model whose layers are kept: 'teacher' (the models stage's teacher), or another pretrained model (a hub
+    id, a local directory or a .gguf file), pinned like a teacher, e.g. for a student whose tokenizer is not the
+    teacher's (``opd.cross_tokenizer``)."""
     keep_layers: str | tuple[int, ...] = "every_other"
     """every_other: teacher layers 0, 2, 4, ...; deep_block: the first num_layers - 1 layers and the last one
     (drop one contiguous block of deep layers, which Gromov et al. 2024 and ShortGPT find less destructive than
@@ -391,6 +393,11 @@ class PrunedStudentConfig:
     and an explicit list is its own count, so set it only for deep_block."""
 
     def __post_init__(self):
+        _require(
+            bool(self.prune_from.strip()) and self.prune_from != BUILTIN,
+            "prune_from",
+            f"must be 'teacher' or a pretrained model (hub id, local directory or .gguf file), got {self.prune_from!r}",
+        )
         if isinstance(self.keep_layers, str):
             _require(
                 self.keep_layers in PRUNE_RULES,
@@ -486,16 +493,19 @@ class ModelsConfig:
             _require(
                 self.student_revision is None,
                 "student_revision",
-                "a pruned student is built from the teacher, which teacher_revision pins; set it to null",
+                "a pruned student is pinned by its source (teacher_revision for the teacher); set it to null",
             )
             return
         _require(bool(self.student.strip()), "student", "must be 'builtin', a hub id, a local directory or .gguf file")
-        _require(
-            (self.teacher == BUILTIN) == (self.student == BUILTIN),
-            "student",
-            f"teacher is {self.teacher!r} and student is {self.student!r}: the built-in models share only "
-            "the built-in tokenizer, so use 'builtin' for both or pretrained models for both",
-        )
+
+    @property
+    def mixed_builtin(self) -> bool:
+        """One side is the built-in model and the other a pretrained one: their tokenizers differ, which only
+        ``opd.cross_tokenizer`` allows (``check_params``)."""
+        pruned = self.pruned_student
+        student_builtin = self.student == BUILTIN or (pruned is not None and pruned.prune_from == "teacher"
+                                                       and self.teacher == BUILTIN)
+        return (self.teacher == BUILTIN) != student_builtin
 
     @property
     def pruned_student(self) -> PrunedStudentConfig | None:
@@ -1133,6 +1143,13 @@ class OPDConfig(TrainLoopConfig):
     """An objective of ars_opd.lm.opd_objectives: full_vocab (exact divergence over the vocabulary), sampled_token
     (an unbiased single-sample policy-gradient estimator of reverse KL's gradient from the sampled tokens' teacher
     log-probabilities, not exact) or topk (a top-k approximation)."""
+    cross_tokenizer: bool = False
+    """Allow a teacher whose tokenizer is not the student's (the models stage refuses such a pair without it). The
+    student's rollouts are rendered to text, tokenised by the teacher under its own chat template and scored there;
+    the losses compare the two tokenisations span by span (``ars_opd.lm.token_alignment``): sampled_token (the
+    sequence-exact sampled estimate of reverse KL, each span's log-ratio its tokens' credit) or cross_vocab (a
+    divergence over the tokens both vocabularies share plus ULD's sorted-probability distance for the rest, at
+    the positions where both sides start a token on the same character)."""
     beta: float = 1.0
     """Divergence: 0 forward KL, 1 reverse KL, in between generalised JSD (objectives that use beta)."""
     temperature: float = 1.0
@@ -1448,8 +1465,11 @@ RULES: dict[str, ObjectiveRules] = {
         ObjectiveRules("full_vocab", "logits", uses_beta=True, exact_on_policy=False),
         ObjectiveRules("sampled_token", "token_logprobs", uses_beta=False, exact_on_policy=True),
         ObjectiveRules("topk", "topk", uses_beta=True, exact_on_policy=False),
+        ObjectiveRules("cross_vocab", "logits", uses_beta=True, exact_on_policy=False),
     )
 }
+
+CROSS_TOKENIZER_LOSSES = ("sampled_token", "cross_vocab")  # what opd.cross_tokenizer trains with
 
 
 def check_objective(cfg: OPDConfig) -> ObjectiveRules:
@@ -1458,6 +1478,20 @@ def check_objective(cfg: OPDConfig) -> ObjectiveRules:
     if cfg.loss not in RULES:
         raise ConfigError("opd.loss", f"must be one of {list(RULES)}, got {cfg.loss!r}")
     rules = RULES[cfg.loss]
+    if cfg.cross_tokenizer and cfg.loss not in CROSS_TOKENIZER_LOSSES:
+        raise ConfigError(
+            "opd.loss",
+            f"with opd.cross_tokenizer the teacher scores its own tokenisation of the student's text, so a loss over "
+            f"one shared vocabulary ({cfg.loss}) is undefined; use one of {list(CROSS_TOKENIZER_LOSSES)}",
+        )
+    if not cfg.cross_tokenizer and cfg.loss == "cross_vocab":
+        raise ConfigError("opd.loss", "cross_vocab is the cross-tokenizer loss: set opd.cross_tokenizer: true")
+    if cfg.cross_tokenizer and cfg.teacher == "endpoint" and cfg.loss != "sampled_token":
+        raise ConfigError(
+            "opd.loss",
+            "a scoring endpoint returns the log-probabilities of the teacher's own tokens, not its distributions at "
+            "the aligned positions; with opd.teacher: endpoint and opd.cross_tokenizer use sampled_token",
+        )
     if cfg.teacher == "endpoint":  # a served teacher returns log-probabilities at τ = 1, top-k at most
         if rules.teacher_signal == "logits":
             raise ConfigError(
@@ -1521,6 +1555,14 @@ def check_params(params: Params, base: str | Path = ".") -> None:
         check_inputs(params.inputs, params.data, params.models, base)
     if params.opd is not None:
         check_objective(params.opd)
+    if params.models is not None and params.opd is not None and params.models.mixed_builtin:
+        if not params.opd.cross_tokenizer:
+            raise ConfigError(
+                "opd.cross_tokenizer",
+                f"models.teacher {params.models.teacher!r} and models.student {params.models.student!r}: one is the "
+                "built-in model and the other a pretrained one, so their tokenizers differ; token-level distillation "
+                "between them needs opd.cross_tokenizer: true",
+            )
     if (
         params.ddp is not None
         and params.opd is not None

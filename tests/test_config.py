@@ -62,7 +62,6 @@ def test_unknown_section_rejected(tmp_path):
             "models.teacher_arch.num_heads",
             "divisible",
         ),
-        ("models", {"teacher": "Qwen/Qwen3-1.7B"}, "models.student", "builtin"),
         ("models", {"teacher_training": {"lr": 0}}, "models.teacher_training.lr", "(0, 1)"),
         ("synthetic", {"tasks": ["add", "divide"]}, "synthetic.tasks", "divide"),
         ("synthetic", {"min_len": 5, "max_len": 4}, "synthetic.max_len", "min_len"),
@@ -94,6 +93,9 @@ def test_bad_values_name_key_and_allowed(section, raw, key, fragment):
         ({"loss": "sampled_token", "on_policy_fraction": 0.5}, "opd.on_policy_fraction", "sampled from the student"),
         ({"loss": "sampled_token", "sample_temperature": 0.7}, "opd.sample_temperature", "== temperature"),
         ({"loss": "sampled_token", "top_p": 0.9}, "opd.sample_temperature", "top_p == 1.0"),
+        ({"loss": "full_vocab", "cross_tokenizer": True}, "opd.loss", "sampled_token"),
+        ({"loss": "cross_vocab"}, "opd.loss", "opd.cross_tokenizer: true"),
+        ({"loss": "cross_vocab", "cross_tokenizer": True, "teacher": "endpoint"}, "opd.loss", "use sampled_token"),
     ],
 )
 def test_objective_constraints_come_from_the_registry(raw, key, fragment, tmp_path, capsys):
@@ -254,3 +256,20 @@ def test_load_params_refuses_what_the_stages_refuse(tmp_path, capsys, over, sect
     assert e.value.key == key and fragment in str(e.value)
     assert main(["params", "--file", str(p)]) == 2
     assert key in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_a_builtin_model_beside_a_pretrained_one_needs_the_cross_tokenizer_flag(cross, tmp_path):
+    """Their tokenizers differ by construction: without opd.cross_tokenizer the params are refused, naming the flag."""
+    p = _write(
+        tmp_path,
+        "models:\n  teacher: builtin\n  student: {prune_from: Org/Model, keep_layers: [0, 2]}\n"
+        f"opd:\n  cross_tokenizer: {str(cross).lower()}\n  loss: sampled_token\n",
+    )
+    if cross:
+        params = load_params(p, sections=("models", "opd"))
+        assert params.models.pruned_student.prune_from == "Org/Model"
+    else:
+        with pytest.raises(ConfigError) as e:
+            load_params(p, sections=("models", "opd"))
+        assert e.value.key == "opd.cross_tokenizer" and "cross_tokenizer: true" in str(e.value)

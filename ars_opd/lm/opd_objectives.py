@@ -163,7 +163,7 @@ def _topk(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
 
 
 _TERMS: dict[str, TermsFactory] = {"full_vocab": _full_vocab, "sampled_token": _sampled_token, "topk": _topk}
-OBJECTIVES: dict[str, Objective] = {name: Objective(**vars(rules), terms=_TERMS[name]) for name, rules in RULES.items()}
+OBJECTIVES: dict[str, Objective] = {name: Objective(**vars(rules), terms=_TERMS.get(name)) for name, rules in RULES.items()}
 
 
 def get_objective(name: str) -> Objective:

@@ -1,0 +1,168 @@
+"""Aligning two tokenisations of one text into spans whose boundaries both share (cross-tokenizer OPD).
+
+The student samples token ids; their text is what the student's tokenizer decodes them to. The teacher tokenises
+that text with its own tokenizer. Neither side's tokens need line up with the other's, but some of their
+boundaries do: a character position where a student token ends and a teacher token ends too. Cutting the text at
+every shared boundary gives spans; each token of either side lies in exactly one span, so a span's
+log-probability on a side is the sum of its tokens' (the chain rule), and the spans' sum is the whole
+sequence's, exactly, on both sides.
+
+Where a token ends is read off its tokenizer, not guessed from strings: the end of token k is the length of the
+decoded prefix ``ids[:k + 1]`` when that decoded prefix is a prefix of the text, and undefined otherwise
+(a byte-level token ending inside a multi-byte character decodes to U+FFFD, which is no prefix; a SentencePiece
+prefix space is stripped the same way in the prefix and in the whole). So:
+
+- **whitespace merging**: "  a" as one token on one side and " ", " a" on the other share only the boundary at
+  "a"'s end: one span;
+- **a different number of pieces at a boundary**: "hello" against "hel", "lo": one span of one and two tokens;
+- **tokens that cover no character** (a special token other than the end, decoded to nothing): they join the
+  span before them (the first span if they lead);
+- **the end**: the student's EOS, when it ended its completion, and the teacher's end-of-turn token appended to
+  the teacher's tokens are their own span, the last;
+- **a BOS on one side only**: it belongs to that side's prompt, never to the completion, which is tokenised
+  without special tokens (``teacher_completion_ids``), so it cannot shift the alignment;
+- **text the teacher cannot spell** (its decoded tokens are not the text, e.g. an unknown character): the
+  alignment stops at the last boundary both share before the difference; the tokens after it, and the end,
+  belong to no span (index -1) and carry no loss (counted: ``Alignment.unaligned_student``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+UNALIGNED = -1
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Spans of one completion: ``student_span[k]`` / ``teacher_span[u]`` the span of each side's token k / u
+    (``UNALIGNED`` for the tokens after the last shared boundary when the teacher cannot spell the text);
+    ``ends[j]`` the character position where span j ends (the end span ends at ``len(text)`` too)."""
+
+    text: str
+    student_span: tuple[int, ...]
+    teacher_span: tuple[int, ...]
+    ends: tuple[int, ...]
+    end_span: bool  # the last span is the pair of end tokens (the student ended its completion)
+
+    @property
+    def n_spans(self) -> int:
+        return len(self.ends)
+
+    @property
+    def unaligned_student(self) -> int:
+        return sum(s == UNALIGNED for s in self.student_span)
+
+    def starts(self, side: str) -> list[int]:
+        """Index of each span's first token on ``side`` ('student' or 'teacher'), -1 for a span with none there."""
+        spans = self.student_span if side == "student" else self.teacher_span
+        first = [-1] * self.n_spans
+        for k, s in enumerate(spans):
+            if s != UNALIGNED and first[s] < 0:
+                first[s] = k
+        return first
+
+
+def token_ends(tokenizer, ids: list[int], text: str, *, skip_special_tokens: bool) -> list[int | None]:
+    """The character position in ``text`` where each token of ``ids`` ends, or None where that is undefined:
+    the decoded prefix up to and including the token is not a prefix of ``text``, or would end before an
+    earlier token's end."""
+    ends: list[int | None] = []
+    last = 0
+    for k in range(len(ids)):
+        prefix = tokenizer.decode(ids[: k + 1], skip_special_tokens=skip_special_tokens)
+        if text.startswith(prefix) and len(prefix) >= last:
+            last = len(prefix)
+            ends.append(last)
+        else:
+            ends.append(None)
+    return ends
+
+
+def _assign(ends: list[int | None], index: dict[int, int]) -> list[int]:
+    """Each token's span: the one closed by the nearest shared boundary at or after the token's own end."""
+    spans = [UNALIGNED] * len(ends)
+    nxt = UNALIGNED
+    for k in range(len(ends) - 1, -1, -1):
+        e = ends[k]
+        if e is not None and e in index:
+            nxt = index[e]
+        spans[k] = nxt
+    return spans
+
+
+def align(
+    text: str,
+    student_ends: list[int | None],
+    teacher_ends: list[int | None],
+    *,
+    student_end_token: bool = False,
+    teacher_end_token: bool = False,
+) -> Alignment:
+    """Spans of two tokenisations of ``text`` given each token's end (``token_ends``). ``*_end_token``: the side's
+    last token is its end token (EOS / end of turn), which covers no character and is not in ``*_ends``."""
+    if student_end_token != teacher_end_token:
+        raise ValueError("the end token must be on both sides or on neither (the teacher's mirrors the student's)")
+    shared = sorted(({e for e in student_ends if e} & {e for e in teacher_ends if e}))
+    index = {e: j for j, e in enumerate(shared)}
+    student = _assign(student_ends, index)
+    teacher = _assign(teacher_ends, index)
+    ends = list(shared)
+    complete = bool(shared) and shared[-1] == len(text) or not text
+    if student_end_token:
+        if complete:  # the end tokens: their own span, predicted from the whole text on both sides
+            student.append(len(ends))
+            teacher.append(len(ends))
+            ends.append(len(text))
+        else:
+            student.append(UNALIGNED)
+            teacher.append(UNALIGNED)
+    return Alignment(text, tuple(student), tuple(teacher), tuple(ends), student_end_token and complete)
+
+
+@dataclass(frozen=True)
+class RowAlignment:
+    """One student completion on the teacher's side: the teacher's completion ids (its tokens of the text, and its
+    end token where the student ended) and the alignment of the two."""
+
+    teacher_ids: tuple[int, ...]
+    alignment: Alignment
+
+
+class CrossTokenizer:
+    """Render a student completion as text and tokenise it for the teacher, aligned.
+
+    ``student_eos_ids``: the ids that end a student completion (the last kept token when it ended);
+    ``teacher_end_id``: the teacher's end-of-turn token, appended where the student ended.
+    """
+
+    def __init__(self, student_tokenizer, teacher_tokenizer, student_eos_ids, teacher_end_id: int):
+        self.student, self.teacher = student_tokenizer, teacher_tokenizer
+        self.student_eos = frozenset(int(i) for i in student_eos_ids)
+        self.teacher_end_id = int(teacher_end_id)
+
+    def text(self, ids: list[int]) -> str:
+        """The student's text of its completion tokens (no end token): special tokens decode to nothing."""
+        return self.student.decode(ids, skip_special_tokens=True)
+
+    def teacher_completion_ids(self, text: str) -> list[int]:
+        """The teacher's tokens of ``text``: no BOS or other added special tokens, and a special token's literal
+        text (e.g. "<|im_end|>" written out by the student) is spelled as text, never turned into a control id."""
+        enc = self.teacher(text, add_special_tokens=False, split_special_tokens=True)
+        return list(enc["input_ids"])
+
+    def align(self, completion: list[int]) -> RowAlignment:
+        """``completion``: the student's kept completion ids, its end token last if it ended."""
+        completion = [int(i) for i in completion]
+        ended = bool(completion) and completion[-1] in self.student_eos
+        body = completion[:-1] if ended else completion
+        text = self.text(body)
+        teacher_body = self.teacher_completion_ids(text)
+        alignment = align(
+            text,
+            token_ends(self.student, body, text, skip_special_tokens=True),
+            token_ends(self.teacher, teacher_body, text, skip_special_tokens=False),
+            student_end_token=ended,
+            teacher_end_token=ended,
+        )
+        return RowAlignment(tuple(teacher_body + ([self.teacher_end_id] if ended else [])), alignment)
