@@ -212,6 +212,24 @@ def load_tokenizer(models_dir: str | Path, trust_remote_code: bool = False) -> P
     return AutoTokenizer.from_pretrained(str(Path(models_dir) / "tokenizer"), trust_remote_code=trust_remote_code)
 
 
+TEACHER_TOKENIZER = "teacher_tokenizer"  # under models_dir, written when opd.cross_tokenizer is on
+
+
+def cross_tokenizer(models_dir: str | Path) -> bool:
+    """Whether the models stage pinned a teacher and student that may tokenise differently (``opd.cross_tokenizer``):
+    its manifest says so, and the teacher's tokenizer is then saved apart (``load_teacher_tokenizer``)."""
+    return bool(read_manifest(models_dir).get("cross_tokenizer", False))
+
+
+def load_teacher_tokenizer(models_dir: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The teacher's own tokenizer (vocabulary, chat template, special tokens): ``teacher_tokenizer/`` when the
+    models stage ran with ``opd.cross_tokenizer``, else the shared one (``load_tokenizer``)."""
+    path = Path(models_dir) / TEACHER_TOKENIZER
+    if not path.is_dir():
+        return load_tokenizer(models_dir, trust_remote_code)
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
 def load_model(
     models_dir: str | Path, role: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
 ) -> PreTrainedModel:
