@@ -182,6 +182,143 @@ def sampled_token_terms(teacher_logprobs: torch.Tensor, tokens: torch.Tensor, te
     return terms
 
 
+def span_sampled_token_terms(
+    span_index: torch.Tensor,
+    span_teacher_logprobs: torch.Tensor,
+    student_logprobs: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+) -> Callable:
+    """``RowTerms`` of the sampled-token estimator of reverse KL over spans (cross-tokenizer OPD).
+
+    The M rows are the student's sampled tokens; ``span_index`` (M,) gives each its span (-1: in no span, no loss),
+    ``span_teacher_logprobs`` (S,) the teacher's log-probability of each span at τ (the sum of its own tokens'), and
+    ``student_logprobs`` (M,) log q(y) at τ of every row, taken before the loss (a span's credit needs all its
+    tokens, which may lie in other chunks). With d_s = Σ_{t ∈ s} log q(y_t) − log p_T(s) (detached):
+
+    - a row's value is log q(y_t) − log p_T(s)/n_s (n_s: the span's student tokens), so the rows of a sequence sum
+      to log q(sequence) − log p_T(its text), the sequence-exact estimate of reverse KL;
+    - a row's gradient is that of the surrogate d_s·log q(y_t): d_s·(onehot(y) − q)/τ, the span's log-ratio as
+      each of its tokens' credit. Where every span is one token on both sides this is ``sampled_token_terms``.
+    """
+    if not temperature > 0:
+        raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
+    aligned = span_index >= 0
+    spans = span_index.clamp(min=0)
+    n_spans = span_teacher_logprobs.shape[0]
+    q_span = torch.zeros(n_spans, dtype=torch.float32, device=span_index.device)
+    q_span.index_add_(0, spans[aligned], student_logprobs[aligned].float())
+    count = torch.zeros(n_spans, dtype=torch.float32, device=span_index.device)
+    count.index_add_(0, spans[aligned], torch.ones_like(student_logprobs[aligned], dtype=torch.float32))
+    p_span = span_teacher_logprobs.float()
+    credit = torch.where(aligned, (q_span - p_span)[spans], torch.zeros_like(q_span[spans]))  # (M,)
+    share = torch.where(aligned, (p_span / count.clamp(min=1))[spans], torch.zeros_like(q_span[spans]))  # (M,)
+    keep = aligned.float()
+
+    def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        y = tokens[start:end, None]  # (c, 1)
+        log_q = _log_softmax_(z, temperature)  # (c, V), in place
+        value = (log_q.gather(-1, y).squeeze(-1) - share[start:end]) * keep[start:end]
+        if not need_grad:
+            return value, None
+        grad = log_q.exp_().scatter_add_(-1, y, torch.full_like(y, -1.0, dtype=log_q.dtype))  # q − onehot(y)
+        return value, grad.mul_((-credit[start:end] / temperature)[:, None])
+
+    return terms
+
+
+def _log_rest(logp: torch.Tensor) -> torch.Tensor:
+    """log(1 − Σ exp(logp)) over the last dimension: the log-mass outside the given entries (floored at −80, so a
+    set holding all the mass has a finite, negligible rest)."""
+    inside = torch.logsumexp(logp, -1).clamp(max=-1e-12)
+    return torch.where(inside > -math.log(2), torch.log(-torch.expm1(inside)), torch.log1p(-torch.exp(inside))).clamp(
+        min=-80.0
+    )
+
+
+def cross_vocab_value(
+    z_student: torch.Tensor,
+    z_teacher: torch.Tensor,
+    shared_student: torch.Tensor,
+    shared_teacher: torch.Tensor,
+    beta: float = 1.0,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The cross_vocab loss of rows whose student logits (k, V_S) and teacher logits (k, V_T) predict the next token
+    from the same text, differentiable in ``z_student``; (k,).
+
+    Two terms, after the idea of GOLD (TRL's cross-tokenizer distillation) and of the Universal Logit Distillation
+    loss (ULD, Boizard et al. 2024), written here from their definitions:
+
+    1. over the K tokens both vocabularies spell alike (``shared_*``, the same ids order) plus one bucket for all
+       the rest: the divergence of ``divergence_terms`` (β: 0 forward KL, 1 reverse KL, between generalised JSD)
+       between p̄ = (p[shared_T], 1 − Σ p[shared_T]) and q̄ = (q[shared_S], 1 − Σ q[shared_S]), so the mass a side
+       puts outside the shared tokens counts too;
+    2. ULD's vocabulary-free distance on the tokens outside the shared set: each side's probabilities sorted in
+       decreasing order, the shorter padded with zeros, and Σ_i |p↓_i − q↓_i| (the optimal-transport cost between
+       the two sorted distributions with unit cost for a different rank).
+
+    Neither term is a divergence between the two full distributions (they live on different vocabularies); both
+    are 0 when the two sides agree on the shared tokens and on the sorted profile of the rest.
+    """
+    _check_beta_temperature(beta, temperature)
+    ls = torch.log_softmax(z_student.float() / temperature, -1)
+    lt = torch.log_softmax(z_teacher.float() / temperature, -1)
+    qs, pt = ls[:, shared_student], lt[:, shared_teacher]
+    q_bar = torch.cat([qs, _log_rest(qs)[:, None]], -1)
+    p_bar = torch.cat([pt, _log_rest(pt)[:, None]], -1)
+    if beta == 1.0:
+        shared = (q_bar.exp() * (q_bar - p_bar)).sum(-1)
+    elif beta == 0.0:
+        shared = (p_bar.exp() * (p_bar - q_bar)).sum(-1)
+    else:
+        log_m = torch.logaddexp(math.log(beta) + p_bar, math.log1p(-beta) + q_bar)
+        shared = beta * (p_bar.exp() * (p_bar - log_m)).sum(-1) + (1 - beta) * (q_bar.exp() * (q_bar - log_m)).sum(-1)
+    rest_s = torch.ones(ls.shape[-1], dtype=torch.bool, device=ls.device)
+    rest_s[shared_student] = False
+    rest_t = torch.ones(lt.shape[-1], dtype=torch.bool, device=lt.device)
+    rest_t[shared_teacher] = False
+    q_sorted = ls[:, rest_s].exp().sort(-1, descending=True).values
+    p_sorted = lt[:, rest_t].exp().sort(-1, descending=True).values
+    width = max(q_sorted.shape[-1], p_sorted.shape[-1])
+    q_sorted = torch.nn.functional.pad(q_sorted, (0, width - q_sorted.shape[-1]))
+    p_sorted = torch.nn.functional.pad(p_sorted, (0, width - p_sorted.shape[-1]))
+    return shared + (q_sorted - p_sorted).abs().sum(-1)
+
+
+def cross_vocab_terms(
+    teacher_rows: Callable[[torch.Tensor], torch.Tensor],
+    cross_rows: torch.Tensor,
+    shared_student: torch.Tensor,
+    shared_teacher: torch.Tensor,
+    beta: float = 1.0,
+    temperature: float = 1.0,
+) -> Callable:
+    """``RowTerms`` of ``cross_vocab_value`` at the rows where ``cross_rows`` (M,) names a teacher row (a span's
+    first token on both sides); every other row has value and gradient 0. ``teacher_rows(idx)`` gives the teacher's
+    logits (k, V_T) of its rows ``idx``. The gradient is autograd's of ``cross_vocab_value`` on the chunk's rows."""
+    _check_beta_temperature(beta, temperature)
+
+    def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        rows = cross_rows[start:end]
+        sel = (rows >= 0).nonzero().squeeze(-1)
+        value = torch.zeros(end - start, dtype=torch.float32, device=z.device)
+        grad = torch.zeros_like(z, dtype=torch.float32) if need_grad else None
+        if sel.numel():
+            with torch.no_grad():
+                zt = teacher_rows(rows[sel]).float()
+            with torch.enable_grad():
+                zs = z[sel].detach().float().requires_grad_(need_grad)
+                v = cross_vocab_value(zs, zt, shared_student, shared_teacher, beta, temperature)
+                if need_grad:
+                    (g,) = torch.autograd.grad(v.sum(), zs)
+                    grad[sel] = g
+            value[sel] = v.detach()
+        return value, grad
+
+    return terms
+
+
 def topk_support(
     top_ids: torch.Tensor, top_logprobs: torch.Tensor, targets: torch.Tensor, target_logprobs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

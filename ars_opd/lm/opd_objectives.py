@@ -28,6 +28,7 @@ plugs in at that one boundary.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,8 +36,14 @@ import torch
 
 from ars_opd.config import RULES, ObjectiveRules, OPDConfig
 from ars_opd.config import check_objective as check_rules
-from ars_opd.lm.divergences import divergence_terms, sampled_token_terms, topk_terms
-from ars_opd.lm.head import OutputHead, RowTerms, chunked_head_loss
+from ars_opd.lm.divergences import (
+    cross_vocab_terms,
+    divergence_terms,
+    sampled_token_terms,
+    span_sampled_token_terms,
+    topk_terms,
+)
+from ars_opd.lm.head import OutputHead, RowTerms, chunked_head_loss, target_logprobs
 
 
 class TeacherLogits:
@@ -76,6 +83,18 @@ class TeacherScores:
     """(M, k+1) the teacher's top-k ∪ the target (``teacher_signal == "topk"``; ``divergences.topk_support``)."""
     support_logprobs: torch.Tensor | None = None
     """(M, k+1) log p_T of ``support_ids`` at τ = 1, −inf at unused slots."""
+    span_index: torch.Tensor | None = None
+    """(M,) cross-tokenizer OPD: the span of each scored student token (-1: none; ``ars_opd.lm.token_alignment``)."""
+    span_logprobs: torch.Tensor | None = None
+    """(S,) log p_T of each span (the sum of the teacher's own tokens in it) at the objective's temperature."""
+    cross_rows: torch.Tensor | None = None
+    """(M,) cross_vocab: for each scored student token that starts its span, the row of ``logits`` (the teacher's
+    scored rows) that starts the same span; -1 elsewhere."""
+    shared_vocab: tuple[torch.Tensor, torch.Tensor] | None = None
+    """cross_vocab: (student ids (K,), teacher ids (K,)) of the tokens both vocabularies spell alike."""
+    student_logprobs: torch.Tensor | None = None
+    """(M,) log q of the scored tokens at the objective's temperature, no gradient: a span's credit needs all its
+    tokens' (``Objective.loss`` fills it before the chunked loss when ``span_index`` is set)."""
 
     def target_logprobs(self) -> torch.Tensor:
         """(M,) log p_T(target) at τ = 1 (the ``teacher_logprob`` column)."""
@@ -114,6 +133,9 @@ class Objective(ObjectiveRules):
         each row's loss and gradient scaled by its weight (importance weights of rollouts sampled by an older
         policy; ``ars_opd.training.opd``). ``record`` (M,) fp32, if given, receives each row's own value, before
         any weight (the per-token divergence the step log splits by position)."""
+        if teacher.span_index is not None and teacher.student_logprobs is None:  # one no-grad head pass
+            logq = target_logprobs(hidden.detach(), head, targets, (temperature,), chunk_size)[0]
+            teacher = dataclasses.replace(teacher, student_logprobs=logq)
         terms = self.terms(teacher, targets, beta, temperature)
         if record is not None:
             terms = _recorded(terms, record)
@@ -151,9 +173,25 @@ def _full_vocab(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
 
 
 def _sampled_token(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
+    if teacher.span_index is not None:  # across tokenizers: span by span
+        return span_sampled_token_terms(
+            teacher.span_index, teacher.span_logprobs, teacher.student_logprobs, targets, temperature
+        )
     if teacher.token_logprobs is None:
         raise ValueError("the sampled_token loss needs the teacher's token log-probabilities")
     return sampled_token_terms(teacher.token_logprobs, targets, temperature)
+
+
+def _cross_vocab(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
+    if teacher.logits is None or teacher.cross_rows is None or teacher.shared_vocab is None:
+        raise ValueError("the cross_vocab loss needs a cross-tokenizer teacher (opd.cross_tokenizer)")
+    return cross_vocab_terms(
+        lambda rows: teacher.logits.head.logits(teacher.logits.hidden[rows]),
+        teacher.cross_rows,
+        *teacher.shared_vocab,
+        beta,
+        temperature,
+    )
 
 
 def _topk(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
@@ -162,8 +200,13 @@ def _topk(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
     return topk_terms(teacher.support_ids, teacher.support_logprobs, beta, temperature)
 
 
-_TERMS: dict[str, TermsFactory] = {"full_vocab": _full_vocab, "sampled_token": _sampled_token, "topk": _topk}
-OBJECTIVES: dict[str, Objective] = {name: Objective(**vars(rules), terms=_TERMS.get(name)) for name, rules in RULES.items()}
+_TERMS: dict[str, TermsFactory] = {
+    "full_vocab": _full_vocab,
+    "sampled_token": _sampled_token,
+    "topk": _topk,
+    "cross_vocab": _cross_vocab,
+}
+OBJECTIVES: dict[str, Objective] = {name: Objective(**vars(rules), terms=_TERMS[name]) for name, rules in RULES.items()}
 
 
 def get_objective(name: str) -> Objective:

@@ -71,7 +71,8 @@ from ars_opd.lm.generation import GenerationCost, decode_completion, eos_token_i
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.lm.optim import autocast_context
-from ars_opd.models.loading import read_manifest
+from ars_opd.lm.token_alignment import CrossTokenizer
+from ars_opd.models.loading import load_teacher_tokenizer, read_manifest
 from ars_opd.rollouts.schedule import (
     ENGINE_METRICS,
     EngineRollouts,
@@ -83,6 +84,7 @@ from ars_opd.rollouts.stage import WorkerPlace, stage_engine, worker_rollouts
 from ars_opd.seeding import derive_seed
 from ars_opd.training.batch_plan import step_indices
 from ars_opd.training.budget import matmul_parameters
+from ars_opd.training.cross_teacher import CrossTokenizerTeacher, max_positions, teacher_end_id
 from ars_opd.training.opd_teacher_setup import build_teacher, check_scoring_endpoint, scoring_endpoint
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.sharding import is_sharded
@@ -116,6 +118,7 @@ class OPDData:
     tasks: list[str | None] | None = None  # each row's task label (synthetic data), for a task-selective fault
     counts: dict = field(default_factory=dict)  # rows kept and dropped, for the manifest
     references: list[str | None] | None = None  # each row's reference answer (synthetic data), for correct_rate
+    teacher_prompts: list[list[int]] | None = None  # opd.cross_tokenizer: each prompt in the teacher's own tokens
 
     def checkable(self) -> bool:
         """Whether every row's answer can be checked: a task label and a reference on each (the synthetic tasks)."""
@@ -178,6 +181,7 @@ class OPDTask:
         names = ["teacher_logprob", "response_length", "eos_rate", "truncation_rate"]
         names += ["correct_rate"] if self.references is not None else []
         names += ["divergence_first_half", "divergence_second_half", "gen_s", "teacher_s", "on_policy"]
+        names += ["unaligned_rate"] if self.cfg.cross_tokenizer else []
         return names + (list(ENGINE_METRICS) if self.engine is not None else [])
 
     def teacher_tokens(self, step: int) -> int:
@@ -243,6 +247,8 @@ class OPDTask:
                 self.pad_id,
                 self.eos_ids,
             )
+            if self.cfg.cross_tokenizer:  # the teacher renders each row's prompt in its own tokens
+                batch["row_index"] = torch.tensor(idx[j : j + self.geometry.micro_batch], dtype=torch.long)
             if engine_logprobs is not None:
                 batch["engine_logprobs"] = place_on_mask(
                     batch["loss_mask"], engine_logprobs[j : j + self.geometry.micro_batch]
@@ -269,13 +275,17 @@ class OPDTask:
                 meta["gen_s"] = (gen_s, 1.0)
                 meta["teacher_s"] = (attach_s, 0.0)  # loss_sum adds the per-micro-batch part and the count
                 meta.update(engine_meta)
-            t = {k: v.to(self.device) for k, v in b.items() if k not in ("lengths", "has_eos")}
+            if "unaligned" in b:  # cross_tokenizer: student tokens after the last boundary the teacher can spell
+                meta["unaligned_rate"] = (float(b["unaligned"]), float(b["loss_mask"].sum()))
+            t = {k: v.to(self.device) for k, v in b.items() if k not in ("lengths", "has_eos", "unaligned")}
             real = int(b["attention_mask"].sum())
             generated = int(b["lengths"].sum()) if on_policy else 0
             # sampling: what the student's forward computed for the whole step (one generate call), not the kept
             # tokens: padded prompts, and rows that ended still step until the batch's last row does
             sampled = sampling.forward_tokens if n == 0 else 0
-            flops = (6 * self.student_params + 2 * self.teacher_params) * real + 2 * self.student_params * sampled
+            # the teacher's forward runs on its own tokens of the text when they are not the student's
+            real_t = int(b["teacher_attention_mask"].sum()) if "teacher_attention_mask" in b else real
+            flops = 6 * self.student_params * real + 2 * self.teacher_params * real_t + 2 * self.student_params * sampled
             n_tok = int(b["loss_mask"].sum())
             # per sequence: the loss sums each completion's token mean, so the step averages over completions
             # (those with a loss token: a completion with none has no mean)
@@ -337,7 +347,7 @@ class OPDTask:
             self.engine.check_step(step, metrics, self.cfg.engine.dlogp_check)
 
 
-def _encode(tokenizer, rows: list[dict], cfg: OPDConfig) -> OPDData:
+def _encode(tokenizer, rows: list[dict], cfg: OPDConfig, teacher_tokenizer=None) -> OPDData:
     """The rows whose prompt fits the budget, encoded, and the counts. A teacher completion has an EOS only
     where the teacher ended it; with ``truncated_completions: drop`` and teacher-text steps
     (on_policy_fraction < 1) a row whose completion the teacher was cut off in is left out."""
@@ -353,12 +363,16 @@ def _encode(tokenizer, rows: list[dict], cfg: OPDConfig) -> OPDData:
         "dropped_teacher_truncated": len(fits) - len(keep),
         "teacher_truncated": sum(not teacher_ended(r) for r in rows),
     }
+    teacher_prompts = None
+    if teacher_tokenizer is not None:  # the same messages under the teacher's own chat template
+        teacher_prompts = encode_prompts(teacher_tokenizer, [rows[i]["messages"] for i in keep])
     return OPDData(
         [prompts[i] for i in keep],
         [completions[i] for i in keep],
         [rows[i].get("task") for i in keep],
         counts,
         [rows[i].get("reference") for i in keep],
+        teacher_prompts,
     )
 
 
@@ -372,10 +386,20 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         raise ValueError(f"the student has {rows_out} output rows but the tokenizer {vocab} ids")
     teacher, teacher_params, teacher_manifest = build_teacher(job, setup, vocab)
     rows, identity = train_rows(job.paths, job.stage, job.control)
-    data = _encode(tokenizer, rows, job.cfg)
+    teacher_tokenizer = None
+    if job.cfg.cross_tokenizer:
+        teacher_tokenizer = load_teacher_tokenizer(job.paths.models_dir, job.trust_remote_code)
+    data = _encode(tokenizer, rows, job.cfg, teacher_tokenizer)
     if not data.prompts:
         raise ValueError(f"no OPD prompts left after the budget: {data.counts}")
     eos_ids = eos_token_ids(model, tokenizer)
+    if teacher_tokenizer is not None:
+        teacher = cross_tokenizer_teacher(teacher, tokenizer, teacher_tokenizer, eos_ids, data, vocab, job.cfg)
+        teacher_manifest["cross_tokenizer"] = {
+            "loss": job.cfg.loss,
+            "teacher_vocab": len(teacher_tokenizer),
+            "student_vocab": vocab,
+        }
     task = OPDTask(
         data,
         teacher,
@@ -398,6 +422,25 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         on_step=lambda s: {"gkd_source": task.source(s)},
         budget_start=student.budget,
         close=task.engine.close if task.engine is not None else None,
+    )
+
+
+def cross_tokenizer_teacher(
+    teacher: LocalTeacher | EndpointTeacher, tokenizer, teacher_tokenizer, eos_ids, data: OPDData, vocab: int, cfg
+) -> CrossTokenizerTeacher:
+    """``teacher`` scoring the student's text in its own tokens (``ars_opd.training.cross_teacher``)."""
+    cross = CrossTokenizer(tokenizer, teacher_tokenizer, eos_ids, teacher_end_id(teacher_tokenizer))
+    local = isinstance(teacher, LocalTeacher)
+    return CrossTokenizerTeacher(
+        cross,
+        data.teacher_prompts,
+        vocab=vocab,
+        teacher_vocab=len(teacher_tokenizer),
+        teacher_pad_id=pad_token_id(teacher_tokenizer),
+        max_positions=max_positions(teacher.model) if local else None,
+        model=teacher.model if local else None,
+        endpoint=None if local else teacher,
+        chunk_size=cfg.chunk_size,
     )
 
 

@@ -21,7 +21,7 @@ import torch
 
 from ars_opd.config import OPDConfig, PathsConfig
 from ars_opd.lm.precision import frozen_model_dtype
-from ars_opd.models.loading import load_model, load_tokenizer, model_path
+from ars_opd.models.loading import load_model, load_teacher_tokenizer, model_path
 from ars_opd.models.tokenizer import check_shared_tokenizer
 from ars_opd.serving.local_server import LOCAL_MODEL_NAME, local_server
 from ars_opd.teacher.client.endpoint import ClientSettings, api_key, make_client, preflight
@@ -49,6 +49,8 @@ def build_teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[Loc
         endpoint = job.scoring
         if endpoint is None:
             raise ValueError("opd.teacher: endpoint, but the job carries no scoring endpoint (run_opd resolves it)")
+        if cfg.cross_tokenizer:
+            vocab = len(load_teacher_tokenizer(job.paths.models_dir, job.trust_remote_code))
         teacher = EndpointTeacher(endpoint.settings, endpoint.model, vocab, cfg.topk)
         return (
             teacher,
@@ -61,12 +63,15 @@ def build_teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[Loc
         )
     from transformers import AutoTokenizer
 
-    check_shared_tokenizer(
-        AutoTokenizer.from_pretrained(
-            model_path(job.paths.models_dir, "teacher"), trust_remote_code=job.trust_remote_code
-        ),
-        setup.tokenizer,
-    )
+    if cfg.cross_tokenizer:  # the teacher keeps its own vocabulary: its head covers its own tokenizer
+        vocab = len(load_teacher_tokenizer(job.paths.models_dir, job.trust_remote_code))
+    else:
+        check_shared_tokenizer(
+            AutoTokenizer.from_pretrained(
+                model_path(job.paths.models_dir, "teacher"), trust_remote_code=job.trust_remote_code
+            ),
+            setup.tokenizer,
+        )
     teacher_dtype = frozen_model_dtype(cfg.teacher_dtype, ctx.device)
     model = load_model(
         job.paths.models_dir, "teacher", dtype=teacher_dtype, trust_remote_code=job.trust_remote_code
@@ -107,10 +112,10 @@ def check_scoring_endpoint(endpoint: ScoringEndpoint, job: TrainingJob) -> None:
         client = make_client(settings)
         try:
             await preflight(client, model, min(15.0, cfg.teacher_endpoint.request_timeout_s), ENDPOINT_SECTION)
-            await check_tokenizer(
+            await check_tokenizer(  # the teacher's own tokenizer (the student's unless opd.cross_tokenizer)
                 client,
                 model,
-                load_tokenizer(job.paths.models_dir, job.trust_remote_code),
+                load_teacher_tokenizer(job.paths.models_dir, job.trust_remote_code),
                 settings,
                 ENDPOINT_SECTION,
                 k=cfg.topk if cfg.loss == "topk" else 1,

@@ -107,15 +107,19 @@ class EndpointTeacher:
             sequences += [t["input_ids"][b, :n].tolist() for b, n in enumerate(lengths)]
         # sampled_token needs only the actual tokens, but k >= 1 is what every vLLM version answers alike
         k = self.topk if objective.teacher_signal == "topk" else 1
-        from ars_opd.teacher.client.score import score_sequences
-
-        client = self._client_in_loop()
-        scores = self._loop.run_until_complete(score_sequences(client, self.model, sequences, k, self.settings))
+        scores = self.score_rows(sequences, k)
         i = 0
         for t in batches:
             rows = scores[i : i + t["input_ids"].shape[0]]
             i += len(rows)
             t.update(_gather(rows, t["loss_mask"], t["targets"], self.vocab))
+
+    def score_rows(self, sequences: list[list[int]], k: int) -> "list[SequenceScores]":
+        """The endpoint's prompt log-probabilities (top ``k``) of every sequence, in order, all or nothing."""
+        from ars_opd.teacher.client.score import score_sequences
+
+        client = self._client_in_loop()
+        return self._loop.run_until_complete(score_sequences(client, self.model, sequences, k, self.settings))
 
     def score(self, tensors: dict[str, torch.Tensor], objective: Objective, temperature: float) -> TeacherScores:
         if any(k not in tensors for k in ATTACHED):
