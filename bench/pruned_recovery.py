@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from ars_opd.artifacts import read_jsonl  # noqa: E402
 from ars_opd.config import ConfigError, load_params, read_params_file  # noqa: E402
-from ars_opd.evaluation.recovery import ARMS, CONTROL  # noqa: E402
+from ars_opd.evaluation.recovery import ARMS, CONTROL, SAME_TOKENIZER_ARMS, cross_tokenizer_arm  # noqa: E402
 
 # what every run reads from the workspace (linked, never written): the models, the prompts, the teacher's
 # completions and the SFT stage's model (the start, with its snapshots) and log
@@ -201,10 +201,13 @@ class Runner:
             list(pool.map(fn, items))
 
 
-def prepare_start(root: Path, base: dict, sets: list[tuple[str, object]], runner: "Runner", env: dict) -> Path:
+def prepare_start(
+    root: Path, base: dict, sets: list[tuple[str, object]], runner: "Runner", env: dict, own_data: bool = False
+) -> Path:
     """``--prepare``: the start the arms share, made here by the pipeline's own stages (models, then sft) in
     ``<root>/start``, with the prompts and the teacher's completions linked from the workspace where they are
-    (a machine without the teacher endpoint's client brings them along) and made by their stages otherwise."""
+    (a machine without the teacher endpoint's client brings them along) and made by their stages otherwise, or
+    always made here with ``own_data`` (a profile whose data or teacher is not the workspace's)."""
     start = root / "start"
     start.mkdir(parents=True, exist_ok=True)
     params = json.loads(json.dumps(base))
@@ -217,7 +220,7 @@ def prepare_start(root: Path, base: dict, sets: list[tuple[str, object]], runner
     workspace = load_params(REPO / "params.yaml", sections=("paths",)).paths
     stages = ["models"]
     for stage, names in (("subset", ("subset_train", "subset_eval")), ("teacher_gen", ("teacher_dir",))):
-        if all((REPO / getattr(workspace, n)).exists() for n in names):
+        if not own_data and all((REPO / getattr(workspace, n)).exists() for n in names):
             for n in names:
                 link(start, getattr(paths, n), REPO / getattr(workspace, n))
         else:
@@ -239,7 +242,7 @@ def run_study(args) -> dict:
     runner = Runner(args.jobs, args.threads if args.jobs > 1 else None)
     env = runner.env(root / "eval-cache")
     t0 = time.perf_counter()
-    source = prepare_start(root, base, parse_set(args.set), runner, env) if args.prepare else REPO
+    source = prepare_start(root, base, parse_set(args.set), runner, env, args.own_data) if args.prepare else REPO
     t_start = time.perf_counter() - t0
     controls = {s: root / f"seed-{s}" / CONTROL for s in args.seeds}
     for s in args.seeds:
@@ -282,6 +285,7 @@ def run_study(args) -> dict:
         "commit": git_commit(),
         "failed": runner.failed,
         "profile": args.profile,
+        "title": args.title,
     }
     (root / "study.json").write_text(json.dumps(meta, indent=1))
     return meta
@@ -354,7 +358,13 @@ def write_report(root: Path, out: Path, commit: str | None = None) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument(
+        "--arms",
+        nargs="+",
+        default=list(SAME_TOKENIZER_ARMS),
+        choices=list(ARMS),
+        help="the xtok_* arms distil across tokenizers (bench/cross_tokenizer.py runs them)",
+    )
     ap.add_argument("--steps", type=int, default=120, help="optimiser steps of every arm (opd.steps)")
     ap.add_argument("--snapshot-every", type=int, default=20, help="learning-curve points (opd.snapshot_every)")
     ap.add_argument("--curve-examples", type=int, default=64, help="held-out prompts of each curve point")
@@ -369,11 +379,15 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--prepare", action="store_true", help="make the start here (models and sft stages) instead of the workspace's"
     )
+    ap.add_argument("--own-data", action="store_true", help="with --prepare: make the prompts and teacher completions")
+    ap.add_argument("--title", help="the page's first line (markdown)")
     args = ap.parse_args(argv)
     if args.steps < 2 or args.jobs < 1 or len(set(args.seeds)) != len(args.seeds):
         ap.error("--steps must be >= 2, --jobs >= 1, and the seeds distinct")
     if not [a for a in args.arms if a != CONTROL]:
         ap.error("--arms needs at least one arm besides the control")
+    if len({cross_tokenizer_arm(a) for a in args.arms if a != CONTROL}) > 1:
+        ap.error("--arms: the xtok_* arms need cross-tokenizer models and the others one shared tokenizer; run them apart")
     root = Path(args.root).resolve()
     if not args.report_only:
         try:

@@ -55,8 +55,31 @@ ARMS: dict[str, tuple[str, str, dict | None]] = {
         "the single-sample estimator of reverse KL's gradient from the sampled tokens' teacher log-probabilities",
         {"loss": "sampled_token", "beta": 1.0, "on_policy_fraction": 1.0},
     ),
+    "xtok_sampled": (
+        "OPD across tokenizers, span sampled-token reverse KL",
+        "the student's text scored by the teacher in its own tokens; each span both tokenisations share carries its "
+        "log-ratio log q − log p as its tokens' credit, the sequence estimate exact by the chain rule "
+        "(`opd.cross_tokenizer`, `opd.loss: sampled_token`)",
+        {"loss": "sampled_token", "beta": 1.0, "on_policy_fraction": 1.0, "cross_tokenizer": True},
+    ),
+    "xtok_vocab": (
+        "OPD across tokenizers, shared vocabulary + ULD",
+        "at each span's first token, reverse KL over the tokens both vocabularies spell alike (plus one bucket for "
+        "the rest) and ULD's sorted-probability distance on the rest (`opd.loss: cross_vocab`)",
+        {"loss": "cross_vocab", "beta": 1.0, "on_policy_fraction": 1.0, "cross_tokenizer": True},
+    ),
 }
 VIEW_KEYS = ("equal_steps", "equal_flops", "equal_total_flops")
+
+
+def cross_tokenizer_arm(arm: str) -> bool:
+    """Whether ``arm`` distils across tokenizers (it then needs a models stage run with opd.cross_tokenizer, and the
+    same-tokenizer arms' full-vocabulary losses cannot run beside it)."""
+    return bool((ARMS.get(arm, (None, None, None))[2] or {}).get("cross_tokenizer"))
+
+
+SAME_TOKENIZER_ARMS = tuple(a for a in ARMS if not cross_tokenizer_arm(a))
+CROSS_TOKENIZER_ARMS = (CONTROL, *(a for a in ARMS if cross_tokenizer_arm(a)))
 
 
 def label(arm: str) -> str:
@@ -230,7 +253,7 @@ def render(
     (command, seeds, steps, device, seconds, overrides)."""
     seeds = sorted({r["seed"] for runs in by_arm.values() for r in runs})
     lines = [
-        TITLE,
+        meta.get("title") or TITLE,
         "",
         f"Made by `{meta.get('command', 'python bench/pruned_recovery.py')}` "
         f"in {meta.get('seconds', float('nan')) / 60:.1f} minutes on {meta.get('device', '?')}"
@@ -243,7 +266,8 @@ def render(
         "",
     ]
     lines += [f"- **{label(a)}**: {ARMS[a][1]}." for a in [CONTROL, *by_arm] if a in ARMS]
-    skipped = [label(a) for a in ARMS if a != CONTROL and a not in by_arm]
+    family = CROSS_TOKENIZER_ARMS if any(cross_tokenizer_arm(a) for a in by_arm) else SAME_TOKENIZER_ARMS
+    skipped = [label(a) for a in family if a != CONTROL and a not in by_arm]
     if skipped:
         lines += [f"- Not run in this study: {', '.join(skipped)}."]
     if meta.get("rollouts"):
