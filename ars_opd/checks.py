@@ -114,9 +114,34 @@ def check_models(p: PathsConfig, problems: Problems) -> None:
                 problems.add(d / role, "built-in model weights missing")
             elif ref:
                 _check_pin(d, role, ref, problems)
+        if manifest.get("student_source"):  # the model a student was pruned from, when not the teacher
+            _check_pin(d, "student_source", manifest["student_source"], problems)
+        if manifest.get("cross_tokenizer"):
+            _check_teacher_tokenizer(d, manifest.get("teacher_tokenizer"), problems)
     if not (d / "tokenizer" / "tokenizer_config.json").is_file():
         problems.add(d / "tokenizer", "tokenizer missing")
     _metrics(Path(p.models_metrics), problems)
+
+
+def _check_teacher_tokenizer(models_dir: Path, entry: dict | None, problems: Problems) -> None:
+    """With opd.cross_tokenizer the teacher's own tokenizer is saved apart and pinned: present, and its files still
+    those the manifest hashed (the OPD stage tokenises the teacher's side with it)."""
+    from ars_opd.models.loading import ModelSourceError, sha256_of_files  # torch: only for this check
+
+    where = models_dir / "teacher_tokenizer"
+    if not entry:
+        problems.add(models_dir / "manifest.json", "cross_tokenizer is on but there is no 'teacher_tokenizer' entry")
+        return
+    if not (where / "tokenizer_config.json").is_file():
+        problems.add(where, "teacher tokenizer missing")
+        return
+    try:
+        digest = sha256_of_files(where)
+    except ModelSourceError as e:
+        problems.add(where, str(e))
+        return
+    if digest != entry.get("sha256"):
+        problems.add(where, f"changed after the models stage pinned it (sha256 {digest[:12]}… now)")
 
 
 def _check_pin(models_dir: Path, role: str, ref: dict, problems: Problems) -> None:

@@ -68,7 +68,7 @@ def test_pruned_student_params_parse_and_choose_layers():
         ({"keep_layers": [3, 1]}, "models.student.keep_layers", "strictly increasing"),
         ({"keep_layers": [0, 0, 1]}, "models.student.keep_layers", "strictly increasing"),
         ({"keep_layers": "every_other", "num_layers": 4}, "models.student.num_layers", "only deep_block"),
-        ({"prune_from": "student"}, "models.student.prune_from", "teacher"),
+        ({"prune_from": "builtin"}, "models.student.prune_from", "teacher"),  # a source, or the teacher
         ({"keep": "every_other"}, "models.student.keep", "unknown key"),
     ],
 )

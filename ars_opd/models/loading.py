@@ -213,6 +213,10 @@ def load_tokenizer(models_dir: str | Path, trust_remote_code: bool = False) -> P
 
 
 TEACHER_TOKENIZER = "teacher_tokenizer"  # under models_dir, written when opd.cross_tokenizer is on
+# under models_dir: the pretrained model a student is pruned from when that is not the teacher
+# (``models.student.prune_from: <source>``), written there when it is a GGUF file and pinned in the manifest
+# under this key like a role
+STUDENT_SOURCE = "student_source"
 
 
 def cross_tokenizer(models_dir: str | Path) -> bool:

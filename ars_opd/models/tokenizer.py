@@ -14,7 +14,10 @@ The chat template is ChatML (as Qwen uses): ``<|im_start|>{role}\\n{content}<|im
 generation prompt ``<|im_start|>assistant\\n``. EOS is ``<|im_end|>``; PAD is ``<|endoftext|>``.
 
 ``check_shared_tokenizer`` implements the white-box rule of token-level distillation: teacher and student
-must share vocabulary and special tokens; a difference is refused with the first differing entries named.
+must share vocabulary and special tokens; a difference is refused with the first differing entries named, and
+with the one switch that lifts the rule, ``opd.cross_tokenizer`` (the teacher then scores its own tokenisation
+of the student's text, aligned span by span, so ids need not agree). ``tokenizer_differences`` is the same
+comparison as a list, for the models stage, which records whether a cross-tokenizer pair happens to share one.
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> dict:
     }
 
 
-def check_shared_tokenizer(teacher: PreTrainedTokenizerBase, student: PreTrainedTokenizerBase) -> None:
-    """Raise ``TokenizerMismatchError`` unless both tokenizers map every token to the same id.
+def tokenizer_differences(teacher: PreTrainedTokenizerBase, student: PreTrainedTokenizerBase) -> list[str]:
+    """What keeps two tokenizers from mapping every token to the same id, one line per kind of difference (special
+    tokens, added special tokens, vocabulary; the first few entries of each named); empty when they agree.
 
     Model embedding matrices may be padded beyond the tokenizer (e.g. 151,936 vs 152,064 rows); that is
     handled where logits are compared, by dropping ids >= len(tokenizer). Here only the tokenizers count.
@@ -111,8 +115,22 @@ def check_shared_tokenizer(teacher: PreTrainedTokenizerBase, student: PreTrained
             f"vocabularies differ ({len(va)} vs {len(vb)} tokens): only in teacher {only_t}, "
             f"only in student {only_s}, different ids for {moved}"
         )
+    return problems
+
+
+def mismatch_message(problems: list[str]) -> str:
+    """The refusal of a pair that does not share a tokenizer: what differs, and the two ways forward."""
+    return (
+        "teacher and student do not share a tokenizer, so token-level distillation over one vocabulary is "
+        "undefined: " + "; ".join(problems) + ". Choose a teacher and student from one model family, or set "
+        "opd.cross_tokenizer: true to distil across tokenizers (the teacher scores its own tokenisation of the "
+        "student's text, compared span by span; opd.loss sampled_token or cross_vocab)."
+    )
+
+
+def check_shared_tokenizer(teacher: PreTrainedTokenizerBase, student: PreTrainedTokenizerBase) -> None:
+    """Raise ``TokenizerMismatchError`` unless both tokenizers map every token to the same id
+    (``tokenizer_differences``); the message names ``opd.cross_tokenizer``, the switch that allows such a pair."""
+    problems = tokenizer_differences(teacher, student)
     if problems:
-        raise TokenizerMismatchError(
-            "teacher and student do not share a tokenizer, so token-level distillation over the vocabulary "
-            "is undefined: " + "; ".join(problems) + ". Choose a teacher and student from one model family."
-        )
+        raise TokenizerMismatchError(mismatch_message(problems))
