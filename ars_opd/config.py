@@ -612,8 +612,13 @@ def check_inputs(
     if models is not None:
         for role in ("teacher", "student"):
             name = getattr(models, role)
-            if not isinstance(name, str):  # a student pruned from the teacher: no file of its own
-                pairs.append((role, f"models.{role}", "a pruned student", None, "models"))
+            if not isinstance(name, str):  # a pruned student
+                if name.prune_from == "teacher":  # made of the teacher's layers: no file of its own
+                    pairs.append((role, f"models.{role}", "a pruned student", None, "models"))
+                    continue
+                name, source_key = name.prune_from, f"models.{role}.prune_from"  # pinned from a source of its own
+                path_like = name.startswith((".", "/", "~")) or name.count("/") > 1 or is_gguf(name)
+                pairs.append((role, source_key, name, _looks_local(name, path_like, base), "models"))
                 continue
             path_like = name.startswith((".", "/", "~")) or name.count("/") > 1 or is_gguf(name)
             local = None if name == BUILTIN else _looks_local(name, path_like, base)

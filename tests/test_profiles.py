@@ -70,3 +70,20 @@ def test_the_real_profile_is_valid_params(tmp_path):
     p = load_params(params, base=REPO)
     assert p.models.pruned_student is not None and p.models.teacher.endswith(".gguf")
     assert applied["inputs"]["teacher"] == applied["models"]["teacher"]
+
+
+def test_the_cross_tokenizer_profile_is_valid_params_and_hashes_the_prune_source(tmp_path):
+    """profiles/cross_tokenizer.yaml (bench/cross_tokenizer.py) passes every check a stage runs; its student is
+    pruned from a GGUF file of its own, which inputs.student must mirror (DVC hashes it) and nothing else may."""
+    overrides = profile_overrides(REPO / "profiles" / "cross_tokenizer.yaml", REPO / "params.yaml")
+    params = tmp_path / "params.yaml"
+    shutil.copy(REPO / "params.yaml", params)
+    applied = _apply_with_dvc(params, overrides)
+    p = load_params(params, base=REPO)
+    assert p.opd.cross_tokenizer and p.models.teacher == "builtin"
+    assert applied["inputs"]["student"] == p.models.pruned_student.prune_from
+    applied["inputs"]["student"] = "inputs/none"
+    params.write_text(yaml.safe_dump(applied, sort_keys=False))
+    with pytest.raises(ConfigError) as e:
+        load_params(params, base=REPO)
+    assert e.value.key == "inputs.student" and "prune_from" in str(e.value)

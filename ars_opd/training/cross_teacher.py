@@ -25,6 +25,7 @@ student's head over the completion positions (a span's credit needs all of its t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -35,31 +36,38 @@ from ars_opd.lm.token_alignment import UNALIGNED, CrossTokenizer
 TEACHER_KEYS = ("teacher_input_ids", "teacher_attention_mask", "teacher_loss_mask", "teacher_targets")
 
 
+@dataclass(frozen=True)
+class TeacherSide:
+    """What the teacher's rows are made of: each training row's prompt in the teacher's tokens (its own chat
+    template), its vocabulary and pad id, and how many positions it reads (None: unbounded)."""
+
+    prompts: list[list[int]]
+    vocab: int
+    pad_id: int
+    max_positions: int | None = None
+
+
 class CrossTokenizerTeacher:
-    """See the module docstring. ``teacher_prompts[i]``: row i's prompt in the teacher's tokens; ``vocab``: the
-    STUDENT's vocabulary (what the trainer's head covers); ``model``: the local teacher, or None with ``endpoint``
-    (an ``EndpointTeacher`` whose client scores the teacher's rows)."""
+    """See the module docstring. ``vocab``: the STUDENT's vocabulary (what the trainer's head covers); ``model``:
+    the local teacher, or None with ``endpoint`` (an ``EndpointTeacher`` whose client scores the teacher's rows)."""
 
     def __init__(
         self,
         cross: CrossTokenizer,
-        teacher_prompts: list[list[int]],
-        *,
+        side: TeacherSide,
         vocab: int,
-        teacher_vocab: int,
-        teacher_pad_id: int,
-        max_positions: int | None,
+        *,
         model: torch.nn.Module | None = None,
         endpoint=None,
         chunk_size: int = 256,
     ):
         if (model is None) == (endpoint is None):
             raise ValueError("a cross-tokenizer teacher is a local model or an endpoint, exactly one")
-        self.cross, self.teacher_prompts = cross, teacher_prompts
-        self.vocab, self.teacher_vocab, self.pad_id = vocab, teacher_vocab, teacher_pad_id
-        self.max_positions, self.chunk_size, self.endpoint = max_positions, chunk_size, endpoint
+        self.cross, self.teacher_prompts = cross, side.prompts
+        self.vocab, self.teacher_vocab, self.pad_id = vocab, side.vocab, side.pad_id
+        self.max_positions, self.chunk_size, self.endpoint = side.max_positions, chunk_size, endpoint
         self.model = model.eval().requires_grad_(False) if model is not None else None
-        self.head = OutputHead.of(self.model, teacher_vocab) if model is not None else None
+        self.head = OutputHead.of(self.model, side.vocab) if model is not None else None
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _rows(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -84,7 +84,7 @@ from ars_opd.rollouts.stage import WorkerPlace, stage_engine, worker_rollouts
 from ars_opd.seeding import derive_seed
 from ars_opd.training.batch_plan import step_indices
 from ars_opd.training.budget import matmul_parameters
-from ars_opd.training.cross_teacher import CrossTokenizerTeacher, max_positions, teacher_end_id
+from ars_opd.training.cross_teacher import CrossTokenizerTeacher, TeacherSide, max_positions, teacher_end_id
 from ars_opd.training.opd_teacher_setup import build_teacher, check_scoring_endpoint, scoring_endpoint
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.sharding import is_sharded
@@ -394,7 +394,8 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         raise ValueError(f"no OPD prompts left after the budget: {data.counts}")
     eos_ids = eos_token_ids(model, tokenizer)
     if teacher_tokenizer is not None:
-        teacher = cross_tokenizer_teacher(teacher, tokenizer, teacher_tokenizer, eos_ids, data, vocab, job.cfg)
+        cross = CrossTokenizer(tokenizer, teacher_tokenizer, eos_ids, teacher_end_id(teacher_tokenizer))
+        teacher = cross_tokenizer_teacher(teacher, cross, data, vocab, job.cfg.chunk_size)
         teacher_manifest["cross_tokenizer"] = {
             "loss": job.cfg.loss,
             "teacher_vocab": len(teacher_tokenizer),
@@ -426,22 +427,19 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
 
 
 def cross_tokenizer_teacher(
-    teacher: LocalTeacher | EndpointTeacher, tokenizer, teacher_tokenizer, eos_ids, data: OPDData, vocab: int, cfg
+    teacher: LocalTeacher | EndpointTeacher, cross: CrossTokenizer, data: OPDData, vocab: int, chunk_size: int
 ) -> CrossTokenizerTeacher:
     """``teacher`` scoring the student's text in its own tokens (``ars_opd.training.cross_teacher``)."""
-    cross = CrossTokenizer(tokenizer, teacher_tokenizer, eos_ids, teacher_end_id(teacher_tokenizer))
     local = isinstance(teacher, LocalTeacher)
-    return CrossTokenizerTeacher(
-        cross,
+    side = TeacherSide(
         data.teacher_prompts,
-        vocab=vocab,
-        teacher_vocab=len(teacher_tokenizer),
-        teacher_pad_id=pad_token_id(teacher_tokenizer),
-        max_positions=max_positions(teacher.model) if local else None,
-        model=teacher.model if local else None,
-        endpoint=None if local else teacher,
-        chunk_size=cfg.chunk_size,
+        len(cross.teacher),
+        pad_token_id(cross.teacher),
+        max_positions(teacher.model) if local else None,
     )
+    if local:
+        return CrossTokenizerTeacher(cross, side, vocab, model=teacher.model, chunk_size=chunk_size)
+    return CrossTokenizerTeacher(cross, side, vocab, endpoint=teacher, chunk_size=chunk_size)
 
 
 def engine_rollouts(job: TrainingJob, setup: WorkerSetup, eos_ids: tuple[int, ...]) -> EngineRollouts | None:
