@@ -16,7 +16,7 @@ prefix space is stripped the same way in the prefix and in the whole). So:
   "a"'s end: one span;
 - **a different number of pieces at a boundary**: "hello" against "hel", "lo": one span of one and two tokens;
 - **tokens that cover no character** (a special token other than the end, decoded to nothing): they join the
-  span before them (the first span if they lead);
+  span before them (the first span if they lead; the end span when the completion has no text before its end);
 - **the end**: the student's EOS, when it ended its completion, and the teacher's end-of-turn token appended to
   the teacher's tokens are their own span, the last;
 - **a BOS on one side only**: it belongs to that side's prompt, never to the completion, which is tokenised
@@ -111,6 +111,8 @@ def align(
     complete = bool(shared) and shared[-1] == len(text) or not text
     if student_end_token:
         if complete:  # the end tokens: their own span, predicted from the whole text on both sides
+            if not text:  # only zero-width tokens before the end (special tokens): they lead the only span
+                student = [len(ends)] * len(student)
             student.append(len(ends))
             teacher.append(len(ends))
             ends.append(len(text))
