@@ -224,3 +224,15 @@ def test_shared_vocabulary_matches_tokens_by_their_text():
     assert "answer" not in {a.decode([i]) for i in ids_a.tolist()}  # a word only one side has
     specials = set(a.all_special_ids)
     assert not specials & set(ids_a.tolist())
+
+
+def test_special_tokens_never_enter_the_shared_vocabulary():
+    """Every added special token (not only the tokenizer's named bos/eos/pad/unk) is kept out: two tokenizers that
+    both spell "<file_sep>" as one special token must not have it compared as text."""
+    from tokenizers import AddedToken
+
+    a, b = _tok(), _tok(["answer"])
+    for t in (a, b):
+        t.add_tokens([AddedToken("<file_sep>", special=True)])  # special, but not among the named ones
+    ids_a, _ = shared_vocabulary(a, b, len(a), len(b))
+    assert a.convert_tokens_to_ids("<file_sep>") not in set(ids_a.tolist())

@@ -224,7 +224,8 @@ def token_strings(tokenizer, vocab: int) -> dict[str, int]:
     are no whole text (a byte-level token inside a multi-byte character decodes to U+FFFD), are left out. A
     SentencePiece tokenizer decodes a lone "▁the" as "the", so there a word and its space-prefixed form share a
     string: the map is exact-string matching of what each tokenizer writes, nothing more."""
-    special = set(tokenizer.all_special_ids or [])
+    special = set(tokenizer.all_special_ids or [])  # the named ones; SmolLM2 lists 3 of its 17
+    special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if t.special}
     out: dict[str, int] = {}
     texts = tokenizer.batch_decode([[i] for i in range(vocab)], skip_special_tokens=False)
     for i, text in enumerate(texts):
