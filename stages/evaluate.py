@@ -6,10 +6,9 @@ from stages import run_stage
 
 def main() -> None:
     p = load_params(sections=("paths", "models", "evaluate"))
-    from ars_opd.evaluation.evaluate import evaluate_models
-    from ars_opd.evaluation.tables import render_table
+    from ars_opd.evaluation.evaluate import eval_table, evaluate_models
 
-    print(render_table(evaluate_models(p.evaluate, p.paths, p.models.trust_remote_code)))
+    print(eval_table(evaluate_models(p.evaluate, p.paths, p.models.trust_remote_code)))
 
 
 if __name__ == "__main__":

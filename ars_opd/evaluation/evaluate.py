@@ -14,7 +14,8 @@ prompts of the subset (the teacher_gen eval split, which carries the teacher's c
   right nor wrong: it has no exact match, in the overall number or per kind. Also per task.
 - ``reverse_kl``: KL(q ‖ p) per token between the model q and the teacher p, exact over the vocabulary,
   averaged over the tokens of the model's *own* samples (temperature 1, seeded) — the quantity on-policy
-  distillation minimises. 0 for the teacher by definition.
+  distillation minimises. 0 for the teacher by definition. ``reverse_kl_kind`` (top level and per model) says
+  which quantity it is: ``exact``, or ``sampled_cross_tokenizer`` (below).
 - ``teacher_nll``: mean per-token negative log-likelihood of the teacher's completions (EOS included where
   the teacher ended the completion, none where it was cut off at its length limit:
   ``ars_opd.data.prompts.teacher_ended``) under the model — how well it imitates the teacher on the teacher's
@@ -23,6 +24,20 @@ prompts of the subset (the teacher_gen eval split, which carries the teacher's c
   model ``reverse_kl_per_task`` and ``teacher_nll_per_task``, token-weighted means over the kind's rows (each
   row's per-token values summed in float64 from the same fp32 values as the overall mean, whose arithmetic is
   untouched), beside ``exact_match_per_task`` for the checkable kinds.
+
+Cross-tokenizer runs (the models stage's manifest says ``cross_tokenizer``: ``ars_opd.models.loading``): the
+students use the student's tokenizer (``tokenizer/``) for their prompts, greedy answers, EOS ids and decoding, as
+always; the teacher's row uses the teacher's own (``teacher_tokenizer/``): its chat template renders the same
+held-out messages, its EOS ids end and its decoder decodes its answers (``HeldOut.teacher``). Exact match is each
+model's own answer checked as always. ``teacher_nll`` is per token of each model's *own* tokenisation of the
+teacher's text (the students' per student token, the teacher's per teacher token), so the teacher's row is not
+per the same tokens as the students'. ``reverse_kl`` cannot be the exact KL over one vocabulary: it is the
+sampled sequence-level estimate per student token on each student's own samples (the same samples as above),
+(Σ log q(student tokens) − Σ log p(the teacher's tokens of the same text, after the teacher's own rendering of
+the prompt)) / student tokens, over the spans both tokenisations share
+(``ars_opd.evaluation.token_losses.reverse_kl_cross_tokenizer``); a single sample's value, and at a few rows the
+mean, can be negative. The teacher's own row stays 0. ``reverse_kl_unaligned_tokens``: the student tokens left
+out (text the teacher cannot spell).
 
 Generation decodes greedily, or samples softmax(z), and nothing else: a checkpoint's ``generation_config``
 (repetition penalty, min_p...) is not applied, and a completion ends at the first of any id the model stops
@@ -65,13 +80,27 @@ from ars_opd.config import ConfigError, EvaluateConfig, PathsConfig, to_dict
 from ars_opd.data import natural_check, synthetic
 from ars_opd.data.prompts import encode_completions, encode_prompts, encode_teacher_completions
 from ars_opd.evaluation.arms import ARMS, MODELS, TRAINED
-from ars_opd.evaluation.score_cache import ScoreCache, code_versions, data_sha256, dir_sha256
+from ars_opd.evaluation.score_cache import ScoreCache, code_versions, data_sha256, dir_sha256, tokenizers_context
 from ars_opd.evaluation.steps import step_metrics
 from ars_opd.evaluation.tables import render_table
-from ars_opd.evaluation.token_losses import reverse_kl_on_own_samples, teacher_nll
+from ars_opd.evaluation.token_losses import (
+    EXACT,
+    SAMPLED_CROSS_TOKENIZER,
+    reverse_kl_cross_tokenizer,
+    reverse_kl_on_own_samples,
+    teacher_nll,
+)
 from ars_opd.lm.generation import decode_completion, eos_token_ids, generate_token_ids
 from ars_opd.lm.precision import frozen_model_dtype
-from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer, model_path, read_manifest
+from ars_opd.models.loading import (
+    cross_tokenizer,
+    load_model,
+    load_model_dir,
+    load_teacher_tokenizer,
+    load_tokenizer,
+    model_path,
+    read_manifest,
+)
 from ars_opd.training.budget import SNAPSHOTS, matmul_parameters, read_budget
 
 
@@ -92,20 +121,49 @@ def _load(
 
 @dataclass
 class HeldOut:
-    """The held-out prompts, encoded once, with what scoring them needs."""
+    """The held-out prompts, encoded once, with what scoring them needs. ``teacher``: in a cross-tokenizer run,
+    the same rows in the teacher's own tokens (its chat template's prompts, its tokens of the teacher's
+    completions and its EOS): what the teacher's row is scored on, and the teacher's side of the students'
+    reverse-KL estimate. None when teacher and student share a tokenizer."""
 
     rows: list[dict]
     prompts: list[list[int]]
     completions: list[list[int]]
     checkable: list[bool]
+    teacher: "HeldOut | None" = None
 
     def head(self, n: int) -> "HeldOut":
-        return HeldOut(self.rows[:n], self.prompts[:n], self.completions[:n], self.checkable[:n])
+        teacher = None if self.teacher is None else self.teacher.head(n)
+        return HeldOut(self.rows[:n], self.prompts[:n], self.completions[:n], self.checkable[:n], teacher)
 
     @cached_property
     def key(self) -> str:
-        """sha256 of the rows and their encodings (``score_cache``), hashed once."""
-        return data_sha256(self.rows, self.prompts, self.completions, self.checkable)
+        """sha256 of the rows and their encodings (``score_cache``; the teacher's too where there is one), hashed
+        once."""
+        teacher = None if self.teacher is None else self.teacher.key
+        return data_sha256(self.rows, self.prompts, self.completions, self.checkable, teacher)
+
+
+def held_out(tokenizer, rows: list[dict], teacher_tokenizer=None) -> HeldOut:
+    """``rows`` encoded with ``tokenizer`` (the student's, or the shared one): prompts through its chat template,
+    the teacher's completions in its tokens with its EOS where the teacher ended them; with ``teacher_tokenizer``
+    (a cross-tokenizer run) the same again in the teacher's own tokens, as ``HeldOut.teacher``."""
+    checkable = [is_checkable(r) for r in rows]
+    teacher = None
+    if teacher_tokenizer is not None:
+        teacher = HeldOut(
+            rows,
+            encode_prompts(teacher_tokenizer, [r["messages"] for r in rows]),
+            encode_teacher_completions(teacher_tokenizer, rows),
+            checkable,
+        )
+    return HeldOut(
+        rows,
+        encode_prompts(tokenizer, [r["messages"] for r in rows]),
+        encode_teacher_completions(tokenizer, rows),
+        checkable,
+        teacher,
+    )
 
 
 def is_checkable(row: dict) -> bool:
@@ -156,9 +214,15 @@ def score_model(
     vocab: int,
     device: torch.device,
     is_teacher: bool = False,
+    teacher_tokenizer=None,
 ) -> tuple[dict, list[str]]:
     """(exact match over the checkable rows, overall and per task; reverse KL on own samples and teacher NLL,
-    overall and per task; the greedy answers)."""
+    overall and per task; the greedy answers).
+
+    ``tokenizer``, ``data`` and ``vocab`` are the scored model's own: the teacher's own in a cross-tokenizer run
+    when it is the teacher (``data.teacher``, ``len(teacher_tokenizer)``). A student's ``data`` with a
+    ``teacher`` encoding (a cross-tokenizer run) gets the sampled cross-tokenizer reverse-KL estimate against
+    ``teacher``, which ``teacher_tokenizer`` (the teacher's own) tokenises; without one the exact reverse KL."""
     eos = eos_token_ids(model, tokenizer)
     greedy = generate_token_ids(
         model, tokenizer, data.prompts, cfg.max_new_tokens, batch_size=cfg.batch_size, eos_ids=eos
@@ -179,9 +243,28 @@ def score_model(
     else:
         m["exact_match"] = None
     tasks = [r.get("task") for r in data.rows]
+    cross = data.teacher is not None or teacher_tokenizer is not None
+    m["reverse_kl_kind"] = SAMPLED_CROSS_TOKENIZER if cross else EXACT
     if is_teacher:  # KL(p || p) = 0 on every token, so on every kind
         m["reverse_kl"] = 0.0
         m["reverse_kl_per_task"] = {t: 0.0 for t in sorted({t for t in tasks if t is not None})}
+    elif cross:
+        if data.teacher is None or teacher_tokenizer is None:
+            raise ValueError("a cross-tokenizer score needs the teacher's tokenizer and its encoding of the rows")
+        rkl = reverse_kl_cross_tokenizer(
+            model,
+            teacher,
+            tokenizer,
+            teacher_tokenizer,
+            data.prompts,
+            data.teacher.prompts,
+            cfg,
+            vocab,
+            len(teacher_tokenizer),
+            device,
+        )
+        m["reverse_kl"], m["reverse_kl_per_task"] = rkl.mean, rkl.per_task(tasks)
+        m["reverse_kl_unaligned_tokens"] = rkl.unaligned
     else:
         rkl = reverse_kl_on_own_samples(model, teacher, tokenizer, data.prompts, cfg, vocab, device)
         m["reverse_kl"], m["reverse_kl_per_task"] = rkl.mean, rkl.per_task(tasks)
@@ -201,6 +284,7 @@ def learning_curve(
     device: torch.device,
     trust_remote_code: bool = False,
     cache: ScoreCache | None = None,
+    teacher_tokenizer=None,
 ) -> list[dict]:
     """A training stage's snapshots (``snapshots/step_N`` in its model directory) and its final model, each
     scored on ``data``, with the budget spent to reach it (``budget.json``: steps and FLOPs from scratch).
@@ -209,7 +293,7 @@ def learning_curve(
     final_steps = read_budget(model_dir)["steps"]
     dirs = [d for d in sorted((model_dir / SNAPSHOTS).glob("step_*")) if read_budget(d)["steps"] != final_steps]
     return [
-        curve_point(d, stage, teacher, tokenizer, data, cfg, vocab, device, trust_remote_code, cache)
+        curve_point(d, stage, teacher, tokenizer, data, cfg, vocab, device, trust_remote_code, cache, teacher_tokenizer)
         for d in dirs + [model_dir]
     ]
 
@@ -225,13 +309,14 @@ def curve_point(
     device: torch.device,
     trust_remote_code: bool = False,
     cache: ScoreCache | None = None,
+    teacher_tokenizer=None,
 ) -> dict:
     """One learning-curve point: the model in ``model_dir`` scored on ``data``, with its budget."""
 
     def compute() -> tuple[dict, list[str]]:
         model = load_model_dir(model_dir, stage=stage, trust_remote_code=trust_remote_code)
         model = model.to(device).eval().requires_grad_(False)
-        return score_model(model, teacher, tokenizer, data, cfg, vocab, device)
+        return score_model(model, teacher, tokenizer, data, cfg, vocab, device, teacher_tokenizer=teacher_tokenizer)
 
     m, _ = _scored(cache, lambda: f"dir:{dir_sha256(model_dir)}", data, False, compute)
     return {**read_budget(model_dir), **{k: m[k] for k in ("exact_match", "reverse_kl", "teacher_nll")}}
@@ -247,20 +332,25 @@ def learning_curves(
     device: torch.device,
     trust_remote_code: bool = False,
     cache: ScoreCache | None = None,
+    teacher_tokenizer=None,
 ) -> dict:
     """Every training stage's curve; each arm's curve starts at the student both arms start from
     (``paths.distill_init``), so the arms can be read off at any budget between their start and end (the
     equal-FLOPs comparison interpolates there). When that student is the sft stage's model its final curve
     point is reused rather than scored again."""
     curves = {
-        stage: learning_curve(stage, paths, teacher, tokenizer, data, cfg, vocab, device, trust_remote_code, cache)
+        stage: learning_curve(
+            stage, paths, teacher, tokenizer, data, cfg, vocab, device, trust_remote_code, cache, teacher_tokenizer
+        )
         for stage in TRAINED
     }
     init = Path(paths.distill_init)
     if init.resolve() == Path(paths.sft_model).resolve():
         start = dict(curves["sft"][-1])
     else:
-        start = curve_point(init, "sft", teacher, tokenizer, data, cfg, vocab, device, trust_remote_code, cache)
+        start = curve_point(
+            init, "sft", teacher, tokenizer, data, cfg, vocab, device, trust_remote_code, cache, teacher_tokenizer
+        )
     for arm in ARMS:
         curves[arm] = [{**start, "start": True}] + curves[arm]
     return curves
@@ -273,13 +363,14 @@ def _scored(cache: ScoreCache | None, model, data: HeldOut, is_teacher: bool, co
 
 
 def _cache_context(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: bool, device: torch.device) -> dict:
-    """What every stored score depends on besides its model and data (``score_cache``'s docstring)."""
+    """What every stored score depends on besides its model and data (``score_cache``'s docstring): in a
+    cross-tokenizer run both tokenizers (``tokenizers_context``)."""
     return {
         "evaluate": to_dict(cfg),
         "device": str(device),
         "trust_remote_code": trust_remote_code,
         "manifest": read_manifest(paths.models_dir),
-        "tokenizer": dir_sha256(Path(paths.models_dir) / "tokenizer"),
+        **tokenizers_context(paths.models_dir, cross_tokenizer(paths.models_dir)),
         "code": code_versions(),
     }
 
@@ -292,6 +383,24 @@ def _identity(paths: PathsConfig, name: str) -> str:
     role = "student" if name == "base" else "teacher"
     model_path(paths.models_dir, role)  # raises if the directory changed after it was pinned
     return f"pinned:{role}:{read_manifest(paths.models_dir)[role]['revision']}"
+
+
+SAMPLED_NOTE = (
+    "Reverse KL here is not the exact KL over one vocabulary: teacher and student tokenize differently "
+    "(opd.cross_tokenizer), so it is the sampled sequence-level estimate per student token on each model's own "
+    "samples, (sum of log q over the student's tokens - sum of log p over the teacher's tokens of the same text) / "
+    "student tokens, over the spans both tokenisations share. A single sample's value can be negative; it is not "
+    "comparable with an exact reverse KL. Teacher NLL is per each model's own tokens of the teacher's text."
+)
+
+
+def eval_table(metrics: dict) -> str:
+    """The metrics table (``ars_opd.evaluation.tables.render_table``), with a note saying what reverse KL is when
+    it is the sampled cross-tokenizer estimate (``reverse_kl_kind``)."""
+    table = render_table(metrics)
+    if metrics.get("reverse_kl_kind") == SAMPLED_CROSS_TOKENIZER:
+        table += f"\n{SAMPLED_NOTE}\n"
+    return table
 
 
 def log_curves(live_dir: Path, curves: dict) -> None:
@@ -327,31 +436,37 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
             f"{paths.completions('eval')} has no rows: evaluation needs held-out prompts "
             "(teacher_gen.splits must include eval and data.eval_size > 0)"
         )
-    tokenizer = load_tokenizer(paths.models_dir, trust_remote_code)
+    tokenizer = load_tokenizer(paths.models_dir, trust_remote_code)  # the student's (the shared one)
     vocab = len(tokenizer)
     check_answer_room(tokenizer, rows, cfg.max_new_tokens)
-    data = HeldOut(
-        rows,
-        encode_prompts(tokenizer, [r["messages"] for r in rows]),
-        encode_teacher_completions(tokenizer, rows),
-        [is_checkable(r) for r in rows],
-    )
+    teacher_tokenizer = None
+    if cross_tokenizer(paths.models_dir):  # the teacher's row in its own tokens: the teacher's answer must fit too
+        teacher_tokenizer = load_teacher_tokenizer(paths.models_dir, trust_remote_code)
+        check_answer_room(teacher_tokenizer, rows, cfg.max_new_tokens)
+    data = held_out(tokenizer, rows, teacher_tokenizer)
     teacher = _load(paths, "teacher", trust_remote_code, device, frozen_model_dtype(cfg.teacher_dtype, device))
     cache = ScoreCache.from_env(lambda: _cache_context(cfg, paths, trust_remote_code, device))
-    metrics: dict = {"examples": len(rows), "checkable_examples": sum(data.checkable)}
+    kind = EXACT if teacher_tokenizer is None else SAMPLED_CROSS_TOKENIZER
+    metrics: dict = {"examples": len(rows), "checkable_examples": sum(data.checkable), "reverse_kl_kind": kind}
     metrics["examples_per_task"] = dict(sorted(Counter(r["task"] for r in rows if r.get("task") is not None).items()))
     answers: list[dict] = [{"id": r["id"], "task": r.get("task")} for r in rows]
     for name in MODELS:
+        # the teacher's row in its own tokens in a cross-tokenizer run; every student's in the student's
+        own = data.teacher if name == "teacher" and data.teacher is not None else data
 
-        def compute(name: str = name) -> tuple[dict, list[str]]:
-            model = teacher if name == "teacher" else _load(paths, name, trust_remote_code, device)
-            return score_model(model, teacher, tokenizer, data, cfg, vocab, device, is_teacher=name == "teacher")
+        def compute(name: str = name, own: HeldOut = own) -> tuple[dict, list[str]]:
+            if name == "teacher":
+                own_tok = tokenizer if teacher_tokenizer is None else teacher_tokenizer
+                return score_model(teacher, teacher, own_tok, own, cfg, len(own_tok), device, True, teacher_tokenizer)
+            model = _load(paths, name, trust_remote_code, device)
+            return score_model(model, teacher, tokenizer, own, cfg, vocab, device, teacher_tokenizer=teacher_tokenizer)
 
         started = time.perf_counter()
-        m, texts = _scored(cache, lambda name=name: _identity(paths, name), data, name == "teacher", compute)
+        m, texts = _scored(cache, lambda name=name: _identity(paths, name), own, name == "teacher", compute)
         em = "n/a" if m.get("exact_match") is None else f"{m['exact_match']:.1%}"
+        what = "reverse KL" if kind == EXACT else "reverse KL (sampled, cross-tokenizer)"
         print(  # a real model takes minutes per model: say where the stage is
-            f"evaluate: {name}: exact match {em}, reverse KL {m['reverse_kl']:.4f}, teacher NLL "
+            f"evaluate: {name}: exact match {em}, {what} {m['reverse_kl']:.4f}, teacher NLL "
             f"{m['teacher_nll']:.4f} on {len(data.rows)} prompts ({time.perf_counter() - started:.0f} s)",
             flush=True,
         )
@@ -365,11 +480,13 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
     curve_data = data.head(cfg.curve_examples) if cfg.curve_examples else data
     metrics["curves"] = {
         "examples": len(curve_data.rows),
-        **learning_curves(paths, teacher, tokenizer, curve_data, cfg, vocab, device, trust_remote_code, cache),
+        **learning_curves(
+            paths, teacher, tokenizer, curve_data, cfg, vocab, device, trust_remote_code, cache, teacher_tokenizer
+        ),
     }
     if cache is not None:
         print(cache.summary())
-    table = render_table(metrics)
+    table = eval_table(metrics)
     with atomic_outputs(paths.eval_metrics, paths.eval_dir, paths.eval_live) as (metrics_tmp, out, live_tmp):
         log_curves(live_tmp, metrics["curves"])
         out.mkdir(parents=True)

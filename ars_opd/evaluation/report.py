@@ -37,6 +37,25 @@ from ars_opd.evaluation.equal_budget import budget_note, compare, headline, regi
 from ars_opd.evaluation.rollout_dashboard import dashboard_section, engine_section, has_rollouts
 from ars_opd.evaluation.tables import render_table
 
+SAMPLED_CROSS_TOKENIZER = "sampled_cross_tokenizer"  # the evaluate stage's reverse_kl_kind across two tokenizers
+
+
+def reverse_kl_note(eval_metrics: dict | None) -> list[str]:
+    """A paragraph saying what every reverse KL of the page is when the evaluate stage could not take the exact
+    KL over one vocabulary (``reverse_kl_kind``: teacher and student tokenize differently); empty otherwise,
+    metrics written before the kind was recorded included (they are exact)."""
+    if not eval_metrics or eval_metrics.get("reverse_kl_kind") != SAMPLED_CROSS_TOKENIZER:
+        return []
+    return [
+        "**Reverse KL on this page is the sampled cross-tokenizer estimate**, not the exact KL over one vocabulary: "
+        "teacher and student tokenize differently (`opd.cross_tokenizer`), so each model's reverse KL is "
+        "(Σ log q over its sampled tokens − Σ log p over the teacher's tokens of the same text) per student token, "
+        "on its own samples, over the spans both tokenisations share. Single samples can make it negative, and it "
+        "is not comparable with the exact reverse KL of a same-tokenizer run. Teacher NLL is per each model's own "
+        "tokens of the teacher's text.",
+        "",
+    ]
+
 
 def load_steps(path: Path) -> pd.DataFrame:
     """A stage's per-step log as a DataFrame (one row per step); empty if the file is absent."""
@@ -58,7 +77,7 @@ def build_report(
     flat: dict = {}
     alarms_by_stage: dict[str, list[Alarm]] = {}
     if eval_metrics:
-        md += ["## Did distillation work?", ""]
+        md += ["## Did distillation work?", "", *reverse_kl_note(eval_metrics)]
         cmp = compare(eval_metrics)
         if cmp is not None:
             md += headline(cmp) + budget_note(eval_metrics) + regime_note(cmp, study)

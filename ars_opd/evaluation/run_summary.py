@@ -184,9 +184,12 @@ def render_summary(paths: PathsConfig, command: str, title: str) -> str:
     if evaluation is None:
         parts.append(f"*The evaluate stage's metrics ({paths.eval_metrics}) are missing.*")
     else:
+        from ars_opd.evaluation.report import reverse_kl_note  # pandas: only for a page with an evaluation
+
         parts += [
             "Rows: " + "; ".join(f"{k}" for k in MODEL_ROWS.values()) + ".",
             "",
+            *reverse_kl_note(evaluation),
             render_table(evaluation).rstrip("\n"),
         ]
     parts += [

@@ -12,8 +12,13 @@ What the key covers:
 
 - the model: the sha256 of its directory's files (a training stage's snapshots left out: each is a model of its
   own), or for the base student and the teacher the revision the models stage pinned and verified;
-- the models stage's manifest (every pinned model and the tokenizer) and the tokenizer's files;
-- the held-out rows and their encoded prompts and completions;
+- the models stage's manifest (every pinned model and the tokenizer) and the tokenizer's files; in a
+  cross-tokenizer run (the manifest's ``cross_tokenizer``) both tokenizers' files, the student's and the
+  teacher's own, and the flag itself, so that no score of a same-tokenizer run (an exact reverse KL, the teacher
+  scored in the shared tokens) is ever read back for a cross-tokenizer one, or the other way round
+  (``tokenizers_context``);
+- the held-out rows and their encoded prompts and completions (in a cross-tokenizer run also their encoding in
+  the teacher's own tokens);
 - the whole evaluate section (device, dtypes, threads, seeds, lengths), ``models.trust_remote_code``;
 - every ``.py`` file of the ``ars_opd`` package and the Python, torch and transformers versions: after any
   code change the store starts afresh.
@@ -108,6 +113,33 @@ class ScoreCache:
         return f"scores: {self.hits} of {n} read from {self.directory} ({ENV}), {self.misses} computed"
 
 
-def data_sha256(rows: list[dict], prompts: list[list[int]], completions: list[list[int]], checkable: list[bool]) -> str:
-    """The held-out data as scored: its rows, and their prompts and completions as token ids."""
-    return _sha256_json({"rows": rows, "prompts": prompts, "completions": completions, "checkable": checkable})
+def data_sha256(
+    rows: list[dict],
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    checkable: list[bool],
+    teacher: str | None = None,
+) -> str:
+    """The held-out data as scored: its rows, and their prompts and completions as token ids; ``teacher``: the
+    key of the same rows in the teacher's own tokens (a cross-tokenizer run), None where there is none."""
+    data = {"rows": rows, "prompts": prompts, "completions": completions, "checkable": checkable}
+    if teacher is not None:
+        data["teacher"] = teacher
+    return _sha256_json(data)
+
+
+TOKENIZER, TEACHER_TOKENIZER = "tokenizer", "teacher_tokenizer"  # under the models stage's output
+
+
+def tokenizers_context(models_dir: str | Path, cross: bool) -> dict:
+    """The tokenizers every stored score depends on: the shared (student's) tokenizer's files, and in a
+    cross-tokenizer run (``cross``: ``ars_opd.models.loading.cross_tokenizer``) the flag and the teacher's own
+    tokenizer's files (``teacher_tokenizer/``, or the shared one's where the models stage saved none, as
+    ``load_teacher_tokenizer`` reads it). A same-tokenizer run's context is the one it always was."""
+    models_dir = Path(models_dir)
+    out = {"tokenizer": dir_sha256(models_dir / TOKENIZER)}
+    if cross:
+        teacher = models_dir / TEACHER_TOKENIZER
+        out["cross_tokenizer"] = True
+        out["teacher_tokenizer"] = dir_sha256(teacher if teacher.is_dir() else models_dir / TOKENIZER)
+    return out

@@ -8,6 +8,10 @@ The server runs in its own session (a Ctrl-C at the terminal reaches this proces
 and watches this process (``--parent-pid``): a ``kill -9`` here, which runs no cleanup, stops it within a
 second or two instead of leaving it serving. Its OpenMP threads wait passively (``SERVER_ENV``): on a shared
 machine spinning threads slow it several times over.
+
+The server loads the tokenizer of ``model_dir`` itself (the model's own: vocabulary, chat template, EOS), never
+the pipeline's shared ``tokenizer/``: for a teacher with a tokenizer of its own (``opd.cross_tokenizer``) that is
+the teacher's, which teacher_gen checks (``ars_opd.teacher.client.generate.check_served_tokenizer``).
 """
 
 from __future__ import annotations

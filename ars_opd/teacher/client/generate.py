@@ -6,6 +6,14 @@ where a prompt has none) and its cache key; ask only for keys missing from the p
 the stage starts the bundled server (``ars_opd.serving.server``) on 127.0.0.1 for the teacher pinned by the
 models stage, and stops it afterwards, also on errors and Ctrl-C.
 
+Cross-tokenizer runs (the models stage's manifest says ``cross_tokenizer``): the bundled server loads the tokenizer
+of the teacher's own model directory, so it renders every prompt with the teacher's chat template and ends at the
+teacher's EOS; the stage checks before asking that this tokenizer is the teacher's own one the models stage saved
+(``teacher_tokenizer/``, ``check_served_tokenizer``), never the student's. Nothing here reads token ids: the
+answers are stored as text (in the cache and in the rows), and each training stage tokenises that text with the
+student's tokenizer (``ars_opd.data.prompts.encode_teacher_completions``), so no teacher id is ever read as a
+student id. A teacher's answer does not depend on the student's tokenizer, so the cache keys leave it out.
+
 The cache key covers model name, model revision (the teacher's file hash for the local server, or
 ``teacher_gen.model_revision``), messages and sampling parameters; so retraining the teacher or
 changing temperature asks again, and rerunning after a crash asks only for what is missing.
@@ -36,7 +44,7 @@ from pathlib import Path
 
 from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
 from ars_opd.config import LOCAL_ENDPOINT, PathsConfig, TeacherGenConfig, to_dict
-from ars_opd.models.loading import model_path, read_manifest
+from ars_opd.models.loading import cross_tokenizer, load_teacher_tokenizer, model_path, read_manifest
 from ars_opd.serving.local_server import LOCAL_MODEL_NAME, batch_rows, local_server
 from ars_opd.teacher.client import endpoint
 from ars_opd.teacher.client.cache import TeacherCache, cache_key
@@ -91,6 +99,33 @@ def bundled_server(cfg: TeacherGenConfig, model_dir: str, log_requests: str | No
     URL): ``teacher_gen.server``'s batching and threads, and pushback past ``server.max_queue_fraction`` of
     this client's ``request_timeout_s``."""
     return local_server(model_dir, cfg.server, log_requests=log_requests, request_timeout_s=cfg.request_timeout_s)
+
+
+def check_served_tokenizer(models_dir: str, teacher_dir: str) -> None:
+    """In a cross-tokenizer run, refuse to serve the teacher with a tokenizer other than its own: the bundled server
+    renders chat with the tokenizer in ``teacher_dir`` (the teacher's model directory), which must match the
+    teacher's own tokenizer the models stage saved (vocabulary, chat template, EOS), or the teacher would be asked
+    in the student's template and tokens. Nothing to check when teacher and student share one tokenizer."""
+    if not cross_tokenizer(models_dir):
+        return
+    from transformers import AutoTokenizer
+
+    served, own = AutoTokenizer.from_pretrained(teacher_dir), load_teacher_tokenizer(models_dir)
+    differs = [
+        what
+        for what, a, b in (
+            ("vocabulary", served.get_vocab(), own.get_vocab()),
+            ("chat template", served.chat_template, own.chat_template),
+            ("EOS token", served.eos_token, own.eos_token),
+        )
+        if a != b
+    ]
+    if differs:
+        raise TeacherGenerationError(
+            f"the bundled server would answer with the tokenizer in {teacher_dir}, whose {', '.join(differs)} "
+            f"differ from the teacher's own tokenizer in {models_dir}/teacher_tokenizer: the teacher must be asked "
+            "in its own chat template and tokens. Rerun the models stage (dvc repro models)."
+        )
 
 
 def build_requests(
@@ -170,7 +205,9 @@ def generate_teacher_completions(
     if cfg.endpoint == LOCAL_ENDPOINT:
         # model_path verifies the teacher's files against the pin, so the revision in the keys is the truth
         model, revision = LOCAL_MODEL_NAME, read_manifest(paths.models_dir)["teacher"]["revision"]
-        server = bundled_server(cfg, model_path(paths.models_dir, "teacher"), log_requests)
+        teacher_dir = model_path(paths.models_dir, "teacher")
+        check_served_tokenizer(paths.models_dir, teacher_dir)
+        server = bundled_server(cfg, teacher_dir, log_requests)
     else:
         model, revision = cfg.model, cfg.model_revision
         server = contextlib.nullcontext(cfg.endpoint)
