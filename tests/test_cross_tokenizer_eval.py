@@ -452,3 +452,17 @@ def test_teacher_gen_serves_the_teacher_with_its_own_tokenizer(tmp_path):
     write_models_dir(tmp_path / "shared", cross=False)  # one shared tokenizer: nothing to check
     check_served_tokenizer(str(tmp_path / "shared"), str(wrong))
     assert json.loads((tmp_path / "models" / "manifest.json").read_text())["cross_tokenizer"] is True
+
+
+@pytest.mark.parametrize("kind, flagged", [("exact", True), ("sampled_cross_tokenizer", False)])
+def test_ars_opd_check_accepts_a_negative_sampled_reverse_kl_only(tmp_path, kind, flagged):
+    """An exact KL below 0 is a bug; the cross-tokenizer estimate (a mean of log q - log p over samples) may be."""
+    import json
+
+    from ars_opd.checks import Problems, _metrics
+
+    path = tmp_path / "evaluate.json"
+    path.write_text(json.dumps({"reverse_kl_kind": kind, "opd": {"reverse_kl": -0.02, "exact_match": 0.5}}))
+    problems = Problems()
+    _metrics(path, problems)
+    assert any("reverse_kl" in p for p in problems) == flagged
