@@ -503,8 +503,9 @@ class ModelsConfig:
         """One side is the built-in model and the other a pretrained one: their tokenizers differ, which only
         ``opd.cross_tokenizer`` allows (``check_params``)."""
         pruned = self.pruned_student
-        student_builtin = self.student == BUILTIN or (pruned is not None and pruned.prune_from == "teacher"
-                                                       and self.teacher == BUILTIN)
+        student_builtin = self.student == BUILTIN or (
+            pruned is not None and pruned.prune_from == "teacher" and self.teacher == BUILTIN
+        )
         return (self.teacher == BUILTIN) != student_builtin
 
     @property

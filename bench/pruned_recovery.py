@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     if not [a for a in args.arms if a != CONTROL]:
         ap.error("--arms needs at least one arm besides the control")
     if len({cross_tokenizer_arm(a) for a in args.arms if a != CONTROL}) > 1:
-        ap.error("--arms: the xtok_* arms need cross-tokenizer models and the others one shared tokenizer; run them apart")
+        ap.error("--arms: the xtok_* arms need cross-tokenizer models, the others a shared tokenizer; run them apart")
     root = Path(args.root).resolve()
     if not args.report_only:
         try:

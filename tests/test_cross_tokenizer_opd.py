@@ -236,3 +236,67 @@ def test_special_tokens_never_enter_the_shared_vocabulary():
         t.add_tokens([AddedToken("<file_sep>", special=True)])  # special, but not among the named ones
     ids_a, _ = shared_vocabulary(a, b, len(a), len(b))
     assert a.convert_tokens_to_ids("<file_sep>") not in set(ids_a.tolist())
+
+
+def test_span_credit_gradient_matches_autograd_of_the_span_surrogate():
+    """Different tokenizers, so spans of several tokens: the gradient is that of sum_s sg(d_s) * sum_{t in s} log q(y_t)
+    (autograd in float64 on a copy of the student), not the per-token log-ratio's (which gives the same values)."""
+    student_tok = _tok()
+    teacher_tok = _tok(["answer", "Reverse", "spaced", "cba", "ABC"])
+    student, teacher = _models(student_tok, teacher_tok, seed=5)
+    batch, _, _ = _batch(student_tok, TEXTS)
+    cross = _cross_teacher(student_tok, teacher_tok, teacher)
+    cross.attach([batch], get_objective("sampled_token"))
+    spans = batch["student_span"]
+    assert int(torch.bincount(spans[spans >= 0]).max()) > 1  # some span holds several student tokens
+    _, _, grads = _loss_and_grads(student, student_tok, batch, cross)
+    # the oracle: the teacher's span log-probabilities from its own forward (float64), the student's log q in float64
+    s64 = build_causal_lm(TINY, student_tok, seed=0).double()
+    s64.load_state_dict(student.state_dict())
+    mask = batch["loss_mask"]
+    logits = s64(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logq = torch.log_softmax(logits, -1)[:, :-1].gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    logq = torch.cat([logq, logq.new_zeros(logq.shape[0], 1)], 1)[mask]  # position t predicts token t + 1
+    scores = cross.score(batch, get_objective("sampled_token"), 1.0)
+    n_spans = int(batch["n_spans"])
+    q_span = torch.zeros(n_spans, dtype=torch.float64).index_add(0, spans, logq.detach())
+    d = q_span - scores.span_logprobs.double()
+    surrogate = (d[spans].detach() * logq).sum()
+    surrogate.backward()
+    for name, p in s64.named_parameters():
+        ref = p.grad
+        got = grads[name].double()
+        # fp32 against float64: each row's gradient within a few ulp of fp32 of its own size, over M rows
+        bound = 64 * EPS32 * logq.shape[0] * (float(ref.abs().max()) + float(d.abs().max()))
+        assert float((got - ref).abs().max()) <= bound, name
+
+
+def test_a_micro_batch_with_no_span_trains_nothing_and_does_not_fail():
+    """Every row's completion is special tokens alone (they decode to no text), cut before any end: no span at all.
+    The loss and its gradient are 0, not an index error."""
+    student_tok = _tok()
+    teacher_tok = _tok()
+    student, teacher = _models(student_tok, teacher_tok, seed=2)
+    unk = student_tok.convert_tokens_to_ids("<|unk|>")
+    prompts = _prompts(student_tok)[:2]
+    comps = [[unk, unk], [unk]]
+    b = build_rollout_batch(prompts, comps, pad_token_id(student_tok), student_tok.eos_token_id)
+    b["row_index"] = torch.arange(2)
+    cross = _cross_teacher(student_tok, teacher_tok, teacher)
+    for loss in ("sampled_token", "cross_vocab"):
+        cross.attach([b], get_objective(loss))
+        assert int(b["n_spans"]) == 0 and int(b["unaligned"]) == 3
+        total, record, grads = _loss_and_grads(student, student_tok, b, cross, loss=loss)
+        assert float(total) == 0.0 and float(record.abs().max()) == 0.0
+        assert all(float(g.abs().max()) == 0.0 for g in grads.values())
+
+
+def test_the_teachers_end_token_is_what_its_template_writes_after_an_answer():
+    """Gemma ends a turn with <end_of_turn> and Phi-3 with <|end|>, neither its eos_token: the end span pairs the
+    student's EOS with the token the teacher's own template writes after the assistant's content."""
+    from ars_opd.lm.token_alignment import teacher_end_id
+
+    tok = _tok()
+    assert teacher_end_id(tok) == tok.eos_token_id  # ChatML: <|im_end|> is both
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+    assert teacher_end_id(tok) == tok.convert_tokens_to_ids("<|endoftext|>") != tok.eos_token_id

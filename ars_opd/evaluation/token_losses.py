@@ -32,7 +32,7 @@ from ars_opd.lm.divergences import divergence_terms
 from ars_opd.lm.generation import eos_token_ids, generate_token_ids
 from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows, target_logprobs
 from ars_opd.lm.opd_objectives import TeacherLogits
-from ars_opd.lm.token_alignment import UNALIGNED, CrossTokenizer
+from ars_opd.lm.token_alignment import UNALIGNED, CrossTokenizer, teacher_end_id
 
 EXACT = "exact"  # reverse KL summed over the shared vocabulary at every sampled position
 SAMPLED_CROSS_TOKENIZER = "sampled_cross_tokenizer"  # the sampled sequence-level estimate across two tokenizers
@@ -160,18 +160,6 @@ def teacher_nll(
         row_sums += sums
         row_counts += counts
     return TokenLosses(total / n if n else float("nan"), row_sums, row_counts)
-
-
-def teacher_end_id(teacher_tokenizer) -> int:
-    """The id the teacher's own tokenizer ends a turn with (its EOS token): what the teacher's tokens of a student
-    completion end with where the student ended it (``CrossTokenizer``)."""
-    end = getattr(teacher_tokenizer, "eos_token_id", None)
-    if end is None:
-        raise ValueError(
-            "the teacher's own tokenizer names no eos_token, so a student completion that ended cannot be scored "
-            "as ending on the teacher's side: set eos_token in its tokenizer_config.json"
-        )
-    return int(end)
 
 
 @torch.no_grad()

@@ -12,7 +12,9 @@ plugging the end values into the JSD. No τ² factor is applied (multiply outsid
 ``divergence_terms``, ``sampled_token_terms`` and ``topk_terms`` each return a ``RowTerms`` for
 ``ars_opd.lm.head.chunked_head_loss``, which forms the logits from the last hidden states one chunk of rows at
 a time: for a chunk of student logits z (c, V) in fp32, each row's value and its analytic gradient in z,
-computed without autograd. The teacher gets no gradient.
+computed without autograd. The teacher gets no gradient. The cross-tokenizer terms (``span_sampled_token_terms``,
+analytic too, and ``cross_vocab_terms``, whose gradient is autograd's on the chunk's span-start rows) compare a
+student and a teacher whose vocabularies differ (``ars_opd.lm.token_alignment``).
 
 Memory: ``divergence_terms`` works in place on the chunk's student and teacher logits: at most three (c × V)
 fp32 tensors for reverse KL, four for forward KL and 0 < β < 1, where the out-of-place formulas hold about
@@ -204,16 +206,16 @@ def span_sampled_token_terms(
     if not temperature > 0:
         raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
     aligned = span_index >= 0
-    spans = span_index.clamp(min=0)
     n_spans = span_teacher_logprobs.shape[0]
-    q_span = torch.zeros(n_spans, dtype=torch.float32, device=span_index.device)
-    q_span.index_add_(0, spans[aligned], student_logprobs[aligned].float())
-    count = torch.zeros(n_spans, dtype=torch.float32, device=span_index.device)
-    count.index_add_(0, spans[aligned], torch.ones_like(student_logprobs[aligned], dtype=torch.float32))
-    p_span = span_teacher_logprobs.float()
-    credit = torch.where(aligned, (q_span - p_span)[spans], torch.zeros_like(q_span[spans]))  # (M,)
-    share = torch.where(aligned, (p_span / count.clamp(min=1))[spans], torch.zeros_like(q_span[spans]))  # (M,)
+    spans = torch.where(aligned, span_index, n_spans)  # one spare slot for the tokens in no span (maybe all)
+    q_span = torch.zeros(n_spans + 1, dtype=torch.float32, device=span_index.device)
+    q_span.index_add_(0, spans, student_logprobs.float())
+    count = torch.zeros(n_spans + 1, dtype=torch.float32, device=span_index.device)
+    count.index_add_(0, spans, torch.ones_like(student_logprobs, dtype=torch.float32))
+    p_span = torch.cat([span_teacher_logprobs.float(), q_span.new_zeros(1)])
     keep = aligned.float()
+    credit = (q_span - p_span)[spans] * keep  # (M,)
+    share = (p_span / count.clamp(min=1))[spans] * keep  # (M,)
 
     def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
         y = tokens[start:end, None]  # (c, 1)
@@ -230,10 +232,13 @@ def span_sampled_token_terms(
 def _log_rest(logp: torch.Tensor) -> torch.Tensor:
     """log(1 − Σ exp(logp)) over the last dimension: the log-mass outside the given entries (floored at −80, so a
     set holding all the mass has a finite, negligible rest)."""
-    inside = torch.logsumexp(logp, -1).clamp(max=-1e-12)
-    return torch.where(inside > -math.log(2), torch.log(-torch.expm1(inside)), torch.log1p(-torch.exp(inside))).clamp(
-        min=-80.0
-    )
+    inside = torch.logsumexp(logp, -1).clamp(max=-1e-7)  # both branches get a safe input: no NaN gradient either
+    near = inside > -math.log(2)
+    return torch.where(
+        near,
+        torch.log(-torch.expm1(torch.where(near, inside, -1.0))),
+        torch.log1p(-torch.exp(torch.where(near, -1.0, inside))),
+    ).clamp(min=-80.0)
 
 
 def cross_vocab_value(

@@ -168,3 +168,25 @@ class CrossTokenizer:
             teacher_end_token=ended,
         )
         return RowAlignment(tuple(teacher_body + ([self.teacher_end_id] if ended else [])), alignment)
+
+
+def teacher_end_id(tokenizer) -> int:
+    """The teacher's end-of-turn token, appended where the student ended its completion: the first token its own
+    chat template writes after an assistant message's content (``<|im_end|>``, Gemma's ``<end_of_turn>``, Phi-3's
+    ``<|end|>``: not always the tokenizer's ``eos_token``), else its ``eos_token``."""
+    marker = "\u2063ars-opd-end\u2063"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}], tokenize=False
+        )
+    except Exception:  # a template that cannot render this conversation: fall back to the eos token
+        text = ""
+    if marker in text:
+        after = tokenizer(text.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
+        special = set(tokenizer.all_special_ids or [])
+        special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if t.special}
+        if after and after[0] in special:
+            return int(after[0])
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the teacher's tokenizer has no eos_token: cannot mark where the student's completion ended")
+    return int(tokenizer.eos_token_id)

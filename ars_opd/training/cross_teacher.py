@@ -197,11 +197,11 @@ def _span_sums(values: torch.Tensor, spans: torch.Tensor, n_spans: int) -> torch
 def _per_student_token(span_lp: torch.Tensor, span_s: torch.Tensor, n_spans: int) -> torch.Tensor:
     """Each student token's share of its span's teacher log-probability (0 outside any span), for the log."""
     aligned = span_s >= 0
-    idx = span_s.clamp(min=0)
-    count = torch.zeros(n_spans, dtype=torch.float32, device=span_s.device)
-    count.index_add_(0, idx[aligned], torch.ones(int(aligned.sum()), device=span_s.device))
-    share = span_lp / count.clamp(min=1)
-    return torch.where(aligned, share[idx], torch.zeros_like(share[idx]))
+    idx = torch.where(aligned, span_s, n_spans)  # a spare slot for the tokens in no span (maybe all of them)
+    count = torch.zeros(n_spans + 1, dtype=torch.float32, device=span_s.device)
+    count.index_add_(0, idx, torch.ones(idx.shape[0], device=span_s.device))
+    share = torch.cat([span_lp.float(), span_lp.new_zeros(1)]) / count.clamp(min=1)
+    return share[idx] * aligned.float()
 
 
 def _student_to_teacher_starts(span_s: torch.Tensor, span_t: torch.Tensor) -> torch.Tensor:
@@ -244,13 +244,6 @@ def shared_vocabulary(student, teacher, student_vocab: int, teacher_vocab: int) 
         raise ValueError("the two vocabularies share no token: the cross_vocab loss has nothing to compare")
     ids_s, ids_t = zip(*pairs)
     return torch.tensor(ids_s, dtype=torch.long), torch.tensor(ids_t, dtype=torch.long)
-
-
-def teacher_end_id(tokenizer) -> int:
-    """The teacher's end-of-turn token, appended where the student ended its completion."""
-    if tokenizer.eos_token_id is None:
-        raise ValueError("the teacher's tokenizer has no eos_token: cannot mark where the student's completion ended")
-    return int(tokenizer.eos_token_id)
 
 
 def max_positions(model_or_config) -> int | None:

@@ -71,7 +71,7 @@ from ars_opd.lm.generation import GenerationCost, decode_completion, eos_token_i
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.lm.optim import autocast_context
-from ars_opd.lm.token_alignment import CrossTokenizer
+from ars_opd.lm.token_alignment import CrossTokenizer, teacher_end_id
 from ars_opd.models.loading import load_teacher_tokenizer, read_manifest
 from ars_opd.rollouts.schedule import (
     ENGINE_METRICS,
@@ -84,7 +84,7 @@ from ars_opd.rollouts.stage import WorkerPlace, stage_engine, worker_rollouts
 from ars_opd.seeding import derive_seed
 from ars_opd.training.batch_plan import step_indices
 from ars_opd.training.budget import matmul_parameters
-from ars_opd.training.cross_teacher import CrossTokenizerTeacher, TeacherSide, max_positions, teacher_end_id
+from ars_opd.training.cross_teacher import CrossTokenizerTeacher, TeacherSide, max_positions
 from ars_opd.training.opd_teacher_setup import build_teacher, check_scoring_endpoint, scoring_endpoint
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.sharding import is_sharded
@@ -132,6 +132,7 @@ class ModelSizes(NamedTuple):
 
     student: int = 0
     teacher: int = 0
+    student_head: int = 0  # the head's share of ``student``: cross-tokenizer sampled_token runs it once more
 
 
 class RolloutSetup(NamedTuple):
@@ -168,7 +169,9 @@ class OPDTask:
         self.rank, self.device = setup.ctx.rank, setup.ctx.device
         self.fault, self.item_tasks = setup.fault, data.tasks or [None] * len(data.prompts)
         self.references = data.references if data.checkable() else None  # None: no correct_rate column
-        self.student_params, self.teacher_params = sizes  # ars_opd.training.budget
+        self.student_params, self.teacher_params, head_params = sizes  # ars_opd.training.budget
+        # cross-tokenizer sampled_token: one more no-grad pass of the student's head over the completion tokens
+        self.extra_head_params = head_params if cfg.cross_tokenizer and cfg.loss == "sampled_token" else 0
         self.objective = get_objective(cfg.loss)
         self.pad_id = pad_token_id(tokenizer)
         # what ends a completion, in the rollouts and in the loss mask alike: the student's EOS ids (default: the
@@ -285,8 +288,9 @@ class OPDTask:
             sampled = sampling.forward_tokens if n == 0 else 0
             # the teacher's forward runs on its own tokens of the text when they are not the student's
             real_t = int(b["teacher_attention_mask"].sum()) if "teacher_attention_mask" in b else real
-            flops = 6 * self.student_params * real + 2 * self.teacher_params * real_t + 2 * self.student_params * sampled
             n_tok = int(b["loss_mask"].sum())
+            flops = 6 * self.student_params * real + 2 * self.teacher_params * real_t
+            flops += 2 * self.student_params * sampled + 2 * self.extra_head_params * n_tok
             # per sequence: the loss sums each completion's token mean, so the step averages over completions
             # (those with a loss token: a completion with none has no mean)
             units = int((b["loss_mask"].sum(1) > 0).sum()) if self.cfg.loss_normalisation == "sequence" else None
@@ -324,10 +328,14 @@ class OPDTask:
             record=per_token,
         )
         first = in_first_half(mask)
+        second = ~first
+        if "student_span" in t:  # across tokenizers: the columns average over the tokens in a span (unaligned: 0)
+            aligned = t["student_span"] >= 0
+            n, first, second = int(aligned.sum()), first & aligned, second & aligned
         return loss_sum, {
             "teacher_logprob": (float(scores.target_logprobs().sum()), float(n)),
             "divergence_first_half": (float(per_token[first].sum()), float(first.sum())),
-            "divergence_second_half": (float(per_token[~first].sum()), float((~first).sum())),
+            "divergence_second_half": (float(per_token[second].sum()), float(second.sum())),
             "teacher_s": (teacher_s, 1.0 if batch.meta.get("gen_s") else 0.0),
             **extra,
         }
@@ -347,10 +355,16 @@ class OPDTask:
             self.engine.check_step(step, metrics, self.cfg.engine.dlogp_check)
 
 
-def _encode(tokenizer, rows: list[dict], cfg: OPDConfig, teacher_tokenizer=None) -> OPDData:
+def _encode(
+    tokenizer, rows: list[dict], cfg: OPDConfig, teacher_tokenizer=None, teacher_positions: int | None = None
+) -> OPDData:
     """The rows whose prompt fits the budget, encoded, and the counts. A teacher completion has an EOS only
     where the teacher ended it; with ``truncated_completions: drop`` and teacher-text steps
-    (on_policy_fraction < 1) a row whose completion the teacher was cut off in is left out."""
+    (on_policy_fraction < 1) a row whose completion the teacher was cut off in is left out. Across tokenizers
+    (``teacher_tokenizer``) the prompts are also encoded in the teacher's tokens, and a row whose teacher prompt
+    leaves fewer than ``max_new_tokens`` of the teacher's ``teacher_positions`` is left out (counted): its
+    teacher row could not be scored. A text the teacher spells in more tokens than the student can still overrun
+    at a step; the teacher then stops the run naming the lengths."""
     prompts = encode_prompts(tokenizer, [r["messages"] for r in rows])
     completions = encode_teacher_completions(tokenizer, rows)
     fits = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
@@ -366,6 +380,11 @@ def _encode(tokenizer, rows: list[dict], cfg: OPDConfig, teacher_tokenizer=None)
     teacher_prompts = None
     if teacher_tokenizer is not None:  # the same messages under the teacher's own chat template
         teacher_prompts = encode_prompts(teacher_tokenizer, [rows[i]["messages"] for i in keep])
+        if teacher_positions is not None:  # a prompt the teacher cannot read with room for an answer: left out
+            room = [j for j, tp in enumerate(teacher_prompts) if len(tp) + cfg.max_new_tokens <= teacher_positions]
+            counts["dropped_teacher_prompt_over_context"] = len(keep) - len(room)
+            counts["kept"] = len(room)
+            keep, teacher_prompts = [keep[j] for j in room], [teacher_prompts[j] for j in room]
     return OPDData(
         [prompts[i] for i in keep],
         [completions[i] for i in keep],
@@ -389,7 +408,8 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     teacher_tokenizer = None
     if job.cfg.cross_tokenizer:
         teacher_tokenizer = load_teacher_tokenizer(job.paths.models_dir, job.trust_remote_code)
-    data = _encode(tokenizer, rows, job.cfg, teacher_tokenizer)
+    positions = max_positions(teacher.model) if isinstance(teacher, LocalTeacher) else None
+    data = _encode(tokenizer, rows, job.cfg, teacher_tokenizer, positions)
     if not data.prompts:
         raise ValueError(f"no OPD prompts left after the budget: {data.counts}")
     eos_ids = eos_token_ids(model, tokenizer)
@@ -406,7 +426,7 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         teacher,
         job.cfg,
         setup,
-        sizes=ModelSizes(matmul_parameters(model), teacher_params),
+        sizes=ModelSizes(matmul_parameters(model), teacher_params, OutputHead.of(model, vocab).weight.numel()),
         rollouts=RolloutSetup(eos_ids, engine_rollouts(job, setup, eos_ids)),
     )
     fingerprint = {
