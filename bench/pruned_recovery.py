@@ -270,7 +270,7 @@ def run_study(args) -> dict:
         runner.map(lambda d: runner.stage(d, "evaluate", env), evals[1:])
     seconds = time.perf_counter() - t0
     meta = {
-        "command": " ".join(["python bench/pruned_recovery.py", *sys.argv[1:]]),
+        "command": " ".join(["python", command_name(), *sys.argv[1:]]),
         "seeds": args.seeds,
         "arms": arms,
         "steps": args.steps,
@@ -289,6 +289,12 @@ def run_study(args) -> dict:
     }
     (root / "study.json").write_text(json.dumps(meta, indent=1))
     return meta
+
+
+def command_name() -> str:
+    """The script the user ran (bench/cross_tokenizer.py runs this one with its own defaults), repo-relative."""
+    path = Path(sys.argv[0]).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else "bench/pruned_recovery.py"
 
 
 def device_words() -> str:
