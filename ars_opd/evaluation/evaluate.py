@@ -37,7 +37,8 @@ sampled sequence-level estimate per student token on each student's own samples 
 the prompt)) / student tokens, over the spans both tokenisations share
 (``ars_opd.evaluation.token_losses.reverse_kl_cross_tokenizer``); a single sample's value, and at a few rows the
 mean, can be negative. The teacher's own row stays 0. ``reverse_kl_unaligned_tokens``: the student tokens left
-out (text the teacher cannot spell).
+out (those that no boundary verified on both sides follows, e.g. past a teacher normaliser's change of the text;
+text the teacher writes as its unknown token is aligned, ``ars_opd.lm.token_alignment``).
 
 Generation decodes greedily, or samples softmax(z), and nothing else: a checkpoint's ``generation_config``
 (repetition penalty, min_p...) is not applied, and a completion ends at the first of any id the model stops

@@ -53,7 +53,7 @@ class TokenLosses:
     mean: float
     row_sums: list[float]
     row_counts: list[int]
-    unaligned: int = 0  # cross-tokenizer estimate: student tokens left out, beyond the last boundary both share
+    unaligned: int = 0  # cross-tokenizer estimate: student tokens left out, beyond the last verified shared boundary
 
     def per_task(self, tasks: list[str | None]) -> dict[str, float | None]:
         """Token-weighted mean per task label (rows without one left out); None for a task with no token."""
@@ -186,8 +186,8 @@ def reverse_kl_cross_tokenizer(
         Σ_k log q(y_k) − Σ_u log p(t_u)
 
     over the student's tokens y_k and the teacher's tokens t_u that lie in a span both tokenisations share
-    (span ``UNALIGNED`` excluded on both sides: text the teacher cannot spell), and its count the number of
-    student tokens kept. Since the spans cover the same text on both sides, a row's value is log q(text) −
+    (span ``UNALIGNED`` excluded on both sides: text that no verified shared boundary follows), and its count the
+    number of student tokens kept. Since the spans cover the same text on both sides, a row's value is log q(text) −
     log p(text) of the aligned text, a one-sample estimate of the sequence-level KL(q ‖ p) of that text: unbiased
     for it in expectation over the samples, but a single row's value (and at few rows the mean) can be negative.
     Not the exact per-token KL over a vocabulary (there is no shared one), so never compared with ``EXACT`` values.

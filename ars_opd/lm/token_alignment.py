@@ -21,9 +21,22 @@ prefix space is stripped the same way in the prefix and in the whole). So:
   the teacher's tokens are their own span, the last;
 - **a BOS on one side only**: it belongs to that side's prompt, never to the completion, which is tokenised
   without special tokens (``teacher_completion_ids``), so it cannot shift the alignment;
-- **text the teacher cannot spell** (its decoded tokens are not the text, e.g. an unknown character): the
-  alignment stops at the last boundary both share before the difference; the tokens after it, and the end,
-  belong to no span (index -1) and carry no loss (counted: ``Alignment.unaligned_student``).
+- **text the teacher cannot spell** (its decoded tokens are not the text, e.g. an unknown character that the
+  character tokenizer writes as ``<|unk|>``): the teacher's prefix decodes stop being prefixes of the text there,
+  so a teacher token past the difference gets its end from the tokenizer's offset mapping (fast tokenizers; a
+  slow one has none, and its tokens past the difference have no end), accepted only where the tokenizer itself
+  verifies it: the teacher's tokens after it decode to exactly the rest of the text (``decode(ids[u + 1:]) ==
+  text[e:]``; for the last token ``"" == text[len(text):]``), its end is not before the previous accepted end, and
+  the teacher's tokens since that previous end, its unknown tokens left out, decode to exactly that stretch of the
+  text, the characters under the unknown tokens' offsets left out. So the alignment resumes after text the
+  teacher cannot spell: the span holding the unspellable characters pairs the student's tokens of them with the
+  teacher's unknown token(s) (the student pays log q - log p_T(<|unk|>) there; with several unknown stretches,
+  everything from the first to the last is one span, since a suffix decode that still holds an ``<|unk|>`` is not
+  the text), the text after them aligns as usual, and the end span exists when the text's end is verified. A
+  teacher whose normaliser changes the text (e.g. lowercasing) fails the last check from its first difference
+  on: its tokens after the last boundary both share before that difference, and the end, belong to no span
+  (index -1) and carry no loss (counted: ``Alignment.unaligned_student``), as does any token that no verified
+  boundary follows. Suffix decodes run only for tokens whose prefix check failed.
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ UNALIGNED = -1
 @dataclass(frozen=True)
 class Alignment:
     """Spans of one completion: ``student_span[k]`` / ``teacher_span[u]`` the span of each side's token k / u
-    (``UNALIGNED`` for the tokens after the last shared boundary when the teacher cannot spell the text);
+    (``UNALIGNED`` for the tokens that no verified shared boundary follows, e.g. past a teacher normaliser's change);
     ``ends[j]`` the character position where span j ends (the end span ends at ``len(text)`` too)."""
 
     text: str
@@ -63,20 +76,63 @@ class Alignment:
         return first
 
 
-def token_ends(tokenizer, ids: list[int], text: str, *, skip_special_tokens: bool) -> list[int | None]:
+def token_ends(
+    tokenizer,
+    ids: list[int],
+    text: str,
+    *,
+    skip_special_tokens: bool,
+    offsets: list[tuple[int, int]] | None = None,
+) -> list[int | None]:
     """The character position in ``text`` where each token of ``ids`` ends, or None where that is undefined:
     the decoded prefix up to and including the token is not a prefix of ``text``, or would end before an
-    earlier token's end."""
+    earlier token's end.
+
+    ``offsets``: each token's character range in ``text`` from the tokenizer's offset mapping, given when ``ids``
+    are ``tokenizer``'s own tokens of ``text`` (the teacher's side). Then a token whose prefix check fails ends
+    where its offsets end, if the tokenizer verifies that end (``_resumed_end``); the suffix decodes this takes run
+    only for such tokens."""
     ends: list[int | None] = []
-    last = 0
+    last, gap = 0, 0  # the last accepted end, and the first token after the one that ended there
     for k in range(len(ids)):
         prefix = tokenizer.decode(ids[: k + 1], skip_special_tokens=skip_special_tokens)
         if text.startswith(prefix) and len(prefix) >= last:
-            last = len(prefix)
-            ends.append(last)
+            end: int | None = len(prefix)
+        elif offsets is not None:
+            end = _resumed_end(tokenizer, ids, text, offsets, k, last, gap, skip_special_tokens)
         else:
-            ends.append(None)
+            end = None
+        if end is not None:
+            last, gap = end, k + 1
+        ends.append(end)
     return ends
+
+
+def _resumed_end(tokenizer, ids, text, offsets, k, last, gap, skip_special_tokens) -> int | None:
+    """Token k's end from its offsets, when the tokenizer verifies it: not before ``last`` (the previous accepted
+    end, of token ``gap - 1``), the tokens after k decode to exactly ``text[end:]``, and the tokens ``gap..k`` other
+    than the unknown token decode to exactly ``text[last:end]`` less the characters under the unknown tokens'
+    offsets (the only text the teacher may fail to spell; a normaliser's change, e.g. a lowercased letter, fails)."""
+    end = int(offsets[k][1])
+    if not last <= end <= len(text):
+        return None
+    if tokenizer.decode(ids[k + 1 :], skip_special_tokens=skip_special_tokens) != text[end:]:
+        return None
+    unk = getattr(tokenizer, "unk_token_id", None)
+    kept, spelled, pos = [], [], last
+    for u in range(gap, k + 1):
+        if unk is not None and ids[u] == unk:
+            lo, hi = (int(x) for x in offsets[u])
+            if not pos <= lo <= hi <= end:
+                return None
+            spelled.append(text[pos:lo])
+            pos = hi
+        else:
+            kept.append(ids[u])
+    spelled.append(text[pos:end])
+    if tokenizer.decode(kept, skip_special_tokens=skip_special_tokens) != "".join(spelled):
+        return None
+    return end
 
 
 def _assign(ends: list[int | None], index: dict[int, int]) -> list[int]:
@@ -150,8 +206,16 @@ class CrossTokenizer:
     def teacher_completion_ids(self, text: str) -> list[int]:
         """The teacher's tokens of ``text``: no BOS or other added special tokens, and a special token's literal
         text (e.g. "<|im_end|>" written out by the student) is spelled as text, never turned into a control id."""
-        enc = self.teacher(text, add_special_tokens=False, split_special_tokens=True)
-        return list(enc["input_ids"])
+        return self._teacher_tokens(text)[0]
+
+    def _teacher_tokens(self, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+        """``teacher_completion_ids`` and each token's character range in ``text`` (None from a slow tokenizer,
+        which has no offset mapping)."""
+        fast = bool(getattr(self.teacher, "is_fast", False))
+        enc = self.teacher(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=fast)
+        ids = list(enc["input_ids"])
+        offsets = [tuple(o) for o in enc["offset_mapping"]] if fast else None
+        return ids, offsets if offsets is not None and len(offsets) == len(ids) else None
 
     def align(self, completion: list[int]) -> RowAlignment:
         """``completion``: the student's kept completion ids, its end token last if it ended."""
@@ -159,11 +223,11 @@ class CrossTokenizer:
         ended = bool(completion) and completion[-1] in self.student_eos
         body = completion[:-1] if ended else completion
         text = self.text(body)
-        teacher_body = self.teacher_completion_ids(text)
+        teacher_body, offsets = self._teacher_tokens(text)
         alignment = align(
             text,
             token_ends(self.student, body, text, skip_special_tokens=True),
-            token_ends(self.teacher, teacher_body, text, skip_special_tokens=False),
+            token_ends(self.teacher, teacher_body, text, skip_special_tokens=False, offsets=offsets),
             student_end_token=ended,
             teacher_end_token=ended,
         )
