@@ -70,8 +70,8 @@ from ars_opd.lm.batching import build_rollout_batch, eos_set, in_first_half, pad
 from ars_opd.lm.generation import GenerationCost, decode_completion, eos_token_ids, generate_token_ids
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.opd_objectives import get_objective
-from ars_opd.lm.rollout_copy import CastCopy
 from ars_opd.lm.optim import autocast_context
+from ars_opd.lm.rollout_copy import CastCopy
 from ars_opd.lm.token_alignment import CrossTokenizer, teacher_end_id
 from ars_opd.models.loading import load_teacher_tokenizer, read_manifest
 from ars_opd.rollouts.schedule import (
