@@ -45,8 +45,8 @@ def test_the_copy_holds_the_present_weights_cast_and_is_refreshed_in_place():
 def test_rollouts_from_the_copy_are_those_of_the_student_cast_to_bf16():
     """Greedy, so the comparison is exact: the copy decodes what an independent bf16 cast of the student decodes."""
     model, tok = _model_and_tokenizer()
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                            tokenize=True)["input_ids"]) for q in ("add 3 and 4", "reverse abc")]  # fmt: skip
+    chats = [[{"role": "user", "content": q}] for q in ("add 3 and 4", "reverse abc")]
+    prompts = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"]) for c in chats]
     caster = CastCopy(torch.bfloat16)
     caster.of(model)
     with torch.no_grad():
