@@ -29,7 +29,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
-
 from peer_trl import link_inputs, real_params, worker_setup  # noqa: E402
 
 from ars_opd.config import load_params  # noqa: E402
