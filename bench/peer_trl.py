@@ -38,8 +38,9 @@ batch sizes, budgets and max_new_tokens are the real profile's, except OPD's ``m
   temperature 1. Variants ``trainer_rollouts`` (the default, rollouts in fp32) and, with ``--bf16-rollouts``,
   ``bf16_rollouts`` (``opd.rollout_dtype: bf16``: sampled from a bf16 copy of the student refreshed every step, ~3x
   faster on a CPU with AMX; the loss is still fp32, but the samples are the rounded policy's, so it is a setting, not
-  the same computation). TRL: ``DistillationTrainer`` (always on-policy, lambda 1) on the same prompts in the same order, with
-  the same temperature, beta, top-p 1, top-k off, generation batch = our global batch split into our micro-batches
+  the same computation). TRL: ``DistillationTrainer`` (always on-policy, lambda 1) on the same prompts in the same
+  order, with the same temperature, beta, top-p 1, top-k off, generation batch = our global batch split into our
+  micro-batches
   (TRL shuffles the rollouts before the split; the step's loss, a global token mean, is the same).
   Rollouts are random on both sides, so step 0's losses differ by sampling alone; to check that the two losses are the
   same function, the ``opd_same_samples`` line scores our step-0 rollouts with both: our objective and TRL's
