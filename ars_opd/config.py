@@ -1182,6 +1182,10 @@ class OPDConfig(TrainLoopConfig):
     too); counted. With on_policy_fraction 1 no teacher text is trained on and nothing is dropped."""
     rollout_cache: Literal["dynamic", "static"] = "dynamic"
     """Rollout KV cache: dynamic (transformers' generate) or static (preallocated, our loop, compiled on CUDA)."""
+    rollout_dtype: Literal["train", "bf16"] = "train"
+    """Trainer rollouts in the training precision (train), or from a bf16 copy of the student refreshed every step
+    (bf16: ~3x faster sampling on a CPU with AMX; the samples are the bf16-rounded policy's, so not with
+    sampled_token; not with FSDP)."""
     teacher_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Weights of the frozen teacher; auto: bf16 on CUDA, fp32 on CPU."""
     teacher: Literal["local", "endpoint"] = "local"
@@ -1484,6 +1488,17 @@ def check_objective(cfg: OPDConfig) -> ObjectiveRules:
     if cfg.loss not in RULES:
         raise ConfigError("opd.loss", f"must be one of {list(RULES)}, got {cfg.loss!r}")
     rules = RULES[cfg.loss]
+    if cfg.rollout_dtype == "bf16" and cfg.rollouts == "engine":
+        raise ConfigError(
+            "opd.rollout_dtype",
+            "engine rollouts are in the engine's dtype (opd.engine.dtype); set rollout_dtype: train",
+        )
+    if cfg.rollout_dtype == "bf16" and rules.exact_on_policy:
+        raise ConfigError(
+            "opd.rollout_dtype",
+            f"the {cfg.loss} loss needs samples of exactly the trained student, and a bf16 copy's are the rounded "
+            "policy's; use rollout_dtype: train with it",
+        )
     if cfg.cross_tokenizer and cfg.loss not in CROSS_TOKENIZER_LOSSES:
         raise ConfigError(
             "opd.loss",
@@ -1580,6 +1595,13 @@ def check_params(params: Params, base: str | Path = ".") -> None:
             "static rollouts stop each worker at its own EOS, and a sharded "
             "student (ddp.strategy: fsdp) needs every worker to run the same forwards; use dynamic",
         )
+    if params.ddp is not None and params.opd is not None and params.ddp.strategy == "fsdp":
+        if params.opd.rollout_dtype != "train":
+            raise ConfigError(
+                "opd.rollout_dtype",
+                "a bf16 rollout copy needs the whole student in every worker, which a sharded student (ddp.strategy: "
+                "fsdp) is not; use train",
+            )
     if params.opd is not None and params.opd.rollouts == "engine" and params.opd.engine.transport == "nccl":
         # (nccl with the bundled engine is refused by RolloutEngineConfig itself)
         if params.ddp is not None and params.ddp.device == "cpu":

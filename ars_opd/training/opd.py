@@ -71,6 +71,7 @@ from ars_opd.lm.generation import GenerationCost, decode_completion, eos_token_i
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.lm.optim import autocast_context
+from ars_opd.lm.rollout_copy import CastCopy
 from ars_opd.lm.token_alignment import CrossTokenizer, teacher_end_id
 from ars_opd.models.loading import load_teacher_tokenizer, read_manifest
 from ars_opd.rollouts.schedule import (
@@ -179,6 +180,7 @@ class OPDTask:
         eos_ids = rollouts.eos_ids
         self.eos_ids = eos_ids if eos_ids is not None else tuple(eos_set(tokenizer.eos_token_id))
         self.engine = rollouts.engine  # opd.rollouts: engine (ars_opd.rollouts.schedule); None: this worker samples
+        self.rollout_copy = CastCopy(torch.bfloat16) if cfg.rollout_dtype == "bf16" else None
 
     def metric_names(self) -> list[str]:
         names = ["teacher_logprob", "response_length", "eos_rate", "truncation_rate"]
@@ -224,9 +226,12 @@ class OPDTask:
             engine_meta = engine_step_metrics(got, self.engine.lag0_tolerance(got, model, self.cfg.precision))
         elif on_policy:
             sample = self.cfg.sample_temperature > 0
-            with autocast_context(self.cfg.precision, self.device):  # rollouts in the training precision
+            sampler, precision = model, self.cfg.precision
+            if self.rollout_copy is not None:  # a bf16 copy holding this step's weights (ars_opd.lm.rollout_copy)
+                sampler, precision = self.rollout_copy.of(model), "fp32"
+            with autocast_context(precision, self.device):  # rollouts in the training precision (or the copy's)
                 completions = generate_token_ids(
-                    model,
+                    sampler,
                     self.tokenizer,
                     prompts,
                     self.cfg.max_new_tokens,

@@ -1,0 +1,123 @@
+"""Where a real-size OPD step's time goes: torch.profiler's top operators of our step, and the step split into phases.
+
+The same setting as bench/peer_trl.py's OPD runs (its ``real_params``: the real profile, one CPU worker, the base
+pruned SmolLM2 student, the local fp32 teacher, reverse KL over the full vocabulary, ``--max-new-tokens`` 64): for each
+``--rollout-dtype`` (``train``: fp32 rollouts, the default; ``bf16``: ``opd.rollout_dtype: bf16``), ``--warmup``
+untimed steps, then one step under ``torch.profiler`` (CPU activities, ``record_shapes`` off). Prints JSON lines:
+
+- ``{"kind": "opd_profile", "rollout_dtype", "threads", "step_s", "phases": {"rollouts_s", "teacher_s", ...},
+  "top": [{"op", "self_cpu_s", "share", "calls"}, ...]}``: the ``--top`` operators by self CPU time, and the
+  step's two phases: sampling (the task's own ``gen_s``) and the rest (the teacher's forward, the student's forward,
+  the chunked loss, backward and AdamW).
+
+    python bench/opd_profile.py --threads 2                 # after make repro-real (reads its models and completions)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import torch  # noqa: E402
+from peer_trl import link_inputs, real_params, worker_setup  # noqa: E402
+
+from ars_opd.config import load_params  # noqa: E402
+from ars_opd.training.distributed import init_worker, shutdown_worker  # noqa: E402
+from ars_opd.training.loop import Trainer  # noqa: E402
+from ars_opd.training.opd import prepare_opd  # noqa: E402
+from ars_opd.training.task import RunHooks  # noqa: E402
+from ars_opd.training.worker import TrainingJob  # noqa: E402
+
+
+def profile_step(ctx, params, rollout_dtype: str, threads: int, warmup: int, top: int) -> dict:
+    torch.set_num_threads(threads)
+    cfg = dataclasses.replace(params.opd, rollout_dtype=rollout_dtype)
+    job = TrainingJob("opd", cfg, params.ddp, params.paths, progress=False, control=params.control)
+    job.check()
+    run = prepare_opd(job, worker_setup(ctx, params, "opd", cfg))
+    run.model.train()
+    trainer = Trainer.build(ctx, run.model, run.task, cfg, params.ddp, RunHooks(progress=False))
+    metas: list[dict] = []
+    make = run.task.micro_batches
+
+    def recording(step, model):
+        micro = make(step, model)
+        metas.append(micro[0].meta)
+        return micro
+
+    run.task.micro_batches = recording
+    for _ in range(warmup):
+        trainer.step()
+        trainer.state.step += 1
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        trainer.step()
+        step_s = time.perf_counter() - t0
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    meta = metas[-1]
+    gen_s = meta["gen_s"][0]
+    return {
+        "kind": "opd_profile",
+        "rollout_dtype": rollout_dtype,
+        "threads": threads,
+        "new_tokens": cfg.max_new_tokens,
+        "batch": cfg.global_batch_size,
+        "step_s": round(step_s, 3),
+        "phases": {"rollouts_s": round(gen_s, 3), "rest_s": round(step_s - gen_s, 3)},
+        "top": [
+            {
+                "op": e.key,
+                "self_cpu_s": round(e.self_cpu_time_total / 1e6, 3),
+                "share": round(e.self_cpu_time_total / total, 3),
+                "calls": e.count,
+            }
+            for e in ranked
+        ],
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", type=Path, default=None, help="models dir (default: the params' paths.models_dir)")
+    ap.add_argument("--teacher-rows", type=Path, default=None, help="default: the params' teacher_dir/train.jsonl")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--rollout-dtype", nargs="+", default=["train", "bf16"], choices=["train", "bf16"])
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--top", type=int, default=15)
+    a = ap.parse_args(argv)
+    workspace = load_params(REPO / "params.yaml", sections=("paths",), base=REPO).paths
+    models = (a.models or REPO / workspace.models_dir).resolve()
+    rows = (a.teacher_rows or REPO / workspace.completions("train")).resolve()
+    with tempfile.TemporaryDirectory(prefix="opd-profile-") as tmp:
+        work = Path(tmp)
+        params = real_params(work, False, a.max_new_tokens)
+        link_inputs(work, params, models, rows)
+        here = os.getcwd()
+        os.chdir(work)
+        try:
+            ctx = init_worker("cpu", "gloo", threads=a.threads)
+            try:
+                for dtype in a.rollout_dtype:
+                    print(json.dumps(profile_step(ctx, params, dtype, a.threads, a.warmup, a.top)), flush=True)
+            finally:
+                shutdown_worker()
+        finally:
+            os.chdir(here)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
