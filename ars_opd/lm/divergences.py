@@ -184,6 +184,18 @@ def sampled_token_terms(teacher_logprobs: torch.Tensor, tokens: torch.Tensor, te
     return terms
 
 
+def span_shares(span_index: torch.Tensor, span_values: torch.Tensor) -> torch.Tensor:
+    """(M,) each row's equal share of its span's value: span_values[s] / the number of rows in span s, for the M rows
+    of ``span_index`` (-1: in no span, share 0; a batch may have no span at all)."""
+    aligned = span_index >= 0
+    n_spans = span_values.shape[0]
+    spans = torch.where(aligned, span_index, n_spans)  # one spare slot for the rows in no span
+    count = torch.zeros(n_spans + 1, dtype=torch.float32, device=span_index.device)
+    count.index_add_(0, spans, torch.ones(spans.shape[0], dtype=torch.float32, device=span_index.device))
+    values = torch.cat([span_values.float(), span_values.new_zeros(1, dtype=torch.float32)])
+    return (values / count.clamp(min=1))[spans] * aligned.float()
+
+
 def span_sampled_token_terms(
     span_index: torch.Tensor,
     span_teacher_logprobs: torch.Tensor,
@@ -210,12 +222,10 @@ def span_sampled_token_terms(
     spans = torch.where(aligned, span_index, n_spans)  # one spare slot for the tokens in no span (maybe all)
     q_span = torch.zeros(n_spans + 1, dtype=torch.float32, device=span_index.device)
     q_span.index_add_(0, spans, student_logprobs.float())
-    count = torch.zeros(n_spans + 1, dtype=torch.float32, device=span_index.device)
-    count.index_add_(0, spans, torch.ones_like(student_logprobs, dtype=torch.float32))
     p_span = torch.cat([span_teacher_logprobs.float(), q_span.new_zeros(1)])
     keep = aligned.float()
     credit = (q_span - p_span)[spans] * keep  # (M,)
-    share = (p_span / count.clamp(min=1))[spans] * keep  # (M,)
+    share = span_shares(span_index, span_teacher_logprobs)  # (M,)
 
     def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
         y = tokens[start:end, None]  # (c, 1)

@@ -234,6 +234,13 @@ class CrossTokenizer:
         return RowAlignment(tuple(teacher_body + ([self.teacher_end_id] if ended else [])), alignment)
 
 
+def special_ids(tokenizer) -> set[int]:
+    """Every special token's id: the named ones (bos, eos, pad, unk and the additional specials) and every added
+    token marked special (SmolLM2 names 3 of its 17)."""
+    special = set(tokenizer.all_special_ids or [])
+    return special | {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if t.special}
+
+
 def teacher_end_id(tokenizer) -> int:
     """The teacher's end-of-turn token, appended where the student ended its completion: the first token its own
     chat template writes after an assistant message's content (``<|im_end|>``, Gemma's ``<end_of_turn>``, Phi-3's
@@ -247,8 +254,7 @@ def teacher_end_id(tokenizer) -> int:
         text = ""
     if marker in text:
         after = tokenizer(text.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
-        special = set(tokenizer.all_special_ids or [])
-        special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if t.special}
+        special = special_ids(tokenizer)
         if after and after[0] in special:
             return int(after[0])
     if tokenizer.eos_token_id is None:

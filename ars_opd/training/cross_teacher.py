@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ars_opd.lm.divergences import span_shares
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows, target_logprobs
 from ars_opd.lm.opd_objectives import Objective, TeacherLogits, TeacherScores
-from ars_opd.lm.token_alignment import UNALIGNED, CrossTokenizer
+from ars_opd.lm.token_alignment import UNALIGNED, CrossTokenizer, special_ids
 
 TEACHER_KEYS = ("teacher_input_ids", "teacher_attention_mask", "teacher_loss_mask", "teacher_targets")
 
@@ -156,7 +157,7 @@ class CrossTokenizerTeacher:
                 logits=TeacherLogits(hidden, self.head),
                 cross_rows=_student_to_teacher_starts(span_s, span_t).to(hidden.device),
                 shared_vocab=shared,
-                logged_logprobs=_per_student_token(_span_sums(at_1, span_t, n_spans), span_s, n_spans),
+                logged_logprobs=span_shares(span_s, _span_sums(at_1, span_t, n_spans)),
             )
         if objective.teacher_signal != "token_logprobs":
             raise ValueError(f"cross-tokenizer OPD cannot give the teacher signal {objective.teacher_signal!r}")
@@ -173,7 +174,7 @@ class CrossTokenizerTeacher:
         return TeacherScores(
             span_index=span_s,
             span_logprobs=span_t_lp,
-            logged_logprobs=_per_student_token(span_1_lp, span_s, n_spans),
+            logged_logprobs=span_shares(span_s, span_1_lp),
         )
 
     def shared_vocab(self, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,16 +193,6 @@ class CrossTokenizerTeacher:
 def _span_sums(values: torch.Tensor, spans: torch.Tensor, n_spans: int) -> torch.Tensor:
     out = torch.zeros(n_spans, dtype=torch.float32, device=values.device)
     return out.index_add_(0, spans.to(values.device), values.float())
-
-
-def _per_student_token(span_lp: torch.Tensor, span_s: torch.Tensor, n_spans: int) -> torch.Tensor:
-    """Each student token's share of its span's teacher log-probability (0 outside any span), for the log."""
-    aligned = span_s >= 0
-    idx = torch.where(aligned, span_s, n_spans)  # a spare slot for the tokens in no span (maybe all of them)
-    count = torch.zeros(n_spans + 1, dtype=torch.float32, device=span_s.device)
-    count.index_add_(0, idx, torch.ones(idx.shape[0], device=span_s.device))
-    share = torch.cat([span_lp.float(), span_lp.new_zeros(1)]) / count.clamp(min=1)
-    return share[idx] * aligned.float()
 
 
 def _student_to_teacher_starts(span_s: torch.Tensor, span_t: torch.Tensor) -> torch.Tensor:
@@ -224,8 +215,7 @@ def token_strings(tokenizer, vocab: int) -> dict[str, int]:
     are no whole text (a byte-level token inside a multi-byte character decodes to U+FFFD), are left out. A
     SentencePiece tokenizer decodes a lone "▁the" as "the", so there a word and its space-prefixed form share a
     string: the map is exact-string matching of what each tokenizer writes, nothing more."""
-    special = set(tokenizer.all_special_ids or [])  # the named ones; SmolLM2 lists 3 of its 17
-    special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if t.special}
+    special = special_ids(tokenizer)
     out: dict[str, int] = {}
     texts = tokenizer.batch_decode([[i] for i in range(vocab)], skip_special_tokens=False)
     for i, text in enumerate(texts):
