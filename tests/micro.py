@@ -130,6 +130,28 @@ def distill_workspace(repo_root: Path, root: Path, opd: dict, workers: int = 2, 
         os.chdir(cwd)
 
 
+def run_opd_in(root: Path) -> tuple[list[dict], dict, dict]:
+    """The opd stage in ``root`` (its params.yaml), called in this process: (its step log's rows, rank 0's summary,
+    the stage's manifest)."""
+    import json
+    import os
+
+    from ars_opd.artifacts import read_jsonl
+    from ars_opd.config import load_params
+    from ars_opd.training.opd import run_opd
+    from ars_opd.training.worker import TrainingJob
+
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        p = load_params("params.yaml")
+        summary = run_opd(TrainingJob.from_params("opd", p, progress=False))
+        files = p.paths.training("opd")
+        return read_jsonl(files.steps), summary, json.loads(Path(files.manifest).read_text())
+    finally:
+        os.chdir(cwd)
+
+
 def run_stage_here(root: Path, stage: str) -> None:
     """Run ``python -m stages.<stage>`` in ``root`` as this process: the stage's ``main`` here, its workers
     forked from this process's forkserver (started once for the session, instead of a fresh interpreter and

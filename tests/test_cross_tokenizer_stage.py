@@ -8,18 +8,12 @@ spell (no unaligned tokens). The different-tokenizer arithmetic is checked in te
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 
-from ars_opd.artifacts import read_jsonl
-from ars_opd.config import load_params
-from ars_opd.training.opd import run_opd
-from ars_opd.training.worker import TrainingJob
-from micro import distill_workspace
+from micro import distill_workspace, run_opd_in
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,15 +35,7 @@ OPD = {
 
 def _run(root: Path, opd: dict) -> tuple[list[dict], dict]:
     distill_workspace(REPO, root, opd, workers=2)
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        p = load_params("params.yaml")
-        run_opd(TrainingJob.from_params("opd", p, progress=False))
-        steps = read_jsonl(p.paths.training("opd").steps)
-        manifest = json.loads(Path(p.paths.training("opd").manifest).read_text())
-    finally:
-        os.chdir(cwd)
+    steps, _, manifest = run_opd_in(root)
     return steps, manifest
 
 

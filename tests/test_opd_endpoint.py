@@ -7,7 +7,6 @@ a fault-injecting proxy (tests/fake_endpoint.py) in front of the same server for
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
@@ -21,11 +20,10 @@ from ars_opd.models.loading import load_model, load_tokenizer, model_path
 from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError
 from ars_opd.teacher.client.generate import LOCAL_MODEL_NAME, local_server
 from ars_opd.teacher.client.score import ScoringError
-from ars_opd.training.opd import run_opd
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.worker import TrainingJob
 from fake_endpoint import FaultyProxy
-from micro import distill_workspace, teacher_rows
+from micro import distill_workspace, run_opd_in, teacher_rows
 from tolerances import forward_bound, two_computations
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,14 +175,8 @@ def test_endpoint_losses_are_checked_against_what_an_endpoint_returns():
 
 
 def _run(root: Path) -> tuple[list[dict], dict]:
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        p = load_params("params.yaml")
-        summary = run_opd(TrainingJob.from_params("opd", p, progress=False))
-        return read_jsonl(p.paths.training("opd").steps), summary
-    finally:
-        os.chdir(cwd)
+    steps, summary, _ = run_opd_in(root)
+    return steps, summary
 
 
 @pytest.mark.slow

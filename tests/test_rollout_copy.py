@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import pytest
@@ -79,22 +78,11 @@ def test_the_bf16_copy_is_refused_where_it_cannot_serve(opd, ddp, key):
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_the_opd_stage_trains_with_bf16_rollouts(tmp_path):
-    from ars_opd.artifacts import read_jsonl
-    from ars_opd.config import load_params
-    from ars_opd.training.opd import run_opd
-    from ars_opd.training.worker import TrainingJob
-    from micro import distill_workspace
+    from micro import distill_workspace, run_opd_in
 
     opd = {"steps": 3, "global_batch_size": 8, "micro_batch_size": 4, "max_new_tokens": 6, "rollout_dtype": "bf16",
            "checkpoint_every": 0, "snapshot_every": 0, "warmup_steps": 1, "lr": 0.005}  # fmt: skip
     distill_workspace(REPO, tmp_path, opd, workers=2)
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        p = load_params("params.yaml")
-        run_opd(TrainingJob.from_params("opd", p, progress=False))
-        steps = read_jsonl(p.paths.training("opd").steps)
-    finally:
-        os.chdir(cwd)
+    steps, _, _ = run_opd_in(tmp_path)
     assert [r["step"] for r in steps] == [0, 1, 2]
     assert all(r["loss"] >= 0 and 1 <= r["task/response_length"] <= 6 for r in steps)
