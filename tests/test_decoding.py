@@ -96,3 +96,43 @@ def test_static_sampling_first_token_follows_the_models_distribution():
     draws = generate_static(model, [prompt] * 4000, PAD, EOS, 1, do_sample=True, temperature=0.8)
     freq = torch.bincount(torch.tensor([d[0] for d in draws]), minlength=40).double() / 4000
     assert (freq - probs).abs().max() < 0.04  # 4000 draws: binomial standard error below 8e-3
+
+
+def test_sampler_never_draws_a_zero_probability_token_and_follows_a_wide_law():
+    """Tokens of probability exactly 0 (first, last and between; a -inf logit) own an empty interval of the
+    inverse CDF, so no draw lands on them; over a vocabulary of 5,000 with most of the mass in a long tail the
+    frequencies of the tail's buckets match the law (float64 oracle)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.tensor([-float("inf"), 0.0, -float("inf"), 0.5, -float("inf")])
+    draws = sample_next(logits.expand(100_000, -1), 1.0, 1.0, g)
+    assert set(draws.unique().tolist()) == {1, 3}
+    frac = (draws == 3).double().mean().item()
+    p3 = torch.softmax(logits.double(), -1)[3].item()
+    assert abs(frac - p3) < 5 * (p3 * (1 - p3) / 100_000) ** 0.5  # 5 binomial standard errors
+
+    wide = torch.randn(5000, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 0.5
+    wide[0] = 6.0  # one heavy token, the rest a long flat tail
+    probs = torch.softmax(wide, -1)
+    n = 200_000
+    got = sample_next(wide.float().expand(n, -1), 1.0, 1.0, g)
+    buckets = torch.arange(5000) // 500  # ten buckets of 500 tokens (token 0 alone carries ~12%)
+    freq = torch.bincount(buckets[got], minlength=10).double() / n
+    law = torch.zeros(10, dtype=torch.float64).index_add_(0, buckets, probs)
+    se = (law * (1 - law) / n).sqrt()
+    assert ((freq - law).abs() <= 5 * se + 1e-6).all(), (freq, law)  # + fp32 logits' rounding of the law
+
+
+def test_static_prefill_gives_the_head_a_contiguous_row():
+    """The prefill's last position reaches the head as its own contiguous (B, 1, H) row (an index, not a slice of
+    the (B, T, H) hidden states, which a bf16 head on CPU would serve by copying its weight B times); greedy equality with
+    ``generate`` (above) covers the values."""
+    model = _model("llama", seed=6)
+    seen = []
+    handle = model.lm_head.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    try:
+        prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+        generate_static(model, prompts, PAD, None, 2)
+    finally:
+        handle.remove()
+    prefill = seen[0]
+    assert prefill.shape == (2, 1, 32) and prefill.is_contiguous()

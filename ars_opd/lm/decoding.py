@@ -13,7 +13,7 @@ about 3.6k tokens/s for a Qwen3-0.6B shape. Here:
   on CUDA; eager elsewhere);
 - position ids count each row's real tokens, as ``generate`` does for left padding, so a row's logits do not
   depend on the padding around it (tested: greedy output equals ``generate``'s);
-- sampling stays on the device (temperature, nucleus, then an exponential race, which needs no host sync),
+- sampling stays on the device (temperature, nucleus, then the inverse CDF in float64, which needs no host sync),
   EOS is tracked on the device and checked on the host only every ``SYNC_EVERY`` steps; rows that ended keep
   decoding pad tokens, which the caller drops (everything after the first EOS is cut). Any id of the EOS set
   ends a row (a model may stop at several, ``ars_opd.lm.generation.eos_token_ids``);
@@ -66,9 +66,12 @@ def sample_next(
         sorted_p, order = probs.sort(-1, descending=True)
         outside = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # mass before a token already reaches top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
-    # exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i / Σp (no host sync)
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / race).argmax(-1)
+    # inverse CDF in float64: the first i whose cumulative mass exceeds u ~ U[0, Σp) has probability p_i / Σp (a
+    # zero-probability token owns an empty interval). No host sync, and ~50x cheaper on CPU than an exponential race
+    # (argmax p_i / E_i), whose Exp(1) draw over the whole vocabulary took 7 ms a step at B = 8, V = 49,152.
+    cdf = probs.double().cumsum(-1)  # float64: each token's interval is exact to ~1e-16 of the mass
+    u = torch.rand((probs.shape[0], 1), dtype=torch.float64, device=probs.device, generator=generator) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _cache_argument(model: torch.nn.Module) -> str:
@@ -79,12 +82,17 @@ def _cache_argument(model: torch.nn.Module) -> str:
 
 def _forward(model, cache, cache_kw: str, input_ids, position_ids, attention_mask) -> torch.Tensor:
     """Next-token logits (B, V) fp32 of the last position, writing the new keys and values into ``cache``."""
+    # the last position as an index, not ``logits_to_keep=1``: the model slices its hidden states with it, and the
+    # slice of a (B, T, H) prefill is not contiguous, which a bf16 head on CPU serves with a batched product over B
+    # copies of its (V, H) weight (0.6 s for the pruned SmolLM2's prefill at B = 8); an index gathers a contiguous row
+    last = input_ids.shape[1] - 1
+    keep = 1 if last == 0 else torch.tensor([last], device=input_ids.device)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=keep,
         **{cache_kw: cache},
     )
     return out.logits[:, -1].float()
