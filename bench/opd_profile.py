@@ -1,14 +1,15 @@
 """Where a real-size OPD step's time goes: torch.profiler's top operators of our step, and the step split into phases.
 
 The same setting as bench/peer_trl.py's OPD runs (its ``real_params``: the real profile, one CPU worker, the base
-pruned SmolLM2 student, the local fp32 teacher, reverse KL over the full vocabulary, ``--max-new-tokens`` 64): for each
-``--rollout-dtype`` (``train``: fp32 rollouts, the default; ``bf16``: ``opd.rollout_dtype: bf16``), ``--warmup``
-untimed steps, then one step under ``torch.profiler`` (CPU activities, ``record_shapes`` off). Prints JSON lines:
+pruned SmolLM2 student, the local teacher, reverse KL over the full vocabulary, ``--max-new-tokens`` 64): for each of
+``--variants`` (peer_trl's ``OPD_SETTINGS``: ``trainer_rollouts``, the profile's; ``static_rollouts``; ``bf16_rollouts``;
+``bf16_rollouts_teacher``), ``--warmup`` untimed steps, then one step under ``torch.profiler`` (CPU activities,
+``record_shapes`` off). Prints JSON lines:
 
-- ``{"kind": "opd_profile", "rollout_dtype", "threads", "step_s", "phases": {"rollouts_s", "teacher_s", ...},
-  "top": [{"op", "self_cpu_s", "share", "calls"}, ...]}``: the ``--top`` operators by self CPU time, and the
-  step's two phases: sampling (the task's own ``gen_s``) and the rest (the teacher's forward, the student's forward,
-  the chunked loss, backward and AdamW).
+- ``{"kind": "opd_profile", "variant", "settings", "threads", "step_s", "phases": {"rollouts_s", "teacher_forward_s",
+  "rest_s"}, "top": [{"op", "self_cpu_s", "share", "calls"}, ...]}``: the ``--top`` operators by self CPU time, and
+  the step's three phases: sampling (the task's own ``gen_s``), the teacher's forward (its body; the products with its
+  head run inside the chunked loss) and the rest (the student's forward, the chunked loss, backward and AdamW).
 
     python bench/opd_profile.py --threads 2                 # after make repro-real (reads its models and completions)
 """
@@ -29,7 +30,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
-from peer_trl import link_inputs, real_params, worker_setup  # noqa: E402
+from peer_trl import OPD_SETTINGS, link_inputs, real_params, worker_setup  # noqa: E402
 
 from ars_opd.config import load_params  # noqa: E402
 from ars_opd.training.distributed import init_worker, shutdown_worker  # noqa: E402
@@ -39,9 +40,9 @@ from ars_opd.training.task import RunHooks  # noqa: E402
 from ars_opd.training.worker import TrainingJob  # noqa: E402
 
 
-def profile_step(ctx, params, rollout_dtype: str, threads: int, warmup: int, top: int) -> dict:
+def profile_step(ctx, params, variant: str, threads: int, warmup: int, top: int) -> dict:
     torch.set_num_threads(threads)
-    cfg = dataclasses.replace(params.opd, rollout_dtype=rollout_dtype)
+    cfg = dataclasses.replace(params.opd, **OPD_SETTINGS[variant])
     job = TrainingJob("opd", cfg, params.ddp, params.paths, progress=False, control=params.control)
     job.check()
     run = prepare_opd(job, worker_setup(ctx, params, "opd", cfg))
@@ -56,9 +57,20 @@ def profile_step(ctx, params, rollout_dtype: str, threads: int, warmup: int, top
         return micro
 
     run.task.micro_batches = recording
+    teacher_s = [0.0]
+    score = run.task.teacher.score
+
+    def timed_score(*args, **kwargs):  # the teacher's forward (its head's products run inside the loss)
+        t0 = time.perf_counter()
+        out = score(*args, **kwargs)
+        teacher_s[0] += time.perf_counter() - t0
+        return out
+
+    run.task.teacher.score = timed_score
     for _ in range(warmup):
         trainer.step()
         trainer.state.step += 1
+    teacher_s[0] = 0.0
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         trainer.step()
@@ -70,12 +82,17 @@ def profile_step(ctx, params, rollout_dtype: str, threads: int, warmup: int, top
     gen_s = meta["gen_s"][0]
     return {
         "kind": "opd_profile",
-        "rollout_dtype": rollout_dtype,
+        "variant": variant,
+        "settings": OPD_SETTINGS[variant],
         "threads": threads,
         "new_tokens": cfg.max_new_tokens,
         "batch": cfg.global_batch_size,
         "step_s": round(step_s, 3),
-        "phases": {"rollouts_s": round(gen_s, 3), "rest_s": round(step_s - gen_s, 3)},
+        "phases": {
+            "rollouts_s": round(gen_s, 3),
+            "teacher_forward_s": round(teacher_s[0], 3),
+            "rest_s": round(step_s - gen_s - teacher_s[0], 3),
+        },
         "top": [
             {
                 "op": e.key,
@@ -94,7 +111,10 @@ def main(argv=None) -> int:
     ap.add_argument("--teacher-rows", type=Path, default=None, help="default: the params' teacher_dir/train.jsonl")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--rollout-dtype", nargs="+", default=["train", "bf16"], choices=["train", "bf16"])
+    ap.add_argument(
+        "--variants", nargs="+", default=list(OPD_SETTINGS), choices=list(OPD_SETTINGS),
+        help="settings of the opd stage, as bench/peer_trl.py names them",
+    )
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--top", type=int, default=15)
     a = ap.parse_args(argv)
@@ -110,8 +130,8 @@ def main(argv=None) -> int:
         try:
             ctx = init_worker("cpu", "gloo", threads=a.threads)
             try:
-                for dtype in a.rollout_dtype:
-                    print(json.dumps(profile_step(ctx, params, dtype, a.threads, a.warmup, a.top)), flush=True)
+                for variant in a.variants:
+                    print(json.dumps(profile_step(ctx, params, variant, a.threads, a.warmup, a.top)), flush=True)
             finally:
                 shutdown_worker()
         finally:

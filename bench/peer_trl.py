@@ -34,18 +34,27 @@ batch sizes, budgets and max_new_tokens are the real profile's, except OPD's ``m
   padding-free (``packing_strategy: wrapped``) cuts sequences and lets them attend across each other: another
   objective, reported as not run.
 - OPD, ours: the opd stage's preparation (``prepare_opd``, from the base student) and step: trainer rollouts
-  (``opd.rollouts: trainer``), the local fp32 teacher, reverse KL (beta 1) over the full vocabulary, sampling
-  temperature 1. Variants ``trainer_rollouts`` (the default, rollouts in fp32) and, with ``--bf16-rollouts``,
-  ``bf16_rollouts`` (``opd.rollout_dtype: bf16``: sampled from a bf16 copy of the student refreshed every step, ~3x
-  faster on a CPU with AMX; the loss is still fp32, but the samples are the rounded policy's, so it is a setting, not
-  the same computation). TRL: ``DistillationTrainer`` (always on-policy, lambda 1) on the same prompts in the same
-  order, with the same temperature, beta, top-p 1, top-k off, generation batch = our global batch split into our
-  micro-batches
-  (TRL shuffles the rollouts before the split; the step's loss, a global token mean, is the same).
+  (``opd.rollouts: trainer``), the local teacher, reverse KL (beta 1) over the full vocabulary, sampling temperature 1.
+  Variants (``OPD_SETTINGS``, each a setting of the stage):
+  ``trainer_rollouts`` (the profile's: transformers' ``generate``, fp32);
+  ``static_rollouts`` (``opd.rollout_cache: static``: our decode loop over a preallocated KV cache with the inverse-CDF
+  sampler, fp32: the same policy and the same loss, other random draws);
+  ``bf16_rollouts`` (static, and ``opd.rollout_dtype: bf16``: sampled from a bf16 copy of the student refreshed every
+  step, much faster on a CPU with AMX; the loss is still fp32, but the samples are the bf16-rounded policy's);
+  ``bf16_rollouts_teacher`` (that, and ``opd.teacher_dtype: bf16``: the teacher's weights in bf16, as a GPU run loads
+  them by default; its log-probabilities are those of the rounded teacher).
+  TRL: ``DistillationTrainer`` (always on-policy, lambda 1) on the same prompts in the same order, with the same
+  temperature, beta, top-p 1, top-k off, generation batch = our global batch split into our micro-batches (TRL
+  shuffles the rollouts before the split; the step's loss, a global token mean, is the same); variants ``on_policy``
+  (fp32 teacher) and ``on_policy_bf16_teacher`` (the teacher model loaded in bf16, the student fp32). The fp32
+  variants of both sides (``FP32_VARIANTS``) are compared like for like in the summary's ``fp32_trl_over_ours``.
   Rollouts are random on both sides, so step 0's losses differ by sampling alone; to check that the two losses are the
   same function, the ``opd_same_samples`` line scores our step-0 rollouts with both: our objective and TRL's
-  ``_chunked_divergence_loss`` (its private loss function, called directly). TRL's vLLM generation is reported as not
-  run where it cannot run (this environment has no vllm; its server mode syncs weights over NCCL, CUDA only).
+  ``_chunked_divergence_loss`` (its private loss function, called directly). On the same hidden states the
+  ``opd_loss_memory`` line measures the extra peak memory of each loss alone (forward and backward from the hidden
+  states, the gradient buffers preallocated): what the loss itself costs, apart from the models' activations.
+  TRL's vLLM generation is reported as not run where it cannot run (this environment has no vllm; its server mode
+  syncs weights over NCCL, CUDA only).
 
 Rounds: for threads in ``--threads``, ``--rounds`` rounds; within a round the runs alternate between the sides
 (ours, TRL, ours, TRL, ...; TRL first in odd rounds), each ``--steps`` optimiser steps from the same start. Step 0 is
@@ -60,13 +69,14 @@ frees them every step (``zero_grad``), so they are part of its: ``grad_bytes_hel
 ``extra_peak_plus_held_bytes`` adds them back for a like-for-like figure.
 
 Output (stdout, JSON lines; progress and TRL's own log on stderr): a ``setup`` line (versions, the settings used);
-``skipped`` lines; the ``opd_same_samples`` check; one line per (kind, side, variant, threads, round) with ``step_s``,
+``skipped`` lines; the ``opd_same_samples`` check and the ``opd_loss_memory`` line; one line per (kind, side, variant, threads, round) with ``step_s``,
 ``median_step_s``, ``tokens_per_step`` and ``tokens_per_s`` (real, non-padding tokens trained, per second of the
 timed steps), ``step0_loss`` (and as that side prints it), ``losses``, ``grad_norms`` (pre-clip), ``lrs``,
 ``extra_peak_bytes``, ``rows_match`` (the sequences it trained on are ours, in our order); a ``step0_loss`` check
 line per TRL SFT variant and thread count (round 0); and a ``summary`` line per (kind, threads): TRL's best same-batch
-median step time over our default variant's (``trl_over_ours``) and over our best variant's (``trl_over_ours_best``),
-each the median of the per-round ratios with their min and max, and the tokens/s ratio of each side's best variant.
+median step time over our default variant's (``trl_over_ours``), over our best variant's (``trl_over_ours_best``) and over
+each of ours (``trl_best_over``), TRL's best fp32 variant over our best fp32 variant (``fp32_trl_over_ours``), each the
+median of the per-round ratios with their min and max, and the tokens/s ratio of each side's best variant.
 
     make trl    # trl==1.16.0 into .venv (a benchmark dependency only)
     python bench/peer_trl.py > reports/peer_trl.jsonl     # after make repro-real: data/models, data/teacher
@@ -119,13 +129,24 @@ from ars_opd.training.task import RunHooks  # noqa: E402
 from ars_opd.training.train_rows import train_rows  # noqa: E402
 from ars_opd.training.worker import TrainingJob, WorkerSetup  # noqa: E402
 
-OURS_VARIANTS = {"sft": ("padded", "packed"), "opd": ("trainer_rollouts",)}
-# --bf16-rollouts adds opd bf16_rollouts: our trainer rollouts from a bf16 copy of the student
-# (opd.rollout_dtype: bf16), the loss in fp32; its samples are the bf16-rounded policy's, so it is reported beside the
-# fp32 default
-BF16_ROLLOUTS = "bf16_rollouts"
-TRL_VARIANTS = {"sft": ("padded", "padding_free", "packing"), "opd": ("on_policy",)}
-SAME_BATCHES = {"padded", "padding_free", "packed", "trainer_rollouts", "on_policy"}  # not TRL's whole-dataset packing
+# our OPD variants, each a setting of the opd stage (``OPD_SETTINGS``): the profile's (generate, fp32), the static-cache
+# loop (fp32, the same policy), rollouts from a bf16 copy of the student (the loss in fp32; the samples are the
+# bf16-rounded policy's), and a bf16 teacher on top (its log-probabilities rounded to bf16 weights)
+OURS_VARIANTS = {
+    "sft": ("padded", "packed"),
+    "opd": ("trainer_rollouts", "static_rollouts", "bf16_rollouts", "bf16_rollouts_teacher"),
+}
+OPD_SETTINGS = {
+    "trainer_rollouts": {},
+    "static_rollouts": {"rollout_cache": "static"},
+    "bf16_rollouts": {"rollout_cache": "static", "rollout_dtype": "bf16"},
+    "bf16_rollouts_teacher": {"rollout_cache": "static", "rollout_dtype": "bf16", "teacher_dtype": "bf16"},
+}
+# TRL's teacher can be loaded in bf16 too (the student, which it samples from and trains, stays fp32)
+TRL_VARIANTS = {"sft": ("padded", "padding_free", "packing"), "opd": ("on_policy", "on_policy_bf16_teacher")}
+SAME_BATCHES = {"padded", "padding_free", "packed", *OPD_SETTINGS, *TRL_VARIANTS["opd"]}  # not TRL's whole-dataset packing
+# the variants that compute in fp32 throughout (like for like); the others round the rollouts' policy or the teacher
+FP32_VARIANTS = {"padded", "padding_free", "packing", "packed", "trainer_rollouts", "static_rollouts", "on_policy"}
 MEMORY_METHOD = "torch.profiler allocation events (bench/loss_memory.py), one untimed step after the timed ones"
 OUT = sys.stdout  # JSON only; everything else (ours, TRL's logger prints) goes to stderr
 
@@ -174,7 +195,7 @@ def section(params: Params, kind: str, variant: str):
     cfg = getattr(params, kind)
     if kind == "sft":
         return dataclasses.replace(cfg, packing=variant == "packed")
-    return dataclasses.replace(cfg, rollout_dtype="bf16" if variant == BF16_ROLLOUTS else "train")
+    return dataclasses.replace(cfg, **OPD_SETTINGS[variant])
 
 
 def worker_setup(ctx, params: Params, kind: str, cfg) -> WorkerSetup:
@@ -400,7 +421,9 @@ def run_trl_sft(params: Params, variant: str, data, order: list[int], threads: i
     return out
 
 
-def run_trl_opd(params: Params, messages: list[list[dict]], threads: int, steps: int, measure: bool) -> dict:
+def run_trl_opd(
+    params: Params, variant: str, messages: list[list[dict]], threads: int, steps: int, measure: bool
+) -> dict:
     from datasets import Dataset
     from trl import DistillationConfig, DistillationTrainer
 
@@ -417,7 +440,8 @@ def run_trl_opd(params: Params, messages: list[list[dict]], threads: int, steps:
     geometry = BatchGeometry.check(cfg.global_batch_size, 1, cfg.micro_batch_size, "opd")
     tokenizer = load_tokenizer(params.paths.models_dir)
     student = load_model(params.paths.models_dir, "student")  # the base student: ours starts from it (distill_init)
-    teacher = load_model(params.paths.models_dir, "teacher").eval()
+    teacher_dtype = torch.bfloat16 if variant == "on_policy_bf16_teacher" else torch.float32
+    teacher = load_model(params.paths.models_dir, "teacher", dtype=teacher_dtype).eval()
     opt = make_optimizer(student, cfg)
     sched = make_scheduler(opt, cfg, cfg.steps)
     total = steps + int(measure)
@@ -458,9 +482,10 @@ def run_trl_opd(params: Params, messages: list[list[dict]], threads: int, steps:
 # ---- the comparison ----
 
 
-def opd_same_samples(ctx, params: Params) -> dict:
+def opd_same_samples(ctx, params: Params) -> list[dict]:
     """Our step-0 rollouts (from the base student) scored by our objective and by TRL's loss function: the same
-    divergence on the same samples must give the same number."""
+    divergence on the same samples must give the same number. Then the extra peak memory of each loss alone
+    (``opd_loss_memory``), on the same hidden states."""
     from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
     cfg = params.opd
@@ -468,6 +493,7 @@ def opd_same_samples(ctx, params: Params) -> dict:
     run = prepare_opd(job, worker_setup(ctx, params, "opd", cfg))
     model, task = run.model.eval(), run.task
     teacher = task.teacher.model
+    hidden = []
     with torch.no_grad():
         micro = task.micro_batches(0, model)
         n = sum(b.n_tokens for b in micro)
@@ -477,6 +503,7 @@ def opd_same_samples(ctx, params: Params) -> dict:
             t = b.tensors
             hs = model.base_model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).last_hidden_state
             ht = teacher.base_model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).last_hidden_state
+            hidden.append((hs, ht, t))
             loss, _, _ = _chunked_divergence_loss(
                 hs[:, :-1],
                 ht[:, :-1],
@@ -488,9 +515,7 @@ def opd_same_samples(ctx, params: Params) -> dict:
                 temperature=cfg.temperature,
             )
             theirs += float(loss)
-    del run, model, task, teacher
-    gc.collect()
-    return {
+    same = {
         "kind": "opd",
         "check": "opd_same_samples",
         "tokens": n,
@@ -500,6 +525,69 @@ def opd_same_samples(ctx, params: Params) -> dict:
         "rel_diff": abs(ours - theirs) / abs(ours) if ours else None,
         "what": "reverse KL of our step-0 rollouts, our objective vs trl.trainer.distillation_trainer."
         "_chunked_divergence_loss on the same hidden states' heads",
+    }
+    memory = opd_loss_memory(model, teacher, task, hidden, n)
+    del run, model, task, teacher, hidden
+    gc.collect()
+    return [same, memory]
+
+
+def opd_loss_memory(model, teacher, task, hidden: list, n: int) -> dict:
+    """Extra peak memory of the OPD loss alone, forward and backward, per micro-batch of the step-0 rollouts: ours
+    (the rows with a loss token selected, ``full_vocab`` chunked over ``opd.chunk_size`` positions) against TRL's
+    ``_chunked_divergence_loss`` (its tiles), each from the same (B, T, H) student hidden states (a leaf that needs a
+    gradient) and the same teacher hidden states, up to the gradients of the student's hidden states and head. The
+    gradient buffers both sides fill exist before (preallocated, zero), so they are not counted; what is counted is
+    what the loss itself allocates (logits, probabilities, their gradients, and the head's gradient before it is added
+    into the buffer)."""
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    from ars_opd.lm.head import OutputHead, select_rows
+    from ars_opd.lm.opd_objectives import TeacherLogits, TeacherScores
+
+    cfg = task.cfg
+    weight_s = model.get_output_embeddings().weight
+    weight_t = teacher.get_output_embeddings().weight
+    head_s, head_t = OutputHead.of(model, task.teacher.vocab), OutputHead.of(teacher, task.teacher.vocab)
+    peaks: dict[str, list[int]] = {"ours": [], "trl": []}
+    for hs0, ht, t in hidden:
+        mask = t["loss_mask"]
+        targets = t["targets"][mask]
+
+        def ours_loss(hs):
+            scores = TeacherScores(logits=TeacherLogits(select_rows(ht, mask), head_t, targets))
+            loss, _ = task.objective.loss(
+                select_rows(hs, mask), head_s, scores, targets, cfg.beta, cfg.temperature, cfg.chunk_size
+            )
+            return loss / n
+
+        def trl_loss(hs):
+            loss, _, _ = _chunked_divergence_loss(
+                hs[:, :-1], ht[:, :-1], weight_s, weight_t, mask[:, :-1], cfg.beta, num_items_in_batch=n,
+                temperature=cfg.temperature,
+            )  # fmt: skip
+            return loss
+
+        for side, fn in (("ours", ours_loss), ("trl", trl_loss)):
+            hs = hs0.detach().clone().requires_grad_(True)
+            hs.grad = torch.zeros_like(hs)
+            model.zero_grad(set_to_none=True)
+            weight_s.grad = torch.zeros_like(weight_s)
+            fn(hs).backward()  # warm-up: the same shapes once before the measured call
+            peaks[side].append(cpu_extra_peak(lambda: fn(hs).backward()))
+    model.zero_grad(set_to_none=True)
+    ours, trl = max(peaks["ours"]), max(peaks["trl"])
+    return {
+        "kind": "opd",
+        "check": "opd_loss_memory",
+        "micro_batches": len(hidden),
+        "loss_positions": [int(t["loss_mask"].sum()) for _, _, t in hidden],
+        "chunk_size": cfg.chunk_size,
+        "ours_extra_peak_bytes": peaks["ours"],
+        "trl_extra_peak_bytes": peaks["trl"],
+        "ours_over_trl": round(ours / trl, 3),
+        "method": "torch.profiler allocation events (bench/loss_memory.py) around the loss's forward and backward "
+        "from hidden states, gradient buffers preallocated; the largest micro-batch figure of each side",
     }
 
 
@@ -581,7 +669,9 @@ def step0_check(ours: dict, trl: dict) -> dict:
 
 def summary(kind: str, threads: int, lines: list[dict]) -> dict:
     """TRL's best same-batch median step time over ours, per round (the rounds' median, min and max): against our
-    default variant (the profile's) and against our best; and the tokens/s of each side's best variant (any)."""
+    default variant (the profile's), against our best, against each of our variants (``trl_best_over``), and like for
+    like in fp32 (TRL's best fp32 variant over our best fp32 variant, ``fp32_trl_over_ours``); and the tokens/s of
+    each side's best variant (any)."""
     mine = [x for x in lines if x["kind"] == kind and x["threads"] == threads and x.get("median_step_s")]
     rounds = sorted({x["round"] for x in mine})
 
@@ -596,20 +686,28 @@ def summary(kind: str, threads: int, lines: list[dict]) -> dict:
                 f"{name}_max": round(max(values), 3)}  # fmt: skip
 
     default = OURS_VARIANTS[kind][0]
-    ratios, ratios_best, tps_ratios, best = [], [], [], {}
+    ratios, ratios_best, ratios_fp32, tps_ratios, best = [], [], [], [], {}
+    per_variant: dict[str, list[float]] = {v: [] for v in OURS_VARIANTS[kind]}
     for r in rounds:
         trl = {v: med("trl", v, r) for v in TRL_VARIANTS[kind] if v in SAME_BATCHES and med("trl", v, r)}
         ours = {v: med("ours", v, r) for v in OURS_VARIANTS[kind] if med("ours", v, r)}
-        if trl and default in ours:
+        if trl and ours:
             v = min(trl, key=trl.get)
             best[v] = best.get(v, 0) + 1
-            ratios.append(trl[v] / ours[default])
+            if default in ours:
+                ratios.append(trl[v] / ours[default])
             ratios_best.append(trl[v] / min(ours.values()))
+            for o, t in ours.items():
+                per_variant[o].append(trl[v] / t)
+        trl32 = [t for v, t in trl.items() if v in FP32_VARIANTS]
+        ours32 = [t for v, t in ours.items() if v in FP32_VARIANTS]
+        if trl32 and ours32:
+            ratios_fp32.append(min(trl32) / min(ours32))
         trl_tps = [med("trl", v, r, "tokens_per_s") for v in TRL_VARIANTS[kind] if med("trl", v, r, "tokens_per_s")]
         ours_tps = max([med("ours", v, r, "tokens_per_s") or 0 for v in OURS_VARIANTS[kind]])
         if trl_tps and ours_tps:
             tps_ratios.append(max(trl_tps) / ours_tps)
-    per_variant = {
+    medians = {
         f"{side}/{v}": statistics.median([x["median_step_s"] for x in mine if x["side"] == side and x["variant"] == v])
         for side in ("ours", "trl")
         for v in (OURS_VARIANTS if side == "ours" else TRL_VARIANTS)[kind]
@@ -620,11 +718,14 @@ def summary(kind: str, threads: int, lines: list[dict]) -> dict:
         "summary": True,
         "threads": threads,
         "rounds": len(rounds),
-        "median_step_s": per_variant,
+        "median_step_s": medians,
         "ratio": f"trl's best same-batch median step time / ours ({default}; _best: our best variant), per round",
         "trl_best": max(best, key=best.get) if best else None,
         **spread(ratios, "trl_over_ours"),
         **spread(ratios_best, "trl_over_ours_best"),
+        **spread(ratios_fp32, "fp32_trl_over_ours"),
+        "trl_best_over": {v: spread(x, "ratio") for v, x in per_variant.items() if x},
+        "fp32_variants": sorted(FP32_VARIANTS & {*OURS_VARIANTS[kind], *TRL_VARIANTS[kind]}),
         "tokens_per_s_trl_best_over_ours_best": round(statistics.median(tps_ratios), 3) if tps_ratios else None,
     }
 
@@ -677,12 +778,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64, help="OPD rollouts")
     p.add_argument("--no-memory", action="store_true", help="skip the profiled memory step")
     p.add_argument(
-        "--bf16-rollouts", action="store_true", help="also run our OPD with opd.rollout_dtype: bf16 (bf16_rollouts)"
+        "--opd-variants", nargs="+", choices=[*OPD_SETTINGS, *TRL_VARIANTS["opd"]], default=None,
+        help="run only these OPD variants (default: all of both sides')",
     )
     p.add_argument("--quick", action="store_true", help="smoke run: 1 thread, 1 round, 2 steps, batch 4, 16 new tokens")
     a = p.parse_args(argv)
-    if a.bf16_rollouts:
-        OURS_VARIANTS["opd"] = (*OURS_VARIANTS["opd"], BF16_ROLLOUTS)
+    if a.opd_variants:
+        OURS_VARIANTS["opd"] = tuple(v for v in OURS_VARIANTS["opd"] if v in a.opd_variants)
+        TRL_VARIANTS["opd"] = tuple(v for v in TRL_VARIANTS["opd"] if v in a.opd_variants)
     if a.quick:
         a.threads, a.rounds, a.steps, a.max_new_tokens = [1], 1, 2, 16
     if a.steps < 2:
@@ -767,7 +870,8 @@ def main(argv=None) -> int:
                 emit(line)
             if "opd" in a.kinds:
                 progress("opd: our step-0 rollouts scored by both losses")
-                emit(opd_same_samples(ctx, params))
+                for line in opd_same_samples(ctx, params):
+                    emit(line)
             for threads in a.threads:
                 for rnd in range(a.rounds):
                     for kind in a.kinds:
@@ -788,7 +892,7 @@ def main(argv=None) -> int:
                                 elif kind == "sft":
                                     got = run_trl_sft(params, variant, data, sft_order, threads, a.steps, measure)
                                 else:
-                                    got = run_trl_opd(params, messages, threads, a.steps, measure)
+                                    got = run_trl_opd(params, variant, messages, threads, a.steps, measure)
                             except Exception as e:  # noqa: BLE001 - a variant that cannot run is a line, not a crash
                                 traceback.print_exc()
                                 emit(
