@@ -2,9 +2,9 @@
 
 The same setting as bench/peer_trl.py's OPD runs (its ``real_params``: the real profile, one CPU worker, the base
 pruned SmolLM2 student, the local teacher, reverse KL over the full vocabulary, ``--max-new-tokens`` 64): for each of
-``--variants`` (peer_trl's ``OPD_SETTINGS``: ``trainer_rollouts``, the profile's; ``static_rollouts``; ``bf16_rollouts``;
-``bf16_rollouts_teacher``), ``--warmup`` untimed steps, then one step under ``torch.profiler`` (CPU activities,
-``record_shapes`` off). Prints JSON lines:
+``--variants`` (peer_trl's ``OPD_SETTINGS``: ``trainer_rollouts``, the profile's; ``static_rollouts``;
+``bf16_rollouts``; ``bf16_rollouts_teacher``), ``--warmup`` untimed steps, then one step under ``torch.profiler``
+(CPU activities, ``record_shapes`` off). Prints JSON lines:
 
 - ``{"kind": "opd_profile", "variant", "settings", "threads", "step_s", "phases": {"rollouts_s", "teacher_forward_s",
   "rest_s"}, "top": [{"op", "self_cpu_s", "share", "calls"}, ...]}``: the ``--top`` operators by self CPU time, and
@@ -112,7 +112,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument(
-        "--variants", nargs="+", default=list(OPD_SETTINGS), choices=list(OPD_SETTINGS),
+        "--variants",
+        nargs="+",
+        default=list(OPD_SETTINGS),
+        choices=list(OPD_SETTINGS),
         help="settings of the opd stage, as bench/peer_trl.py names them",
     )
     ap.add_argument("--warmup", type=int, default=1)

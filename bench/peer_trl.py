@@ -69,23 +69,24 @@ frees them every step (``zero_grad``), so they are part of its: ``grad_bytes_hel
 ``extra_peak_plus_held_bytes`` adds them back for a like-for-like figure.
 
 Output (stdout, JSON lines; progress and TRL's own log on stderr): a ``setup`` line (versions, the settings used);
-``skipped`` lines; the ``opd_same_samples`` check and the ``opd_loss_memory`` line; one line per (kind, side, variant, threads, round) with ``step_s``,
-``median_step_s``, ``tokens_per_step`` and ``tokens_per_s`` (real, non-padding tokens trained, per second of the
-timed steps), ``step0_loss`` (and as that side prints it), ``losses``, ``grad_norms`` (pre-clip), ``lrs``,
-``extra_peak_bytes``, ``rows_match`` (the sequences it trained on are ours, in our order); a ``step0_loss`` check
-line per TRL SFT variant and thread count (round 0); and a ``summary`` line per (kind, threads): TRL's best same-batch
-median step time over our default variant's (``trl_over_ours``), over our best variant's (``trl_over_ours_best``) and over
-each of ours (``trl_best_over``), TRL's best fp32 variant over our best fp32 variant (``fp32_trl_over_ours``), each the
-median of the per-round ratios with their min and max, and the tokens/s ratio of each side's best variant.
+``skipped`` lines; the ``opd_same_samples`` check and the ``opd_loss_memory`` line; one line per (kind, side, variant,
+threads, round) with ``step_s``, ``median_step_s``, ``tokens_per_step`` and ``tokens_per_s`` (real, non-padding tokens
+trained, per second of the timed steps), ``step0_loss`` (and as that side prints it), ``losses``, ``grad_norms``
+(pre-clip), ``lrs``, ``extra_peak_bytes``, ``rows_match`` (the sequences it trained on are ours, in our order); a
+``step0_loss`` check line per TRL SFT variant and thread count (round 0); and a ``summary`` line per (kind, threads):
+TRL's best same-batch median step time over our default variant's (``trl_over_ours``), over our best variant's
+(``trl_over_ours_best``) and over each of ours (``trl_best_over``), TRL's best fp32 variant over our best fp32 variant
+(``fp32_trl_over_ours``), each the median of the per-round ratios with their min and max, and the tokens/s ratio of
+each side's best variant.
 
     make trl    # trl==1.16.0 into .venv (a benchmark dependency only)
     python bench/peer_trl.py > reports/peer_trl.jsonl     # after make repro-real: data/models, data/teacher
     python bench/peer_trl.py --models /path/models --teacher-rows /path/teacher/train.jsonl --rounds 1 --steps 3
     python bench/peer_trl.py --quick                        # smoke run: 1 thread, 1 round, 2 steps, batch 4
 
-Time: a 1-thread round of both kinds at the default 4 steps takes about 5 minutes on 2 cores another training job was
-also using (SFT ~6 s a step, OPD ~15 s); the default run (threads 1 and 2, 3 rounds) about 25 minutes there, less on
-idle cores; ``--kinds sft`` or ``--kinds opd`` about halves it, ``--quick`` about 2 minutes. Imports neither dvc nor
+Time: the default run (threads 1 and 2, 3 rounds, 5 SFT and 6 OPD variants) took 35 minutes on 2 idle cores, a
+1-thread round about 9 minutes of it (OPD ~11 s a step); ``--kinds sft`` takes about a quarter of it,
+``--opd-variants`` fewer OPD runs, ``--quick`` about 2 minutes. Imports neither dvc nor
 openai; needs trl (and datasets, which it brings).
 """
 
@@ -144,7 +145,13 @@ OPD_SETTINGS = {
 }
 # TRL's teacher can be loaded in bf16 too (the student, which it samples from and trains, stays fp32)
 TRL_VARIANTS = {"sft": ("padded", "padding_free", "packing"), "opd": ("on_policy", "on_policy_bf16_teacher")}
-SAME_BATCHES = {"padded", "padding_free", "packed", *OPD_SETTINGS, *TRL_VARIANTS["opd"]}  # not TRL's whole-dataset packing
+SAME_BATCHES = {
+    "padded",
+    "padding_free",
+    "packed",
+    *OPD_SETTINGS,
+    *TRL_VARIANTS["opd"],
+}  # not TRL's whole-dataset packing
 # the variants that compute in fp32 throughout (like for like); the others round the rollouts' policy or the teacher
 FP32_VARIANTS = {"padded", "padding_free", "packing", "packed", "trainer_rollouts", "static_rollouts", "on_policy"}
 MEMORY_METHOD = "torch.profiler allocation events (bench/loss_memory.py), one untimed step after the timed ones"
@@ -778,7 +785,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64, help="OPD rollouts")
     p.add_argument("--no-memory", action="store_true", help="skip the profiled memory step")
     p.add_argument(
-        "--opd-variants", nargs="+", choices=[*OPD_SETTINGS, *TRL_VARIANTS["opd"]], default=None,
+        "--opd-variants",
+        nargs="+",
+        choices=[*OPD_SETTINGS, *TRL_VARIANTS["opd"]],
+        default=None,
         help="run only these OPD variants (default: all of both sides')",
     )
     p.add_argument("--quick", action="store_true", help="smoke run: 1 thread, 1 round, 2 steps, batch 4, 16 new tokens")

@@ -124,8 +124,8 @@ def test_sampler_never_draws_a_zero_probability_token_and_follows_a_wide_law():
 
 def test_static_prefill_gives_the_head_a_contiguous_row():
     """The prefill's last position reaches the head as its own contiguous (B, 1, H) row (an index, not a slice of
-    the (B, T, H) hidden states, which a bf16 head on CPU would serve by copying its weight B times); greedy equality with
-    ``generate`` (above) covers the values."""
+    the (B, T, H) hidden states, which a bf16 head on CPU would serve by copying its weight B times); greedy
+    equality with ``generate`` (above) covers the values."""
     model = _model("llama", seed=6)
     seen = []
     handle = model.lm_head.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
