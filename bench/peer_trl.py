@@ -130,28 +130,20 @@ from ars_opd.training.task import RunHooks  # noqa: E402
 from ars_opd.training.train_rows import train_rows  # noqa: E402
 from ars_opd.training.worker import TrainingJob, WorkerSetup  # noqa: E402
 
-# our OPD variants, each a setting of the opd stage (``OPD_SETTINGS``): the profile's (generate, fp32), the static-cache
-# loop (fp32, the same policy), rollouts from a bf16 copy of the student (the loss in fp32; the samples are the
-# bf16-rounded policy's), and a bf16 teacher on top (its log-probabilities rounded to bf16 weights)
-OURS_VARIANTS = {
-    "sft": ("padded", "packed"),
-    "opd": ("trainer_rollouts", "static_rollouts", "bf16_rollouts", "bf16_rollouts_teacher"),
-}
+# our OPD variants, each a setting of the opd stage: the profile's (generate, fp32), the static-cache loop (fp32, the
+# same policy), rollouts from a bf16 copy of the student (the loss in fp32; the samples are the bf16-rounded policy's),
+# and a bf16 teacher on top (its log-probabilities rounded to bf16 weights)
 OPD_SETTINGS = {
     "trainer_rollouts": {},
     "static_rollouts": {"rollout_cache": "static"},
     "bf16_rollouts": {"rollout_cache": "static", "rollout_dtype": "bf16"},
     "bf16_rollouts_teacher": {"rollout_cache": "static", "rollout_dtype": "bf16", "teacher_dtype": "bf16"},
 }
+OURS_VARIANTS = {"sft": ("padded", "packed"), "opd": tuple(OPD_SETTINGS)}
 # TRL's teacher can be loaded in bf16 too (the student, which it samples from and trains, stays fp32)
 TRL_VARIANTS = {"sft": ("padded", "padding_free", "packing"), "opd": ("on_policy", "on_policy_bf16_teacher")}
-SAME_BATCHES = {
-    "padded",
-    "padding_free",
-    "packed",
-    *OPD_SETTINGS,
-    *TRL_VARIANTS["opd"],
-}  # not TRL's whole-dataset packing
+# every variant but TRL's whole-dataset packing trains on our batches
+SAME_BATCHES = {"padded", "padding_free", "packed", *OPD_SETTINGS, *TRL_VARIANTS["opd"]}
 # the variants that compute in fp32 throughout (like for like); the others round the rollouts' policy or the teacher
 FP32_VARIANTS = {"padded", "padding_free", "packing", "packed", "trainer_rollouts", "static_rollouts", "on_policy"}
 MEMORY_METHOD = "torch.profiler allocation events (bench/loss_memory.py), one untimed step after the timed ones"
