@@ -7,10 +7,12 @@ as ``dropped_teacher_truncated``); training logs have one row per step with fini
 finite number within its range (accuracies and fractions in [0, 1], losses and divergences >= 0); the
 pinned models and a local data source still match the hashes their stages recorded; a run with engine rollouts
 held every sync and every lag-0 step within its tolerance and told every version from the previous one
-(``ars_opd.rollouts.version_log``).
+(``ars_opd.rollouts.version_log``); a run whose rollouts left their start (stopped ending, grew longer or
+shorter: ``ars_opd.training.rollout_health``) is a problem, named in one line.
 Returns the problems as "path: what is wrong" lines; none means the outputs are sound.
 
-What it leaves out: judging quality (a weak teacher passes; the models stage has its own accuracy gate).
+What it leaves out: judging quality (a weak teacher passes; the models stage has its own accuracy gate), beyond
+the rollouts' health: a distillation whose samples stopped ending trained on nothing a user wants.
 """
 
 from __future__ import annotations
@@ -252,7 +254,7 @@ def check_data_counts(where: Path, counts: Any, problems: Problems) -> None:
             problems.add(where, f"data count {key} = {counts[key]} is not within 0..rows ({counts['rows']})")
 
 
-def check_training(stage: str, paths: PathsConfig, problems: Problems) -> None:
+def check_training(stage: str, paths: PathsConfig, problems: Problems, health=None) -> None:
     out = paths.training(stage)
     for f in ("config.json", "model.safetensors"):
         if not (Path(out.model) / f).is_file():
@@ -280,6 +282,11 @@ def check_training(stage: str, paths: PathsConfig, problems: Problems) -> None:
 
         for where, what in engine_problems(steps):  # a run with engine rollouts: its versions were verified
             problems.add(f"{steps_path} {where}", what)
+        from ars_opd.training.rollout_health import HealthConfig, detect  # plain Python
+
+        alarm = detect(steps, health or HealthConfig()).alarm  # rollouts that left their start (opd)
+        if alarm is not None:
+            problems.add(steps_path, alarm.line(stage))
     _metrics(Path(out.live) / "metrics.json", problems)
 
 
@@ -313,8 +320,9 @@ def check_report(p: PathsConfig, problems: Problems) -> None:
             problems.add(Path(p.report_figures) / f"{name}.png", "missing")
 
 
-def check_outputs(paths: PathsConfig, stages: tuple[str, ...] = STAGES) -> list[str]:
-    """All problems found in the named stages' outputs (an empty list means sound)."""
+def check_outputs(paths: PathsConfig, stages: tuple[str, ...] = STAGES, health=None) -> list[str]:
+    """All problems found in the named stages' outputs (an empty list means sound). ``health``: the rollout-health
+    detector's settings (``ars_opd.training.rollout_health.HealthConfig``; None: its defaults)."""
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; known: {list(STAGES)}")
@@ -328,7 +336,7 @@ def check_outputs(paths: PathsConfig, stages: tuple[str, ...] = STAGES) -> list[
         check_teacher(paths, problems, subset)
     for stage in TRAINING_STAGES:
         if stage in stages:
-            check_training(stage, paths, problems)
+            check_training(stage, paths, problems, health)
     if "evaluate" in stages:
         check_evaluate(paths, problems)
     if "report" in stages:

@@ -68,8 +68,14 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 def _paths_or_none(params_file: str):
     """The params file's paths section, or None after saying why it is invalid (the caller exits 2)."""
+    p = _sections_or_none(params_file, ("paths",))
+    return None if p is None else p.paths
+
+
+def _sections_or_none(params_file: str, sections: tuple[str, ...]):
+    """The params file's named sections (``Params``), or None after saying why it is invalid (the caller exits 2)."""
     try:
-        return load_params(params_file, sections=("paths",)).paths
+        return load_params(params_file, sections=sections)
     except ConfigError as e:
         print(f"ars-opd: invalid params: {e}", file=sys.stderr)
         return None
@@ -77,24 +83,26 @@ def _paths_or_none(params_file: str):
 
 def _cmd_summary(args: argparse.Namespace) -> int:
     from ars_opd.evaluation.run_summary import write_summary
+    from ars_opd.training.rollout_health import HealthConfig
 
-    paths = _paths_or_none(args.file)
-    if paths is None:
+    p = _sections_or_none(args.file, ("paths", "report"))
+    if p is None:
         return 2
-    out = write_summary(paths, args.out, args.command_line, args.title)
+    out = write_summary(p.paths, args.out, args.command_line, args.title, HealthConfig.of(p.report))
     print(f"wrote {out}")
     return 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from ars_opd.checks import STAGES, check_outputs
+    from ars_opd.training.rollout_health import HealthConfig
 
-    paths = _paths_or_none(args.file)
-    if paths is None:
+    p = _sections_or_none(args.file, ("paths", "report"))
+    if p is None:
         return 2
     stages = tuple(s.strip() for s in args.stages.split(",")) if args.stages else STAGES
     try:
-        problems = check_outputs(paths, stages)
+        problems = check_outputs(p.paths, stages, HealthConfig.of(p.report))
     except ValueError as e:
         print(f"ars-opd check: {e}", file=sys.stderr)
         return 2

@@ -1270,9 +1270,13 @@ class EvaluateConfig:
     """Weights of the teacher; auto: bf16 on CUDA, fp32 on CPU (the students stay fp32)."""
     chunk_size: int = 256
     """Positions per chunk of the NLL and reverse KL from hidden states."""
+    sampled_draws: int = 1
+    """Samples per held-out prompt behind sampled exact match (temperature 1): the first is the reverse-KL sample
+    (no extra cost), each further one a generate pass over the prompts."""
 
     def __post_init__(self):
         _require(self.chunk_size > 0, "chunk_size", f"must be > 0, got {self.chunk_size}")
+        _require(self.sampled_draws >= 1, "sampled_draws", f"must be >= 1, got {self.sampled_draws}")
         _require(self.max_examples >= 0, "max_examples", f"must be >= 0, got {self.max_examples}")
         _require(self.curve_examples >= 0, "curve_examples", f"must be >= 0, got {self.curve_examples}")
         _require(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
@@ -1301,9 +1305,25 @@ class ReportConfig:
     (``bench/detection.py``) to keep the measured rate at or below 1 per 1,000."""
     two_worker_false_alarms_per_1000: float = 0.1
     """The same with two workers, where one test per statistic sees both (calibrated at K = 2)."""
+    rollout_baseline_steps: int = 1
+    """Rollout health (``ars_opd.training.rollout_health``): the first on-policy steps whose rollouts are the
+    start each later window is tested against (step 0's are the start model's own)."""
+    rollout_window: int = 6
+    """Rollout health: the last on-policy steps tested against the baseline at each step."""
+    rollout_alpha: float = 1e-4
+    """Rollout health: a test's p-value below this raises the alarm (five one-sided tests a step: EOS rate down
+    and up, cut share up, mean length up and down); the false-alarm rate measured on healthy runs is in the
+    report."""
 
     def __post_init__(self):
         _require(self.warmup >= 0, "warmup", f"must be >= 0, got {self.warmup}")
+        _require(
+            self.rollout_baseline_steps >= 1,
+            "rollout_baseline_steps",
+            f"must be >= 1, got {self.rollout_baseline_steps}",
+        )
+        _require(self.rollout_window >= 1, "rollout_window", f"must be >= 1, got {self.rollout_window}")
+        _require(0 < self.rollout_alpha < 1, "rollout_alpha", f"must be in (0, 1), got {self.rollout_alpha}")
         _require(self.window >= 4, "window", f"must be >= 4, got {self.window}")
         _require(self.lag >= 0, "lag", f"must be >= 0, got {self.lag}")
         _require(self.k > 0, "k", f"must be > 0, got {self.k}")

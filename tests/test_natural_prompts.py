@@ -9,10 +9,10 @@ from pathlib import Path
 
 from ars_opd.config import TASK_NAMES, DataConfig, SyntheticConfig
 from ars_opd.data import natural
+from ars_opd.data.answers import is_checkable
 from ars_opd.data.natural_check import CHECKABLE_KINDS, gives_away
 from ars_opd.data.normalise import normalise_row
 from ars_opd.data.subset import make_subset
-from ars_opd.evaluation.evaluate import is_checkable
 from ars_opd.seeding import derive_seed
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,8 +24,9 @@ from torch.distributions import Categorical, kl_divergence
 
 from ars_opd.config import OPDConfig
 from ars_opd.data import synthetic
+from ars_opd.data.answers import is_checkable
 from ars_opd.data.prompts import alpaca_messages, encode_prompts, encode_teacher_completions
-from ars_opd.evaluation.rollout_dashboard import dashboard_section, windows_of
+from ars_opd.evaluation.rollout_dashboard import MAX_ROWS, dashboard_section, shown_rows
 from ars_opd.lm.batching import in_first_half, sequence_weights
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.training.batch_plan import BatchGeometry
@@ -83,7 +84,7 @@ def _task(tok, rows, on_policy_fraction: float, seed: int = 1, normalisation: st
         encode_teacher_completions(tok, rows),
         [r["task"] for r in rows],
         {},
-        [r["reference"] for r in rows],
+        [r if is_checkable(r) else None for r in rows],  # as the stage encodes them (training.opd._encode)
     )
     cfg = OPDConfig(
         global_batch_size=len(rows),
@@ -150,14 +151,41 @@ def test_correct_and_truncation_rates_against_a_brute_force_check(char_tokenizer
         assert correct == 8 and 0 < truncated < 8
 
 
+def test_correct_rate_checks_natural_prompts_as_the_evaluation_does(char_tokenizer):
+    """Natural prompts (a chat model's sentence answers) count in correct_rate through the natural checker; an
+    open-ended row (no reference) is left out of the count rather than counted wrong."""
+    from ars_opd.data.answers import is_correct
+
+    question = "What is the capital of France?"
+    answers = ["Paris.", "Lyon. Paris.", "paris!", "A poem."]  # within MAX_NEW characters: trained whole
+    rows = []
+    for i, answer in enumerate(answers):
+        open_ended = i == 3
+        rows.append(
+            {
+                "messages": [{"role": "user", "content": question}],
+                "task": "nl_poem" if open_ended else "nl_capital",
+                "reference": None if open_ended else "Paris",
+                "completion": answer,
+                "finish_reason": "stop",
+            }
+        )
+    task, student, _, _ = _task(char_tokenizer, rows, 0.0)  # the teacher's completions: the answers above
+    assert "correct_rate" in task.metric_names()
+    batches = task.micro_batches(0, student)
+    right, counted = (sum(b.meta["correct_rate"][i] for b in batches) for i in (0, 1))
+    expected = [is_correct(r, r["completion"]) for r in rows[:3]]
+    assert expected == [True, False, True]  # the checker's own verdicts: right, wrong (Lyon first), right
+    assert (right, counted) == (sum(expected), 3)
+
+
 def test_no_correct_rate_without_references(char_tokenizer):
     rows = _rows(8)
     task, *_ = _task(char_tokenizer, rows, 1.0)
-    task.references = None  # what OPDTask keeps when a row lacks a task or a reference (an HF dataset)
+    task.check_rows = None  # what OPDTask keeps when no row can be checked (an HF dataset)
     assert "correct_rate" not in task.metric_names()
-    data = OPDData([[1]] * 2, [[2]] * 2, ["add", None], {}, ["3", "4"])
-    assert not data.checkable()
-    assert OPDData([[1]], [[2]], ["add"], {}, ["3"]).checkable()
+    assert not OPDData([[1]] * 2, [[2]] * 2, [None, None], {}, [None, None]).checkable()
+    assert OPDData([[1]] * 2, [[2]] * 2, ["add", None], {}, [{"task": "add"}, None]).checkable()
 
 
 def _ragged_mask(rows: int, width: int, max_start: int, max_len: int, seed: int) -> torch.Tensor:
@@ -282,35 +310,39 @@ def test_divergence_halves_against_a_float64_oracle(char_tokenizer):
     assert abs(first - second) > (oracle["divergence_first_half"][2] + oracle["divergence_second_half"][2])
 
 
-def test_dashboard_spans_and_means():
+def test_dashboard_rows_are_steps_and_flat_figures():
+    """One table row per step (a three-step collapse is not averaged away); _start is the first step's value, _end
+    the mean over the last fifth of the steps; a long run shows its first half of MAX_ROWS steps and then every
+    k-th, the last always."""
     rng = random.Random(0)
+    n = 23
     df = pd.DataFrame(
         {
-            "step": list(range(23)),
-            "lr": [1e-3 * (i + 1) / 23 for i in range(23)],
-            "task/correct_rate": [rng.random() for _ in range(23)],
-            "task/response_length": [rng.uniform(1, 12) for _ in range(23)],
-            "task/eos_rate": [rng.random() for _ in range(23)],
-            "task/truncation_rate": [rng.random() for _ in range(23)],
-            "task/teacher_logprob": [-rng.random() for _ in range(23)],
-            "task/divergence_first_half": [rng.random() for _ in range(23)],
-            "task/divergence_second_half": [rng.random() for _ in range(23)],
-            "task/on_policy": [1.0] * 23,
+            "step": list(range(n)),
+            "lr": [1e-3 * (i + 1) / n for i in range(n)],
+            "task/correct_rate": [rng.random() for _ in range(n)],
+            "task/response_length": [rng.uniform(1, 12) for _ in range(n)],
+            "task/eos_rate": [rng.random() for _ in range(n)],
+            "task/truncation_rate": [rng.random() for _ in range(n)],
+            "task/entropy": [rng.random() for _ in range(n)],
+            "task/teacher_logprob": [-rng.random() for _ in range(n)],
+            "task/divergence_first_half": [rng.random() for _ in range(n)],
+            "task/divergence_second_half": [rng.random() for _ in range(n)],
+            "task/on_policy": [1.0] * n,
         }
     )
-    spans = windows_of(23, 5)
-    assert spans[0][0] == 0 and spans[-1][1] == 23 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    assert windows_of(3, 5) == [(0, 1), (1, 2), (2, 3)]
     md, flat = dashboard_section("opd", df)
-    table = [line for line in md if line.startswith("| ") and "–" in line]
-    assert len(table) == 5
-    a, b = spans[-1]
+    table = [line for line in md if line.startswith("| ") and line[2].isdigit()]
+    assert [int(line.split("|")[1]) for line in table] == list(range(n))
+    tail = n // 5
     assert flat["opd/rollouts/correct_rate_end"] == pytest.approx(
-        sum(df["task/correct_rate"][a:b]) / (b - a), rel=1e-12
+        sum(df["task/correct_rate"][n - tail :]) / tail, rel=1e-12
     )
-    a, b = spans[0]
-    assert flat["opd/rollouts/lr_start"] == pytest.approx(sum(df["lr"][a:b]) / (b - a), rel=1e-12)
-    assert table[0].startswith(f"| {a}–{b - 1} |")
+    assert flat["opd/rollouts/lr_start"] == df["lr"][0]
+    assert any(line.startswith("| step |") and "student entropy" in line for line in md)
+    rows = shown_rows(500)
+    assert rows[: MAX_ROWS // 2] == list(range(MAX_ROWS // 2)) and rows[-1] == 499 and len(rows) <= MAX_ROWS + 1
+    assert shown_rows(MAX_ROWS) == list(range(MAX_ROWS))
 
 
 def test_the_report_has_the_dashboard_for_a_rollout_stage_only():

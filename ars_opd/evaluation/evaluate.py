@@ -67,6 +67,7 @@ under a hash of everything it depends on and read back, the outputs byte for byt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import Counter, defaultdict
@@ -78,7 +79,8 @@ import torch
 
 from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
 from ars_opd.config import ConfigError, EvaluateConfig, PathsConfig, to_dict
-from ars_opd.data import natural_check, synthetic
+from ars_opd.data import synthetic
+from ars_opd.data.answers import is_checkable, is_correct
 from ars_opd.data.prompts import encode_completions, encode_prompts, encode_teacher_completions
 from ars_opd.evaluation.arms import ARMS, MODELS, TRAINED
 from ars_opd.evaluation.score_cache import ScoreCache, code_versions, data_sha256, dir_sha256, tokenizers_context
@@ -87,9 +89,11 @@ from ars_opd.evaluation.tables import render_table
 from ars_opd.evaluation.token_losses import (
     EXACT,
     SAMPLED_CROSS_TOKENIZER,
+    TeacherTextRows,
+    own_samples,
     reverse_kl_cross_tokenizer,
     reverse_kl_on_own_samples,
-    teacher_nll,
+    teacher_text_scores,
 )
 from ars_opd.lm.generation import decode_completion, eos_token_ids, generate_token_ids
 from ars_opd.lm.precision import frozen_model_dtype
@@ -103,6 +107,17 @@ from ars_opd.models.loading import (
     read_manifest,
 )
 from ars_opd.training.budget import SNAPSHOTS, matmul_parameters, read_budget
+
+# what each learning-curve point records (the equal-FLOPs views read these off the curves)
+CURVE_METRICS = (
+    "exact_match",
+    "reverse_kl",
+    "teacher_nll",
+    "exact_match_sampled",
+    "reverse_kl_fixed_prefix",
+    "reverse_kl_first_sentence",
+    "reverse_kl_per_sequence",
+)
 
 
 def _load(
@@ -132,10 +147,21 @@ class HeldOut:
     completions: list[list[int]]
     checkable: list[bool]
     teacher: "HeldOut | None" = None
+    teacher_text: TeacherTextRows | None = None  # the teacher's hidden rows on its completions (``with_teacher_text``)
 
     def head(self, n: int) -> "HeldOut":
         teacher = None if self.teacher is None else self.teacher.head(n)
-        return HeldOut(self.rows[:n], self.prompts[:n], self.completions[:n], self.checkable[:n], teacher)
+        text = None if self.teacher_text is None else self.teacher_text.head(n)
+        return HeldOut(self.rows[:n], self.prompts[:n], self.completions[:n], self.checkable[:n], teacher, text)
+
+    def with_teacher_text(self, teacher, tokenizer, cfg: EvaluateConfig, device: torch.device) -> "HeldOut":
+        """These rows with the teacher's hidden states on its own completions, computed once for every model's
+        fixed-prefix reverse KL (``token_losses.TeacherTextRows``). A cross-tokenizer run has no shared vocabulary
+        to take an exact KL over, so it gets none."""
+        if self.teacher is not None:
+            return self
+        text = TeacherTextRows.compute(teacher, tokenizer, self.prompts, self.completions, cfg, device)
+        return dataclasses.replace(self, teacher_text=text)
 
     @cached_property
     def key(self) -> str:
@@ -165,23 +191,6 @@ def held_out(tokenizer, rows: list[dict], teacher_tokenizer=None) -> HeldOut:
         checkable,
         teacher,
     )
-
-
-def is_checkable(row: dict) -> bool:
-    """Whether a program can check a held-out row's answer: a synthetic task's or a checkable natural kind's row
-    with its reference. Open-ended rows (no reference, or a kind no rule checks) are not."""
-    task = row.get("task")
-    return row.get("reference") is not None and (task in synthetic.TASK_NAMES or task in natural_check.CHECKABLE_KINDS)
-
-
-def is_correct(row: dict, answer: str) -> bool:
-    """A checkable row's answer checked by its kind's rule: the synthetic tasks' exact match
-    (``synthetic.is_correct_for``), or the natural kinds' reference in the first sentence
-    (``natural_check.is_correct``, which needs the question the model was asked, the last user turn)."""
-    if row["task"] in synthetic.TASK_NAMES:
-        return synthetic.is_correct_for(row["task"], answer, row["reference"])
-    question = next(m["content"] for m in reversed(row["messages"]) if m["role"] == "user")
-    return natural_check.is_correct(row["task"], answer, row["reference"], question)
 
 
 def check_answer_room(tokenizer, rows: list[dict], max_new_tokens: int) -> None:
@@ -230,6 +239,10 @@ def score_model(
     )
     texts = [decode_completion(tokenizer, g, eos) for g in greedy]
     m: dict = {}
+    # the own samples (temperature 1, the rollouts' default): behind reverse KL, sampled exact match and their ends
+    drawn = own_samples(model, tokenizer, data.prompts, cfg)
+    draws = [drawn[0]] + [own_samples(model, tokenizer, data.prompts, cfg, k)[0] for k in range(1, cfg.sampled_draws)]
+    m.update(sample_ends(draws[0], eos, cfg.max_new_tokens))
     if any(data.checkable):
         per_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for r, t, ok in zip(data.rows, texts, data.checkable):
@@ -241,13 +254,19 @@ def score_model(
         steps = step_metrics([r.get("task") for r in data.rows], texts, [r.get("reference") for r in data.rows])
         if steps is not None:  # long-horizon tasks: where in the answer each model first goes wrong
             m["steps"] = steps
+        m["exact_match_sampled"] = sampled_exact_match(
+            data, [[decode_completion(tokenizer, c, eos) for c in d] for d in draws]
+        )
     else:
         m["exact_match"] = None
+        m["exact_match_sampled"] = None
+    m["sampled_draws"] = cfg.sampled_draws
     tasks = [r.get("task") for r in data.rows]
     cross = data.teacher is not None or teacher_tokenizer is not None
     m["reverse_kl_kind"] = SAMPLED_CROSS_TOKENIZER if cross else EXACT
     if is_teacher:  # KL(p || p) = 0 on every token, so on every kind
         m["reverse_kl"] = 0.0
+        m["reverse_kl_per_sequence"] = 0.0
         m["reverse_kl_per_task"] = {t: 0.0 for t in sorted({t for t in tasks if t is not None})}
     elif cross:
         if data.teacher is None or teacher_tokenizer is None:
@@ -263,15 +282,47 @@ def score_model(
             vocab,
             len(teacher_tokenizer),
             device,
+            drawn,
         )
         m["reverse_kl"], m["reverse_kl_per_task"] = rkl.mean, rkl.per_task(tasks)
+        m["reverse_kl_per_sequence"] = rkl.per_sequence
         m["reverse_kl_unaligned_tokens"] = rkl.unaligned
     else:
-        rkl = reverse_kl_on_own_samples(model, teacher, tokenizer, data.prompts, cfg, vocab, device)
+        rkl = reverse_kl_on_own_samples(model, teacher, tokenizer, data.prompts, cfg, vocab, device, drawn)
         m["reverse_kl"], m["reverse_kl_per_task"] = rkl.mean, rkl.per_task(tasks)
-    nll = teacher_nll(model, tokenizer, data.prompts, data.completions, cfg, vocab, device)
-    m["teacher_nll"], m["teacher_nll_per_task"] = nll.mean, nll.per_task(tasks)
+        m["reverse_kl_per_sequence"] = rkl.per_sequence
+    fixed = None if is_teacher or data.teacher_text is None else (teacher, data.teacher_text)
+    scores = teacher_text_scores(model, tokenizer, data.prompts, data.completions, cfg, vocab, device, fixed)
+    m["teacher_nll"], m["teacher_nll_per_task"] = scores.nll.mean, scores.nll.per_task(tasks)
+    if is_teacher and not cross:
+        m["reverse_kl_fixed_prefix"] = m["reverse_kl_first_sentence"] = 0.0
+    elif scores.reverse_kl is not None:
+        m["reverse_kl_fixed_prefix"] = scores.reverse_kl.mean
+        m["reverse_kl_fixed_prefix_per_task"] = scores.reverse_kl.per_task(tasks)
+        m["reverse_kl_first_sentence"] = scores.reverse_kl_first_sentence.mean
     return m, texts
+
+
+def sample_ends(samples: list[list[int]], eos: tuple[int, ...], max_new_tokens: int) -> dict:
+    """How a model's own samples end: the share that wrote an EOS (``own_eos_rate``), and their mean length in
+    tokens up to and including it (``own_length``); a sample that wrote none ran to ``max_new_tokens``."""
+    ends = set(eos)
+    lengths, ended = [], 0
+    for s in samples:
+        cut = next((i + 1 for i, t in enumerate(s) if t in ends), None)
+        ended += cut is not None
+        lengths.append(cut if cut is not None else len(s))
+    n = len(samples)
+    return {"own_eos_rate": ended / n if n else None, "own_length": sum(lengths) / n if n else None}
+
+
+def sampled_exact_match(data: HeldOut, draws: list[list[str]]) -> float:
+    """Exact match of sampled answers (temperature 1) over the checkable rows, averaged over the draws: the
+    chance that one sample is right, which greedy decoding's exact match does not show."""
+    right = [
+        is_correct(r, texts[i]) for texts in draws for i, (r, ok) in enumerate(zip(data.rows, data.checkable)) if ok
+    ]
+    return sum(right) / len(right)
 
 
 def learning_curve(
@@ -320,7 +371,7 @@ def curve_point(
         return score_model(model, teacher, tokenizer, data, cfg, vocab, device, teacher_tokenizer=teacher_tokenizer)
 
     m, _ = _scored(cache, lambda: f"dir:{dir_sha256(model_dir)}", data, False, compute)
-    return {**read_budget(model_dir), **{k: m[k] for k in ("exact_match", "reverse_kl", "teacher_nll")}}
+    return {**read_budget(model_dir), **{k: m.get(k) for k in CURVE_METRICS}}
 
 
 def learning_curves(
@@ -414,7 +465,7 @@ def log_curves(live_dir: Path, curves: dict) -> None:
     for stage in TRAINED:
         for point in curves.get(stage) or []:
             live.step = int(point["steps"])
-            for key in ("exact_match", "reverse_kl", "teacher_nll", "flops"):
+            for key in (*CURVE_METRICS, "flops"):
                 v = point.get(key)
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     live.log_metric(f"{stage}/{key}", float(v), plot=True)
@@ -446,6 +497,7 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
         check_answer_room(teacher_tokenizer, rows, cfg.max_new_tokens)
     data = held_out(tokenizer, rows, teacher_tokenizer)
     teacher = _load(paths, "teacher", trust_remote_code, device, frozen_model_dtype(cfg.teacher_dtype, device))
+    data = data.with_teacher_text(teacher, tokenizer, cfg, device)  # once, for every model's fixed-prefix KL
     cache = ScoreCache.from_env(lambda: _cache_context(cfg, paths, trust_remote_code, device))
     kind = EXACT if teacher_tokenizer is None else SAMPLED_CROSS_TOKENIZER
     metrics: dict = {"examples": len(rows), "checkable_examples": sum(data.checkable), "reverse_kl_kind": kind}

@@ -21,7 +21,7 @@ import pandas as pd
 
 from ars_opd.evaluation.distillation import comparison, control_table, instrument_control, interval_cell
 from ars_opd.evaluation.equal_budget import METRICS, compare, interpolate
-from ars_opd.evaluation.rollout_dashboard import dashboard_section, has_rollouts
+from ars_opd.evaluation.rollout_dashboard import dashboard_section, has_rollouts, health_line
 from ars_opd.evaluation.stats import mean_ci
 from ars_opd.evaluation.tables import fmt
 
@@ -157,13 +157,17 @@ def verdict(by_arm: dict[str, list[dict]]) -> list[str]:
     return out
 
 
-def rollout_sections(logs: dict[str, list[pd.DataFrame]]) -> list[str]:
-    """Each on-policy arm's rollout dashboard (``rollout_dashboard``) over the steps that trained on the student's
-    own samples (``task/on_policy``), each step the mean over the seeds that sampled at it, after a summary line
-    per arm: how its rollouts' EOS rate, truncation and length moved from the first span of steps to the last."""
+def rollout_sections(logs: dict[str, list[pd.DataFrame]], batch: int | None = None) -> list[str]:
+    """Each on-policy arm's rollouts: the rollout-health verdict of each seed's own log
+    (``ars_opd.training.rollout_health``; ``batch``: the rollouts per step of a log older than its ``task/rollouts``
+    column), a summary line (the EOS rate, truncation and length at the first own-sample step and over the last
+    fifth), and the dashboard (``rollout_dashboard``) over the steps that trained on the student's own samples
+    (``task/on_policy``), each step the mean over the seeds that sampled at it, with every seed's EOS rate beside
+    the mean: a collapse in one seed is not averaged away."""
     lines, summary = [], []
     for arm, frames in logs.items():
         frames = [f for f in frames if not f.empty and has_rollouts(f)]
+        verdicts = [health_line(f"{label(arm)}, seed {i + 1}", f, batch=batch) for i, f in enumerate(frames)]
         # only the steps on the student's own samples: a GKD step on the teacher's completions describes the
         # teacher's text, not the student's rollouts (the on-policy steps differ by seed, so rows are pooled)
         frames = [f[f["task/on_policy"] == 1] if "task/on_policy" in f else f for f in frames]
@@ -171,9 +175,16 @@ def rollout_sections(logs: dict[str, list[pd.DataFrame]]) -> list[str]:
         if not frames:
             continue  # no rollouts (an arm on the teacher's completions alone: λ = 0)
         pooled = pd.concat(frames, ignore_index=True).groupby("step", as_index=False).mean(numeric_only=True)
+        per_seed = None
+        if "task/eos_rate" in pooled:
+            per_seed = [
+                [float(e) for e in f.set_index("step")["task/eos_rate"].reindex(pooled["step"]).tolist()]
+                for f in frames
+            ]
         name = f"{label(arm)} (its steps on its own samples, mean over the {len(frames)} seeds that had each)"
-        md, flat = dashboard_section(name, pooled)
-        lines += md
+        md, flat = dashboard_section(name, pooled, per_seed_eos=per_seed)
+        alarms = sum(v.startswith("**") for v in verdicts)
+        lines += md[:2] + [f"- {v}" for v in verdicts if v] + [""] + md[2:]
         key = f"{name}/rollouts/"
         moves = [
             f"{what} {fmt(flat[key + col + '_start'], pct)} → {fmt(flat[key + col + '_end'], pct)}"
@@ -185,15 +196,12 @@ def rollout_sections(logs: dict[str, list[pd.DataFrame]]) -> list[str]:
             )
             if key + col + "_start" in flat and key + col + "_end" in flat
         ]
-        if "task/eos_rate" in pooled:  # each seed alone, its first and last fifth of its own-sample steps
-            per_seed = []
-            for f in frames:
-                k = max(1, len(f) // 5)
-                eos = pd.to_numeric(f["task/eos_rate"], errors="coerce")
-                per_seed.append(f"{fmt(float(eos.iloc[:k].mean()), True)} → {fmt(float(eos.iloc[-k:].mean()), True)}")
-            moves.append("EOS rate seed by seed (first fifth → last fifth of its steps): " + "; ".join(per_seed))
         if moves:
-            summary.append(f"- {label(arm)}, its own samples, first span of steps → last: " + ", ".join(moves) + ".")
+            summary.append(
+                f"- {label(arm)}, its own samples, first step → last fifth of its steps (mean over seeds): "
+                + ", ".join(moves)
+                + f"; rollout-health alarm in {alarms} of {len(verdicts)} seeds."
+            )
     return (summary + [""] if summary else []) + lines
 
 
@@ -328,7 +336,7 @@ def render(
     for key, path in figures.items():
         lines += [f"![learning curves against {key}]({path})", ""]
     lines += ["## Verdict", "", *verdict(by_arm), ""]
-    dash = rollout_sections(logs)
+    dash = rollout_sections(logs, meta.get("batch"))
     if dash:
         lines += ["## The on-policy arms' rollouts", "", *dash]
     detail = []

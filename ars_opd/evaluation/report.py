@@ -36,6 +36,7 @@ from ars_opd.evaluation.distillation import curve_figure
 from ars_opd.evaluation.equal_budget import budget_note, compare, headline, regime_note
 from ars_opd.evaluation.rollout_dashboard import dashboard_section, engine_section, has_rollouts
 from ars_opd.evaluation.tables import render_table
+from ars_opd.training.rollout_health import HealthConfig
 
 SAMPLED_CROSS_TOKENIZER = "sampled_cross_tokenizer"  # the evaluate stage's reverse_kl_kind across two tokenizers
 
@@ -98,7 +99,10 @@ def build_report(
             for key in ("exact_match", "reverse_kl", "teacher_nll"):
                 if m.get(key) is not None:
                     flat[f"eval/{model}/{key}"] = m[key]
-    dashboards = [dashboard_section(stage, df) for stage, df in stage_logs.items() if not df.empty and has_rollouts(df)]
+    health = HealthConfig.of(cfg)
+    dashboards = [
+        dashboard_section(stage, df, health) for stage, df in stage_logs.items() if not df.empty and has_rollouts(df)
+    ]
     engines = [engine_section(stage, df) for stage, df in stage_logs.items() if not df.empty]
     dashboards += [part for part in engines if part[0]]  # stages with engine rollouts
     if dashboards:

@@ -1,11 +1,13 @@
-"""The report's rollout dashboard: how a rollout-trained stage's samples changed over the run.
+"""The report's rollout dashboard: how a rollout-trained stage's samples changed over the run, step by step.
 
 What a user reads first when on-policy distillation goes wrong, from the stage's per-step log
 (``ars_opd.training.opd`` defines the columns): the share of the rollouts whose answer is correct (where the
-data can be checked), their mean length, EOS and truncation rates, the learning rate, the teacher's mean
-log-probability of the sampled tokens and the per-token divergence in the first and the second half of each
-completion. The run is cut into ``windows`` equal spans of steps and each column averaged over a span's steps
-(each step's value is already a mean over the whole world's completions or tokens). Arithmetic and text only.
+data can be checked), their mean length, EOS and truncation rates, the student's entropy at its sampled tokens,
+the learning rate, the teacher's mean log-probability of the sampled tokens and the per-token divergence in the
+first and the second half of each completion. One row per step: a collapse that takes three steps must not be
+averaged away (a run of more than ``MAX_ROWS`` steps shows every step of its first ``MAX_ROWS // 2`` and then
+every k-th). Above the table, the rollout-health detector's verdict in one line
+(``ars_opd.training.rollout_health``). Arithmetic and text only.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import pandas as pd
 
 from ars_opd.evaluation.tables import fmt
+from ars_opd.training.rollout_health import HealthConfig, detect
 
 # log column -> (table heading, flat metric name); in table order
 COLUMNS = {
@@ -22,12 +25,14 @@ COLUMNS = {
     "task/response_length": ("length (tokens)", "response_length"),
     "task/eos_rate": ("EOS", "eos_rate"),
     "task/truncation_rate": ("truncated", "truncation_rate"),
+    "task/entropy": ("student entropy", "entropy"),
     "lr": ("learning rate", "lr"),
     "task/teacher_logprob": ("teacher log p / token", "teacher_logprob"),
     "task/divergence_first_half": ("divergence, 1st half", "divergence_first_half"),
     "task/divergence_second_half": ("divergence, 2nd half", "divergence_second_half"),
 }
 RATES = ("task/correct_rate", "task/eos_rate", "task/truncation_rate")
+MAX_ROWS = 80
 
 
 def has_rollouts(df: pd.DataFrame) -> bool:
@@ -35,41 +40,82 @@ def has_rollouts(df: pd.DataFrame) -> bool:
     return "task/divergence_first_half" in df
 
 
-def windows_of(steps: int, windows: int) -> list[tuple[int, int]]:
-    """``windows`` (or fewer, for a short run) consecutive spans [start, end) of row positions covering ``steps``."""
-    n = max(1, min(windows, steps))
-    bounds = [round(i * steps / n) for i in range(n + 1)]
-    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+def shown_rows(steps: int) -> list[int]:
+    """The row positions the table shows: all of them up to ``MAX_ROWS``; else the first ``MAX_ROWS // 2`` and then
+    every k-th, the last row always."""
+    if steps <= MAX_ROWS:
+        return list(range(steps))
+    head = MAX_ROWS // 2
+    k = math.ceil((steps - head) / (MAX_ROWS - head))
+    return sorted(set(range(head)) | set(range(head, steps, k)) | {steps - 1})
 
 
 def _cell(col: str, v: float) -> str:
     return fmt(v, pct=col in RATES)
 
 
-def dashboard_section(stage: str, df: pd.DataFrame, windows: int = 5) -> tuple[list[str], dict]:
-    """(markdown lines, flat metrics) of ``stage``'s rollout dashboard; flat: each column's mean over the first
-    and the last span (``<stage>/rollouts/<name>_start`` and ``_end``)."""
+def health_line(stage: str, df: pd.DataFrame, health: HealthConfig | None = None, batch: int | None = None) -> str:
+    """The rollout-health verdict of ``stage``'s log in one line: its first alarm, or that none fired (with the
+    tests' smallest p-value: how near one came); "" for a log with no on-policy step to judge."""
+    monitor = detect(df.to_dict("records"), health or HealthConfig(), batch)
+    if monitor.alarm is not None:
+        return "**Rollout health: alarm.** " + monitor.alarm.line(stage) + "."
+    if not monitor.smallest:
+        return ""
+    kind, p = min(monitor.smallest.items(), key=lambda kv: kv[1])
+    return (
+        f"Rollout health: no alarm in {len(monitor.steps)} on-policy steps (the EOS rate, cut share and length stayed "
+        f"with the start's; smallest p = {p:.1e}, {kind}, against α = {monitor.cfg.alpha:g})."
+    )
+
+
+def dashboard_section(
+    stage: str,
+    df: pd.DataFrame,
+    health: HealthConfig | None = None,
+    batch: int | None = None,
+    per_seed_eos: list[list[float]] | None = None,
+) -> tuple[list[str], dict]:
+    """(markdown lines, flat metrics) of ``stage``'s rollout dashboard. Flat: each column at the first step and its
+    mean over the last fifth of the steps (``<stage>/rollouts/<name>_start`` and ``_end``), and the health alarm
+    (``<stage>/rollouts/alarm`` 1 or 0, ``alarm_step``). ``per_seed_eos``: a pooled log's (the mean over seeds
+    per step) EOS rate of each seed at each of its rows, shown beside the mean (``health`` then judges no pooled
+    means: the caller judges each seed's own log)."""
     cols = [c for c in COLUMNS if c in df]
-    spans = windows_of(len(df), windows)
-    steps = df["step"].tolist() if "step" in df else list(range(1, len(df) + 1))
-    md = [
-        f"### {stage}: the rollouts",
+    steps = df["step"].tolist() if "step" in df else list(range(len(df)))
+    md = [f"### {stage}: the rollouts", ""]
+    flat: dict = {}
+    if per_seed_eos is None:
+        line = health_line(stage, df, health, batch)
+        if line:
+            md += [line, ""]
+            flat[f"{stage}/rollouts/alarm"] = float(line.startswith("**"))
+            alarm = detect(df.to_dict("records"), health or HealthConfig(), batch).alarm
+            if alarm is not None:
+                flat[f"{stage}/rollouts/alarm_step"] = float(alarm.step)
+    md += [
+        "One row per step: correct (the share of completions whose answer is right, checked as the evaluation "
+        "checks it), mean length in tokens (EOS included), the share that ended with an EOS and the share cut at "
+        "`max_new_tokens`, the student's entropy at its sampled positions, the learning rate, the teacher's mean "
+        "log-probability of the trained tokens, and the objective's per-token divergence (reverse KL at β = 1) "
+        "over the first and the second half of each completion."
+        + (" The EOS column is the mean over seeds; each seed's own follows it." if per_seed_eos else ""),
         "",
-        "Each column averaged over a span of steps: correct (the share of completions whose answer is right, "
-        "checked as the evaluation checks it), mean length in tokens (EOS included), the share that ended with "
-        "an EOS and the share cut at `max_new_tokens`, the learning rate, the teacher's mean log-probability "
-        "of the trained tokens, and the objective's per-token divergence (reverse KL at β = 1) over the first "
-        "and the second half of each completion.",
-        "",
-        "| steps | " + " | ".join(COLUMNS[c][0] for c in cols) + " |",
-        "|---|" + "---|" * len(cols),
     ]
-    means = []
-    for a, b in spans:
-        part = df.iloc[a:b]
-        row = {c: float(pd.to_numeric(part[c], errors="coerce").mean()) for c in cols}
-        means.append(row)
-        md.append(f"| {steps[a]}–{steps[b - 1]} | " + " | ".join(_cell(c, row[c]) for c in cols) + " |")
+    heads = [COLUMNS[c][0] for c in cols]
+    if per_seed_eos:
+        heads.insert(cols.index("task/eos_rate") + 1 if "task/eos_rate" in cols else 0, "EOS, seed by seed")
+    md += ["| step | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    rows = shown_rows(len(df))
+    if len(rows) < len(df):
+        md.insert(-2, f"The run has {len(df)} steps: every step of the first {MAX_ROWS // 2}, then every k-th.\n")
+    values = {c: pd.to_numeric(df[c], errors="coerce").tolist() for c in cols}
+    for i in rows:
+        cells = [_cell(c, values[c][i]) for c in cols]
+        if per_seed_eos:
+            seeds = " / ".join(fmt(v[i], True) if i < len(v) and math.isfinite(v[i]) else "–" for v in per_seed_eos)
+            cells.insert(cols.index("task/eos_rate") + 1 if "task/eos_rate" in cols else 0, seeds)
+        md.append(f"| {steps[i]} | " + " | ".join(cells) + " |")
     if "task/on_policy" in df and float(df["task/on_policy"].mean()) < 1.0:
         share = float(df["task/on_policy"].mean())
         md += [
@@ -78,12 +124,15 @@ def dashboard_section(stage: str, df: pd.DataFrame, windows: int = 5) -> tuple[l
             "columns describe the teacher's completions.",
         ]
     md.append("")
-    flat = {}
+    tail = max(1, len(df) // 5)
     for c in cols:
         name = COLUMNS[c][1]
-        flat[f"{stage}/rollouts/{name}_start"] = means[0][c]
-        flat[f"{stage}/rollouts/{name}_end"] = means[-1][c]
-    return md, {k: v for k, v in flat.items() if math.isfinite(v)}
+        first, last = values[c][0], pd.Series(values[c][-tail:]).mean()
+        if math.isfinite(first):
+            flat[f"{stage}/rollouts/{name}_start"] = first
+        if math.isfinite(last):
+            flat[f"{stage}/rollouts/{name}_end"] = float(last)
+    return md, flat
 
 
 def engine_section(stage: str, df: pd.DataFrame) -> tuple[list[str], dict]:

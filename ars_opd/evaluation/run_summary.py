@@ -120,6 +120,27 @@ def _training_section(paths: PathsConfig) -> list[str]:
     return lines
 
 
+def rollout_health_lines(paths: PathsConfig, health=None) -> list[str]:
+    """Each rollout-trained stage's rollout-health verdict in one line (``ars_opd.training.rollout_health``)."""
+    from ars_opd.artifacts import read_jsonl
+    from ars_opd.training.rollout_health import HealthConfig, detect
+
+    lines = []
+    for stage in TRAINING_STAGES:
+        steps = Path(paths.training(stage).steps)
+        if not steps.is_file():
+            continue
+        monitor = detect(read_jsonl(steps), health or HealthConfig())
+        if monitor.alarm is not None:
+            lines.append(f"- **Rollout health: alarm.** {monitor.alarm.line(stage)}.")
+        elif monitor.steps:
+            lines.append(
+                f"- Rollout health: {stage}'s rollouts stayed with the start's over {len(monitor.steps)} on-policy "
+                f"steps (EOS rate, cut share, length; α = {monitor.cfg.alpha:g})."
+            )
+    return lines
+
+
 def _consistency_section(paths: PathsConfig) -> list[str]:
     m = _json(paths.report_metrics)
     if m is None:
@@ -161,14 +182,16 @@ def _costs_section(paths: PathsConfig) -> list[str]:
     return lines
 
 
-def render_summary(paths: PathsConfig, command: str, title: str) -> str:
-    """The Markdown page (see the module docstring)."""
+def render_summary(paths: PathsConfig, command: str, title: str, health=None) -> str:
+    """The Markdown page (see the module docstring); ``health``: the rollout-health detector's settings."""
     evaluation = _json(paths.eval_metrics)
     parts = [
         f"# {title}",
         "",
         f"Made by `{command}` at commit {_commit(paths)}, on {os.cpu_count()} CPU cores. Every figure below is read "
         "from this run's own outputs by `ars-opd summary`; rerun both to refresh it.",
+        "",
+        *rollout_health_lines(paths, health),
         "",
         "## Models",
         "",
@@ -213,10 +236,10 @@ def render_summary(paths: PathsConfig, command: str, title: str) -> str:
     return "\n".join(parts)
 
 
-def write_summary(paths: PathsConfig, out: str | Path, command: str, title: str) -> Path:
+def write_summary(paths: PathsConfig, out: str | Path, command: str, title: str, health=None) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(render_summary(paths, command, title), encoding="utf-8")
+    tmp.write_text(render_summary(paths, command, title, health), encoding="utf-8")
     tmp.replace(out)
     return out

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ars_opd.config import EvaluateConfig
+from ars_opd.data.natural_check import SENTENCE_END
 from ars_opd.lm.batching import build_rollout_batch, cut_at_first_eos, pad_right_with_labels, pad_token_id
 from ars_opd.lm.cross_entropy import shifted_targets
 from ars_opd.lm.divergences import divergence_terms
@@ -54,6 +55,13 @@ class TokenLosses:
     row_sums: list[float]
     row_counts: list[int]
     unaligned: int = 0  # cross-tokenizer estimate: student tokens left out, beyond the last verified shared boundary
+
+    @property
+    def per_sequence(self) -> float:
+        """The mean over rows of each row's sum (rows with no token left out): a per-sequence figure, in which a
+        long row weighs what a short one does and a longer answer cannot lower its mean with extra easy tokens."""
+        sums = [s for s, n in zip(self.row_sums, self.row_counts) if n]
+        return sum(sums) / len(sums) if sums else float("nan")
 
     def per_task(self, tasks: list[str | None]) -> dict[str, float | None]:
         """Token-weighted mean per task label (rows without one left out); None for a task with no token."""
@@ -85,11 +93,14 @@ def _recording(terms, out: torch.Tensor):
     return recorded
 
 
-def own_samples(model, tokenizer, prompts, cfg: EvaluateConfig) -> tuple[list[list[int]], tuple[int, ...]]:
+def own_samples(
+    model, tokenizer, prompts, cfg: EvaluateConfig, draw: int = 0
+) -> tuple[list[list[int]], tuple[int, ...]]:
     """The model's own samples behind reverse KL, and the ids that end them: drawn after
     ``torch.manual_seed(evaluate.seed)`` at temperature 1 with no nucleus cut (softmax(z), nothing else), each
-    cut after the first of the model's own EOS ids (its tokenizer's and its generation config's)."""
-    torch.manual_seed(cfg.seed)
+    cut after the first of the model's own EOS ids (its tokenizer's and its generation config's). ``draw`` k > 0
+    gives the k-th further set of samples (seed ``evaluate.seed + k``), for sampled exact match over k draws."""
+    torch.manual_seed(cfg.seed + draw)
     eos = eos_token_ids(model, tokenizer)  # the model's own ends, in its samples and in the mask alike
     samples = generate_token_ids(
         model,
@@ -107,9 +118,17 @@ def own_samples(model, tokenizer, prompts, cfg: EvaluateConfig) -> tuple[list[li
 
 @torch.no_grad()
 def reverse_kl_on_own_samples(
-    model, teacher, tokenizer, prompts, cfg: EvaluateConfig, vocab: int, device: torch.device
+    model,
+    teacher,
+    tokenizer,
+    prompts,
+    cfg: EvaluateConfig,
+    vocab: int,
+    device: torch.device,
+    drawn: tuple[list[list[int]], tuple[int, ...]] | None = None,
 ) -> TokenLosses:
-    samples, eos = own_samples(model, tokenizer, prompts, cfg)
+    """``drawn``: the model's own samples and their ends (``own_samples``), when the caller drew them already."""
+    samples, eos = drawn if drawn is not None else own_samples(model, tokenizer, prompts, cfg)
     total, n = 0.0, 0
     row_sums: list[float] = []
     row_counts: list[int] = []
@@ -141,25 +160,151 @@ def reverse_kl_on_own_samples(
 def teacher_nll(
     model, tokenizer, prompts, completions, cfg: EvaluateConfig, vocab: int, device: torch.device
 ) -> TokenLosses:
-    total, n = 0.0, 0
-    row_sums: list[float] = []
-    row_counts: list[int] = []
+    return teacher_text_scores(model, tokenizer, prompts, completions, cfg, vocab, device).nll
+
+
+@dataclass
+class TeacherTextScores:
+    """What one pass of a model over the teacher's completions gives: the NLL of the teacher's tokens and, when the
+    teacher's hidden rows at the same positions are given (``TeacherTextRows``), the exact reverse KL(q ‖ p) per
+    token at those fixed prefixes, over the whole completion and over its first sentence alone."""
+
+    nll: TokenLosses
+    reverse_kl: TokenLosses | None = None
+    reverse_kl_first_sentence: TokenLosses | None = None
+
+
+class TeacherTextRows:
+    """The teacher's last hidden states at every scored position of the teacher's completions (the positions
+    ``teacher_nll`` scores), computed once and handed to every model's pass: a student's fixed-prefix reverse KL
+    then costs its own forward (shared with its NLL) and one more head product per chunk, not a teacher forward.
+
+    ``rows[i]``: (n_i, H_T) for held-out row i, on the device they were computed on; ``first_sentence[i]``: how many
+    of row i's n_i positions predict a token of the completion's first sentence (``first_sentence_tokens``)."""
+
+    def __init__(self, rows: list[torch.Tensor], first_sentence: list[int]):
+        self.rows, self.first_sentence = rows, first_sentence
+
+    def head(self, n: int) -> "TeacherTextRows":
+        return TeacherTextRows(self.rows[:n], self.first_sentence[:n])
+
+    @classmethod
+    @torch.no_grad()
+    def compute(
+        cls, teacher, tokenizer, prompts, completions, cfg: EvaluateConfig, device: torch.device
+    ) -> "TeacherTextRows":
+        pad = pad_token_id(tokenizer)
+        rows: list[torch.Tensor] = []
+        for i in range(0, len(prompts), cfg.batch_size):
+            b = pad_right_with_labels(prompts[i : i + cfg.batch_size], completions[i : i + cfg.batch_size], pad)
+            mask, _ = shifted_targets(b["labels"])
+            hidden = _hidden_rows(teacher, b, mask, device)
+            rows += list(hidden.split(mask.sum(1).tolist()))
+        return cls(rows, [first_sentence_tokens(tokenizer, c) for c in completions])
+
+
+def first_sentence_tokens(tokenizer, completion: list[int]) -> int:
+    """How many leading tokens of ``completion`` it takes to write its first sentence, its end mark included (the
+    rule of ``ars_opd.data.natural_check.first_sentence``: up to the first line break, or the first ``.``, ``!`` or
+    ``?`` followed by white space or the end); the whole completion (its EOS too) when the text has no sentence
+    end before its last character. The fewest tokens whose decoded text reaches that character (binary search
+    over prefixes: decoding is monotone in length for the tokenizers here)."""
+    text = tokenizer.decode(completion, skip_special_tokens=True)
+    lead = len(text) - len(text.lstrip())
+    m = SENTENCE_END.search(text.strip())
+    if m is None or lead + m.start() + 1 >= len(text.rstrip()):
+        return len(completion)
+    need = lead + m.start() + 1  # characters through the end mark
+    lo, hi = 1, len(completion)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(completion[:mid], skip_special_tokens=True)) >= need:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _nll_and_reverse_kl(targets: torch.Tensor, teacher_rows, nll_out: torch.Tensor, rkl_out: torch.Tensor):
+    """``RowTerms`` (no gradient) that write each row's −log q(target) into ``nll_out`` and KL(q ‖ p) into
+    ``rkl_out`` from one head product of the student; ``teacher_rows(start, end)``: the teacher's fp32 logits."""
+    rkl = divergence_terms(teacher_rows, beta=1.0)
+
+    def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        nll_out[start:end] = torch.logsumexp(z, -1) - z.gather(-1, targets[start:end, None]).squeeze(-1)
+        value, _ = rkl(z, start, end, False)  # overwrites z
+        rkl_out[start:end] = value
+        return value, None
+
+    return terms
+
+
+@torch.no_grad()
+def teacher_text_scores(
+    model,
+    tokenizer,
+    prompts,
+    completions,
+    cfg: EvaluateConfig,
+    vocab: int,
+    device: torch.device,
+    teacher: tuple[torch.nn.Module, TeacherTextRows] | None = None,
+) -> TeacherTextScores:
+    """The model's NLL of the teacher's completions and, with ``teacher`` (the teacher model and its hidden rows on
+    the same text), the reverse KL to the teacher at those fixed prefixes, from one forward of the model.
+
+    The fixed-prefix reverse KL is what on-policy distillation minimises, measured on text no model under test
+    chose: unlike the reverse KL on a model's own samples, it cannot fall because a model writes long, easy tails
+    (a never-ending sample adds cheap low-divergence tokens to its own per-token mean). Per token, over all the
+    completion's positions and over its first sentence's (``TeacherTextRows.first_sentence``), where the
+    natural prompts' answers are checked."""
+    nll_total, rkl_total, n = 0.0, 0.0, 0
+    nll_sums: list[float] = []
+    counts: list[int] = []
+    rkl_sums: list[float] = []
+    first_sums: list[float] = []
+    first_counts: list[int] = []
     pad = pad_token_id(tokenizer)
     for i in range(0, len(prompts), cfg.batch_size):
         b = pad_right_with_labels(prompts[i : i + cfg.batch_size], completions[i : i + cfg.batch_size], pad)
         mask, targets = shifted_targets(b["labels"])
-        (logprobs,) = target_logprobs(
-            _hidden_rows(model, b, mask, device),
-            OutputHead.of(model, vocab),
-            targets.to(device),
-            chunk_size=cfg.chunk_size,
-        )
-        total -= float(logprobs.sum())
+        hidden = _hidden_rows(model, b, mask, device)
+        head = OutputHead.of(model, vocab)
+        head = OutputHead(head.weight.detach(), None if head.bias is None else head.bias.detach())  # a measurement
+        if teacher is None:
+            (logprobs,) = target_logprobs(hidden, head, targets.to(device), chunk_size=cfg.chunk_size)
+            nll = -logprobs
+        else:
+            t_model, t_rows = teacher
+            rows = torch.cat(t_rows.rows[i : i + cfg.batch_size]).to(device)
+            nll = torch.empty(hidden.shape[0], dtype=torch.float32, device=device)
+            rkl = torch.empty_like(nll)
+            logits = TeacherLogits(rows, OutputHead.of(t_model, vocab))
+            s = chunked_head_loss(
+                hidden, head, _nll_and_reverse_kl(targets.to(device), logits.rows, nll, rkl), cfg.chunk_size
+            )
+            rkl_total += float(s)
+            sums, _ = _row_sums(rkl, mask)
+            rkl_sums += sums
+            for row, k in zip(
+                rkl.double().cpu().split(mask.sum(1).tolist()), t_rows.first_sentence[i : i + cfg.batch_size]
+            ):
+                k = min(k, row.numel())
+                first_sums.append(float(row[:k].sum()))
+                first_counts.append(k)
+        nll_total += float(nll.sum())
         n += int(targets.numel())
-        sums, counts = _row_sums(-logprobs, mask)
-        row_sums += sums
-        row_counts += counts
-    return TokenLosses(total / n if n else float("nan"), row_sums, row_counts)
+        sums, cnt = _row_sums(nll, mask)
+        nll_sums += sums
+        counts += cnt
+    out = TeacherTextScores(TokenLosses(nll_total / n if n else float("nan"), nll_sums, counts))
+    if teacher is not None:
+        out.reverse_kl = TokenLosses(rkl_total / n if n else float("nan"), rkl_sums, counts)
+        m = sum(first_counts)
+        out.reverse_kl_first_sentence = TokenLosses(
+            sum(first_sums) / m if m else float("nan"), first_sums, first_counts
+        )
+    return out
 
 
 @torch.no_grad()
@@ -174,6 +319,7 @@ def reverse_kl_cross_tokenizer(
     vocab: int,
     teacher_vocab: int,
     device: torch.device,
+    drawn: tuple[list[list[int]], tuple[int, ...]] | None = None,
 ) -> TokenLosses:
     """Reverse KL to a teacher with a tokenizer of its own, estimated on the model's own samples.
 
@@ -197,7 +343,7 @@ def reverse_kl_cross_tokenizer(
     each row's two sums are float64 sums of the fp32 log-probabilities. ``mean``: the rows' values summed over
     their student tokens (token-weighted, as the exact KL's mean is); ``unaligned``: the student tokens left out.
     """
-    samples, eos = own_samples(model, tokenizer, prompts, cfg)
+    samples, eos = drawn if drawn is not None else own_samples(model, tokenizer, prompts, cfg)
     cross = CrossTokenizer(tokenizer, teacher_tokenizer, eos, teacher_end_id(teacher_tokenizer))
     pad, teacher_pad = pad_token_id(tokenizer), pad_token_id(teacher_tokenizer)
     row_sums: list[float] = []

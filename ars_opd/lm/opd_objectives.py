@@ -128,17 +128,21 @@ class Objective(ObjectiveRules):
         *,
         row_weights: torch.Tensor | None = None,
         record: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, int]:
         """(summed loss over the M rows with grad to ``hidden`` (M, H) and the head, M). ``row_weights`` (M,):
         each row's loss and gradient scaled by its weight (importance weights of rollouts sampled by an older
         policy; ``ars_opd.training.opd``). ``record`` (M,) fp32, if given, receives each row's own value, before
-        any weight (the per-token divergence the step log splits by position)."""
+        any weight (the per-token divergence the step log splits by position); ``entropy`` (M,) fp32 the
+        student's entropy at τ = 1 at each row (the rollout-health column), from the same logits."""
         if teacher.span_index is not None and teacher.student_logprobs is None:  # one no-grad head pass
             logq = target_logprobs(hidden.detach(), head, targets, (temperature,), chunk_size)[0]
             teacher = dataclasses.replace(teacher, student_logprobs=logq)
         terms = self.terms(teacher, targets, beta, temperature)
         if record is not None:
             terms = _recorded(terms, record)
+        if entropy is not None:
+            terms = _with_entropy(terms, entropy)
         if row_weights is not None:
             terms = _weighted(terms, row_weights)
         return chunked_head_loss(hidden, head, terms, chunk_size), int(hidden.shape[0])
@@ -153,6 +157,20 @@ def _recorded(terms: RowTerms, out: torch.Tensor) -> RowTerms:
         return value, grad
 
     return recorded
+
+
+def _with_entropy(terms: RowTerms, out: torch.Tensor) -> RowTerms:
+    """``terms`` that first write each row's entropy H(softmax(z)) at τ = 1 into ``out`` (before ``terms`` may
+    overwrite z): with z' = z − max, H = logsumexp(z') − Σ softmax(z')·z', all of it ≥ 0 up to rounding."""
+
+    def with_entropy(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        with torch.no_grad():
+            shifted = z - z.amax(-1, keepdim=True)  # (c, V)
+            lse = torch.logsumexp(shifted, -1)  # (c,)
+            out[start:end] = lse - (torch.softmax(shifted, -1) * shifted).sum(-1)
+        return terms(z, start, end, need_grad)
+
+    return with_entropy
 
 
 def _weighted(terms: RowTerms, weights: torch.Tensor) -> RowTerms:

@@ -260,6 +260,11 @@ class Trainer:
         for i, n in enumerate(names):
             s, c = gathered[:, columns.metric_sum(i)].sum().item(), gathered[:, columns.metric_count(i)].sum().item()
             metrics[n] = s / c if c else float("nan")
+        worker_metrics = {}  # the task's columns it also wants per worker (each worker's own sum / count)
+        for n in getattr(task, "worker_metric_names", tuple)():
+            i = names.index(n)
+            sums, counts = gathered[:, columns.metric_sum(i)].tolist(), gathered[:, columns.metric_count(i)].tolist()
+            worker_metrics[n] = [s / c if c else float("nan") for s, c in zip(sums, counts)]
         check = getattr(task, "check_step", None)
         if check is not None:  # the task may refuse the step from its reduced columns, before the update
             check(state.step, metrics)
@@ -304,6 +309,7 @@ class Trainer:
             worker_loss=worker_loss,
             worker_tokens=worker_tokens,
             metrics=metrics,
+            worker_metrics=worker_metrics,
             consistency=consistency,
             noise_scale=noise,
             drift=drift,

@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -64,8 +65,8 @@ from typing import NamedTuple
 import torch
 
 from ars_opd.config import OPDConfig
+from ars_opd.data.answers import is_checkable, is_correct
 from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
-from ars_opd.data.synthetic import is_correct_for
 from ars_opd.lm.batching import build_rollout_batch, eos_set, in_first_half, pad_token_id, sequence_weights
 from ars_opd.lm.generation import GenerationCost, decode_completion, eos_token_ids, generate_token_ids
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
@@ -88,6 +89,7 @@ from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.cross_teacher import CrossTokenizerTeacher, TeacherSide, max_positions
 from ars_opd.training.opd_teacher_setup import build_teacher, check_scoring_endpoint, scoring_endpoint
 from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
+from ars_opd.training.rollout_health import HealthMonitor, StepRollouts
 from ars_opd.training.sharding import is_sharded
 from ars_opd.training.task import MicroBatch
 from ars_opd.training.train_rows import train_rows
@@ -105,6 +107,25 @@ __all__ = [
 ]
 
 
+# the rollout-health columns, kept per worker too (``OPDTask.worker_metric_names``); the detector that judges them
+# is ``ars_opd.training.rollout_health``
+ROLLOUT_HEALTH = ("eos_rate", "truncation_rate", "response_length", "entropy", "teacher_logprob")
+
+
+def step_rollouts(step: int, metrics: dict) -> StepRollouts:
+    """A step's rollouts for the health detector, from its reduced columns (n = 0, not judged, on a step that
+    trained on the teacher's text)."""
+    n = int(round(metrics.get("rollouts", 0.0))) if metrics.get("on_policy", 1.0) >= 1.0 else 0
+    return StepRollouts(
+        step,
+        n,
+        int(round(metrics.get("eos_rate", 0.0) * n)),
+        int(round(metrics.get("truncation_rate", 0.0) * n)),
+        metrics.get("response_length", 0.0) * n,
+        metrics.get("response_length_sq", 0.0) * n,
+    )
+
+
 def uses_student_rollouts(seed: int, step: int, on_policy_fraction: float) -> bool:
     """GKD draw for a step: a pure function of (seed, step), identical on every worker."""
     return random.Random(derive_seed(seed, f"gkd-step-{step}")).random() < on_policy_fraction
@@ -118,14 +139,14 @@ class OPDData:
     completions: list[list[int]]  # the teacher's, for GKD's teacher-text steps
     tasks: list[str | None] | None = None  # each row's task label (synthetic data), for a task-selective fault
     counts: dict = field(default_factory=dict)  # rows kept and dropped, for the manifest
-    references: list[str | None] | None = None  # each row's reference answer (synthetic data), for correct_rate
+    # each row as the answer check reads it (task, reference, messages) where a program can check its answer
+    # (``ars_opd.data.answers``: the synthetic tasks, the natural prompts' checkable kinds), else None
+    check_rows: list[dict | None] | None = None
     teacher_prompts: list[list[int]] | None = None  # opd.cross_tokenizer: each prompt in the teacher's own tokens
 
     def checkable(self) -> bool:
-        """Whether every row's answer can be checked: a task label and a reference on each (the synthetic tasks)."""
-        return bool(self.tasks and self.references) and all(
-            t is not None and r is not None for t, r in zip(self.tasks, self.references)
-        )
+        """Whether any row's answer can be checked (the correct_rate column then counts those rows)."""
+        return bool(self.check_rows) and any(r is not None for r in self.check_rows)
 
 
 class ModelSizes(NamedTuple):
@@ -169,7 +190,7 @@ class OPDTask:
         self.sampler_seed, self.seed = setup.sampler_seed, setup.stage_seed
         self.rank, self.device = setup.ctx.rank, setup.ctx.device
         self.fault, self.item_tasks = setup.fault, data.tasks or [None] * len(data.prompts)
-        self.references = data.references if data.checkable() else None  # None: no correct_rate column
+        self.check_rows = data.check_rows if data.checkable() else None  # None: no correct_rate column
         self.student_params, self.teacher_params, head_params = sizes  # ars_opd.training.budget
         # cross-tokenizer sampled_token: one more no-grad pass of the student's head over the completion tokens
         self.extra_head_params = head_params if cfg.cross_tokenizer and cfg.loss == "sampled_token" else 0
@@ -181,10 +202,17 @@ class OPDTask:
         self.eos_ids = eos_ids if eos_ids is not None else tuple(eos_set(tokenizer.eos_token_id))
         self.engine = rollouts.engine  # opd.rollouts: engine (ars_opd.rollouts.schedule); None: this worker samples
         self.rollout_copy = CastCopy(torch.bfloat16) if cfg.rollout_dtype == "bf16" else None
+        self.health = HealthMonitor()  # the live rollout-health check (check_step)
+
+    def worker_metric_names(self) -> tuple[str, ...]:
+        """The columns the step log also keeps per worker (``worker_task/<name>``): the rollouts' health, so that
+        one worker whose samples stop ending (a stale engine, a skewed shard) shows in the log by itself."""
+        return ROLLOUT_HEALTH
 
     def metric_names(self) -> list[str]:
-        names = ["teacher_logprob", "response_length", "eos_rate", "truncation_rate"]
-        names += ["correct_rate"] if self.references is not None else []
+        names = ["rollouts", "teacher_logprob", "entropy", "response_length", "response_length_sq", "eos_rate"]
+        names += ["truncation_rate"]
+        names += ["correct_rate"] if self.check_rows is not None else []
         names += ["divergence_first_half", "divergence_second_half", "gen_s", "teacher_s", "on_policy"]
         names += ["unaligned_rate"] if self.cfg.cross_tokenizer else []
         return names + (list(ENGINE_METRICS) if self.engine is not None else [])
@@ -271,14 +299,17 @@ class OPDTask:
             n_seq = b["lengths"].numel()
             cut = (~b["has_eos"]) & (b["lengths"] >= self.cfg.max_new_tokens)
             meta = {
+                # the step's rollouts, all workers: counted once (rank 0's first micro-batch holds the count)
+                "rollouts": (float(n_seq), 1.0 if n == 0 and self.rank == 0 else 0.0),
                 "response_length": (float(b["lengths"].sum()), float(n_seq)),
+                "response_length_sq": (float(b["lengths"].double().pow(2).sum()), float(n_seq)),
                 "eos_rate": (float(b["has_eos"].sum()), float(n_seq)),
                 "truncation_rate": (float(cut.sum()), float(n_seq)),
                 "on_policy": (float(on_policy), 1.0),
             }
-            if self.references is not None:
-                rows = idx[j : j + self.geometry.micro_batch]
-                meta["correct_rate"] = (float(self._correct(rows, completions[j : j + n_seq])), float(n_seq))
+            if self.check_rows is not None:  # over the micro-batch's checkable rows
+                right, checked = self._correct(idx[j : j + self.geometry.micro_batch], completions[j : j + n_seq])
+                meta["correct_rate"] = (float(right), float(checked))
             if n == 0:
                 meta["gen_s"] = (gen_s, 1.0)
                 meta["teacher_s"] = (attach_s, 0.0)  # loss_sum adds the per-micro-batch part and the count
@@ -321,6 +352,7 @@ class OPDTask:
             per_seq = sequence_weights(mask)
             weights = per_seq if weights is None else weights * per_seq
         per_token = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(per_token)
         loss_sum, n = self.objective.loss(
             hidden,
             head,
@@ -331,6 +363,7 @@ class OPDTask:
             self.cfg.chunk_size,
             row_weights=weights,
             record=per_token,
+            entropy=entropy,
         )
         first = in_first_half(mask)
         second = ~first
@@ -339,25 +372,34 @@ class OPDTask:
             n, first, second = int(aligned.sum()), first & aligned, second & aligned
         return loss_sum, {
             "teacher_logprob": (float(scores.target_logprobs().sum()), float(n)),
+            "entropy": (float(entropy.sum()), float(entropy.numel())),
             "divergence_first_half": (float(per_token[first].sum()), float(first.sum())),
             "divergence_second_half": (float(per_token[second].sum()), float(second.sum())),
             "teacher_s": (teacher_s, 1.0 if batch.meta.get("gen_s") else 0.0),
             **extra,
         }
 
-    def _correct(self, rows: list[int], completions: list[list[int]]) -> int:
-        """How many of these completions (token ids, cut at the first EOS when decoded) answer their row
-        correctly, as the evaluation checks it."""
-        return sum(
-            is_correct_for(self.item_tasks[i], decode_completion(self.tokenizer, c, self.eos_ids), self.references[i])
-            for i, c in zip(rows, completions)
-        )
+    def _correct(self, rows: list[int], completions: list[list[int]]) -> tuple[int, int]:
+        """(how many of these completions answer their row correctly, how many of the rows can be checked): token
+        ids cut at the first EOS when decoded, checked as the evaluation checks them (``ars_opd.data.answers``)."""
+        right = checked = 0
+        for i, c in zip(rows, completions):
+            row = self.check_rows[i]
+            if row is not None:
+                checked += 1
+                right += is_correct(row, decode_completion(self.tokenizer, c, self.eos_ids))
+        return right, checked
 
     def check_step(self, step: int, metrics: dict) -> None:
         """After the step's columns are reduced, before its update: the engine's lag-0 check
-        (``EngineRollouts.check_step``)."""
+        (``EngineRollouts.check_step``), and the rollouts' health (``ars_opd.training.rollout_health``, at its
+        default settings): the step the rollouts leave their start, rank 0 says so in one line (the run goes on;
+        the report, ``ars-opd summary`` and ``ars-opd check`` judge the whole log again)."""
         if self.engine is not None:
             self.engine.check_step(step, metrics, self.cfg.engine.dlogp_check)
+        alarm = self.health.add(step_rollouts(step, metrics))
+        if alarm is not None and self.rank == 0:
+            print(f"warning: {alarm.line('opd')}", file=sys.stderr, flush=True)
 
 
 def _encode(
@@ -395,7 +437,7 @@ def _encode(
         [completions[i] for i in keep],
         [rows[i].get("task") for i in keep],
         counts,
-        [rows[i].get("reference") for i in keep],
+        [rows[i] if is_checkable(rows[i]) else None for i in keep],
         teacher_prompts,
     )
 

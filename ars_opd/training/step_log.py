@@ -38,6 +38,7 @@ class StepResult:
     worker_loss: list[float]
     worker_tokens: list[int]
     metrics: dict[str, float] = field(default_factory=dict)
+    worker_metrics: dict[str, list[float]] = field(default_factory=dict)  # a task column per worker, where asked
     consistency: dict = field(default_factory=dict)
     noise_scale: tuple[float, float] = (float("nan"), float("nan"))  # (|G|², tr Σ) estimates of the step
     drift: list[int] | None = None  # ranks whose replica differs (None: not checked this step)
@@ -80,6 +81,7 @@ class StepRows:
             "fault": fault.cfg.kind if fault is not None and fault.active(state.step) else None,
             "drift_mismatch": result.drift,  # null: not checked this step; []: every replica identical
             **{f"task/{k}": v for k, v in result.metrics.items()},
+            **{f"worker_task/{k}": v for k, v in result.worker_metrics.items()},
             **{f"consistency/{k}": v for k, v in result.consistency.items()},
             "gns/g2": result.noise_scale[0],
             "gns/trace": result.noise_scale[1],
