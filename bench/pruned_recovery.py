@@ -232,6 +232,21 @@ def prepare_start(
     return start
 
 
+def register_extra_arms(specs: list[str]) -> dict[str, str]:
+    """``--extra-arm NAME:KEY=VALUE,KEY=VALUE``: arms of the opd section's overrides beside ``recovery.ARMS`` (a
+    screening sweep's), registered for this process; returns {name: spec} for study.json, which ``--report-only``
+    registers again."""
+    out = {}
+    for spec in specs:
+        name, sep, rest = spec.partition(":")
+        if not sep or not name or name in ARMS:
+            raise SystemExit(f"--extra-arm {spec!r}: expected NAME:KEY=VALUE,... with a NAME not among {list(ARMS)}")
+        overrides = dict(parse_set([kv for kv in rest.split(",") if kv]))
+        ARMS[name] = (name, f"the opd section with {rest}", overrides)
+        out[name] = spec
+    return out
+
+
 def run_study(args) -> dict:
     root = Path(args.root).resolve()
     base = base_params(args.profile)
@@ -242,7 +257,12 @@ def run_study(args) -> dict:
     runner = Runner(args.jobs, args.threads if args.jobs > 1 else None)
     env = runner.env(root / "eval-cache")
     t0 = time.perf_counter()
-    source = prepare_start(root, base, parse_set(args.set), runner, env, args.own_data) if args.prepare else REPO
+    if args.start:  # a start made earlier (a --prepare root's start/): its stages' outputs, as they are
+        source = Path(args.start).resolve()
+    elif args.prepare:
+        source = prepare_start(root, base, parse_set(args.set), runner, env, args.own_data)
+    else:
+        source = REPO
     t_start = time.perf_counter() - t0
     controls = {s: root / f"seed-{s}" / CONTROL for s in args.seeds}
     for s in args.seeds:
@@ -278,12 +298,19 @@ def run_study(args) -> dict:
         "start_seconds": t_start,
         "train_seconds": t_train,
         "start": "the sft stage's model"
-        + (" (made by the study's own models and sft stages)" if args.prepare else " (the workspace's)"),
+        + (
+            f" (made by the models and sft stages in `{args.start}`)"
+            if args.start
+            else " (made by the study's own models and sft stages)"
+            if args.prepare
+            else " (the workspace's)"
+        ),
         "jobs": args.jobs,
         "overrides": [f"{k}={v}" for k, v in overrides],
         "device": device_words(),
         "commit": git_commit(),
         "failed": runner.failed,
+        "extra_arms": args.extra_specs,
         "profile": args.profile,
         "title": args.title,
     }
@@ -318,6 +345,9 @@ def collect(root: Path) -> tuple[dict, dict, dict]:
     import pandas as pd
 
     meta = json.loads((root / "study.json").read_text())
+    for name, spec in (meta.get("extra_arms") or {}).items():
+        if name not in ARMS:
+            register_extra_arms([spec])
     by_arm: dict[str, list[dict]] = {}
     logs: dict[str, list] = {}
     for s in meta["seeds"]:
@@ -386,8 +416,22 @@ def main(argv=None) -> int:
         "--prepare", action="store_true", help="make the start here (models and sft stages) instead of the workspace's"
     )
     ap.add_argument("--own-data", action="store_true", help="with --prepare: make the prompts and teacher completions")
+    ap.add_argument("--start", help="a start made earlier (e.g. another study root's start/), used as it is")
     ap.add_argument("--title", help="the page's first line (markdown)")
+    ap.add_argument(
+        "--extra-arm",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="an arm of opd-section overrides beside the named ones (a screening sweep), e.g. opd_lr:lr=2e-5",
+    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = [a.split("=", 1)[1] for a in argv if a.startswith("--extra-arm=")]
+    extra += [argv[i + 1] for i, a in enumerate(argv) if a == "--extra-arm" and i + 1 < len(argv)]
+    extra_specs = register_extra_arms(extra)  # before parsing: --arms' choices include them
+    ap._option_string_actions["--arms"].choices = list(ARMS)
     args = ap.parse_args(argv)
+    args.extra_specs = extra_specs
     if args.steps < 2 or args.jobs < 1 or len(set(args.seeds)) != len(args.seeds):
         ap.error("--steps must be >= 2, --jobs >= 1, and the seeds distinct")
     if not [a for a in args.arms if a != CONTROL]:
