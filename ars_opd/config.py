@@ -1197,6 +1197,29 @@ class OPDConfig(TrainLoopConfig):
     """The scoring endpoint (opd.teacher: endpoint): 'local' starts the bundled server for the models-stage teacher."""
     teacher_server: TeacherServerConfig = field(default_factory=TeacherServerConfig)
     """The bundled server (opd.teacher: endpoint with teacher_endpoint.endpoint 'local' only)."""
+    truncated_rollouts: Literal["keep", "mask", "penalize"] = "keep"
+    """What a rollout cut at max_new_tokens (no EOS) trains on: keep (as an ended one), mask (its tokens carry no
+    loss and no gradient; they stay in the step's count, so a step whose rollouts were all cut has a zero
+    gradient) or penalize (kept, plus DAPO's overlong penalty turned into a policy-gradient term: each of its
+    sampled tokens gets the advantage -overlong_penalty, which moves probability off the continuation that never
+    ended and onto the rest, EOS included). On the student's rollouts only; teacher text follows
+    truncated_completions."""
+    overlong_penalty: float = 0.1
+    """The penalty of truncated_rollouts: penalize, per token of a cut rollout (a loss term overlong_penalty·log
+    q(y), its gradient overlong_penalty·(onehot(y) - q))."""
+    anchor: Literal["none", "sft", "forward_kl"] = "none"
+    """An anchor on the teacher's text in every on-policy step: the teacher's cached completions of the step's own
+    prompts (those the SFT stage trained on; no new teacher cost) trained beside the rollouts, with sft their
+    cross-entropy, with forward_kl the full-vocabulary KL(teacher || student) on them (a local teacher). GKD's
+    on_policy_fraction mixes whole steps instead."""
+    anchor_weight: float = 0.5
+    """The anchor's weight: its token losses times this are added to the rollouts' and divided by the same
+    normaliser (the step's rollout tokens, or completions with loss_normalisation: sequence, each anchor row then
+    weighing anchor_weight / its length)."""
+    constant_advantage: float = -1.0
+    """The advantage of every sampled token under loss: constant_advantage (the control of a fixed negative
+    signal: the sampled-token policy gradient with the teacher's log-ratio replaced by this constant, no teacher
+    information in the update; the teacher still scores, for the log)."""
     rollouts: Literal["trainer", "engine"] = "trainer"
     """Who samples the student's rollouts: trainer (each training worker, transformers generate or the static
     loop) or engine (an inference server serving the student, synced after updates: opd.engine)."""
@@ -1221,6 +1244,8 @@ class OPDConfig(TrainLoopConfig):
             0 <= self.on_policy_fraction <= 1, "on_policy_fraction", f"must be in [0, 1], got {self.on_policy_fraction}"
         )
         _require(self.max_prompt_tokens > 0, "max_prompt_tokens", f"must be > 0, got {self.max_prompt_tokens}")
+        _require(self.overlong_penalty >= 0, "overlong_penalty", f"must be >= 0, got {self.overlong_penalty}")
+        _require(self.anchor_weight >= 0, "anchor_weight", f"must be >= 0, got {self.anchor_weight}")
 
 
 @dataclass(frozen=True)
@@ -1496,6 +1521,7 @@ RULES: dict[str, ObjectiveRules] = {
         ObjectiveRules("sampled_token", "token_logprobs", uses_beta=False, exact_on_policy=True),
         ObjectiveRules("topk", "topk", uses_beta=True, exact_on_policy=False),
         ObjectiveRules("cross_vocab", "logits", uses_beta=True, exact_on_policy=False),
+        ObjectiveRules("constant_advantage", "token_logprobs", uses_beta=False, exact_on_policy=True),
     )
 }
 
@@ -1550,6 +1576,16 @@ def check_objective(cfg: OPDConfig) -> ObjectiveRules:
                 f"distribution; set 1.0 with opd.teacher: endpoint (or use topk, "
                 "which renormalises over the top-k at τ)",
             )
+    if cfg.anchor == "forward_kl" and cfg.teacher != "local":
+        raise ConfigError(
+            "opd.anchor",
+            "the forward_kl anchor needs the teacher's full distribution on its own text (a local teacher); with "
+            "opd.teacher: endpoint use anchor: sft",
+        )
+    if cfg.anchor != "none" and cfg.cross_tokenizer:
+        raise ConfigError("opd.anchor", "an anchor on the teacher's text is not offered across tokenizers; set none")
+    if cfg.loss == "constant_advantage" and cfg.cross_tokenizer:
+        raise ConfigError("opd.loss", "constant_advantage is a same-tokenizer control; use sampled_token across")
     if not rules.uses_beta and cfg.beta != 1.0:
         raise ConfigError("opd.beta", f"the {cfg.loss} loss estimates reverse KL only; set beta: 1.0")
     lagged = cfg.rollouts == "engine" and cfg.engine.max_lag > 0

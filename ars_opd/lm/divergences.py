@@ -184,6 +184,30 @@ def sampled_token_terms(teacher_logprobs: torch.Tensor, tokens: torch.Tensor, te
     return terms
 
 
+def sampled_token_advantage_terms(
+    teacher_logprobs: torch.Tensor, tokens: torch.Tensor, advantage: torch.Tensor | float, temperature: float = 1.0
+) -> Callable:
+    """``RowTerms`` of a policy gradient with a given advantage: each row's value is the reverse-KL estimate
+    log q(y) − log p_T(y) (what ``sampled_token_terms`` logs), its gradient that of −A·log q(y) for the given A, a
+    constant or (M,) per row, i.e. A·(q − onehot(y))/τ. With A a constant < 0 it is the control of a fixed negative
+    signal: every sampled token pushed down alike, no teacher information in the update (the teacher's log p only
+    in the logged value); with a per-row A it is a penalty term (``penalty_terms``)."""
+    if not temperature > 0:
+        raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
+
+    def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        y = tokens[start:end, None]  # (c, 1)
+        log_q = _log_softmax_(z, temperature)  # (c, V), in place
+        value = log_q.gather(-1, y).squeeze(-1) - teacher_logprobs[start:end].float()
+        if not need_grad:
+            return value, None
+        a = advantage[start:end].float() if isinstance(advantage, torch.Tensor) else torch.full_like(value, advantage)
+        grad = log_q.exp_().scatter_add_(-1, y, torch.full_like(y, -1.0, dtype=log_q.dtype))  # q − onehot(y)
+        return value, grad.mul_((a / temperature)[:, None])
+
+    return terms
+
+
 def span_shares(span_index: torch.Tensor, span_values: torch.Tensor) -> torch.Tensor:
     """(M,) each row's equal share of its span's value: span_values[s] / the number of rows in span s, for the M rows
     of ``span_index`` (-1: in no span, share 0; a batch may have no span at all)."""

@@ -19,6 +19,9 @@ plugs in at that one boundary.
 - ``topk``: the same divergences over each position's teacher top-k (``opd.topk``) ∪ the trained token,
   both distributions renormalised there (``divergences.topk_terms``); needs only what a served teacher's
   ``prompt_logprobs`` return. An approximation: the student's mass outside that set is ignored.
+- ``constant_advantage``: a control, not a distillation loss: the sampled-token policy gradient with every
+  token's advantage a constant (``opd.constant_advantage``, < 0: each sampled token pushed down alike), so the
+  update carries no teacher information; its logged value is the same reverse-KL estimate as sampled_token's.
 - ``sampled_token``: the policy-gradient estimator of reverse KL from the teacher's log-probability of
   the sampled tokens alone. Its value is the reverse-KL estimate Σ(log q − log p) of those tokens and its
   gradient the surrogate's (−Σ A·log q is often negative and is no divergence, so it is never logged). The
@@ -39,6 +42,7 @@ from ars_opd.config import check_objective as check_rules
 from ars_opd.lm.divergences import (
     cross_vocab_terms,
     divergence_terms,
+    sampled_token_advantage_terms,
     sampled_token_terms,
     span_sampled_token_terms,
     topk_terms,
@@ -129,26 +133,31 @@ class Objective(ObjectiveRules):
         row_weights: torch.Tensor | None = None,
         record: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
+        penalty: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, int]:
         """(summed loss over the M rows with grad to ``hidden`` (M, H) and the head, M). ``row_weights`` (M,):
         each row's loss and gradient scaled by its weight (importance weights of rollouts sampled by an older
         policy; ``ars_opd.training.opd``). ``record`` (M,) fp32, if given, receives each row's own value, before
         any weight (the per-token divergence the step log splits by position); ``entropy`` (M,) fp32 the
-        student's entropy at τ = 1 at each row (the rollout-health column), from the same logits."""
+        student's entropy at τ = 1 at each row (the rollout-health column), from the same logits; ``penalty`` (M,)
+        a policy-gradient penalty coefficient per row (``with_penalty``), added after the record and weighted as
+        the loss is."""
         if teacher.span_index is not None and teacher.student_logprobs is None:  # one no-grad head pass
             logq = target_logprobs(hidden.detach(), head, targets, (temperature,), chunk_size)[0]
             teacher = dataclasses.replace(teacher, student_logprobs=logq)
         terms = self.terms(teacher, targets, beta, temperature)
         if record is not None:
-            terms = _recorded(terms, record)
+            terms = recorded(terms, record)
+        if penalty is not None:
+            terms = with_penalty(terms, targets, penalty)
         if entropy is not None:
             terms = _with_entropy(terms, entropy)
         if row_weights is not None:
-            terms = _weighted(terms, row_weights)
+            terms = weighted(terms, row_weights)
         return chunked_head_loss(hidden, head, terms, chunk_size), int(hidden.shape[0])
 
 
-def _recorded(terms: RowTerms, out: torch.Tensor) -> RowTerms:
+def recorded(terms: RowTerms, out: torch.Tensor) -> RowTerms:
     """``terms`` that also copy each row's value into ``out`` (the loss walks every row once, chunk by chunk)."""
 
     def recorded(z: torch.Tensor, start: int, end: int, need_grad: bool):
@@ -173,7 +182,31 @@ def _with_entropy(terms: RowTerms, out: torch.Tensor) -> RowTerms:
     return with_entropy
 
 
-def _weighted(terms: RowTerms, weights: torch.Tensor) -> RowTerms:
+def with_penalty(terms: RowTerms, targets: torch.Tensor, coefficient: torch.Tensor) -> RowTerms:
+    """``terms`` plus a policy-gradient penalty on the sampled tokens: row i's value gains c_i·log q(y_i) and its
+    gradient c_i·(onehot(y_i) − q), for c (M,) >= 0 (``opd.truncated_rollouts: penalize``: the overlong penalty
+    on a cut rollout's tokens, 0 elsewhere). q is the student's distribution at τ = 1, taken before ``terms`` may
+    overwrite z; rows with c = 0 cost nothing beyond the log-softmax."""
+
+    def penalised(z: torch.Tensor, start: int, end: int, need_grad: bool):
+        c = coefficient[start:end].float()
+        if not bool((c != 0).any()):
+            return terms(z, start, end, need_grad)
+        y = targets[start:end, None]
+        with torch.no_grad():
+            log_q = torch.log_softmax(z, -1)  # (c, V), before terms overwrite z
+        value, grad = terms(z, start, end, need_grad)
+        value = value + c * log_q.gather(-1, y).squeeze(-1)
+        if grad is not None:
+            q = log_q.exp_()
+            q.scatter_add_(-1, y, torch.full_like(y, -1.0, dtype=q.dtype))  # q − onehot(y)
+            grad = grad.sub_(q.mul_(c[:, None]))
+        return value, grad
+
+    return penalised
+
+
+def weighted(terms: RowTerms, weights: torch.Tensor) -> RowTerms:
     """``terms`` with row i's value and gradient multiplied by weights[i] (a constant: no gradient through it)."""
 
     def weighted(z: torch.Tensor, start: int, end: int, need_grad: bool):
@@ -212,6 +245,17 @@ def _cross_vocab(teacher: TeacherScores, targets, beta, temperature) -> RowTerms
     )
 
 
+def constant_advantage(advantage: float) -> TermsFactory:
+    """The factory of ``loss: constant_advantage`` with this advantage (``opd.constant_advantage``)."""
+
+    def factory(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
+        if teacher.token_logprobs is None:
+            raise ValueError("the constant_advantage loss logs the teacher's token log-probabilities: none were given")
+        return sampled_token_advantage_terms(teacher.token_logprobs, targets, advantage, temperature)
+
+    return factory
+
+
 def _topk(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
     if teacher.support_ids is None or teacher.support_logprobs is None:
         raise ValueError("the topk loss needs the teacher's top-k log-probabilities (TeacherScores.support_*)")
@@ -223,6 +267,7 @@ _TERMS: dict[str, TermsFactory] = {
     "sampled_token": _sampled_token,
     "topk": _topk,
     "cross_vocab": _cross_vocab,
+    "constant_advantage": constant_advantage(-1.0),
 }
 OBJECTIVES: dict[str, Objective] = {name: Objective(**vars(rules), terms=_TERMS[name]) for name, rules in RULES.items()}
 
@@ -231,6 +276,14 @@ def get_objective(name: str) -> Objective:
     if name not in OBJECTIVES:
         raise KeyError(f"unknown OPD loss {name!r}; known: {', '.join(OBJECTIVES)}")
     return OBJECTIVES[name]
+
+
+def objective_for(cfg: OPDConfig) -> Objective:
+    """The objective ``cfg.loss`` names, with the section's own settings where it has any (constant_advantage's)."""
+    objective = get_objective(cfg.loss)
+    if cfg.loss == "constant_advantage":
+        objective = dataclasses.replace(objective, terms=constant_advantage(cfg.constant_advantage))
+    return objective
 
 
 def check_config(cfg: OPDConfig) -> Objective:

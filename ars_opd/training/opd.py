@@ -67,10 +67,19 @@ import torch
 from ars_opd.config import OPDConfig
 from ars_opd.data.answers import is_checkable, is_correct
 from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
-from ars_opd.lm.batching import build_rollout_batch, eos_set, in_first_half, pad_token_id, sequence_weights
+from ars_opd.lm.batching import (
+    build_rollout_batch,
+    eos_set,
+    in_first_half,
+    pad_right_with_labels,
+    pad_token_id,
+    sequence_weights,
+)
+from ars_opd.lm.cross_entropy import cross_entropy_terms, shifted_targets
+from ars_opd.lm.divergences import divergence_terms
 from ars_opd.lm.generation import GenerationCost, decode_completion, eos_token_ids, generate_token_ids
-from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
-from ars_opd.lm.opd_objectives import get_objective
+from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows
+from ars_opd.lm.opd_objectives import TeacherLogits, objective_for, recorded, weighted
 from ars_opd.lm.optim import autocast_context
 from ars_opd.lm.rollout_copy import CastCopy
 from ars_opd.lm.token_alignment import CrossTokenizer, teacher_end_id
@@ -194,7 +203,7 @@ class OPDTask:
         self.student_params, self.teacher_params, head_params = sizes  # ars_opd.training.budget
         # cross-tokenizer sampled_token: one more no-grad pass of the student's head over the completion tokens
         self.extra_head_params = head_params if cfg.cross_tokenizer and cfg.loss == "sampled_token" else 0
-        self.objective = get_objective(cfg.loss)
+        self.objective = objective_for(cfg)
         self.pad_id = pad_token_id(tokenizer)
         # what ends a completion, in the rollouts and in the loss mask alike: the student's EOS ids (default: the
         # tokenizer's alone)
@@ -215,6 +224,7 @@ class OPDTask:
         names += ["correct_rate"] if self.check_rows is not None else []
         names += ["divergence_first_half", "divergence_second_half", "gen_s", "teacher_s", "on_policy"]
         names += ["unaligned_rate"] if self.cfg.cross_tokenizer else []
+        names += ["anchor_loss"] if self.cfg.anchor != "none" else []
         return names + (list(ENGINE_METRICS) if self.engine is not None else [])
 
     def teacher_tokens(self, step: int) -> int:
@@ -285,6 +295,11 @@ class OPDTask:
             )
             if self.cfg.cross_tokenizer:  # the teacher renders each row's prompt in its own tokens
                 batch["row_index"] = torch.tensor(idx[j : j + self.geometry.micro_batch], dtype=torch.long)
+            if on_policy and self.cfg.truncated_rollouts != "keep":  # rollouts cut at max_new_tokens (no EOS)
+                batch["overlong"] = (~batch["has_eos"]) & (batch["lengths"] >= self.cfg.max_new_tokens)
+            if on_policy and self.cfg.anchor != "none":  # the teacher's text of the same prompts, beside them
+                rows = idx[j : j + self.geometry.micro_batch]
+                batch.update(self._anchor_rows(prompts[j : j + self.geometry.micro_batch], rows))
             if engine_logprobs is not None:
                 batch["engine_logprobs"] = place_on_mask(
                     batch["loss_mask"], engine_logprobs[j : j + self.geometry.micro_batch]
@@ -327,6 +342,11 @@ class OPDTask:
             n_tok = int(b["loss_mask"].sum())
             flops = 6 * self.student_params * real + 2 * self.teacher_params * real_t
             flops += 2 * self.student_params * sampled + 2 * self.extra_head_params * n_tok
+            if "anchor_attention_mask" in b:  # the anchor rows' forward and backward (and the teacher's forward)
+                anchor_real = int(b["anchor_attention_mask"].sum())
+                real += anchor_real
+                flops += 6 * self.student_params * anchor_real
+                flops += 2 * self.teacher_params * anchor_real if self.cfg.anchor == "forward_kl" else 0
             # per sequence: the loss sums each completion's token mean, so the step averages over completions
             # (those with a loss token: a completion with none has no mean)
             units = int((b["loss_mask"].sum(1) > 0).sum()) if self.cfg.loss_normalisation == "sequence" else None
@@ -338,7 +358,12 @@ class OPDTask:
     def loss_sum(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, dict]:
         t = batch.tensors
         mask = t["loss_mask"]  # (B, T)
-        hidden = select_rows(last_hidden_states(model, t["input_ids"], t["attention_mask"]), mask)  # (M, H)
+        anchor_hidden = None
+        if "anchor_input_ids" in t:  # one forward over the rollouts and their anchor rows together
+            full, anchor_hidden = self._joint_hidden(model, t)
+        else:
+            full = last_hidden_states(model, t["input_ids"], t["attention_mask"])
+        hidden = select_rows(full, mask)  # (M, H)
         t0 = time.perf_counter()
         scores = self.teacher.score(t, self.objective, self.cfg.temperature)
         teacher_s = time.perf_counter() - t0
@@ -351,6 +376,13 @@ class OPDTask:
         if self.cfg.loss_normalisation == "sequence":  # each token weighs 1 / its completion's length
             per_seq = sequence_weights(mask)
             weights = per_seq if weights is None else weights * per_seq
+        penalty = None
+        if "overlong" in t:  # opd.truncated_rollouts: each scored token's rollout was cut at max_new_tokens
+            cut = t["overlong"][mask.nonzero()[:, 0]].float()  # (M,)
+            if self.cfg.truncated_rollouts == "mask":
+                weights = (1.0 - cut) if weights is None else weights * (1.0 - cut)
+            else:
+                penalty = cut * self.cfg.overlong_penalty
         per_token = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(per_token)
         loss_sum, n = self.objective.loss(
@@ -364,7 +396,12 @@ class OPDTask:
             row_weights=weights,
             record=per_token,
             entropy=entropy,
+            penalty=penalty,
         )
+        if anchor_hidden is not None:
+            anchor_sum, anchor_metric = self._anchor_loss(anchor_hidden, head, t)
+            loss_sum = loss_sum + anchor_sum
+            extra["anchor_loss"] = anchor_metric
         first = in_first_half(mask)
         second = ~first
         if "student_span" in t:  # across tokenizers: the columns average over the tokens in a span (unaligned: 0)
@@ -378,6 +415,62 @@ class OPDTask:
             "teacher_s": (teacher_s, 1.0 if batch.meta.get("gen_s") else 0.0),
             **extra,
         }
+
+    def _anchor_rows(self, prompts: list[list[int]], rows: list[int]) -> dict[str, torch.Tensor]:
+        """A micro-batch's anchor (``opd.anchor``): the teacher's cached completions of its prompts, cut at
+        max_new_tokens as GKD's teacher-text steps cut them, right-padded: ids, attention, and the scored positions
+        and their targets (``cross_entropy.shifted_targets``)."""
+        b = pad_right_with_labels(
+            prompts, [self.teacher_completions[i][: self.cfg.max_new_tokens] for i in rows], self.pad_id
+        )
+        mask, targets = shifted_targets(b["labels"])
+        return {
+            "anchor_input_ids": b["input_ids"],
+            "anchor_attention_mask": b["attention_mask"],
+            "anchor_mask": mask,
+            "anchor_targets": targets,
+        }
+
+    def _joint_hidden(self, model: torch.nn.Module, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The student's last hidden states of the rollout rows (B, T, H) and, from the same forward, its hidden rows
+        at the anchor's scored positions (M_a, H): both sets right-padded to one width and run as one batch (one
+        forward per backward under DDP), then split."""
+        ids, attn = t["input_ids"], t["attention_mask"]
+        a_ids, a_attn = t["anchor_input_ids"], t["anchor_attention_mask"]
+        width = max(ids.shape[1], a_ids.shape[1])
+
+        def right(x: torch.Tensor, value: int) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+        hidden = last_hidden_states(
+            model,
+            torch.cat([right(ids, self.pad_id), right(a_ids, self.pad_id)]),
+            torch.cat([right(attn, 0), right(a_attn, 0)]),
+        )
+        B = ids.shape[0]
+        return hidden[:B, : ids.shape[1]], select_rows(hidden[B:, : a_ids.shape[1]], t["anchor_mask"])
+
+    def _anchor_loss(self, anchor_hidden: torch.Tensor, head: OutputHead, t: dict) -> tuple[torch.Tensor, tuple]:
+        """(anchor_weight × the anchor's summed token losses, with grad; the ``anchor_loss`` column's (sum, count) of
+        the unweighted token losses): cross-entropy of the teacher's tokens (sft) or the full-vocabulary
+        KL(teacher ‖ student) there (forward_kl, the local teacher's distributions on its own text)."""
+        targets = t["anchor_targets"]
+        if self.cfg.anchor == "sft":
+            terms = cross_entropy_terms(targets)
+        else:
+            teacher = self.teacher.model
+            with torch.no_grad():
+                rows = select_rows(
+                    last_hidden_states(teacher, t["anchor_input_ids"], t["anchor_attention_mask"]), t["anchor_mask"]
+                )
+            logits = TeacherLogits(rows, OutputHead.of(teacher, self.teacher.vocab))
+            terms = divergence_terms(logits.rows, beta=0.0, temperature=self.cfg.temperature)
+        values = torch.empty(anchor_hidden.shape[0], dtype=torch.float32, device=anchor_hidden.device)
+        w = torch.full_like(values, self.cfg.anchor_weight)
+        if self.cfg.loss_normalisation == "sequence":  # each anchor row weighs anchor_weight, over its tokens
+            w = w * sequence_weights(t["anchor_mask"])
+        total = chunked_head_loss(anchor_hidden, head, weighted(recorded(terms, values), w), self.cfg.chunk_size)
+        return total, (float(values.sum()), float(values.numel()))
 
     def _correct(self, rows: list[int], completions: list[list[int]]) -> tuple[int, int]:
         """(how many of these completions answer their row correctly, how many of the rows can be checked): token
