@@ -106,11 +106,13 @@ def read_yaml_keys(text: str) -> dict[str, YamlKey]:
     """Every key of a params file in file order, by dotted path, with its value text and comments.
 
     PyYAML drops comments, so the file is read line by line: a key's nesting is its indentation (params.yaml is
-    block-style mappings whose leaf values fit one line), a comment block directly above a key (no blank line
-    between) belongs to it, and so does the comment at the end of its line."""
+    block-style mappings whose leaf values fit one line, or a block list of ``- item`` lines), a comment block
+    directly above a key (no blank line between) belongs to it, and so does the comment at the end of its line."""
     keys: dict[str, YamlKey] = {}
+    items: dict[str, list[str]] = {}  # a key's block list, written back as one flow list
     stack: list[tuple[int, str]] = []  # (indent, key) of the open mappings
     pending: list[str] = []
+    path = ""
     for line in text.splitlines():
         stripped = line.strip()
         if not stripped:
@@ -118,6 +120,9 @@ def read_yaml_keys(text: str) -> dict[str, YamlKey]:
             continue
         if stripped.startswith("#"):
             pending.append(stripped.lstrip("#").strip())
+            continue
+        if stripped.startswith("- ") and path and keys[path].value is None:
+            items.setdefault(path, []).append(_split_comment(stripped[2:])[0])
             continue
         m = _KEY_LINE.match(line)
         if m is None:
@@ -131,6 +136,8 @@ def read_yaml_keys(text: str) -> dict[str, YamlKey]:
         pending = []
         if not value:
             stack.append((indent, m["key"]))
+    for path, listed in items.items():
+        keys[path] = YamlKey("[" + ", ".join(listed) + "]", keys[path].comments)
     return keys
 
 

@@ -119,8 +119,12 @@ def test_params_yaml_comments_are_read_with_their_keys():
         "  engine:            # a mapping\n"
         "    server: 'http://h:1/#x'  # a '#' inside quotes is the value's\n"
         "  steps: 3\n"
+        "  stages:\n"
+        "  - sft   # a block list\n"
+        "  - opd\n"
     )
-    assert list(keys) == ["opd", "opd.loss", "opd.engine", "opd.engine.server", "opd.steps"]
+    assert list(keys) == ["opd", "opd.loss", "opd.engine", "opd.engine.server", "opd.steps", "opd.stages"]
+    assert keys["opd.stages"].value == "[sft, opd]"
     assert keys["opd"].comments == ("about the section",)
     assert keys["opd.loss"] == type(keys["opd.loss"])("full_vocab", ("above the key", "at the end of its line"))
     assert keys["opd.engine"].value is None and keys["opd.engine"].comments == ("a mapping",)
