@@ -6,6 +6,10 @@ Subcommands:
   stage runs on its params (``ars_opd.config.load_params``, the stages' own loader) and print the resolved
   values (defaults filled in) as JSON; exits 2 naming the first bad key. Cheap enough for a
   pre-commit hook or the first step of CI, before hours of ``dvc repro``.
+- ``ars-opd params-reference [--file params.yaml] [--out docs/reference/params.md] [--check]``: write the params
+  reference page from ``ars_opd/config.py``'s field docstrings and ``params.yaml``'s values and comments
+  (``ars_opd.params_reference``); ``--check`` writes nothing and exits 1 when the page on disk is not what it
+  would write. Exits 2 naming every field without a docstring.
 - ``ars-opd profile show|run PROFILE [-n NAME] [-- DVC_ARGS]``: a profile (``profiles/*.yaml``, the params that
   differ from params.yaml) as ``dvc exp run -S`` overrides, checked first (``ars_opd.profiles``): ``show`` prints
   them, ``run`` runs the experiment (``make repro-real``).
@@ -50,6 +54,32 @@ def _cmd_params(args: argparse.Namespace) -> int:
         print(f"ars-opd: invalid params: {e}", file=sys.stderr)
         return 2
     print(json.dumps(to_dict(params), indent=2))
+    return 0
+
+
+def _cmd_params_reference(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ars_opd.params_reference import REGENERATE, generate
+
+    try:
+        page = generate(args.file)
+    except ValueError as e:
+        print(f"ars-opd params-reference: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if args.check:
+        if out.exists() and out.read_text() == page:
+            return 0
+        print(
+            f"ars-opd params-reference: {out} differs from what ars_opd/config.py and {args.file} give: "
+            f"run `{REGENERATE}`",
+            file=sys.stderr,
+        )
+        return 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page)
+    print(f"wrote {out}")
     return 0
 
 
@@ -321,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("params", help="validate params.yaml and print the resolved values")
     p.add_argument("--file", default="params.yaml", help="params file (default: params.yaml)")
     p.set_defaults(func=_cmd_params)
+    pref = sub.add_parser("params-reference", help="write the params reference page from config.py and params.yaml")
+    pref.add_argument("--file", default="params.yaml", help="params file (default: params.yaml)")
+    pref.add_argument("--out", default="docs/reference/params.md", help="the page (default: docs/reference/params.md)")
+    pref.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is not up to date")
+    pref.set_defaults(func=_cmd_params_reference)
     c = sub.add_parser("check", help="validate the stages' outputs (for CI)")
     c.add_argument("--stages", default=None, help="comma-separated stages (default: all)")
     c.add_argument("--file", default="params.yaml", help="params file (default: params.yaml)")

@@ -16,7 +16,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 # lowest first
 FLOORS = (
-    ("ars_opd", "ars_opd.config", "ars_opd.artifacts", "ars_opd.seeding", "ars_opd.profiles", "ars_opd.resources"),
+    (
+        "ars_opd",
+        "ars_opd.config",
+        "ars_opd.artifacts",
+        "ars_opd.seeding",
+        "ars_opd.profiles",
+        "ars_opd.resources",
+        "ars_opd.params_reference",  # reads config.py and params.yaml only
+    ),
     ("ars_opd.data",),
     ("ars_opd.lm",),
     ("ars_opd.models",),
