@@ -146,7 +146,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 SCENARIO_COMMANDS = """\
-git switch -c scenario-study && bash bench/scenario_sweep.sh   # after dvc repro; see the script's comments
+git switch -c scenario-study && bash studies/scenario_sweep.sh   # after dvc repro; see the script's comments
 # it queues, per seed in 1..5 (ddp.seed), with ddp.workers=4 and opd from one fixed SFT student:
 #   dvc exp run --queue -S ddp.scenario=S1-1|S1-2|S1-3 -S ddp.seed=N ...
 #   dvc exp run --queue -S ddp.inject.kind=shard_skew ... (the positive control)

@@ -152,7 +152,7 @@ class PathsConfig:
     report_metrics: str = "reports/metrics.json"
     """report: flat metrics for dvc exp show."""
     detection_benchmark: str = "reports/detection.jsonl"
-    """bench/detection.py's committed output, which the report quotes (false-alarm rate, detection delays)."""
+    """studies/detection.py's committed output, which the report quotes (false-alarm rate, detection delays)."""
     distillation_study: str = "reports/distillation.md"
     """The seed study's file (``ars-opd distillation --out``); the report quotes its long-horizon section's
     measurement of the regime where OPD is expected to win."""
@@ -1327,7 +1327,7 @@ class ReportConfig:
     """Design false-alarm rate per 1,000 steps (every statistic, rank and side) for independent Gaussian
     scores, from which the threshold is computed, with three or more workers; real runs alarm more often
     than independent scores would, so it is calibrated on healthy runs of the default pipeline at K = 4
-    (``bench/detection.py``) to keep the measured rate at or below 1 per 1,000."""
+    (``studies/detection.py``) to keep the measured rate at or below 1 per 1,000."""
     two_worker_false_alarms_per_1000: float = 0.1
     """The same with two workers, where one test per statistic sees both (calibrated at K = 2)."""
     rollout_baseline_steps: int = 1

@@ -1,4 +1,4 @@
-"""The pruned-recovery study's page (ars_opd.evaluation.recovery) and its runner's plumbing (bench/pruned_recovery.py).
+"""The pruned-recovery study's page (ars_opd.evaluation.recovery) and its runner (studies/pruned_recovery.py).
 
 The page's numbers are checked against an independent computation: per-seed differences taken by hand from the
 evaluations, their mean and a t-interval from the closed form of Student's t at 2 degrees of freedom, not from
@@ -85,7 +85,9 @@ def _numbers(cell: str) -> list[float]:
 
 
 def test_every_arm_against_the_control_with_paired_seed_differences(by_arm):
-    text = recovery.render(by_arm, {}, {"command": "python bench/pruned_recovery.py", "seconds": 60, "steps": 120}, {})
+    text = recovery.render(
+        by_arm, {}, {"command": "python studies/pruned_recovery.py", "seconds": 60, "steps": 120}, {}
+    )
     for arm in ("opd", "kd"):
         rkl, em, _ = _cells(text, "At equal steps", recovery.label(arm))
         arm_mean, arm_lo, arm_hi, d_mean, d_lo, d_hi = _numbers(rkl.replace("− control:", ""))
@@ -141,11 +143,11 @@ def test_rollout_dashboards_use_only_the_steps_on_the_students_own_samples():
 
 
 def test_run_params_set_the_arm_the_seed_and_the_studys_keys():
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.insert(0, str(REPO / "studies"))
     try:
         import pruned_recovery as pr
     finally:
-        sys.path.remove(str(REPO / "bench"))
+        sys.path.remove(str(REPO / "studies"))
     base = yaml.safe_load((REPO / "params.yaml").read_text())
     params = pr.run_params(base, [("opd.steps", 7), ("ddp.workers", 1)], seed=3, arm="gkd")
     assert params["opd"]["steps"] == 7 and params["ddp"]["workers"] == 1 and params["ddp"]["seed"] == 3
@@ -177,11 +179,11 @@ def test_the_trainer_side_runs_without_the_endpoint_client():
 
 
 def _bench():
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.insert(0, str(REPO / "studies"))
     try:
         import pruned_recovery
     finally:
-        sys.path.remove(str(REPO / "bench"))
+        sys.path.remove(str(REPO / "studies"))
     return pruned_recovery
 
 

@@ -1,6 +1,6 @@
 """The pruned-recovery study's page: several distillation arms against continued SFT, over paired training seeds.
 
-``bench/pruned_recovery.py`` runs the study: from one start (the real profile's SFT'd pruned student), per training
+``studies/pruned_recovery.py`` runs the study: from one start (the real profile's SFT'd pruned student), per training
 seed, the control (``sft_continued``: more SFT on the teacher's completions) and one ``opd`` stage run per arm
 (the arms differ in the opd section's objective only: divergence β, on-policy share λ, loss), each evaluated by
 the evaluate stage against that seed's control. Every arm therefore comes with an evaluation whose ``opd`` entry is
@@ -263,7 +263,7 @@ def render(
     lines = [
         meta.get("title") or TITLE,
         "",
-        f"Made by `{meta.get('command', 'python bench/pruned_recovery.py')}` "
+        f"Made by `{meta.get('command', 'python studies/pruned_recovery.py')}` "
         f"in {meta.get('seconds', float('nan')) / 60:.1f} minutes on {meta.get('device', '?')}"
         + (f" (commit {meta['commit']})" if meta.get("commit") else "")
         + ".",

@@ -5,10 +5,10 @@ committed ``params.yaml`` sections — teacher completions from the pipeline's c
 learning rates, schedules and clipping — in a scratch workspace that links the pipeline's ``data/models``
 and ``data/teacher``; only ``ddp.workers``, ``ddp.seed`` and (where K workers need it) the micro-batch
 size change, and checkpoints and snapshots are off (they do not touch the trajectory). Each stage's
-``steps.jsonl`` is kept under ``--rows``; ``bench/detection.py`` scores them (calibration and held-out
+``steps.jsonl`` is kept under ``--rows``; ``studies/detection.py`` scores them (calibration and held-out
 seeds apart) and runs the fault grid.
 
-    python bench/detection_null.py --pipeline . --workers 2 --seeds 1 2 3 --stages sft --rows /tmp/null_rows
+    python studies/detection_null.py --pipeline . --workers 2 --seeds 1 2 3 --stages sft --rows /tmp/null_rows
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ the base student, the SFT model and the teacher are scored by the first and read
 ``reports/pruned_recovery.md``, is written by ``ars_opd.evaluation.recovery`` from the runs' own outputs;
 ``--report-only`` writes it again from a finished root (e.g. one copied back from a GPU machine).
 
-    python bench/pruned_recovery.py --seeds 1 2 3 --steps 120 --jobs 1            # the workspace's real profile
-    python bench/pruned_recovery.py --profile profiles/real.yaml --set ddp.workers=1 --jobs 15   # a GPU machine
-    python bench/pruned_recovery.py --report-only --root build/pruned-recovery
+    python studies/pruned_recovery.py --seeds 1 2 3 --steps 120 --jobs 1            # the workspace's real profile
+    python studies/pruned_recovery.py --profile profiles/real.yaml --set ddp.workers=1 --jobs 15   # a GPU machine
+    python studies/pruned_recovery.py --report-only --root build/pruned-recovery
 """
 
 from __future__ import annotations
@@ -319,9 +319,9 @@ def run_study(args) -> dict:
 
 
 def command_name() -> str:
-    """The script the user ran (bench/cross_tokenizer.py runs this one with its own defaults), repo-relative."""
+    """The script the user ran (studies/cross_tokenizer.py runs this one with its own defaults), repo-relative."""
     path = Path(sys.argv[0]).resolve()
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else "bench/pruned_recovery.py"
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else "studies/pruned_recovery.py"
 
 
 def device_words() -> str:
@@ -399,7 +399,7 @@ def main(argv=None) -> int:
         nargs="+",
         default=list(SAME_TOKENIZER_ARMS),
         choices=list(ARMS),
-        help="the xtok_* arms distil across tokenizers (bench/cross_tokenizer.py runs them)",
+        help="the xtok_* arms distil across tokenizers (studies/cross_tokenizer.py runs them)",
     )
     ap.add_argument("--steps", type=int, default=120, help="optimiser steps of every arm (opd.steps)")
     ap.add_argument("--snapshot-every", type=int, default=20, help="learning-curve points (opd.snapshot_every)")
