@@ -68,7 +68,13 @@ def parse_set(items: list[str]) -> list[tuple[str, object]]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. ddp.workers=1")
-        out.append((key, yaml.safe_load(raw)))
+        value = yaml.safe_load(raw)
+        if isinstance(value, str):  # YAML 1.1 reads 2e-5 (no dot) as a string; a number is meant
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        out.append((key, value))
     return out
 
 
