@@ -113,7 +113,7 @@ def _sections_or_none(params_file: str, sections: tuple[str, ...]):
 
 def _cmd_summary(args: argparse.Namespace) -> int:
     from ars_opd.evaluation.run_summary import write_summary
-    from ars_opd.training.rollout_health import HealthConfig
+    from ars_opd.training.opd.rollout_health import HealthConfig
 
     p = _sections_or_none(args.file, ("paths", "report"))
     if p is None:
@@ -125,7 +125,7 @@ def _cmd_summary(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from ars_opd.checks import STAGES, check_outputs
-    from ars_opd.training.rollout_health import HealthConfig
+    from ars_opd.training.opd.rollout_health import HealthConfig
 
     p = _sections_or_none(args.file, ("paths", "report"))
     if p is None:

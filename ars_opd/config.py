@@ -1331,7 +1331,7 @@ class ReportConfig:
     two_worker_false_alarms_per_1000: float = 0.1
     """The same with two workers, where one test per statistic sees both (calibrated at K = 2)."""
     rollout_baseline_steps: int = 1
-    """Rollout health (``ars_opd.training.rollout_health``): the first on-policy steps whose rollouts are the
+    """Rollout health (``ars_opd.training.opd.rollout_health``): the first on-policy steps whose rollouts are the
     start each later window is tested against (step 0's are the start model's own)."""
     rollout_window: int = 6
     """Rollout health: the last on-policy steps tested against the baseline at each step."""

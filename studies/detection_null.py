@@ -47,7 +47,7 @@ def stage_configs(params: dict, workers: int, seed: int) -> tuple[ParallelConfig
 def run_null(pipeline: Path, params: dict, workers: int, seed: int, rows_dir: Path, stage: str) -> dict:
     """One healthy stage of one seed in a scratch workspace; its step log is copied to ``rows_dir``. The sft
     stage's student is kept there too: that seed's opd starts from it (``paths.distill_init``)."""
-    from ars_opd.training.opd import run_opd
+    from ars_opd.training.opd.stage import run_opd
     from ars_opd.training.sft import run_sft
     from ars_opd.training.worker import TrainingJob
 

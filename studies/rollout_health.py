@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from ars_opd.artifacts import read_jsonl  # noqa: E402
 from ars_opd.config import read_params_file  # noqa: E402
-from ars_opd.training.rollout_health import HealthConfig, detect, rollouts_of  # noqa: E402
+from ars_opd.training.opd.rollout_health import HealthConfig, detect, rollouts_of  # noqa: E402
 
 GRID = [(1, w, a) for w in (4, 6, 8) for a in (1e-3, 1e-4, 1e-5)]
 

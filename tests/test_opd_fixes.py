@@ -27,8 +27,9 @@ from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.opd_objectives import TeacherScores, objective_for
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.distributed import WorkerContext
-from ars_opd.training.opd import ModelSizes, OPDData, OPDTask, RolloutSetup
-from ars_opd.training.opd_teachers import LocalTeacher
+from ars_opd.training.opd.data import OPDData
+from ars_opd.training.opd.task import ModelSizes, OPDTask, RolloutSetup
+from ars_opd.training.opd.teachers import LocalTeacher
 from ars_opd.training.worker import WorkerSetup
 
 CPU = torch.device("cpu")

@@ -170,8 +170,8 @@ def test_the_trainer_side_runs_without_the_endpoint_client():
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import stages.models, stages.sft, stages.opd, stages.sft_continued, stages.evaluate\n"
-        "import ars_opd.training.opd, ars_opd.training.sft, ars_opd.evaluation.evaluate, ars_opd.models.prepare\n"
-        "import ars_opd.rollouts.schedule, ars_opd.training.opd_teacher_setup\n"
+        "import ars_opd.training.opd.stage, ars_opd.training.sft, ars_opd.evaluation.evaluate, ars_opd.models.prepare\n"
+        "import ars_opd.rollouts.schedule, ars_opd.training.opd.teacher_setup\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)

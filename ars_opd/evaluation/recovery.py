@@ -159,7 +159,7 @@ def verdict(by_arm: dict[str, list[dict]]) -> list[str]:
 
 def rollout_sections(logs: dict[str, list[pd.DataFrame]], batch: int | None = None) -> list[str]:
     """Each on-policy arm's rollouts: the rollout-health verdict of each seed's own log
-    (``ars_opd.training.rollout_health``; ``batch``: the rollouts per step of a log older than its ``task/rollouts``
+    (``ars_opd.training.opd.rollout_health``; ``batch``: the rollouts per step of a log older than its ``task/rollouts``
     column), a summary line (the EOS rate, truncation and length at the first own-sample step and over the last
     fifth), and the dashboard (``rollout_dashboard``) over the steps that trained on the student's own samples
     (``task/on_policy``), each step the mean over the seeds that sampled at it, with every seed's EOS rate beside
