@@ -210,8 +210,8 @@ class WorkerSetup:
     """This rank's RNG seed under the scenario (Python's and torch's generators: the trainer's rollouts sample with
     it; so do the engine's requests). None: ``sampler_seed``, which it equals in every scenario."""
     models: PinnedModels | None = None
-    """The models stage's output, opened once for this worker (``tokenizer`` is its student tokenizer); None: opened
-    from the job's ``paths.models_dir`` where it is needed (a setup built in code)."""
+    """The models stage's output, opened once for this worker by ``run_worker`` (``tokenizer`` is its student
+    tokenizer) and handed down; None in a setup built in code, which then opens it from the job's paths."""
 
     def __post_init__(self):
         if self.rng_seed is None:
@@ -242,13 +242,12 @@ class StartingStudent:
     adapter: str  # "none", "fresh" or "continued" (from the starting directory's adapter)
 
 
-def starting_student(job: TrainingJob, device: torch.device, models: PinnedModels | None = None) -> StartingStudent:
+def starting_student(job: TrainingJob, device: torch.device, models: PinnedModels) -> StartingStudent:
     """The student a training stage starts from. ``sft`` starts from the models stage's base student; the
     stages after it (opd, sft_continued) from ``paths.distill_init``, the SFT stage's output. With an adapter:
     a fresh one on the base student (sft), the published one continued on that same base student (when
     ``distill_init`` holds one), or a fresh one on the fully fine-tuned SFT student (when it holds none).
-    ``models``: the models stage's output, opened once (None: opened here)."""
-    models = models or PinnedModels(job.paths.models_dir, job.trust_remote_code)
+    ``models``: the models stage's output, opened once (``WorkerSetup.models``)."""
     base_revision = models.revision("student")
     if job.stage == "sft":
         model = models.load("student")

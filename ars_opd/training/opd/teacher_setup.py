@@ -44,12 +44,11 @@ def _teacher_params_from_config(models: PinnedModels) -> int:
 
 
 def build_teacher(
-    job: TrainingJob, setup: WorkerSetup, vocab: int, models: PinnedModels | None = None
+    job: TrainingJob, setup: WorkerSetup, vocab: int, models: PinnedModels
 ) -> tuple[LocalTeacher | EndpointTeacher, int, dict]:
     """(the teacher that scores this worker's rollouts, its parameter count for the budget, manifest entries);
-    ``models``: the models stage's output, opened once (None: opened here)."""
+    ``models``: the models stage's output, opened once (``WorkerSetup.models``)."""
     ctx, cfg = setup.ctx, job.cfg
-    models = models or PinnedModels(job.paths.models_dir, job.trust_remote_code)
     if cfg.teacher == "endpoint":  # no teacher weights in the trainer, only the count from the teacher's config
         endpoint = job.scoring
         if endpoint is None:
