@@ -1160,6 +1160,11 @@ class OPDConfig(TrainLoopConfig):
     """Divergence: 0 forward KL, 1 reverse KL, in between generalised JSD (objectives that use beta)."""
     temperature: float = 1.0
     """Temperature of both distributions in the divergence."""
+    teacher_temperature: float | None = None
+    """The teacher's own temperature in the divergence (loss: full_vocab, a local teacher): p = softmax(z_T /
+    teacher_temperature); below 1 the student is distilled towards the teacher's sharpened distribution, whose most
+    likely token is the teacher's greedy choice (what the SFT stage's greedy completions and a greedy evaluation
+    hold). null: the same as temperature."""
     loss_normalisation: Literal["token", "sequence"] = "token"
     """What the step's loss averages over: token (every loss token of the global batch weighs the same, so a long
     rollout weighs more than a short one) or sequence (each completion's mean over its tokens, then the mean over
@@ -1234,6 +1239,11 @@ class OPDConfig(TrainLoopConfig):
         _require(bool(self.loss.strip()), "loss", "must name an objective, e.g. full_vocab or sampled_token")
         _require(0 <= self.beta <= 1, "beta", f"must be in [0, 1] (0 forward KL, 1 reverse KL), got {self.beta}")
         _require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        _require(
+            self.teacher_temperature is None or self.teacher_temperature > 0,
+            "teacher_temperature",
+            f"must be > 0 or null, got {self.teacher_temperature}",
+        )
         _require(self.chunk_size > 0, "chunk_size", f"must be > 0, got {self.chunk_size}")
         _require(
             0 <= self.sample_temperature <= 5, "sample_temperature", f"must be in [0, 5], got {self.sample_temperature}"
@@ -1576,6 +1586,12 @@ def check_objective(cfg: OPDConfig) -> ObjectiveRules:
                 f"distribution; set 1.0 with opd.teacher: endpoint (or use topk, "
                 "which renormalises over the top-k at τ)",
             )
+    if cfg.teacher_temperature is not None and (cfg.loss != "full_vocab" or cfg.teacher != "local"):
+        raise ConfigError(
+            "opd.teacher_temperature",
+            "a teacher temperature of its own is offered for loss: full_vocab with a local teacher (an endpoint's "
+            "log-probabilities are at temperature 1); set null",
+        )
     if cfg.anchor == "forward_kl" and cfg.teacher != "local":
         raise ConfigError(
             "opd.anchor",
