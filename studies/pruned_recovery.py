@@ -275,14 +275,15 @@ def run_study(args) -> dict:
         prepare_run(controls[s], run_params(base, overrides, s, CONTROL), source, None)
         for arm in arms:
             prepare_run(root / f"seed-{s}" / arm, run_params(base, overrides, s, arm), source, controls[s])
-    train = [(controls[s], "sft_continued") for s in args.seeds]
+    train = [] if args.train_only else [(controls[s], "sft_continued") for s in args.seeds]
     train += [(root / f"seed-{s}" / a, "opd") for s in args.seeds for a in arms]
     runner.map(lambda job: runner.stage(job[0], job[1], env), train)
     t_train = time.perf_counter() - t0 - t_start
     # an arm is evaluated once its training and its seed's control finished; one trained again (or whose control
     # was) is evaluated again
     evals = []
-    for s in args.seeds:
+    # short runs read for their step logs alone (--train-only: the collapse diagnosis) are not evaluated
+    for s in [] if args.train_only else args.seeds:
         for a in arms:
             run = root / f"seed-{s}" / a
             if (run, "opd") in runner.ran or (controls[s], "sft_continued") in runner.ran:
@@ -425,6 +426,11 @@ def main(argv=None) -> int:
     ap.add_argument("--start", help="a start made earlier (e.g. another study root's start/), used as it is")
     ap.add_argument("--title", help="the page's first line (markdown)")
     ap.add_argument(
+        "--train-only",
+        action="store_true",
+        help="train the arms (not the control) and stop: short runs read for their step logs (opd_collapse.py)",
+    )
+    ap.add_argument(
         "--extra-arm",
         action="append",
         default=[],
@@ -451,6 +457,9 @@ def main(argv=None) -> int:
         except ConfigError as e:  # a bad --set or profile: one line naming the key, as a stage says it
             print(f"pruned_recovery: params: {e}", file=sys.stderr)
             return 2
+        if args.train_only:
+            print(json.dumps({"kind": "pruned_recovery", "root": str(root), "train_only": True}))
+            return 0
     counts = write_report(root, REPO / args.out, args.commit)
     print(json.dumps({"kind": "pruned_recovery", "root": str(root), "out": args.out, "seeds_per_arm": counts}))
     failed = json.loads((root / "study.json").read_text()).get("failed") or []
