@@ -16,8 +16,11 @@ Three measurements, each one JSON line (``--out``, default ``reports/opd_collaps
   auto`` give on CUDA) against fp32 on held-out rows: the NLL of the teacher's completions under each, and
   KL(fp32 teacher ‖ bf16 teacher) per token at those positions. This CPU's bf16 kernels are not CUDA's, so the
   figure bounds the effect of the dtype, not the GPU's own numbers.
+- ``short_run`` (with ``--runs ROOT``): short OPD runs from the same start, one setting changed per arm
+  (``studies/pruned_recovery.py --train-only``): each arm's EOS rate, length, student entropy, teacher log p and
+  loss over its first and last steps, its EOS rate step by step, and the rollout-health verdict.
 
-    python studies/opd_collapse.py --start build/pr-cpu/start --prompts 64 --heldout 100
+    python studies/opd_collapse.py --start build/pr-cpu/start --prompts 64 --heldout 100 --runs build/short-runs
 """
 
 from __future__ import annotations
@@ -149,6 +152,57 @@ def bf16_teacher(teacher32, models_dir: Path, tok, rows: list[dict], batch: int)
     return {"rows": len(rows), "tokens": n, "nll_fp32": nll32 / n, "nll_bf16": nll16 / n, "kl_fp32_bf16": kl / n}
 
 
+def short_runs(root: Path, baseline: int = 3) -> list[dict]:
+    """Each short run's trajectory from its step log (``pruned_recovery.py --train-only`` arms under ``root``): the
+    arm's overrides, and over its first ``baseline`` on-policy steps and its last as many: EOS rate, mean length,
+    the student's entropy at its samples, the teacher's log p of them and the loss; the EOS rate step by step; the
+    rollout-health verdict."""
+    import yaml
+
+    from ars_opd.training.opd.rollout_health import HealthConfig, detect
+
+    def mean(part: list[dict], key: str) -> float | None:
+        vals = [float(r[key]) for r in part if r.get(key) is not None and math.isfinite(float(r[key]))]
+        return sum(vals) / len(vals) if vals else None
+
+    out = []
+    for steps in sorted(root.glob("seed-*/*/data/opd/log/steps.jsonl")):
+        run = steps.parents[3]
+        log = read_jsonl(steps)
+        rows = [r for r in log if float(r.get("task/on_policy", 1.0)) >= 1.0]
+        if not rows:
+            continue
+        opd = yaml.safe_load((run / "params.yaml").read_text()).get("opd", {})
+        first, last = rows[:baseline], rows[-baseline:]
+        line = {"arm": run.name, "seed": run.parent.name, "steps": len(rows)}
+        line["opd"] = {k: opd[k] for k in OVERRIDE_KEYS if k in opd}
+        for key in ("eos_rate", "response_length", "entropy", "teacher_logprob"):
+            line[f"{key}_start"], line[f"{key}_end"] = mean(first, f"task/{key}"), mean(last, f"task/{key}")
+        line["loss_start"], line["loss_end"] = mean(first, "loss"), mean(last, "loss")
+        line["eos_by_step"] = [round(float(r["task/eos_rate"]), 3) for r in rows]
+        alarm = detect(log, HealthConfig(), opd.get("global_batch_size")).alarm
+        line["alarm"] = None if alarm is None else {"step": alarm.step, "kind": alarm.kind, "p": alarm.p}
+        out.append(line)
+    return out
+
+
+# the opd keys a short run's arm may change (what the diagnosis varies one at a time)
+OVERRIDE_KEYS = (
+    "lr",
+    "beta",
+    "on_policy_fraction",
+    "sample_temperature",
+    "max_new_tokens",
+    "precision",
+    "teacher_dtype",
+    "teacher_temperature",
+    "truncated_rollouts",
+    "anchor",
+    "loss",
+)
+MODEL_KINDS = ("eos_rates", "eos_gradient", "bf16_teacher")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--start", required=True, help="a study's start/ directory (its models and sft stages' outputs)")
@@ -157,39 +211,36 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="reports/opd_collapse.jsonl")
+    ap.add_argument("--runs", help="a --train-only study root whose short runs' trajectories are summarised too")
+    ap.add_argument("--skip-models", action="store_true", help="keep --out's model measurements; only the short runs")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    start = Path(args.start)
-    models_dir = start / "data" / "models"
-    tok = load_tokenizer(models_dir)
-    teacher = load_model(models_dir, "teacher").eval()
-    student = load_model_dir(start / "data" / "sft" / "model", stage="sft").eval()
-    eos = eos_token_ids(student, tok)
-    train = read_jsonl(start / "data" / "teacher" / "train.jsonl")[: args.prompts]
-    prompts = encode_prompts(tok, [r["messages"] for r in train])
-    lines = []
+    start, out = Path(args.start), Path(args.out)
     t0 = time.perf_counter()
+    if args.skip_models:
+        lines = [x for x in read_jsonl(out) if x["kind"] in MODEL_KINDS] if out.is_file() else []
+    else:
+        models_dir = start / "data" / "models"
+        tok = load_tokenizer(models_dir)
+        teacher = load_model(models_dir, "teacher").eval()
+        student = load_model_dir(start / "data" / "sft" / "model", stage="sft").eval()
+        eos = eos_token_ids(student, tok)
+        train = read_jsonl(start / "data" / "teacher" / "train.jsonl")[: args.prompts]
+        prompts = encode_prompts(tok, [r["messages"] for r in train])
+        models = {"teacher": teacher, "start": student}
+        lines = [{"kind": "eos_rates", **eos_rates(models, tok, prompts, eos, args.batch)}]
+        lines.append({"kind": "eos_gradient", **eos_gradient(student, teacher, tok, prompts, eos, args.batch)})
+        held = read_jsonl(start / "data" / "teacher" / "eval.jsonl")[: args.heldout]
+        lines.append({"kind": "bf16_teacher", **bf16_teacher(teacher, models_dir, tok, held, args.batch)})
+    if args.runs:
+        lines += [{"kind": "short_run", **x} for x in short_runs(Path(args.runs))]
+    seconds = round(time.perf_counter() - t0, 1)
     lines.append(
-        {"kind": "eos_rates", **eos_rates({"teacher": teacher, "start": student}, tok, prompts, eos, args.batch)}
+        {"kind": "meta", "start": str(start), "runs": args.runs, "seconds": seconds, "torch": torch.__version__}
     )
-    lines.append({"kind": "eos_gradient", **eos_gradient(student, teacher, tok, prompts, eos, args.batch)})
-    held = read_jsonl(start / "data" / "teacher" / "eval.jsonl")[: args.heldout]
-    lines.append({"kind": "bf16_teacher", **bf16_teacher(teacher, models_dir, tok, held, args.batch)})
-    meta = {
-        "kind": "meta",
-        "start": str(start),
-        "seconds": round(time.perf_counter() - t0, 1),
-        "torch": torch.__version__,
-    }
-    lines.append(meta)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        "".join(
-            json.dumps(x, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v) + "\n" for x in lines
-        )
-    )
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines))
     for x in lines:
         print(json.dumps(x))
     return 0
