@@ -372,10 +372,16 @@ def collect(root: Path) -> tuple[dict, dict, dict]:
     return by_arm, logs, meta
 
 
-def write_report(root: Path, out: Path, commit: str | None = None) -> dict:
+def write_report(
+    root: Path, out: Path, commit: str | None = None, notes: Path | None = None, diagnosis: Path | None = None
+) -> dict:
     from ars_opd.evaluation import recovery
 
     by_arm, logs, meta = collect(root)
+    if notes is not None:
+        meta["notes"] = notes.read_text()
+    if diagnosis is not None:
+        meta["diagnosis"] = read_jsonl(diagnosis)
     if commit:
         meta["commit"] = commit
     if "profile" not in meta and "--profile" in meta.get("command", "").split():  # a study.json older than the key
@@ -425,6 +431,8 @@ def main(argv=None) -> int:
     ap.add_argument("--own-data", action="store_true", help="with --prepare: make the prompts and teacher completions")
     ap.add_argument("--start", help="a start made earlier (e.g. another study root's start/), used as it is")
     ap.add_argument("--title", help="the page's first line (markdown)")
+    ap.add_argument("--notes", help="a markdown file of the study's reading, put after the verdict")
+    ap.add_argument("--diagnosis", help="studies/opd_collapse.py's JSON lines, rendered as the diagnosis section")
     ap.add_argument(
         "--train-only",
         action="store_true",
@@ -460,7 +468,13 @@ def main(argv=None) -> int:
         if args.train_only:
             print(json.dumps({"kind": "pruned_recovery", "root": str(root), "train_only": True}))
             return 0
-    counts = write_report(root, REPO / args.out, args.commit)
+    counts = write_report(
+        root,
+        REPO / args.out,
+        args.commit,
+        Path(args.notes) if args.notes else None,
+        Path(args.diagnosis) if args.diagnosis else None,
+    )
     print(json.dumps({"kind": "pruned_recovery", "root": str(root), "out": args.out, "seeds_per_arm": counts}))
     failed = json.loads((root / "study.json").read_text()).get("failed") or []
     if failed:

@@ -216,3 +216,56 @@ def test_the_page_names_runs_that_did_not_finish(by_arm):
     two = {"opd": by_arm["opd"][:2]}
     cell = _cells(recovery.render(two, {}, {"seconds": 1}, {}), "At equal steps", recovery.label("opd"))[0]
     assert "(n = 2)" in cell
+
+
+def test_the_diagnosis_section_shows_each_measurement():
+    """studies/opd_collapse.py's lines rendered: the EOS rates, the push per divergence, the bf16 teacher, and each
+    short run's change against the old OPD (found by its arm name) with its alarm."""
+    lines = [
+        {
+            "kind": "eos_rates",
+            "teacher/greedy/48": 0.5,
+            "teacher/sampled/48": 0.25,
+            "teacher/greedy/128": 0.75,
+            "teacher/sampled/128": 0.625,
+            "start/greedy/48": 0.9,
+            "start/sampled/48": 0.6,
+            "start/greedy/128": 1.0,
+            "start/sampled/128": 0.7,
+        },
+        {
+            "kind": "eos_gradient",
+            "rollouts": 64,
+            "student_eos_rate": 0.6,
+            "beta=1.0": {
+                "ends_teacher_would_not": {"positions": 7, "mean_push": -0.125},
+                "teacher_would_end": {"positions": 3, "mean_push": 0.0625},
+                "per_rollout_mean_push": -0.5,
+            },
+        },
+        {"kind": "bf16_teacher", "rows": 10, "tokens": 200, "nll_fp32": 0.6, "nll_bf16": 0.7, "kl_fp32_bf16": 0.03},
+        {
+            "kind": "short_run",
+            "arm": "opd",
+            "steps": 12,
+            "opd": {"lr": 1e-4, "beta": 1.0},
+            "eos_rate_start": 0.5,
+            "eos_rate_end": 0.0,
+            "alarm": {"step": 7, "kind": "stopped_ending", "p": 1e-5},
+        },
+        {
+            "kind": "short_run",
+            "arm": "opd_fkl",
+            "steps": 12,
+            "opd": {"lr": 1e-4, "beta": 0.0},
+            "eos_rate_start": 0.5,
+            "eos_rate_end": 0.75,
+            "alarm": None,
+        },
+    ]
+    md = "\n".join(recovery.diagnosis_section(lines))
+    assert "| teacher | 50.0% | 25.0% | 75.0% | 62.5% |" in md
+    assert "| reverse KL (β = 1) | -0.125 (n = 7) | 0.0625 (n = 3) | -0.5 |" in md
+    assert "0.6 (fp32) against 0.7 (bf16)" in md and "0.03 per token" in md
+    assert "| opd | none (old OPD) | 50.0% → 0.0% |" in md and "step 7 (stopped ending)" in md
+    assert "| opd_fkl | beta = 0.0 | 50.0% → 75.0% |" in md
