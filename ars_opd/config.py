@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -1487,11 +1488,22 @@ class Params:
     report: ReportConfig | None = None
 
 
+class ParamsLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (YAML 1.1), reading a float written without a dot (``5e-05``, ``1e3``) as a float, as
+    YAML 1.2 does. DVC writes the params of an experiment (``dvc exp run -S opd.lr=5e-5``, a profile) with a YAML 1.2
+    writer, which puts every float below 1e-4 that way, and YAML 1.1 would read it back as the string '5e-05'."""
+
+
+ParamsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
 def read_params_file(path: str | Path = PARAMS_FILE) -> dict:
     path = Path(path)
     if not path.exists():
         raise ConfigError("", f"{path} not found (run from the repository root)")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = yaml.load(path.read_text(), Loader=ParamsLoader) or {}
     _require(isinstance(raw, Mapping), "", f"{path}: top level must be a mapping of sections")
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
