@@ -26,6 +26,8 @@ from ars_opd.evaluation.stats import mean_ci
 from ars_opd.evaluation.tables import fmt
 
 CONTROL = "sft"
+# the cross-tokenizer arms without the span baseline say so, whatever the profile under them sets
+_NO_BASELINE = {"span_baseline": "none"}
 TITLE = "# Recovering a depth-pruned real model: distillation arms against continued SFT"
 
 # arm -> (label, what it is, the opd section's overrides; None: the control, the sft_continued stage)
@@ -60,13 +62,25 @@ ARMS: dict[str, tuple[str, str, dict | None]] = {
         "the student's text scored by the teacher in its own tokens; each span both tokenisations share carries its "
         "log-ratio log q − log p as its tokens' credit, the sequence estimate exact by the chain rule "
         "(`opd.cross_tokenizer`, `opd.loss: sampled_token`)",
-        {"loss": "sampled_token", "beta": 1.0, "on_policy_fraction": 1.0, "cross_tokenizer": True},
+        {"loss": "sampled_token", "beta": 1.0, "on_policy_fraction": 1.0, "cross_tokenizer": True, **_NO_BASELINE},
+    ),
+    "xtok_sampled_loo": (
+        "OPD across tokenizers, span sampled-token reverse KL, leave-one-out baseline",
+        "as the span sampled-token arm, each span's credit less the mean credit of the micro-batch's other rollouts, "
+        "a control variate that keeps the expected gradient (`opd.span_baseline: leave_one_out`)",
+        {
+            "loss": "sampled_token",
+            "beta": 1.0,
+            "on_policy_fraction": 1.0,
+            "cross_tokenizer": True,
+            "span_baseline": "leave_one_out",
+        },
     ),
     "xtok_vocab": (
         "OPD across tokenizers, shared vocabulary + ULD",
         "at each span's first token, reverse KL over the tokens both vocabularies spell alike (plus one bucket for "
         "the rest) and ULD's sorted-probability distance on the rest (`opd.loss: cross_vocab`)",
-        {"loss": "cross_vocab", "beta": 1.0, "on_policy_fraction": 1.0, "cross_tokenizer": True},
+        {"loss": "cross_vocab", "beta": 1.0, "on_policy_fraction": 1.0, "cross_tokenizer": True, **_NO_BASELINE},
     ),
 }
 VIEW_KEYS = ("equal_steps", "equal_flops", "equal_total_flops")
