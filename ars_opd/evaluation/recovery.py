@@ -264,7 +264,6 @@ def diagnosis_section(lines: list[dict]) -> list[str]:
         ]
         for who in ("teacher", "start"):
             cells = [fmt(r.get(f"{who}/{m}/{n}"), True) for n in (48, 128) for m in ("greedy", "sampled")]
-            cells = [cells[0], cells[1], cells[2], cells[3]]
             out.append(f"| {who} | " + " | ".join(cells) + " |")
         out.append("")
     if by_kind.get("eos_gradient"):
