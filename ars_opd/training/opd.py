@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import random
 import sys
 import time
@@ -84,6 +85,7 @@ from ars_opd.lm.optim import autocast_context
 from ars_opd.lm.rollout_copy import CastCopy
 from ars_opd.lm.token_alignment import CrossTokenizer, teacher_end_id
 from ars_opd.models.loading import load_teacher_tokenizer, read_manifest
+from ars_opd.models.teachers import Route, check_recorded
 from ars_opd.rollouts.schedule import (
     ENGINE_METRICS,
     EngineRollouts,
@@ -101,6 +103,9 @@ from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.rollout_health import HealthMonitor, StepRollouts
 from ars_opd.training.sharding import is_sharded
 from ars_opd.training.task import MicroBatch
+from ars_opd.training.teacher_route import ROW_KEY, RoutedTeacher, column, rollout_columns, scored_columns
+from ars_opd.training.teacher_route import metric_names as per_teacher_names
+from ars_opd.training.teacher_route_setup import build_routed_teacher, routed_endpoints
 from ars_opd.training.train_rows import train_rows
 from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
 
@@ -121,17 +126,22 @@ __all__ = [
 ROLLOUT_HEALTH = ("eos_rate", "truncation_rate", "response_length", "entropy", "teacher_logprob")
 
 
-def step_rollouts(step: int, metrics: dict) -> StepRollouts:
+def step_rollouts(step: int, metrics: dict, prefix: str = "") -> StepRollouts:
     """A step's rollouts for the health detector, from its reduced columns (n = 0, not judged, on a step that
-    trained on the teacher's text)."""
-    n = int(round(metrics.get("rollouts", 0.0))) if metrics.get("on_policy", 1.0) >= 1.0 else 0
+    trained on the teacher's text). ``prefix``: one teacher's of several (``<teacher>/``)."""
+    n = int(round(metrics.get(f"{prefix}rollouts", 0.0))) if metrics.get("on_policy", 1.0) >= 1.0 else 0
+
+    def value(name: str) -> float:
+        v = metrics.get(f"{prefix}{name}", 0.0)
+        return v if n and math.isfinite(v) else 0.0  # a teacher without rollouts this step: nothing to judge
+
     return StepRollouts(
         step,
         n,
-        int(round(metrics.get("eos_rate", 0.0) * n)),
-        int(round(metrics.get("truncation_rate", 0.0) * n)),
-        metrics.get("response_length", 0.0) * n,
-        metrics.get("response_length_sq", 0.0) * n,
+        int(round(value("eos_rate") * n)),
+        int(round(value("truncation_rate") * n)),
+        value("response_length") * n,
+        value("response_length_sq") * n,
     )
 
 
@@ -152,6 +162,7 @@ class OPDData:
     # (``ars_opd.data.answers``: the synthetic tasks, the natural prompts' checkable kinds), else None
     check_rows: list[dict | None] | None = None
     teacher_prompts: list[list[int]] | None = None  # opd.cross_tokenizer: each prompt in the teacher's own tokens
+    teachers: list[int] | None = None  # several teachers (teachers.named): each row's, by its index in the route
 
     def checkable(self) -> bool:
         """Whether any row's answer can be checked (the correct_rate column then counts those rows)."""
@@ -212,11 +223,16 @@ class OPDTask:
         self.engine = rollouts.engine  # opd.rollouts: engine (ars_opd.rollouts.schedule); None: this worker samples
         self.rollout_copy = CastCopy(torch.bfloat16) if cfg.rollout_dtype == "bf16" else None
         self.health = HealthMonitor()  # the live rollout-health check (check_step)
+        # several teachers (ars_opd.training.teacher_route): each row's teacher, and the columns again per teacher
+        self.routed = teacher.names if isinstance(teacher, RoutedTeacher) else None
+        self.row_teachers = data.teachers
+        self.teacher_health = {t: HealthMonitor() for t in self.routed or ()}
 
     def worker_metric_names(self) -> tuple[str, ...]:
         """The columns the step log also keeps per worker (``worker_task/<name>``): the rollouts' health, so that
-        one worker whose samples stop ending (a stale engine, a skewed shard) shows in the log by itself."""
-        return ROLLOUT_HEALTH
+        one worker whose samples stop ending (a stale engine, a skewed shard) shows in the log by itself; with several
+        teachers, per teacher too (``worker_task/<teacher>/<name>``)."""
+        return ROLLOUT_HEALTH + tuple(column(t, n) for t in self.routed or () for n in ROLLOUT_HEALTH)
 
     def metric_names(self) -> list[str]:
         names = ["rollouts", "teacher_logprob", "entropy", "response_length", "response_length_sq", "eos_rate"]
@@ -225,6 +241,7 @@ class OPDTask:
         names += ["divergence_first_half", "divergence_second_half", "gen_s", "teacher_s", "on_policy"]
         names += ["unaligned_rate"] if self.cfg.cross_tokenizer else []
         names += ["anchor_loss"] if self.cfg.anchor != "none" else []
+        names += per_teacher_names(self.routed, self.check_rows is not None) if self.routed else []
         return names + (list(ENGINE_METRICS) if self.engine is not None else [])
 
     def teacher_tokens(self, step: int) -> int:
@@ -295,6 +312,9 @@ class OPDTask:
             )
             if self.cfg.cross_tokenizer:  # the teacher renders each row's prompt in its own tokens
                 batch["row_index"] = torch.tensor(idx[j : j + self.geometry.micro_batch], dtype=torch.long)
+            if self.routed:  # several teachers: each row's own scores it
+                rows = idx[j : j + self.geometry.micro_batch]
+                batch[ROW_KEY] = torch.tensor([self.row_teachers[i] for i in rows], dtype=torch.long)
             if on_policy and self.cfg.truncated_rollouts != "keep":  # rollouts cut at max_new_tokens (no EOS)
                 batch["overlong"] = (~batch["has_eos"]) & (batch["lengths"] >= self.cfg.max_new_tokens)
             if on_policy and self.cfg.anchor != "none":  # the teacher's text of the same prompts, beside them
@@ -325,6 +345,15 @@ class OPDTask:
             if self.check_rows is not None:  # over the micro-batch's checkable rows
                 right, checked = self._correct(idx[j : j + self.geometry.micro_batch], completions[j : j + n_seq])
                 meta["correct_rate"] = (float(right), float(checked))
+            if self.routed:  # the same columns over each teacher's rows
+                rows, done = idx[j : j + n_seq], completions[j : j + n_seq]
+                correct = None
+                if self.check_rows is not None:
+                    correct = lambda sel, rows=rows, done=done: self._correct(  # noqa: E731
+                        [r for r, s in zip(rows, sel.tolist()) if s], [c for c, s in zip(done, sel.tolist()) if s]
+                    )
+                counted = meta["rollouts"][1]
+                meta.update(rollout_columns(self.routed, b, cut, counted, correct))
             if n == 0:
                 meta["gen_s"] = (gen_s, 1.0)
                 meta["teacher_s"] = (attach_s, 0.0)  # loss_sum adds the per-micro-batch part and the count
@@ -341,6 +370,8 @@ class OPDTask:
             real_t = int(b["teacher_attention_mask"].sum()) if "teacher_attention_mask" in b else real
             n_tok = int(b["loss_mask"].sum())
             flops = 6 * self.student_params * real + 2 * self.teacher_params * real_t
+            if self.routed:  # each row's teacher forward at its own teacher's size
+                flops = 6 * self.student_params * real + self.teacher.forward_flops(b)
             flops += 2 * self.student_params * sampled + 2 * self.extra_head_params * n_tok
             if "anchor_attention_mask" in b:  # the anchor rows' forward and backward (and the teacher's forward)
                 anchor_real = int(b["anchor_attention_mask"].sum())
@@ -407,6 +438,10 @@ class OPDTask:
         if "student_span" in t:  # across tokenizers: the columns average over the tokens in a span (unaligned: 0)
             aligned = t["student_span"] >= 0
             n, first, second = int(aligned.sum()), first & aligned, second & aligned
+        if self.routed:  # the same columns over each teacher's positions
+            owner = t[ROW_KEY][mask.nonzero()[:, 0]]
+            values = {"teacher_logprob": scores.target_logprobs(), "entropy": entropy, "divergence": per_token}
+            extra.update(scored_columns(self.routed, owner, values, first, second))
         return loss_sum, {
             "teacher_logprob": (float(scores.target_logprobs().sum()), float(n)),
             "entropy": (float(entropy.sum()), float(entropy.numel())),
@@ -493,10 +528,20 @@ class OPDTask:
         alarm = self.health.add(step_rollouts(step, metrics))
         if alarm is not None and self.rank == 0:
             print(f"warning: {alarm.line('opd')}", file=sys.stderr, flush=True)
+        for teacher, monitor in self.teacher_health.items():  # several teachers: each one's rollouts too
+            alarm = monitor.add(step_rollouts(step, metrics, column(teacher, "")))
+            if alarm is not None and self.rank == 0:
+                where = f"opd ({teacher}'s prompts)"
+                print(f"warning: {alarm.line(where)}", file=sys.stderr, flush=True)
 
 
 def _encode(
-    tokenizer, rows: list[dict], cfg: OPDConfig, teacher_tokenizer=None, teacher_positions: int | None = None
+    tokenizer,
+    rows: list[dict],
+    cfg: OPDConfig,
+    teacher_tokenizer=None,
+    teacher_positions: int | None = None,
+    route: list[int] | None = None,
 ) -> OPDData:
     """The rows whose prompt fits the budget, encoded, and the counts. A teacher completion has an EOS only
     where the teacher ended it; with ``truncated_completions: drop`` and teacher-text steps
@@ -504,7 +549,8 @@ def _encode(
     (``teacher_tokenizer``) the prompts are also encoded in the teacher's tokens, and a row whose teacher prompt
     leaves fewer than ``max_new_tokens`` of the teacher's ``teacher_positions`` is left out (counted): its
     teacher row could not be scored. A text the teacher spells in more tokens than the student can still overrun
-    at a step; the teacher then stops the run naming the lengths."""
+    at a step; the teacher then stops the run naming the lengths. ``route``: each row's teacher of several (its
+    index), kept for the rows kept."""
     prompts = encode_prompts(tokenizer, [r["messages"] for r in rows])
     completions = encode_teacher_completions(tokenizer, rows)
     fits = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
@@ -532,6 +578,7 @@ def _encode(
         counts,
         [rows[i] if is_checkable(rows[i]) else None for i in keep],
         teacher_prompts,
+        [route[i] for i in keep] if route is not None else None,
     )
 
 
@@ -543,13 +590,22 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     rows_out = model.get_output_embeddings().weight.shape[0]
     if rows_out < vocab:
         raise ValueError(f"the student has {rows_out} output rows but the tokenizer {vocab} ids")
-    teacher, teacher_params, teacher_manifest = build_teacher(job, setup, vocab)
     rows, identity = train_rows(job.paths, job.stage, job.control)
+    route = None
+    if job.teachers.active:  # several teachers: each row's own (refused before any work if one has none)
+        where = job.paths.completions("train")
+        route = Route(job.teachers).indices(rows, where)
+        if job.cfg.on_policy_fraction < 1 or job.cfg.anchor != "none":  # the teacher's text must be its own
+            check_recorded(rows, Route(job.teachers).assign(rows, where), where)
+        teacher, teacher_manifest = build_routed_teacher(job, setup, vocab)
+        teacher_params = max(teacher.parameters)  # the budget charges each row's own (forward_flops)
+    else:
+        teacher, teacher_params, teacher_manifest = build_teacher(job, setup, vocab)
     teacher_tokenizer = None
     if job.cfg.cross_tokenizer:
         teacher_tokenizer = load_teacher_tokenizer(job.paths.models_dir, job.trust_remote_code)
     positions = max_positions(teacher.model) if isinstance(teacher, LocalTeacher) else None
-    data = _encode(tokenizer, rows, job.cfg, teacher_tokenizer, positions)
+    data = _encode(tokenizer, rows, job.cfg, teacher_tokenizer, positions, route)
     if not data.prompts:
         raise ValueError(f"no OPD prompts left after the budget: {data.counts}")
     eos_ids = eos_token_ids(model, tokenizer)
@@ -574,6 +630,8 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
         **identity,
     }
+    if job.teachers.active:  # which teachers score which prompts: another route is another run
+        fingerprint["teachers"] = {"pins": teacher_manifest["teachers"], "route": teacher_manifest["route"]}
     return PreparedRun(
         model,
         task,
@@ -627,6 +685,9 @@ def run_opd(job: TrainingJob) -> dict:
         if job.cfg.rollouts == "engine":
             engine = stage_engine(job.cfg, job.paths.models_dir, job.paths.opd_checkpoints)
             job = dataclasses.replace(job, rollout_engine=stack.enter_context(engine))
+        if job.teachers.active:  # several teachers: the served ones checked here, before any worker
+            endpoints = routed_endpoints(job.teachers, job.cfg, job.paths.models_dir, job.trust_remote_code)
+            return launch_stage(opd_worker, dataclasses.replace(job, teacher_endpoints=endpoints))
         if job.cfg.teacher == "local":
             return launch_stage(opd_worker, job)
         endpoint = stack.enter_context(scoring_endpoint(job.cfg, job.paths))
