@@ -1841,8 +1841,10 @@ def check_teachers(params: Params, base: str | Path = ".") -> None:
     - ``inputs.teachers``: a directory holding every local directory or .gguf file a named teacher is (one dep of
       the models stage for all of them), else ``inputs/none``;
     - every teacher shares the student's tokenizer: a built-in teacher (or the built-in ``models.teacher``) beside
-      a pretrained student, or a pretrained one beside the built-in student, tokenises otherwise, and several
-      teachers are offered on the student's tokenizer only (``opd.cross_tokenizer`` is refused with them);
+      a pretrained student tokenises otherwise, and several teachers are offered on the student's tokenizer only
+      (``opd.cross_tokenizer`` is refused with them; a pretrained teacher's tokenizer is compared with the
+      student's by the models stage, which refuses a difference naming the teacher);
+    - ``teacher_gen.endpoint`` stays local: each teacher's source says where it answers;
     - ``opd``: each teacher's source decides where it scores (``opd.teacher`` stays local); an endpoint teacher
       returns log-probabilities, not distributions, so the loss must not need logits; the forward_kl anchor needs
       one teacher's distribution on its own text and is not offered across several.
@@ -1880,13 +1882,13 @@ def check_teachers(params: Params, base: str | Path = ".") -> None:
             pruned is not None and pruned.prune_from == "teacher" and models.teacher == BUILTIN
         )
         student = models.student if isinstance(models.student, str) else "a pruned student"
-        for i, t in enumerate(teachers.named):
+        for i, t in enumerate(teachers.named):  # a pretrained one's tokenizer is compared by the models stage
             builtin = t.source == BUILTIN or (t.source == THE_TEACHER and models.teacher == BUILTIN)
-            if t.is_model and builtin != student_builtin:
+            if builtin and not student_builtin:
                 raise ConfigError(
                     f"teachers.named[{i}].source",
-                    f"{t.name} ({t.source}) and the student ({student}) tokenise differently (one is the built-in "
-                    "model, the other a pretrained one); several teachers are offered on the student's tokenizer only",
+                    f"{t.name} ({t.source}) is a built-in teacher and the student ({student}) a pretrained one: they "
+                    "tokenise differently, and several teachers are offered on the student's tokenizer only",
                 )
     if params.teacher_gen is not None and params.teacher_gen.endpoint != LOCAL_ENDPOINT:
         raise ConfigError(

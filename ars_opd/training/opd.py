@@ -685,7 +685,8 @@ def run_opd(job: TrainingJob) -> dict:
         if job.cfg.rollouts == "engine":
             engine = stage_engine(job.cfg, job.paths.models_dir, job.paths.opd_checkpoints)
             job = dataclasses.replace(job, rollout_engine=stack.enter_context(engine))
-        if job.teachers.active:  # several teachers: the served ones checked here, before any worker
+        if job.teachers.active:  # several teachers: every prompt has one, the served ones answer, before any worker
+            Route(job.teachers).assign(train_rows(job.paths, job.stage, job.control)[0], job.paths.completions("train"))
             endpoints = routed_endpoints(job.teachers, job.cfg, job.paths.models_dir, job.trust_remote_code)
             return launch_stage(opd_worker, dataclasses.replace(job, teacher_endpoints=endpoints))
         if job.cfg.teacher == "local":
