@@ -44,7 +44,7 @@ $(VLLM_VENV)/.installed: requirements-vllm.txt $(VENV)/.installed
 vllm: setup $(VLLM_VENV)/.installed
 	ars-opd vllm check
 
-# TRL, for the side-by-side benchmarks only (bench/trl_replication.py, bench/peer_trl.py); the pipeline never
+# TRL, for the side-by-side benchmarks only (studies/trl_replication.py, bench/peer_trl.py); the pipeline never
 # imports it. Its dependencies are already in .venv, so this adds trl alone.
 trl: setup
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check trl==1.16.0

@@ -8,7 +8,7 @@ finite number within its range (accuracies and fractions in [0, 1], losses and d
 pinned models and a local data source still match the hashes their stages recorded; a run with engine rollouts
 held every sync and every lag-0 step within its tolerance and told every version from the previous one
 (``ars_opd.rollouts.version_log``); a run whose rollouts left their start (stopped ending, grew longer or
-shorter: ``ars_opd.training.rollout_health``) is a problem, named in one line.
+shorter: ``ars_opd.training.opd.rollout_health``) is a problem, named in one line.
 Returns the problems as "path: what is wrong" lines; none means the outputs are sound.
 
 What it leaves out: judging quality (a weak teacher passes; the models stage has its own accuracy gate), beyond
@@ -299,7 +299,7 @@ def check_training(stage: str, paths: PathsConfig, problems: Problems, health=No
 
         for where, what in engine_problems(steps):  # a run with engine rollouts: its versions were verified
             problems.add(f"{steps_path} {where}", what)
-        from ars_opd.training.rollout_health import HealthConfig, detect, teacher_prefixes  # plain Python
+        from ars_opd.training.opd.rollout_health import HealthConfig, detect, teacher_prefixes  # plain Python
 
         alarm = detect(steps, health or HealthConfig()).alarm  # rollouts that left their start (opd)
         if alarm is not None:
@@ -343,7 +343,7 @@ def check_report(p: PathsConfig, problems: Problems) -> None:
 
 def check_outputs(paths: PathsConfig, stages: tuple[str, ...] = STAGES, health=None) -> list[str]:
     """All problems found in the named stages' outputs (an empty list means sound). ``health``: the rollout-health
-    detector's settings (``ars_opd.training.rollout_health.HealthConfig``; None: its defaults)."""
+    detector's settings (``ars_opd.training.opd.rollout_health.HealthConfig``; None: its defaults)."""
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; known: {list(STAGES)}")

@@ -113,7 +113,7 @@ def _sections_or_none(params_file: str, sections: tuple[str, ...]):
 
 def _cmd_summary(args: argparse.Namespace) -> int:
     from ars_opd.evaluation.run_summary import write_summary
-    from ars_opd.training.rollout_health import HealthConfig
+    from ars_opd.training.opd.rollout_health import HealthConfig
 
     p = _sections_or_none(args.file, ("paths", "report"))
     if p is None:
@@ -125,7 +125,7 @@ def _cmd_summary(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from ars_opd.checks import STAGES, check_outputs
-    from ars_opd.training.rollout_health import HealthConfig
+    from ars_opd.training.opd.rollout_health import HealthConfig
 
     p = _sections_or_none(args.file, ("paths", "report"))
     if p is None:
@@ -146,7 +146,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 SCENARIO_COMMANDS = """\
-git switch -c scenario-study && bash bench/scenario_sweep.sh   # after dvc repro; see the script's comments
+git switch -c scenario-study && bash studies/scenario_sweep.sh   # after dvc repro; see the script's comments
 # it queues, per seed in 1..5 (ddp.seed), with ddp.workers=4 and opd from one fixed SFT student:
 #   dvc exp run --queue -S ddp.scenario=S1-1|S1-2|S1-3 -S ddp.seed=N ...
 #   dvc exp run --queue -S ddp.inject.kind=shard_skew ... (the positive control)

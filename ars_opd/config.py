@@ -152,7 +152,7 @@ class PathsConfig:
     report_metrics: str = "reports/metrics.json"
     """report: flat metrics for dvc exp show."""
     detection_benchmark: str = "reports/detection.jsonl"
-    """bench/detection.py's committed output, which the report quotes (false-alarm rate, detection delays)."""
+    """studies/detection.py's committed output, which the report quotes (false-alarm rate, detection delays)."""
     distillation_study: str = "reports/distillation.md"
     """The seed study's file (``ars-opd distillation --out``); the report quotes its long-horizon section's
     measurement of the regime where OPD is expected to win."""
@@ -1309,6 +1309,11 @@ class OPDConfig(TrainLoopConfig):
     """Divergence: 0 forward KL, 1 reverse KL, in between generalised JSD (objectives that use beta)."""
     temperature: float = 1.0
     """Temperature of both distributions in the divergence."""
+    teacher_temperature: float | None = None
+    """The teacher's own temperature in the divergence (loss: full_vocab, a local teacher): p = softmax(z_T /
+    teacher_temperature); below 1 the student is distilled towards the teacher's sharpened distribution, whose most
+    likely token is the teacher's greedy choice (what the SFT stage's greedy completions and a greedy evaluation
+    hold). null: the same as temperature."""
     loss_normalisation: Literal["token", "sequence"] = "token"
     """What the step's loss averages over: token (every loss token of the global batch weighs the same, so a long
     rollout weighs more than a short one) or sequence (each completion's mean over its tokens, then the mean over
@@ -1383,6 +1388,11 @@ class OPDConfig(TrainLoopConfig):
         _require(bool(self.loss.strip()), "loss", "must name an objective, e.g. full_vocab or sampled_token")
         _require(0 <= self.beta <= 1, "beta", f"must be in [0, 1] (0 forward KL, 1 reverse KL), got {self.beta}")
         _require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        _require(
+            self.teacher_temperature is None or self.teacher_temperature > 0,
+            "teacher_temperature",
+            f"must be > 0 or null, got {self.teacher_temperature}",
+        )
         _require(self.chunk_size > 0, "chunk_size", f"must be > 0, got {self.chunk_size}")
         _require(
             0 <= self.sample_temperature <= 5, "sample_temperature", f"must be in [0, 5], got {self.sample_temperature}"
@@ -1476,11 +1486,11 @@ class ReportConfig:
     """Design false-alarm rate per 1,000 steps (every statistic, rank and side) for independent Gaussian
     scores, from which the threshold is computed, with three or more workers; real runs alarm more often
     than independent scores would, so it is calibrated on healthy runs of the default pipeline at K = 4
-    (``bench/detection.py``) to keep the measured rate at or below 1 per 1,000."""
+    (``studies/detection.py``) to keep the measured rate at or below 1 per 1,000."""
     two_worker_false_alarms_per_1000: float = 0.1
     """The same with two workers, where one test per statistic sees both (calibrated at K = 2)."""
     rollout_baseline_steps: int = 1
-    """Rollout health (``ars_opd.training.rollout_health``): the first on-policy steps whose rollouts are the
+    """Rollout health (``ars_opd.training.opd.rollout_health``): the first on-policy steps whose rollouts are the
     start each later window is tested against (step 0's are the start model's own)."""
     rollout_window: int = 6
     """Rollout health: the last on-policy steps tested against the baseline at each step."""
@@ -1731,6 +1741,12 @@ def check_objective(cfg: OPDConfig) -> ObjectiveRules:
                 f"distribution; set 1.0 with opd.teacher: endpoint (or use topk, "
                 "which renormalises over the top-k at τ)",
             )
+    if cfg.teacher_temperature is not None and (cfg.loss != "full_vocab" or cfg.teacher != "local"):
+        raise ConfigError(
+            "opd.teacher_temperature",
+            "a teacher temperature of its own is offered for loss: full_vocab with a local teacher (an endpoint's "
+            "log-probabilities are at temperature 1); set null",
+        )
     if cfg.anchor == "forward_kl" and cfg.teacher != "local":
         raise ConfigError(
             "opd.anchor",

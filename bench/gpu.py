@@ -10,7 +10,7 @@ torch and transformers (not even this package).
 Every workload runs the pipeline's own code: packing (``ars_opd.lm.batching``), the packed attention
 (``ars_opd.lm.attention``: flash varlen where installed, else FlexAttention on CUDA, else per-sequence SDPA),
 losses from hidden states (``ars_opd.lm.head``, ``ars_opd.lm.cross_entropy``, the objectives registry), the frozen
-teacher (``ars_opd.training.opd_teachers.LocalTeacher``, bf16 on CUDA) and the static-cache decode loop
+teacher (``ars_opd.training.opd.teachers.LocalTeacher``, bf16 on CUDA) and the static-cache decode loop
 (``ars_opd.lm.decoding``); models are built from config with random weights (no download). Precision is the
 pipeline's on CUDA: fp32 master weights under bf16 autocast for the student, bf16 weights for the teacher.
 On CUDA each decoder layer is compiled (``torch.compile``) for SFT and the OPD step, and the decode step with
@@ -65,7 +65,7 @@ from ars_opd.lm.decoding import generate_static
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.opd_objectives import TeacherLogits, TeacherScores, get_objective
 from ars_opd.lm.optim import autocast_context, clip_gradients, make_optimizer
-from ars_opd.training.opd_teachers import LocalTeacher
+from ars_opd.training.opd.teachers import LocalTeacher
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 SHAPES = {  # Qwen3 configurations (hidden, intermediate, layers, heads, kv heads, head_dim)

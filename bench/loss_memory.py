@@ -97,7 +97,7 @@ def _step_fn(step: str, variant: str, student, teacher, t: dict, vocab: int, chu
     from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden, causal_lm_token_loss_sum
     from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
     from ars_opd.lm.opd_objectives import get_objective
-    from ars_opd.training.opd_teachers import LocalTeacher
+    from ars_opd.training.opd.teachers import LocalTeacher
 
     local_teacher = LocalTeacher(teacher, vocab, chunk) if teacher is not None else None
     objective = get_objective("full_vocab")

@@ -35,7 +35,7 @@ from peer_trl import OPD_SETTINGS, link_inputs, real_params, worker_setup  # noq
 from ars_opd.config import load_params  # noqa: E402
 from ars_opd.training.distributed import init_worker, shutdown_worker  # noqa: E402
 from ars_opd.training.loop import Trainer  # noqa: E402
-from ars_opd.training.opd import prepare_opd  # noqa: E402
+from ars_opd.training.opd.stage import prepare_opd  # noqa: E402
 from ars_opd.training.task import RunHooks  # noqa: E402
 from ars_opd.training.worker import TrainingJob  # noqa: E402
 

@@ -124,7 +124,7 @@ from ars_opd.seeding import derive_seed, scenario_seeds, set_seeds  # noqa: E402
 from ars_opd.training.batch_plan import BatchGeometry, step_indices  # noqa: E402
 from ars_opd.training.distributed import init_worker, shutdown_worker  # noqa: E402
 from ars_opd.training.loop import Trainer  # noqa: E402
-from ars_opd.training.opd import prepare_opd  # noqa: E402
+from ars_opd.training.opd.stage import prepare_opd  # noqa: E402
 from ars_opd.training.sft import encode_sft_rows, prepare_sft  # noqa: E402
 from ars_opd.training.task import RunHooks  # noqa: E402
 from ars_opd.training.train_rows import train_rows  # noqa: E402

@@ -534,7 +534,7 @@ def measure_opd_lag(args, pin: bool, log_dir: Path) -> list[dict]:
 
 
 def _opd_lag_runs(args, params, student: Path, url: str, work: Path) -> list[dict]:
-    from ars_opd.training.opd import run_opd
+    from ars_opd.training.opd.stage import run_opd
     from ars_opd.training.worker import TrainingJob
     from bench import opd_lag
 

@@ -41,8 +41,9 @@ from ars_opd.serving.local_server import local_server
 from ars_opd.teacher.client.endpoint import ClientSettings
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.distributed import WorkerContext
-from ars_opd.training.opd import OPDData, OPDTask
-from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
+from ars_opd.training.opd.data import OPDData
+from ars_opd.training.opd.task import OPDTask
+from ars_opd.training.opd.teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.worker import WorkerSetup
 
 MODEL = "ars-opd-teacher"

@@ -33,7 +33,7 @@ from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.models.loading import load_model, load_tokenizer, model_path
 from ars_opd.serving.vllm_server import VLLMOptions, vllm_server
 from ars_opd.teacher.client.endpoint import ClientSettings
-from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
+from ars_opd.training.opd.teachers import EndpointTeacher, LocalTeacher
 
 
 def emit(record: dict) -> None:

@@ -291,7 +291,7 @@ def gkd_probe(job: dict) -> list:
     """Every worker's GKD draws for steps 0..n-1, gathered (they must be identical)."""
     ctx = init_worker("cpu", "gloo", threads=1, timeout_s=120)
     try:
-        from ars_opd.training.opd import uses_student_rollouts
+        from ars_opd.training.opd.task import uses_student_rollouts
 
         mine = torch.tensor([float(uses_student_rollouts(job["seed"], s, job["lam"])) for s in range(job["steps"])])
         parts = [torch.empty_like(mine) for _ in range(ctx.world_size)]

@@ -138,7 +138,7 @@ def run_opd_in(root: Path) -> tuple[list[dict], dict, dict]:
 
     from ars_opd.artifacts import read_jsonl
     from ars_opd.config import load_params
-    from ars_opd.training.opd import run_opd
+    from ars_opd.training.opd.stage import run_opd
     from ars_opd.training.worker import TrainingJob
 
     cwd = os.getcwd()

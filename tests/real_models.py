@@ -26,7 +26,7 @@ def _profile_keep_layers() -> list[int]:
     return keep
 
 
-KEEP_LAYERS = _profile_keep_layers()  # the real profile's student: the layers bench/prune_candidates.py chose
+KEEP_LAYERS = _profile_keep_layers()  # the real profile's student: the layers studies/prune_candidates.py chose
 
 
 def wheel_gguf() -> Path:

@@ -272,7 +272,8 @@ def test_a_module_to_save_matching_nothing_is_refused_naming_the_key(char_tokeni
 
 
 def test_stages_refuse_a_bad_adapter_before_any_worker_starts(monkeypatch):
-    from ars_opd.training import opd, sft, worker
+    from ars_opd.training import sft, worker
+    from ars_opd.training.opd import stage as opd
     from ars_opd.training.worker import TrainingJob
 
     started = []

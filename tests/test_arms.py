@@ -16,7 +16,7 @@ from ars_opd.evaluation.distillation import collect, render_study
 from ars_opd.evaluation.equal_budget import budget_note, compare, headline, interpolate, regime_note
 from ars_opd.models.loading import load_model, sha256_of_files
 from ars_opd.training.budget import matmul_parameters, read_budget, write_budget
-from ars_opd.training.opd import run_opd
+from ars_opd.training.opd.stage import run_opd
 from ars_opd.training.sft import continued_sft_config, run_sft_continued
 from ars_opd.training.worker import TrainingJob
 from micro import distill_workspace

@@ -24,8 +24,8 @@ from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.lm.token_alignment import CrossTokenizer
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.models.tokenizer import build_char_word_tokenizer
-from ars_opd.training.cross_teacher import CrossTokenizerTeacher, TeacherSide, shared_vocabulary
-from ars_opd.training.opd_teachers import LocalTeacher
+from ars_opd.training.opd.cross_teacher import CrossTokenizerTeacher, TeacherSide, shared_vocabulary
+from ars_opd.training.opd.teachers import LocalTeacher
 from tiny_models import TINY
 
 EPS32 = torch.finfo(torch.float32).eps

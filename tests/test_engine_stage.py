@@ -37,7 +37,7 @@ import pytest
 
 from ars_opd.config import ConfigError, OPDConfig, ParallelConfig, PathsConfig, RolloutEngineConfig
 from ars_opd.rollouts import stage
-from ars_opd.training.opd import run_opd
+from ars_opd.training.opd.stage import run_opd
 from ars_opd.training.worker import TrainingJob
 
 URL = "http://127.0.0.1:9/v1"  # nothing listens: the tests that name it never reach an engine
@@ -120,7 +120,7 @@ def _engine_seeds(scenario: str, rank: int, world: int = 2) -> list[int]:
     from ars_opd.seeding import derive_seed, scenario_seeds
     from ars_opd.teacher.client.endpoint import ClientSettings
     from ars_opd.training.distributed import WorkerContext
-    from ars_opd.training.opd import engine_rollouts
+    from ars_opd.training.opd.stage import engine_rollouts
     from ars_opd.training.worker import WorkerSetup
 
     job = dataclasses.replace(
@@ -197,7 +197,7 @@ def _copy(base: Path, dest: Path) -> Path:
 def test_the_engine_is_released_on_every_way_out_of_the_run(base, tmp_path, monkeypatch):
     from ars_opd.rollouts.engine_api import EngineDeadError
     from ars_opd.rollouts.schedule import EngineRollouts
-    from ars_opd.training.opd import OPDTask
+    from ars_opd.training.opd.task import OPDTask
     from fake_engine import FakeEngine
 
     closed = []

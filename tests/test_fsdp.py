@@ -233,7 +233,7 @@ def test_fsdp_refusals_name_the_key(tmp_path):
 def test_faults_are_caught_naming_the_rank_under_fsdp():
     """loss_scale (x2) and label_noise (10%), the detection benchmark's default magnitudes, on rank 2 of 4
     sharded workers: no alarm before the onset, and an alarm after it naming rank 2. CI-sized: the built-in
-    student's shape on reference answers, judged from step 40 on a 40-step window (bench/detection.py
+    student's shape on reference answers, judged from step 40 on a 40-step window (studies/detection.py
     --strategy fsdp is the full-size benchmark)."""
     from ars_opd.config import ReportConfig
     from ars_opd.evaluation.detector import detect

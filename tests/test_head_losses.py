@@ -305,7 +305,7 @@ def test_bf16_teacher_scores_a_fp32_student():
     """The frozen teacher in bf16 (the CUDA default): its chunked logits feed the fp32 student's loss as the
     logits path's bf16 teacher logits do."""
     from ars_opd.lm.precision import frozen_model_dtype
-    from ars_opd.training.opd import LocalTeacher
+    from ars_opd.training.opd.teachers import LocalTeacher
 
     assert frozen_model_dtype("auto", "cpu") == torch.float32 and frozen_model_dtype("auto", "cuda") == torch.bfloat16
     assert frozen_model_dtype("bf16", "cpu") == torch.bfloat16 and frozen_model_dtype("fp32", "cuda") == torch.float32

@@ -144,12 +144,12 @@ def test_the_floors_cover_every_library_module():
         _floor(_module_name(path))  # raises for a module on no floor
 
 
-def test_benchmarks_import_nothing_from_the_tests():
-    """A benchmark is run on its own (``python -m bench.x``): it may use the library and its sibling benchmarks,
-    never the test suite's helpers, which are not part of what a user runs."""
+def test_benchmarks_and_studies_import_nothing_from_the_tests():
+    """A benchmark or a study is run on its own (``python -m bench.x``, ``python studies/x.py``): it may use the
+    library and its siblings, never the test suite's helpers, which are not part of what a user runs."""
     helpers = {p.stem for p in (REPO / "tests").glob("*.py")}
     found = []
-    for path in sorted((REPO / "bench").glob("*.py")):
+    for path in sorted([*(REPO / "bench").glob("*.py"), *(REPO / "studies").glob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module:

@@ -14,7 +14,8 @@ from ars_opd.config import load_params
 from ars_opd.lm.batching import build_rollout_batch
 from ars_opd.models.loading import load_model, load_tokenizer
 from ars_opd.training.distributed import launch
-from ars_opd.training.opd import run_opd, uses_student_rollouts
+from ars_opd.training.opd.stage import run_opd
+from ars_opd.training.opd.task import uses_student_rollouts
 from ars_opd.training.worker import TrainingJob
 from ddp_probe import gkd_probe
 from micro import distill_workspace

@@ -1,4 +1,4 @@
-"""bench/opd_ablation_report.py's arithmetic on a made-up ``dvc exp show --json``: the per-arm changes from the
+"""studies/opd_ablation_report.py's arithmetic on a made-up ``dvc exp show --json``: the per-arm changes from the
 shared start, OPD − control, and the arm's OPD change against the default's paired by seed, each against a
 mean and t-interval computed here from the numbers put in."""
 
@@ -64,7 +64,7 @@ def test_ablation_table_against_hand_computed_means(tmp_path):
     src = tmp_path / "exps.json"
     src.write_text(json.dumps(data))
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "opd_ablation_report.py"), str(src), "--out", str(tmp_path / "t.md")],
+        [sys.executable, str(REPO / "studies" / "opd_ablation_report.py"), str(src), "--out", str(tmp_path / "t.md")],
         capture_output=True,
         text=True,
         check=True,
@@ -113,7 +113,7 @@ def test_keep_carries_over_only_the_arms_measured_nowhere_here(tmp_path):
     keep = tmp_path / "old.jsonl"
     keep.write_text("".join(json.dumps(x) + "\n" for x in old))
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "opd_ablation_report.py"), str(src), "--keep", str(keep)],
+        [sys.executable, str(REPO / "studies" / "opd_ablation_report.py"), str(src), "--keep", str(keep)],
         capture_output=True,
         text=True,
         check=True,

@@ -28,8 +28,9 @@ from ars_opd.lm.generation import eos_token_ids
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.distributed import WorkerContext
-from ars_opd.training.opd import ModelSizes, OPDData, OPDTask, RolloutSetup
-from ars_opd.training.opd_teachers import LocalTeacher
+from ars_opd.training.opd.data import OPDData
+from ars_opd.training.opd.task import ModelSizes, OPDTask, RolloutSetup
+from ars_opd.training.opd.teachers import LocalTeacher
 from ars_opd.training.worker import WorkerSetup
 
 PAD, EOS, VOCAB = 0, 2, 40

@@ -20,7 +20,7 @@ from ars_opd.models.loading import load_model, load_tokenizer, model_path
 from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError
 from ars_opd.teacher.client.generate import LOCAL_MODEL_NAME, local_server
 from ars_opd.teacher.client.score import ScoringError
-from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
+from ars_opd.training.opd.teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.worker import TrainingJob
 from fake_endpoint import FaultyProxy
 from micro import distill_workspace, run_opd_in, teacher_rows
@@ -237,7 +237,7 @@ def test_endpoint_opd_worker_never_loads_teacher_weights(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from ars_opd.teacher.client.endpoint import ClientSettings
-    from ars_opd.training.opd import opd_worker
+    from ars_opd.training.opd.stage import opd_worker
     from ars_opd.training.worker import ScoringEndpoint
 
     _workspace(

@@ -27,8 +27,9 @@ from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.opd_objectives import TeacherScores, objective_for
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.distributed import WorkerContext
-from ars_opd.training.opd import ModelSizes, OPDData, OPDTask, RolloutSetup
-from ars_opd.training.opd_teachers import LocalTeacher
+from ars_opd.training.opd.data import OPDData
+from ars_opd.training.opd.task import ModelSizes, OPDTask, RolloutSetup
+from ars_opd.training.opd.teachers import LocalTeacher
 from ars_opd.training.worker import WorkerSetup
 
 CPU = torch.device("cpu")
@@ -264,3 +265,38 @@ def test_the_stage_trains_with_the_options(tmp_path):
     steps, summary, _ = run_opd_in(tmp_path)
     assert len(steps) == 3 and all(r["task/anchor_loss"] > 0 for r in steps)
     assert all(abs(r["loss"]) < 1e6 for r in steps)
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.5, 0.0])
+def test_teacher_temperature_against_autograd(beta):
+    """``opd.teacher_temperature``: the divergence against p = softmax(z_T / τ_T) (here sharpened, τ_T = 0.5), value
+    and gradient in the student's logits, against float64 autograd of the textbook formula; with τ_T = τ it is the
+    plain divergence, and the sharpened one differs from it."""
+    from ars_opd.lm.divergences import divergence_terms
+    from oracles import divergence
+
+    torch.manual_seed(1)
+    zs, zt = torch.randn(7, 30) * 3, torch.randn(7, 30) * 3
+    tau_t = 0.5
+    value, grad = divergence_terms(lambda a, b: zt.clone(), beta, 1.0, tau_t)(zs.clone(), 0, 7, True)
+    z = zs.double().requires_grad_(True)
+    # the oracle's teacher logits scaled to τ_T: softmax(zt / τ_T) is softmax((zt / τ_T) / 1)
+    want = divergence(z, zt.double() / tau_t, beta, 1.0)
+    want.sum().backward()
+    assert torch.allclose(value.double(), want.detach(), rtol=1e-4, atol=1e-5)
+    assert torch.allclose(grad.double(), z.grad, rtol=1e-4, atol=1e-5)
+    plain, _ = divergence_terms(lambda a, b: zt.clone(), beta, 1.0)(zs.clone(), 0, 7, False)
+    same, _ = divergence_terms(lambda a, b: zt.clone(), beta, 1.0, 1.0)(zs.clone(), 0, 7, False)
+    assert torch.equal(plain, same) and not torch.allclose(plain, value)
+
+
+def test_teacher_temperature_reaches_the_stage_objective_and_is_refused_elsewhere(char_tokenizer):
+    task, student, _ = _task(char_tokenizer, teacher_temperature=0.5)
+    plain, s2, _ = _task(char_tokenizer)
+    a, b = _first_on_policy_batch(task, student), _first_on_policy_batch(plain, s2)
+    assert torch.equal(a.tensors["input_ids"], b.tensors["input_ids"])  # the same rollouts
+    assert _loss_and_grad(task, student, a)[0] != pytest.approx(_loss_and_grad(plain, s2, b)[0], rel=1e-3)
+    with pytest.raises(ConfigError, match="teacher_temperature"):
+        check_objective(OPDConfig(teacher_temperature=0.5, loss="sampled_token"))
+    with pytest.raises(ConfigError, match="teacher_temperature"):
+        check_objective(OPDConfig(teacher_temperature=0.5, teacher="endpoint", loss="topk"))

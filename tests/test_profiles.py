@@ -73,7 +73,7 @@ def test_the_real_profile_is_valid_params(tmp_path):
 
 
 def test_the_cross_tokenizer_profile_is_valid_params_and_hashes_the_prune_source(tmp_path):
-    """profiles/cross_tokenizer.yaml (bench/cross_tokenizer.py) passes every check a stage runs; its student is
+    """profiles/cross_tokenizer.yaml (studies/cross_tokenizer.py) passes every check a stage runs; its student is
     pruned from a GGUF file of its own, which inputs.student must mirror (DVC hashes it) and nothing else may."""
     overrides = profile_overrides(REPO / "profiles" / "cross_tokenizer.yaml", REPO / "params.yaml")
     params = tmp_path / "params.yaml"

@@ -1,4 +1,4 @@
-"""The pruned-recovery study's page (ars_opd.evaluation.recovery) and its runner's plumbing (bench/pruned_recovery.py).
+"""The pruned-recovery study's page (ars_opd.evaluation.recovery) and its runner (studies/pruned_recovery.py).
 
 The page's numbers are checked against an independent computation: per-seed differences taken by hand from the
 evaluations, their mean and a t-interval from the closed form of Student's t at 2 degrees of freedom, not from
@@ -85,7 +85,9 @@ def _numbers(cell: str) -> list[float]:
 
 
 def test_every_arm_against_the_control_with_paired_seed_differences(by_arm):
-    text = recovery.render(by_arm, {}, {"command": "python bench/pruned_recovery.py", "seconds": 60, "steps": 120}, {})
+    text = recovery.render(
+        by_arm, {}, {"command": "python studies/pruned_recovery.py", "seconds": 60, "steps": 120}, {}
+    )
     for arm in ("opd", "kd"):
         rkl, em, _ = _cells(text, "At equal steps", recovery.label(arm))
         arm_mean, arm_lo, arm_hi, d_mean, d_lo, d_hi = _numbers(rkl.replace("− control:", ""))
@@ -141,11 +143,11 @@ def test_rollout_dashboards_use_only_the_steps_on_the_students_own_samples():
 
 
 def test_run_params_set_the_arm_the_seed_and_the_studys_keys():
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.insert(0, str(REPO / "studies"))
     try:
         import pruned_recovery as pr
     finally:
-        sys.path.remove(str(REPO / "bench"))
+        sys.path.remove(str(REPO / "studies"))
     base = yaml.safe_load((REPO / "params.yaml").read_text())
     params = pr.run_params(base, [("opd.steps", 7), ("ddp.workers", 1)], seed=3, arm="gkd")
     assert params["opd"]["steps"] == 7 and params["ddp"]["workers"] == 1 and params["ddp"]["seed"] == 3
@@ -168,8 +170,8 @@ def test_the_trainer_side_runs_without_the_endpoint_client():
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import stages.models, stages.sft, stages.opd, stages.sft_continued, stages.evaluate\n"
-        "import ars_opd.training.opd, ars_opd.training.sft, ars_opd.evaluation.evaluate, ars_opd.models.prepare\n"
-        "import ars_opd.rollouts.schedule, ars_opd.training.opd_teacher_setup\n"
+        "import ars_opd.training.opd.stage, ars_opd.training.sft, ars_opd.evaluation.evaluate, ars_opd.models.prepare\n"
+        "import ars_opd.rollouts.schedule, ars_opd.training.opd.teacher_setup\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -177,11 +179,11 @@ def test_the_trainer_side_runs_without_the_endpoint_client():
 
 
 def _bench():
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.insert(0, str(REPO / "studies"))
     try:
         import pruned_recovery
     finally:
-        sys.path.remove(str(REPO / "bench"))
+        sys.path.remove(str(REPO / "studies"))
     return pruned_recovery
 
 
@@ -214,3 +216,56 @@ def test_the_page_names_runs_that_did_not_finish(by_arm):
     two = {"opd": by_arm["opd"][:2]}
     cell = _cells(recovery.render(two, {}, {"seconds": 1}, {}), "At equal steps", recovery.label("opd"))[0]
     assert "(n = 2)" in cell
+
+
+def test_the_diagnosis_section_shows_each_measurement():
+    """studies/opd_collapse.py's lines rendered: the EOS rates, the push per divergence, the bf16 teacher, and each
+    short run's change against the old OPD (found by its arm name) with its alarm."""
+    lines = [
+        {
+            "kind": "eos_rates",
+            "teacher/greedy/48": 0.5,
+            "teacher/sampled/48": 0.25,
+            "teacher/greedy/128": 0.75,
+            "teacher/sampled/128": 0.625,
+            "start/greedy/48": 0.9,
+            "start/sampled/48": 0.6,
+            "start/greedy/128": 1.0,
+            "start/sampled/128": 0.7,
+        },
+        {
+            "kind": "eos_gradient",
+            "rollouts": 64,
+            "student_eos_rate": 0.6,
+            "beta=1.0": {
+                "ends_teacher_would_not": {"positions": 7, "mean_push": -0.125},
+                "teacher_would_end": {"positions": 3, "mean_push": 0.0625},
+                "per_rollout_mean_push": -0.5,
+            },
+        },
+        {"kind": "bf16_teacher", "rows": 10, "tokens": 200, "nll_fp32": 0.6, "nll_bf16": 0.7, "kl_fp32_bf16": 0.03},
+        {
+            "kind": "short_run",
+            "arm": "opd",
+            "steps": 12,
+            "opd": {"lr": 1e-4, "beta": 1.0},
+            "eos_rate_start": 0.5,
+            "eos_rate_end": 0.0,
+            "alarm": {"step": 7, "kind": "stopped_ending", "p": 1e-5},
+        },
+        {
+            "kind": "short_run",
+            "arm": "opd_fkl",
+            "steps": 12,
+            "opd": {"lr": 1e-4, "beta": 0.0},
+            "eos_rate_start": 0.5,
+            "eos_rate_end": 0.75,
+            "alarm": None,
+        },
+    ]
+    md = "\n".join(recovery.diagnosis_section(lines))
+    assert "| teacher | 50.0% | 25.0% | 75.0% | 62.5% |" in md
+    assert "| reverse KL (β = 1) | -0.125 (n = 7) | 0.0625 (n = 3) | -0.5 |" in md
+    assert "0.6 (fp32) against 0.7 (bf16)" in md and "0.03 per token" in md
+    assert "| opd | none (old OPD) | 50.0% → 0.0% |" in md and "step 7 (stopped ending)" in md
+    assert "| opd_fkl | beta = 0.0 | 50.0% → 75.0% |" in md

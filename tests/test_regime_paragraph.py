@@ -86,6 +86,6 @@ def test_the_paragraph_follows_the_studys_numbers():
 
 def test_without_the_study_the_paragraph_quotes_no_numbers():
     paragraph = regime_paragraph("")
-    assert paragraph.startswith(REGIME_LEAD) and "bench/long_horizon_sweep.sh" in paragraph
+    assert paragraph.startswith(REGIME_LEAD) and "studies/long_horizon_sweep.sh" in paragraph
     assert not re.search(r"\d+ seeds|\[[-+]?\d", paragraph)
     assert regime_paragraph(STUDY.split("## Task family: " + REGIME_FAMILY)[0]) == paragraph  # no such section

@@ -160,7 +160,7 @@ def test_detection_benchmark_summary(tmp_path):
     unmeasured, none = detection_benchmark(path, workers=8)
     assert none == {} and "K = 8" in unmeasured[0] and "not known" in unmeasured[0]
     missing, none = detection_benchmark(tmp_path / "absent.jsonl", workers=2)
-    assert none == {} and "python bench/detection.py" in missing[0]
+    assert none == {} and "python studies/detection.py" in missing[0]
 
 
 def test_write_report_files(tmp_path, monkeypatch):

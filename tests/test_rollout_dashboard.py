@@ -31,8 +31,9 @@ from ars_opd.lm.batching import in_first_half, sequence_weights
 from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.distributed import WorkerContext
-from ars_opd.training.opd import ModelSizes, OPDData, OPDTask, RolloutSetup
-from ars_opd.training.opd_teachers import LocalTeacher
+from ars_opd.training.opd.data import OPDData
+from ars_opd.training.opd.task import ModelSizes, OPDTask, RolloutSetup
+from ars_opd.training.opd.teachers import LocalTeacher
 from ars_opd.training.worker import WorkerSetup
 from tests.tolerances import gamma, linear_bound, loss_bound
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ars_opd.checks import Problems, check_training
-from ars_opd.training.rollout_health import (
+from ars_opd.training.opd.rollout_health import (
     HealthConfig,
     HealthMonitor,
     StepRollouts,

@@ -119,7 +119,7 @@ def test_collect_groups_scenarios_and_controls_by_seed():
 
 
 def test_render_reports_ordering_equivalence_and_the_control():
-    md = render(collect(_grid(0.05)), "bash bench/scenario_sweep.sh")
+    md = render(collect(_grid(0.05)), "bash studies/scenario_sweep.sh")
     assert "positive control: shard_skew on one rank" in md and "(moved)" in md
     line = next(s for s in md.splitlines() if s.startswith("- **loss dispersion**"))
     assert float(re.search(r"p = ([0-9.e-]+)\. ", line).group(1)) < 0.01  # a clear ordering is found

@@ -23,8 +23,8 @@ from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
 from ars_opd.lm.opd_objectives import get_objective
 from ars_opd.models.loading import load_model, load_tokenizer
 from ars_opd.models.teachers import teacher_path
-from ars_opd.training.opd_teachers import LocalTeacher
-from ars_opd.training.teacher_route import ROW_KEY, RoutedTeacher
+from ars_opd.training.opd.teacher_route import ROW_KEY, RoutedTeacher
+from ars_opd.training.opd.teachers import LocalTeacher
 from micro import run_opd_in, teacher_rows
 from several_teachers import ROUTE, SPECIALISTS, exact_row_losses, several_teachers_workspace
 from tolerances import U64, forward_bound, gamma, two_computations, vs_oracle

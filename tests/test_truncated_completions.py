@@ -17,7 +17,7 @@ from ars_opd.checks import Problems, check_data_counts
 from ars_opd.config import ConfigError, OPDConfig, SFTConfig, parse_section
 from ars_opd.data.prompts import alpaca_messages, encode_teacher_completions
 from ars_opd.training.data_cost import generated_tokens
-from ars_opd.training.opd import _encode
+from ars_opd.training.opd.data import encode_rows
 from ars_opd.training.sft import continued_sft_config, encode_sft_rows
 
 ANSWERS = [("abc", "stop"), ("a long answer the teacher was cut off in", "length"), ("xy", "stop"), ("qq", "length")]
@@ -85,7 +85,7 @@ def test_opd_teacher_text_follows_the_same_rule(char_tokenizer, rule, lam, dropp
     """OPD trains on teacher text only on its GKD teacher steps (λ < 1): there a truncated completion has no
     EOS, or its row is dropped; with λ = 1 its prompt stays (the completion is never read)."""
     tok, rows = char_tokenizer, _rows()
-    data = _encode(tok, rows, OPDConfig(on_policy_fraction=lam, truncated_completions=rule))
+    data = encode_rows(tok, rows, OPDConfig(on_policy_fraction=lam, truncated_completions=rule))
     prompts, completions, counts = data.prompts, data.completions, data.counts
     ended = [a for a in ANSWERS if not (dropped and a[1] == "length")]
     assert completions == [

@@ -40,9 +40,9 @@ from ars_opd.models.loading import load_model, load_tokenizer
 from ars_opd.teacher.client.endpoint import ClientSettings, EndpointError, make_client
 from ars_opd.teacher.client.generate import build_requests, generate_teacher_completions
 from ars_opd.teacher.client.score import NotLogprobsError, ScoringError, check_tokenizer
-from ars_opd.training.opd import run_opd
-from ars_opd.training.opd_teacher_setup import check_scoring_endpoint
-from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
+from ars_opd.training.opd.stage import run_opd
+from ars_opd.training.opd.teacher_setup import check_scoring_endpoint
+from ars_opd.training.opd.teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.worker import ScoringEndpoint, TrainingJob
 from fake_endpoint import FaultyProxy
 from tolerances import forward_bound, two_computations

@@ -5,7 +5,7 @@ replica-drift checks and every alarm of the consistency detector with its rank) 
 ``detector_text`` states the method and ``detection_benchmark`` the measured false-alarm rate beside it.
 
 The detector is ``ars_opd.evaluation.detector``; its false-alarm rate and detection delays are measured by
-``bench/detection.py`` on healthy runs and injected faults, and the report quotes them beside the alarms.
+``studies/detection.py`` on healthy runs and injected faults, and the report quotes them beside the alarms.
 Arithmetic and text only, no files written: ``ars_opd.evaluation.report`` assembles the report and does the I/O.
 """
 
@@ -71,22 +71,22 @@ def noise_scale_summary(df: pd.DataFrame) -> tuple[float, float]:
 
 
 def detection_benchmark(path: Path, workers: int) -> tuple[list[str], dict]:
-    """Markdown lines and flat metrics from ``bench/detection.py``'s committed output, for a run of ``workers``.
+    """Markdown lines and flat metrics from ``studies/detection.py``'s committed output, for a run of ``workers``.
 
     The rate quoted is the one measured on the held-out healthy runs of the default pipeline at this K,
     with its exact 95% interval (recomputed from the per-run lines); the fault table is the one at this K.
     """
     if not path.exists():
-        return [f"No detection benchmark found ({path}): run `python bench/detection.py > {path}`.", ""], {}
+        return [f"No detection benchmark found ({path}): run `python studies/detection.py > {path}`.", ""], {}
     rows = read_jsonl(path)
     null = [r for r in rows if "null" in r and r["workers"] == workers]
     faults = [r for r in rows if r.get("case") not in (None, "healthy") and r.get("workers") == workers]
     measured = sorted({r["workers"] for r in rows if "null" in r})
     if not null:
         return [
-            f"`bench/detection.py` measured no healthy runs at K = {workers} workers (it did at K = "
+            f"`studies/detection.py` measured no healthy runs at K = {workers} workers (it did at K = "
             f"{', '.join(map(str, measured)) or 'none'}): this run's false-alarm rate is not known. Run "
-            f"`python bench/detection.py --workers {workers} --rows DIR > {path}`.",
+            f"`python studies/detection.py --workers {workers} --rows DIR > {path}`.",
             "",
         ], {}
     judged = sum(r["judged_steps"] for r in null)
@@ -103,7 +103,7 @@ def detection_benchmark(path: Path, workers: int) -> tuple[list[str], dict]:
         for stage, rs in sorted(per_stage.items(), key=lambda kv: kv[0] != "sft")
     )
     lines = [
-        f"Measured by `bench/detection.py` at this run's K = {workers} workers on the default pipeline's own "
+        f"Measured by `studies/detection.py` at this run's K = {workers} workers on the default pipeline's own "
         f"stages, nothing injected, held-out seeds {seeds[0]}–{seeds[-1]} never used to calibrate ({covered}): "
         f"**{false_alarms} false alarms in {judged} judged healthy steps = {rate:.2f} per 1,000 steps** (exact "
         f"95% interval {lo:.2f}–{hi:.2f}), against a target of at most 1 per 1,000.",

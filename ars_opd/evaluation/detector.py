@@ -5,7 +5,7 @@ cos(g_k, ḡ), taken before the all-reduce (``ars_opd.training.consistency``). O
 rank, a statistic, the step it fired, the step the change began, and whether the averaged loss curve
 showed anything at the time ("visible") or not ("silent").
 
-Method (every function below is pure; the report and ``bench/detection.py`` run the same code):
+Method (every function below is pure; the report and ``studies/detection.py`` run the same code):
 
 1. Per-rank residuals remove what all workers share (the training trend) by comparing each worker with
    the median worker of the same step: loss log(L_k / median_j L_j), gradient norm
@@ -28,7 +28,7 @@ Method (every function below is pure; the report and ``bench/detection.py`` run 
    independent N(0, 1) scores, is solved for h (``cusum_threshold``). Real training runs alarm more often
    than independent scores would (on the benchmark's healthy runs, about three times the design rate:
    brief runs of harder batches on one rank are real), so the default design rate is a quarter of the
-   1-per-1,000 target, and the rate measured by ``bench/detection.py`` is what the report quotes.
+   1-per-1,000 target, and the rate measured by ``studies/detection.py`` is what the report quotes.
 5. An alarm is "visible" when the same test on the global loss's own standardised residual (against its
    trailing median) alarms between the alarm's estimated onset and the alarm; else "silent".
 

@@ -160,7 +160,7 @@ def regime_note(cmp: dict, study: str = "") -> list[str]:
 
 
 # The paragraph on the regime where OPD is expected to win quotes what the seed study measured there: the
-# section of ``STUDY_FILE`` that ``ars-opd distillation --family REGIME_FAMILY`` writes (bench/long_horizon_sweep.sh),
+# section of ``STUDY_FILE`` that ``ars-opd distillation --family REGIME_FAMILY`` writes (studies/long_horizon_sweep.sh),
 # read back from its tables, so rerunning that study updates the paragraph here, in the report stage (which
 # lists the file as a dep) and in the study file's own sections (``distillation.merge_family_section``).
 STUDY_FILE = "reports/distillation.md"
@@ -333,7 +333,7 @@ def regime_paragraph(study: str = "") -> str:
     facts = regime_facts(section) if section else None
     if facts is None:
         return (
-            f"{REGIME_LEAD}: {_WHY} That regime is built in ({_FAMILY}); `bench/long_horizon_sweep.sh` measures it "
+            f"{REGIME_LEAD}: {_WHY} That regime is built in ({_FAMILY}); `studies/long_horizon_sweep.sh` measures it "
             f"the same way and writes its section of {STUDY_FILE}, which this paragraph then quotes. {_COST}"
         )
     how = [f"{facts['seeds']} seeds from one SFT student" if facts["seeds"] else None]

@@ -209,7 +209,7 @@ def check_answer_room(tokenizer, rows: list[dict], max_new_tokens: int) -> None:
     right, whatever the model writes: a synthetic reference with its EOS (the whole answer must equal it; the
     long-horizon tasks need ~52), or a natural kind's reference alone (it need not end the answer, only appear in
     its first sentence, so no EOS; how much a model writes before it varies by model, so only the bare reference
-    is a bound: set the budget from the answers seen, e.g. ``bench/natural_teacher.py``)."""
+    is a bound: set the budget from the answers seen, e.g. ``studies/natural_teacher.py``)."""
     refs = [r for r in rows if is_checkable(r)]
     if not refs:
         return

@@ -1,6 +1,6 @@
 """The pruned-recovery study's page: several distillation arms against continued SFT, over paired training seeds.
 
-``bench/pruned_recovery.py`` runs the study: from one start (the real profile's SFT'd pruned student), per training
+``studies/pruned_recovery.py`` runs the study: from one start (the real profile's SFT'd pruned student), per training
 seed, the control (``sft_continued``: more SFT on the teacher's completions) and one ``opd`` stage run per arm
 (the arms differ in the opd section's objective only: divergence β, on-policy share λ, loss), each evaluated by
 the evaluate stage against that seed's control. Every arm therefore comes with an evaluation whose ``opd`` entry is
@@ -159,7 +159,7 @@ def verdict(by_arm: dict[str, list[dict]]) -> list[str]:
 
 def rollout_sections(logs: dict[str, list[pd.DataFrame]], batch: int | None = None) -> list[str]:
     """Each on-policy arm's rollouts: the rollout-health verdict of each seed's own log
-    (``ars_opd.training.rollout_health``; ``batch``: the rollouts per step of a log older than its ``task/rollouts``
+    (``ars_opd.training.opd.rollout_health``; ``batch``: the rollouts per step of a log older than its ``task/rollouts``
     column), a summary line (the EOS rate, truncation and length at the first own-sample step and over the last
     fifth), and the dashboard (``rollout_dashboard``) over the steps that trained on the student's own samples
     (``task/on_policy``), each step the mean over the seeds that sampled at it, with every seed's EOS rate beside
@@ -203,6 +203,95 @@ def rollout_sections(logs: dict[str, list[pd.DataFrame]], batch: int | None = No
                 + f"; rollout-health alarm in {alarms} of {len(verdicts)} seeds."
             )
     return (summary + [""] if summary else []) + lines
+
+
+def diagnosis_section(lines: list[dict]) -> list[str]:
+    """The collapse diagnosis (``studies/opd_collapse.py``'s JSON lines) as markdown: the teacher's and the start's
+    own EOS rates, each divergence's push on the EOS logit, the bf16 teacher against fp32, and the short runs (one
+    setting changed per arm) with their trajectories. Numbers only; the reading is the notes' (``--notes``)."""
+    by_kind: dict[str, list[dict]] = {}
+    for x in lines:
+        by_kind.setdefault(x.get("kind", ""), []).append(x)
+    out: list[str] = []
+    if by_kind.get("eos_rates"):
+        r = by_kind["eos_rates"][0]
+        out += [
+            "### Does the teacher itself end within the budget?",
+            "",
+            "The share of answers that end with an EOS on training prompts, greedy and sampled at temperature 1:",
+            "",
+            "| model | greedy, 48 tokens | sampled, 48 | greedy, 128 | sampled, 128 |",
+            "|---|---|---|---|---|",
+        ]
+        for who in ("teacher", "start"):
+            cells = [fmt(r.get(f"{who}/{m}/{n}"), True) for n in (48, 128) for m in ("greedy", "sampled")]
+            cells = [cells[0], cells[1], cells[2], cells[3]]
+            out.append(f"| {who} | " + " | ".join(cells) + " |")
+        out.append("")
+    if by_kind.get("eos_gradient"):
+        g = by_kind["eos_gradient"][0]
+        out += [
+            "### The divergences' push on the end token",
+            "",
+            f"On {g.get('rollouts')} of the start's own rollouts (temperature 1, 48 tokens; "
+            f"{fmt(g.get('student_eos_rate'), True)} ended), minus the gradient of each position's divergence "
+            "with respect to the EOS logit: what one step of gradient descent moves that logit by, per unit of "
+            "learning rate, before the optimiser's scaling (positive: towards ending). Where the student ended, its "
+            f"own q(EOS) averaged {fmt(g.get('mean q(EOS) where the student ended'))} and the teacher's p(EOS) "
+            f"{fmt(g.get('mean p(EOS) where the student ended'))}.",
+            "",
+            "| divergence | where the student ended and p_T(EOS) < 0.5 | where p_T(EOS) ≥ 0.5 and the student went on "
+            "| all positions, summed per rollout |",
+            "|---|---|---|---|",
+        ]
+        names = {"beta=1.0": "reverse KL (β = 1)", "beta=0.5": "JSD (β = 0.5)", "beta=0.0": "forward KL (β = 0)"}
+        for key, name in names.items():
+            d = g.get(key) or {}
+            a, b = d.get("ends_teacher_would_not") or {}, d.get("teacher_would_end") or {}
+            out.append(
+                f"| {name} | {fmt(a.get('mean_push'))} (n = {a.get('positions')}) | {fmt(b.get('mean_push'))} "
+                f"(n = {b.get('positions')}) | {fmt(d.get('per_rollout_mean_push'))} |"
+            )
+        out.append("")
+    if by_kind.get("bf16_teacher"):
+        t = by_kind["bf16_teacher"][0]
+        out += [
+            "### The teacher in bf16",
+            "",
+            f"On {t.get('rows')} held-out rows ({t.get('tokens')} tokens of the teacher's completions), the teacher "
+            "in fp32 against bf16 weights under bf16 autocast (what `precision: auto` and `teacher_dtype: auto` "
+            "give on CUDA; this CPU's bf16 kernels stand in for the GPU's): NLL of its own completions "
+            f"{fmt(t.get('nll_fp32'))} (fp32) against {fmt(t.get('nll_bf16'))} (bf16), and "
+            f"KL(fp32 teacher ‖ bf16 teacher) {fmt(t.get('kl_fp32_bf16'))} per token.",
+            "",
+        ]
+    runs = by_kind.get("short_run") or []
+    if runs:
+        out += [
+            "### Short runs, one setting changed at a time",
+            "",
+            f"OPD from the same start for {runs[0].get('steps')} steps, each arm one change from the old OPD "
+            "(reverse KL, λ = 1, temperature 1, fp32): the first three on-policy steps against the last three, "
+            "and the rollout-health verdict.",
+            "",
+            "| arm | change | EOS rate | length (tokens) | student entropy | teacher log p / token | loss | alarm |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        base = next((r["opd"] for r in runs if r["arm"] == "opd"), {})
+        for r in runs:
+            change = ", ".join(f"{k} = {v}" for k, v in r["opd"].items() if base.get(k) != v) or "none (old OPD)"
+
+            def move(key: str, pct: bool = False) -> str:
+                return f"{fmt(r.get(key + '_start'), pct)} → {fmt(r.get(key + '_end'), pct)}"
+
+            alarm = r.get("alarm")
+            a = "none" if not alarm else f"step {alarm['step']} ({alarm['kind'].replace('_', ' ')})"
+            out.append(
+                f"| {r['arm']} | {change} | {move('eos_rate', True)} | {move('response_length')} | {move('entropy')} "
+                f"| {move('teacher_logprob')} | {move('loss')} | {a} |"
+            )
+        out.append("")
+    return out
 
 
 def start_table(by_arm: dict[str, list[dict]]) -> list[str]:
@@ -263,7 +352,7 @@ def render(
     lines = [
         meta.get("title") or TITLE,
         "",
-        f"Made by `{meta.get('command', 'python bench/pruned_recovery.py')}` "
+        f"Made by `{meta.get('command', 'python studies/pruned_recovery.py')}` "
         f"in {meta.get('seconds', float('nan')) / 60:.1f} minutes on {meta.get('device', '?')}"
         + (f" (commit {meta['commit']})" if meta.get("commit") else "")
         + ".",
@@ -336,6 +425,10 @@ def render(
     for key, path in figures.items():
         lines += [f"![learning curves against {key}]({path})", ""]
     lines += ["## Verdict", "", *verdict(by_arm), ""]
+    if meta.get("notes"):  # the study's reading, written by hand (--notes)
+        lines += [meta["notes"].strip(), ""]
+    if meta.get("diagnosis"):
+        lines += ["## Why the rollouts stop ending: the diagnosis", "", *diagnosis_section(meta["diagnosis"])]
     dash = rollout_sections(logs, meta.get("batch"))
     if dash:
         lines += ["## The on-policy arms' rollouts", "", *dash]

@@ -36,7 +36,7 @@ from ars_opd.evaluation.distillation import curve_figure
 from ars_opd.evaluation.equal_budget import budget_note, compare, headline, regime_note
 from ars_opd.evaluation.rollout_dashboard import dashboard_section, engine_section, has_rollouts, teacher_views
 from ars_opd.evaluation.tables import render_table
-from ars_opd.training.rollout_health import HealthConfig
+from ars_opd.training.opd.rollout_health import HealthConfig
 
 SAMPLED_CROSS_TOKENIZER = "sampled_cross_tokenizer"  # the evaluate stage's reverse_kl_kind across two tokenizers
 

@@ -7,7 +7,7 @@ the learning rate, the teacher's mean log-probability of the sampled tokens and 
 first and the second half of each completion. One row per step: a collapse that takes three steps must not be
 averaged away (a run of more than ``MAX_ROWS`` steps shows every step of its first ``MAX_ROWS // 2`` and then
 every k-th). Above the table, the rollout-health detector's verdict in one line
-(``ars_opd.training.rollout_health``). With several teachers (``teachers.named``) every teacher's rollouts get a
+(``ars_opd.training.opd.rollout_health``). With several teachers (``teachers.named``) every teacher's rollouts get a
 dashboard and a verdict of their own (``teacher_views``). Arithmetic and text only.
 """
 
@@ -18,7 +18,7 @@ import math
 import pandas as pd
 
 from ars_opd.evaluation.tables import fmt
-from ars_opd.training.rollout_health import HealthConfig, detect, teacher_prefixes
+from ars_opd.training.opd.rollout_health import HealthConfig, detect, teacher_prefixes
 
 # log column -> (table heading, flat metric name); in table order
 COLUMNS = {

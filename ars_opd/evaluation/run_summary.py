@@ -121,9 +121,9 @@ def _training_section(paths: PathsConfig) -> list[str]:
 
 
 def rollout_health_lines(paths: PathsConfig, health=None) -> list[str]:
-    """Each rollout-trained stage's rollout-health verdict in one line (``ars_opd.training.rollout_health``)."""
+    """Each rollout-trained stage's rollout-health verdict in one line (``ars_opd.training.opd.rollout_health``)."""
     from ars_opd.artifacts import read_jsonl
-    from ars_opd.training.rollout_health import HealthConfig, detect
+    from ars_opd.training.opd.rollout_health import HealthConfig, detect
 
     lines = []
     for stage in TRAINING_STAGES:

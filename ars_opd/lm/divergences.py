@@ -125,10 +125,15 @@ def _jsd_(
 
 
 def divergence_terms(
-    teacher_rows: Callable[[int, int], torch.Tensor], beta: float = 1.0, temperature: float = 1.0
+    teacher_rows: Callable[[int, int], torch.Tensor],
+    beta: float = 1.0,
+    temperature: float = 1.0,
+    teacher_temperature: float | None = None,
 ) -> Callable:
     """``RowTerms`` of the divergence (β: 0 forward KL, 1 reverse KL, between generalised JSD) at temperature τ:
-    per-row D and ∂D/∂z_S for student logits z (c, V).
+    per-row D and ∂D/∂z_S for student logits z (c, V). ``teacher_temperature`` τ_T: the teacher's side is
+    p = softmax(z_T / τ_T) instead of softmax(z_T / τ) (τ_T < 1 sharpens it towards its most likely token); the
+    gradient formulas are unchanged, since p is a constant of the student.
 
     teacher_rows(start, end) gives the teacher's logits (c, V) for the same rows (fp32, no grad, the caller's to
     overwrite). Written in place: a chunk holds at most three (c × V) fp32 tensors at once for reverse KL and
@@ -138,6 +143,9 @@ def divergence_terms(
     """
     _check_beta_temperature(beta, temperature)
     beta, tau = float(beta), float(temperature)
+    tau_t = tau if teacher_temperature is None else float(teacher_temperature)
+    if not tau_t > 0:
+        raise DivergenceInputError(f"teacher_temperature must be > 0, got {teacher_temperature}")
 
     def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):
         zt = teacher_rows(start, end)
@@ -146,7 +154,7 @@ def divergence_terms(
                 f"student logits {tuple(z.shape)} and teacher logits {tuple(zt.shape)} "
                 "differ; restrict both heads to the shared vocabulary"
             )
-        log_q, log_p = _log_softmax_(z, tau), _log_softmax_(zt, tau)  # (c, V) each, in place
+        log_q, log_p = _log_softmax_(z, tau), _log_softmax_(zt, tau_t)  # (c, V) each, in place
         q = log_q.exp()
         if beta == 1.0:  # reverse KL(q || p); ∂/∂z_S = q ⊙ (s − D)/τ with s = log q − log p
             s = log_p.neg_().add_(log_q)

@@ -278,11 +278,25 @@ def get_objective(name: str) -> Objective:
     return OBJECTIVES[name]
 
 
+def sharpened_full_vocab(teacher_temperature: float) -> TermsFactory:
+    """The factory of ``loss: full_vocab`` against the teacher at its own temperature (``opd.teacher_temperature``)."""
+
+    def factory(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
+        if teacher.logits is None:
+            raise ValueError("the full_vocab loss needs the teacher's logits (TeacherScores.logits)")
+        return divergence_terms(teacher.logits.rows, beta, temperature, teacher_temperature)
+
+    return factory
+
+
 def objective_for(cfg: OPDConfig) -> Objective:
-    """The objective ``cfg.loss`` names, with the section's own settings where it has any (constant_advantage's)."""
+    """The objective ``cfg.loss`` names, with the section's own settings where it has any (constant_advantage's
+    advantage, full_vocab's teacher temperature)."""
     objective = get_objective(cfg.loss)
     if cfg.loss == "constant_advantage":
         objective = dataclasses.replace(objective, terms=constant_advantage(cfg.constant_advantage))
+    if cfg.teacher_temperature is not None:
+        objective = dataclasses.replace(objective, terms=sharpened_full_vocab(cfg.teacher_temperature))
     return objective
 
 

@@ -278,3 +278,69 @@ def load_model_dir(
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=trust_remote_code).to(
         device
     )
+
+
+class PinnedModels:
+    """The models stage's output, opened once: the manifest, the tokenizers and each pinned model, handed out to
+    whatever a stage needs (the student, the teacher, the cross-tokenizer alignment) instead of each reopening
+    ``paths.models_dir`` by its directory.
+
+    Each piece is read on first use and kept: the manifest once, each role's pin verified once (``verify_pin``
+    hashes the files when their signature changed), each tokenizer loaded once. Sent to a worker process (pickled
+    with the job) it travels as its directory alone and opens again there."""
+
+    def __init__(self, models_dir: str | Path, trust_remote_code: bool = False):
+        self.root = Path(models_dir)
+        self.trust_remote_code = trust_remote_code
+        self._cache: dict = {}
+
+    def __getstate__(self) -> dict:
+        return {"root": self.root, "trust_remote_code": self.trust_remote_code, "_cache": {}}
+
+    def _once(self, key: str, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    @property
+    def manifest(self) -> dict:
+        return self._once("manifest", lambda: read_manifest(self.root))
+
+    def revision(self, role: str) -> str:
+        """The revision the models stage pinned ``role`` at (a commit hash or a files' sha256)."""
+        return self.manifest[role]["revision"]
+
+    def path(self, role: str) -> str:
+        """The directory ``role``'s model loads from, its pin verified (once)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        return self._once(f"path:{role}", lambda: verify_pin(self.root, role, self.manifest[role]))
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The student's tokenizer (the shared one), as ``load_tokenizer``."""
+        return self._once("tokenizer", lambda: load_tokenizer(self.root, self.trust_remote_code))
+
+    @property
+    def teacher_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The teacher's own tokenizer, as ``load_teacher_tokenizer`` (the shared one unless the run is across
+        tokenizers)."""
+        if not (self.root / TEACHER_TOKENIZER).is_dir():
+            return self.tokenizer
+        return self._once("teacher_tokenizer", lambda: load_teacher_tokenizer(self.root, self.trust_remote_code))
+
+    @property
+    def cross_tokenizer(self) -> bool:
+        return bool(self.manifest.get("cross_tokenizer", False))
+
+    def load(self, role: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+        """``role``'s model exactly as pinned (a fresh copy at each call: the caller owns it)."""
+        return AutoModelForCausalLM.from_pretrained(
+            self.path(role), dtype=dtype, trust_remote_code=self.trust_remote_code
+        )
+
+    def config(self, role: str):
+        """``role``'s model config alone (no weights read)."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path(role), trust_remote_code=self.trust_remote_code)

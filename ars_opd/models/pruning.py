@@ -15,7 +15,7 @@ equal those of the teacher run through the kept layers only, computed here from 
 
 What it leaves out: width pruning (heads, MLP channels, hidden size), per-layer scalars that are not lists
 (e.g. Qwen2's ``max_window_layers`` is refused when sliding windows are on, since its meaning shifts with the
-indices), and choosing the layers from data (``bench/prune_candidates.py`` compares candidate choices by the
+indices), and choosing the layers from data (``studies/prune_candidates.py`` compares candidate choices by the
 pruned start's reverse KL to the teacher; the chosen rule or list is a param).
 """
 

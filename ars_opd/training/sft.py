@@ -31,6 +31,7 @@ from ars_opd.lm.attention import packed_model_inputs, use_packed_attention
 from ars_opd.lm.batching import count_loss_tokens, pack_sequences, pad_right_with_labels, pad_token_id
 from ars_opd.lm.cross_entropy import causal_lm_loss_from_hidden
 from ars_opd.lm.head import OutputHead, last_hidden_states
+from ars_opd.models.loading import PinnedModels
 from ars_opd.training.batch_plan import step_indices
 from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.data_cost import TeacherText, charges_teacher_text, generated_tokens
@@ -168,7 +169,9 @@ def prepare_sft(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     data = encode_sft_rows(setup.tokenizer, rows, job.cfg)
     if not data.prompts:
         raise ValueError(f"no SFT rows left after the budgets: {data.counts}")
-    student = starting_student(job, setup.ctx.device)
+    student = starting_student(
+        job, setup.ctx.device, setup.models or PinnedModels(job.paths.models_dir, job.trust_remote_code)
+    )
     model, init, start = student.model, student.init, student.budget
     manifest = {"adapter_start": student.adapter}
     if job.cfg.packing:

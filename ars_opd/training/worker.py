@@ -49,7 +49,7 @@ from ars_opd.models.adapters import (
     save_trained,
     trainable_parameters,
 )
-from ars_opd.models.loading import load_model, load_model_dir, load_tokenizer, read_manifest, sha256_of_files
+from ars_opd.models.loading import PinnedModels, load_model_dir, sha256_of_files
 from ars_opd.seeding import derive_seed, scenario_seeds, set_seeds
 from ars_opd.training.batch_plan import BatchGeometry
 from ars_opd.training.budget import SNAPSHOTS, read_budget, write_budget
@@ -217,6 +217,9 @@ class WorkerSetup:
     rng_seed: int | None = None
     """This rank's RNG seed under the scenario (Python's and torch's generators: the trainer's rollouts sample with
     it; so do the engine's requests). None: ``sampler_seed``, which it equals in every scenario."""
+    models: PinnedModels | None = None
+    """The models stage's output, opened once for this worker by ``run_worker`` (``tokenizer`` is its student
+    tokenizer) and handed down; None in a setup built in code, which then opens it from the job's paths."""
 
     def __post_init__(self):
         if self.rng_seed is None:
@@ -247,14 +250,15 @@ class StartingStudent:
     adapter: str  # "none", "fresh" or "continued" (from the starting directory's adapter)
 
 
-def starting_student(job: TrainingJob, device: torch.device) -> StartingStudent:
+def starting_student(job: TrainingJob, device: torch.device, models: PinnedModels) -> StartingStudent:
     """The student a training stage starts from. ``sft`` starts from the models stage's base student; the
     stages after it (opd, sft_continued) from ``paths.distill_init``, the SFT stage's output. With an adapter:
     a fresh one on the base student (sft), the published one continued on that same base student (when
-    ``distill_init`` holds one), or a fresh one on the fully fine-tuned SFT student (when it holds none)."""
-    base_revision = read_manifest(job.paths.models_dir)["student"]["revision"]
+    ``distill_init`` holds one), or a fresh one on the fully fine-tuned SFT student (when it holds none).
+    ``models``: the models stage's output, opened once (``WorkerSetup.models``)."""
+    base_revision = models.revision("student")
     if job.stage == "sft":
-        model = load_model(job.paths.models_dir, "student", trust_remote_code=job.trust_remote_code)
+        model = models.load("student")
         init, budget = base_revision, {}
         published = None
     else:
@@ -264,11 +268,7 @@ def starting_student(job: TrainingJob, device: torch.device) -> StartingStudent:
         published = adapter_of(start)
     how = "none"
     if job.adapter.enabled and published is not None:
-        model = resume(
-            load_model(job.paths.models_dir, "student", trust_remote_code=job.trust_remote_code),
-            published,
-            base_revision,
-        )
+        model = resume(models.load("student"), published, base_revision)
         how = "continued"
     elif job.adapter.enabled:
         model = attach(model, job.adapter)
@@ -285,10 +285,11 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         sampler_seed, rng_seed = scenario_seeds(job.ddp.scenario, stage_seed, ctx.rank)
         set_seeds(rng_seed)
         geometry = BatchGeometry.check(job.cfg.global_batch_size, ctx.world_size, job.cfg.micro_batch_size, job.stage)
-        tokenizer = load_tokenizer(job.paths.models_dir, job.trust_remote_code)
+        models = PinnedModels(job.paths.models_dir, job.trust_remote_code)  # opened once, handed down
+        tokenizer = models.tokenizer
         fault = Fault(job.ddp.inject, job.stage, ctx.rank, stage_seed)
         seeds = tuple(scenario_seeds(job.ddp.scenario, stage_seed, r)[0] for r in range(ctx.world_size))
-        setup = WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault, seeds, rng_seed)
+        setup = WorkerSetup(ctx, tokenizer, geometry, sampler_seed, stage_seed, fault, seeds, rng_seed, models)
         run = prepare(job, setup)
         if run.close is not None:
             stack.push(_closing(run.close))
@@ -310,7 +311,7 @@ def run_worker(job: TrainingJob, prepare: Callable[[TrainingJob, WorkerSetup], P
         gc.collect()
         if ctx.is_main:
             shutil.rmtree(Path(out.model) / "adapter", ignore_errors=True)  # a previous run's adapter
-            save_trained(trained, Path(out.model), read_manifest(job.paths.models_dir)["student"]["revision"])
+            save_trained(trained, Path(out.model), models.revision("student"))
             tokenizer.save_pretrained(Path(out.model))
             write_budget(out.model, totals, trainable_parameters(run.model))
             snapshots = snapshot_dir(Path(out.checkpoints), fingerprint)

@@ -7,11 +7,11 @@
 # plus a positive control: shard_skew on rank 1 from step 0 (rank 1 sees a single task) in both training
 # stages. Every experiment's opd (and its control arm, sft_continued) starts from one fixed SFT student
 # (paths.distill_init), so OPD's differences are not SFT's. Shortened steps keep the grid under an hour on
-# two CPU cores. (The distillation seed sweep is bench/distillation_sweep.sh.)
+# two CPU cores. (The distillation seed sweep is studies/distillation_sweep.sh.)
 #
 # Run from a clean checkout after `dvc repro` (its SFT student becomes the fixed OPD init). The init is
 # committed as a DVC-tracked copy on a throwaway branch, since queued experiments see only committed files:
-#     git switch -c scenario-study && bash bench/scenario_sweep.sh
+#     git switch -c scenario-study && bash studies/scenario_sweep.sh
 # then copy reports/scenarios.md to your branch.
 set -euo pipefail
 source "$(dirname "$0")/dvc_queue.sh"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Why OPD falls below its own start on the long-horizon family: one factor changed per arm, each arm run for OPD
 # and for its continued-SFT control at the same settings (the control runs OPD's loop: steps, batch and the
-# learning-rate schedule), from the same pinned SFT student (bench/long_horizon_base.sh), paired by training
+# learning-rate schedule), from the same pinned SFT student (studies/long_horizon_base.sh), paired by training
 # seed. Run from a clean checkout on a throwaway branch:
-#     git switch -c opd-ablation && bash bench/opd_ablation.sh
+#     git switch -c opd-ablation && bash studies/opd_ablation.sh
 # then `ars-opd distillation` (printed at the end) writes reports/opd_ablation.md.
 #
 # Arms (ARMS picks a subset; each one dvc experiment per seed, named abl-<arm>-seed<seed>):
@@ -68,4 +68,4 @@ for seed in $SEEDS; do
   done
 done
 dvc exp show --json --all-commits > /tmp/opd_ablation_exps.json
-echo "study: $(( $(date +%s) - t0 )) s; now: python bench/opd_ablation_report.py /tmp/opd_ablation_exps.json" >&2
+echo "study: $(( $(date +%s) - t0 )) s; now: python studies/opd_ablation_report.py /tmp/opd_ablation_exps.json" >&2

@@ -1,6 +1,6 @@
 """The teacher an OPD run scores with: built in each worker, and behind an endpoint, started and checked first.
 
-``build_teacher`` gives a worker its teacher (``ars_opd.training.opd_teachers``) for ``opd.teacher``:
+``build_teacher`` gives a worker its teacher (``ars_opd.training.opd.teachers``) for ``opd.teacher``:
 ``local`` loads the pinned teacher into the worker (after checking that it shares the student's tokenizer
 and covers its vocabulary); ``endpoint`` makes a client of the scoring endpoint, and counts the teacher's
 parameters for the budget from its config alone, so the trainer never loads teacher weights.
@@ -21,40 +21,44 @@ import torch
 
 from ars_opd.config import OPDConfig, PathsConfig
 from ars_opd.lm.precision import frozen_model_dtype
-from ars_opd.models.loading import load_model, load_teacher_tokenizer, model_path
+from ars_opd.models.loading import PinnedModels, model_path
 from ars_opd.models.tokenizer import check_shared_tokenizer
 from ars_opd.serving.local_server import LOCAL_MODEL_NAME, local_server
 from ars_opd.teacher.client.endpoint import ClientSettings, api_key, make_client, preflight
 from ars_opd.teacher.client.score import check_tokenizer
 from ars_opd.training.budget import matmul_parameters
-from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
+from ars_opd.training.opd.teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.worker import ScoringEndpoint, TrainingJob, WorkerSetup
 
 ENDPOINT_SECTION = "opd.teacher_endpoint"
 
 
-def _teacher_params_from_config(models_dir: str, trust_remote_code: bool) -> int:
+def _teacher_params_from_config(models: PinnedModels) -> int:
     """The models-stage teacher's parameter count from its config alone (meta tensors, no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path(models_dir, "teacher"), trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        return matmul_parameters(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
+        return matmul_parameters(
+            AutoModelForCausalLM.from_config(models.config("teacher"), trust_remote_code=models.trust_remote_code)
+        )
 
 
-def build_teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[LocalTeacher | EndpointTeacher, int, dict]:
-    """(the teacher that scores this worker's rollouts, its parameter count for the budget, manifest entries)."""
+def build_teacher(
+    job: TrainingJob, setup: WorkerSetup, vocab: int, models: PinnedModels
+) -> tuple[LocalTeacher | EndpointTeacher, int, dict]:
+    """(the teacher that scores this worker's rollouts, its parameter count for the budget, manifest entries);
+    ``models``: the models stage's output, opened once (``WorkerSetup.models``)."""
     ctx, cfg = setup.ctx, job.cfg
     if cfg.teacher == "endpoint":  # no teacher weights in the trainer, only the count from the teacher's config
         endpoint = job.scoring
         if endpoint is None:
             raise ValueError("opd.teacher: endpoint, but the job carries no scoring endpoint (run_opd resolves it)")
         if cfg.cross_tokenizer:
-            vocab = len(load_teacher_tokenizer(job.paths.models_dir, job.trust_remote_code))
+            vocab = len(models.teacher_tokenizer)
         teacher = EndpointTeacher(endpoint.settings, endpoint.model, vocab, cfg.topk)
         return (
             teacher,
-            _teacher_params_from_config(job.paths.models_dir, job.trust_remote_code),
+            _teacher_params_from_config(models),
             {
                 "teacher": "endpoint",
                 "teacher_model": endpoint.model,
@@ -64,18 +68,14 @@ def build_teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[Loc
     from transformers import AutoTokenizer
 
     if cfg.cross_tokenizer:  # the teacher keeps its own vocabulary: its head covers its own tokenizer
-        vocab = len(load_teacher_tokenizer(job.paths.models_dir, job.trust_remote_code))
-    else:
+        vocab = len(models.teacher_tokenizer)
+    else:  # the tokenizer that ships with the teacher's files, against the student's
         check_shared_tokenizer(
-            AutoTokenizer.from_pretrained(
-                model_path(job.paths.models_dir, "teacher"), trust_remote_code=job.trust_remote_code
-            ),
+            AutoTokenizer.from_pretrained(models.path("teacher"), trust_remote_code=models.trust_remote_code),
             setup.tokenizer,
         )
     teacher_dtype = frozen_model_dtype(cfg.teacher_dtype, ctx.device)
-    model = load_model(
-        job.paths.models_dir, "teacher", dtype=teacher_dtype, trust_remote_code=job.trust_remote_code
-    ).to(ctx.device)
+    model = models.load("teacher", dtype=teacher_dtype).to(ctx.device)
     rows_out = model.get_output_embeddings().weight.shape[0]
     if rows_out < vocab:
         raise ValueError(f"the teacher has {rows_out} output rows but the tokenizer {vocab} ids")
@@ -115,7 +115,7 @@ def check_scoring_endpoint(endpoint: ScoringEndpoint, job: TrainingJob) -> None:
             await check_tokenizer(  # the teacher's own tokenizer (the student's unless opd.cross_tokenizer)
                 client,
                 model,
-                load_teacher_tokenizer(job.paths.models_dir, job.trust_remote_code),
+                PinnedModels(job.paths.models_dir, job.trust_remote_code).teacher_tokenizer,
                 settings,
                 ENDPOINT_SECTION,
                 k=cfg.topk if cfg.loss == "topk" else 1,

@@ -1,6 +1,6 @@
 """OPD with several teachers (``teachers.named``): each rollout scored by its own teacher, and the columns per teacher.
 
-``RoutedTeacher`` stands where OPD's one teacher stands (``ars_opd.training.opd_teachers``: ``attach`` then
+``RoutedTeacher`` stands where OPD's one teacher stands (``ars_opd.training.opd.teachers``: ``attach`` then
 ``score`` per micro-batch) and dispatches: every row of a micro-batch carries its teacher's index
 (``teacher_index`` (B,), the route applied to the row's prompt: ``ars_opd.models.teachers.Route``), each teacher
 scores the sub-batch of its own rows exactly as it would score a micro-batch of them alone, and the
@@ -38,7 +38,7 @@ import torch
 
 from ars_opd.lm.opd_objectives import Objective, TeacherScores
 from ars_opd.lm.routed_logits import RoutedLogits
-from ars_opd.training.opd_teachers import ATTACHED, EndpointTeacher, LocalTeacher
+from ars_opd.training.opd.teachers import ATTACHED, EndpointTeacher, LocalTeacher
 
 ROW_KEY = "teacher_index"  # (B,) long: each row's teacher, its index in the route's names
 # the columns kept per teacher (task/<teacher>/<name>): what the rollouts were and what the loss measured on them

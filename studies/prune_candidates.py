@@ -6,7 +6,7 @@ its params applied): it reads the teacher the models stage pinned and the teache
 teacher's completions), prunes the teacher in memory to each candidate (``ars_opd.models.pruning.prune_model``,
 the models stage's own code) and scores each with the evaluate stage's own ``score_model``:
 
-    python bench/prune_candidates.py --examples 96 > reports/prune_candidates.jsonl
+    python studies/prune_candidates.py --examples 96 > reports/prune_candidates.jsonl
 
 Candidates, all keeping the same number of layers k (half the teacher's, rounded up, by default):
 

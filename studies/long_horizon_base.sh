@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The long-horizon family's base run and its pinned SFT student, shared by bench/long_horizon_sweep.sh and
-# bench/opd_ablation.sh (sourced by them, from the repository root, on a throwaway branch):
+# The long-horizon family's base run and its pinned SFT student, shared by studies/long_horizon_sweep.sh and
+# studies/opd_ablation.sh (sourced by them, from the repository root, on a throwaway branch):
 # 1. the whole pipeline on the family (the models stage trains the teacher on it), with FRESH rows of the
 #    train split held back for a fresh control (control.fresh_rows), committed;
 # 2. its SFT student pinned (paths.distill_init) as the one start of every arm.
 # Skipped when the pinned student's .dvc file is already there. Sets INIT and BASE for the caller.
 # BASE_UNTIL=sft stops the base run at the sft stage (its student is all the arms take from it); unset, the
-# base run is the whole pipeline, as bench/long_horizon_sweep.sh made reports/distillation.md.
+# base run is the whole pipeline, as studies/long_horizon_sweep.sh made reports/distillation.md.
 FRESH="${FRESH:-4800}"             # rows held back for the fresh control (it draws STEPS x BATCH: 2 epochs)
 TEACHER_STEPS="${TEACHER_STEPS:-2000}"
 INIT=data/study/long_horizon_sft_init

@@ -18,14 +18,14 @@ import asyncio
 
 from ars_opd.config import OPDConfig, TeachersConfig
 from ars_opd.lm.precision import frozen_model_dtype
-from ars_opd.models.loading import load_tokenizer, model_path
+from ars_opd.models.loading import PinnedModels, load_tokenizer
 from ars_opd.models.teachers import Route, check_pinned, manifest_summary, teacher_path
 from ars_opd.models.tokenizer import check_shared_tokenizer
 from ars_opd.teacher.client.endpoint import ClientSettings, api_key, make_client, preflight
 from ars_opd.teacher.client.score import check_tokenizer
 from ars_opd.training.budget import matmul_parameters
-from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
-from ars_opd.training.teacher_route import RoutedTeacher
+from ars_opd.training.opd.teacher_route import RoutedTeacher
+from ars_opd.training.opd.teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.worker import ScoringEndpoint, TrainingJob, WorkerSetup
 
 
@@ -61,10 +61,13 @@ async def _check(endpoint: ScoringEndpoint, cfg: OPDConfig, tokenizer, section: 
         await client.close()
 
 
-def build_routed_teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tuple[RoutedTeacher, dict]:
-    """(this worker's routed teacher, manifest entries)."""
-    cfg, teachers, models_dir = job.cfg, job.teachers, job.paths.models_dir
-    entries = check_pinned(models_dir, teachers)
+def build_routed_teacher(
+    job: TrainingJob, setup: WorkerSetup, vocab: int, models: PinnedModels
+) -> tuple[RoutedTeacher, dict]:
+    """(this worker's routed teacher, manifest entries); ``models``: the models stage's output, opened once
+    (``WorkerSetup.models``): its manifest names the teachers, each pin checked as the teacher's is."""
+    cfg, teachers = job.cfg, job.teachers
+    entries = check_pinned(models.root, teachers)
     dtype = frozen_model_dtype(cfg.teacher_dtype, setup.ctx.device)
     members, parameters = [], []
     for t in teachers.named:
@@ -73,9 +76,9 @@ def build_routed_teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tu
             if endpoint is None:
                 raise ValueError(f"teacher {t.name} is an endpoint, but the job carries none (run_opd resolves it)")
             members.append(EndpointTeacher(endpoint.settings, endpoint.model, vocab, cfg.topk))
-            parameters.append(t.parameters or _models_stage_teacher_parameters(models_dir, job.trust_remote_code))
+            parameters.append(t.parameters or _models_stage_teacher_parameters(models))
             continue
-        model = _load(teacher_path(models_dir, t.name, entries[t.name]), dtype, job.trust_remote_code, setup)
+        model = _load(teacher_path(models.root, t.name, entries[t.name]), dtype, models.trust_remote_code, setup)
         rows_out = model.get_output_embeddings().weight.shape[0]
         if rows_out < vocab:
             raise ValueError(f"teacher {t.name} has {rows_out} output rows but the tokenizer {vocab} ids")
@@ -92,22 +95,21 @@ def build_routed_teacher(job: TrainingJob, setup: WorkerSetup, vocab: int) -> tu
     return RoutedTeacher(names, members, parameters, vocab), manifest
 
 
-def _models_stage_teacher_parameters(models_dir: str, trust_remote_code: bool) -> int:
+def _models_stage_teacher_parameters(models: PinnedModels) -> int:
     """The models-stage teacher's matmul parameters from its config alone (no weights read): what an endpoint
     teacher without ``parameters`` is counted as, the rule ``opd.teacher: endpoint`` follows."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path(models_dir, "teacher"), trust_remote_code=trust_remote_code)
+    config = models.config("teacher")
     with torch.device("meta"):
-        return matmul_parameters(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
+        return matmul_parameters(AutoModelForCausalLM.from_config(config, trust_remote_code=models.trust_remote_code))
 
 
 def _load(directory: str, dtype, trust_remote_code: bool, setup: WorkerSetup):
     """A teacher's weights from its pinned directory, after checking its tokenizer is the student's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    check_shared_tokenizer(
-        AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code), setup.tokenizer
-    )
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    check_shared_tokenizer(tokenizer, setup.tokenizer)
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, trust_remote_code=trust_remote_code)

@@ -13,7 +13,7 @@
 # Run from a clean checkout after `dvc repro` (its SFT student and its 250-step snapshot become the fixed
 # starts). They are committed as DVC-tracked copies on a throwaway branch, since queued experiments see only
 # committed files:
-#     git switch -c distill-study && bash bench/distillation_sweep.sh
+#     git switch -c distill-study && bash studies/distillation_sweep.sh
 # then copy reports/distillation.md and reports/distillation/ to your branch.
 set -euo pipefail
 source "$(dirname "$0")/dvc_queue.sh"
@@ -42,7 +42,7 @@ for seed in $SEEDS; do
 done
 run_queue
 dvc exp show --json --all-commits > /tmp/distill_exps.json
-{ echo "git switch -c distill-study && bash bench/distillation_sweep.sh   # SEEDS=\"$SEEDS\" REGIME_SEEDS=\"$REGIME_SEEDS\""
+{ echo "git switch -c distill-study && bash studies/distillation_sweep.sh   # SEEDS=\"$SEEDS\" REGIME_SEEDS=\"$REGIME_SEEDS\""
   echo "# every experiment: ${COMMON[*]} -S ddp.seed=<seed>"
   echo "# main study:      -S paths.distill_init=$INIT -S opd.snapshot_every=50"
   echo "# longer horizon:  -S paths.distill_init=$INIT -S opd.steps=1000 -S opd.snapshot_every=100"

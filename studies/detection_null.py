@@ -5,10 +5,10 @@ committed ``params.yaml`` sections — teacher completions from the pipeline's c
 learning rates, schedules and clipping — in a scratch workspace that links the pipeline's ``data/models``
 and ``data/teacher``; only ``ddp.workers``, ``ddp.seed`` and (where K workers need it) the micro-batch
 size change, and checkpoints and snapshots are off (they do not touch the trajectory). Each stage's
-``steps.jsonl`` is kept under ``--rows``; ``bench/detection.py`` scores them (calibration and held-out
+``steps.jsonl`` is kept under ``--rows``; ``studies/detection.py`` scores them (calibration and held-out
 seeds apart) and runs the fault grid.
 
-    python bench/detection_null.py --pipeline . --workers 2 --seeds 1 2 3 --stages sft --rows /tmp/null_rows
+    python studies/detection_null.py --pipeline . --workers 2 --seeds 1 2 3 --stages sft --rows /tmp/null_rows
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def stage_configs(params: dict, workers: int, seed: int) -> tuple[ParallelConfig
 def run_null(pipeline: Path, params: dict, workers: int, seed: int, rows_dir: Path, stage: str) -> dict:
     """One healthy stage of one seed in a scratch workspace; its step log is copied to ``rows_dir``. The sft
     stage's student is kept there too: that seed's opd starts from it (``paths.distill_init``)."""
-    from ars_opd.training.opd import run_opd
+    from ars_opd.training.opd.stage import run_opd
     from ars_opd.training.sft import run_sft
     from ars_opd.training.worker import TrainingJob
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Where OPD should win: the equal-budget study on the long-horizon task family (answers of 20-60 tokens
 # written step by step; ars_opd/data/synthetic.py). Run from a clean checkout on a throwaway branch:
-#     git switch -c long-horizon-study && bash bench/long_horizon_sweep.sh
+#     git switch -c long-horizon-study && bash studies/long_horizon_sweep.sh
 # then copy reports/distillation.md and reports/distillation/long_horizon/ to your branch.
 #
-# 1-2. The base run and its pinned SFT student (bench/long_horizon_base.sh, shared with bench/opd_ablation.sh).
+# 1-2. The base run and its pinned SFT student (studies/long_horizon_base.sh, shared with studies/opd_ablation.sh).
 # 3. Per training seed (ddp.seed), two experiments in the workspace: the control repeating the SFT stage's
 #    rows (repeat) and the control on the held-back rows (fresh: new prompts, two epochs over them). OPD is the same run in both (DVC's run cache
 #    restores it for the second), so each seed's OPD is compared with both controls.
@@ -24,7 +24,7 @@ for seed in $SEEDS; do
   echo "seed $seed: $(( $(date +%s) - t0 )) s" >&2
 done
 dvc exp show --json --all-commits > /tmp/long_horizon_exps.json
-{ echo "git switch -c long-horizon-study && bash bench/long_horizon_sweep.sh   # SEEDS=\"$SEEDS\" STEPS=$STEPS BATCH=$BATCH"
+{ echo "git switch -c long-horizon-study && bash studies/long_horizon_sweep.sh   # SEEDS=\"$SEEDS\" STEPS=$STEPS BATCH=$BATCH"
   echo "# base run: ${BASE[*]}"
   echo "# every experiment: ${COMMON[*]} -S ddp.seed=<seed>"
   echo "# main study: -S control.data=repeat; fresh-control regime: -S control.data=fresh"

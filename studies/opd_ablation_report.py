@@ -1,4 +1,4 @@
-"""The OPD ablation's table (bench/opd_ablation.sh): which factor explains OPD falling below its own start.
+"""The OPD ablation's table (studies/opd_ablation.sh): which factor explains OPD falling below its own start.
 
 Reads ``dvc exp show --json`` output of the ablation (experiments named ``abl-<arm>-seed<seed>``; the whole
 metrics of each are read from its commit, since ``exp show`` drops the learning curves) and, per arm, from
@@ -18,7 +18,7 @@ Prints one JSON line per arm, and with ``--out`` writes the markdown table. Each
 ``{"mean", "ci95": [lower, upper], "per_seed": [one value per seed], "seeds"}``, so that a later arm can be
 paired with this one by seed.
 
-    python bench/opd_ablation_report.py /tmp/opd_ablation_exps.json --out reports/opd_ablation.md
+    python studies/opd_ablation_report.py /tmp/opd_ablation_exps.json --out reports/opd_ablation.md
 
 ``--keep reports/opd_ablation.jsonl`` carries over an earlier run's arms that have no experiments in this
 repository (a study spread over clones), each line unchanged.

@@ -2,11 +2,11 @@
 student and teacher, on the same prompts, at OPD's settings, scored by our evaluation on the same curve prompts
 (does OPD's failure to rise from its start belong to the method in this regime, or to our code?).
 
-Run it in the workspace that ``bench/opd_ablation.sh`` built (the pinned student ``data/study/long_horizon_sft_init``,
+Run it in the workspace that ``studies/opd_ablation.sh`` built (the pinned student ``data/study/long_horizon_sft_init``,
 the models stage's teacher and the teacher_gen splits, with the study's params applied), with trl installed (for
 benchmarks only, never at run time: ``make trl``):
 
-    python bench/trl_replication.py --seeds 1 2 3 --steps 300 > trl.jsonl
+    python studies/trl_replication.py --seeds 1 2 3 --steps 300 > trl.jsonl
 
 Matched to the ablation's ``default`` arm (the params' ``opd`` section, read from params.yaml):
 
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         p.error("trl is not installed: `make trl` installs it into .venv (for benchmarks only)")
     params = load_params()
     if not (a.init / "config.json").exists():
-        p.error(f"no pinned student at {a.init}: run bench/opd_ablation.sh (its base) first, in this workspace")
+        p.error(f"no pinned student at {a.init}: run studies/opd_ablation.sh (its base) first, in this workspace")
     curve_rows = read_jsonl(params.paths.completions("eval"))[: params.evaluate.curve_examples or None]
     curve_rows = [r for r in curve_rows if r.get("task") in synthetic.TASK_NAMES and r.get("reference") is not None]
     for seed in a.seeds:

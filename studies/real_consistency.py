@@ -1,7 +1,7 @@
 """The consistency detector on a healthy real-model SFT: its alarms per 1,000 judged steps against the rate
 calibrated on the default pipeline's healthy runs.
 
-The detector's thresholds were calibrated on the built-in toys (``bench/detection.py``). Whether it stays quiet
+The detector's thresholds were calibrated on the built-in toys (``studies/detection.py``). Whether it stays quiet
 on a real model is a separate question: the per-worker losses and gradients of SmolLM2 on natural prompts are
 distributed otherwise. This runs the workspace's sft stage (the real profile applied, as ``make repro-real``
 leaves it) for ``--steps`` optimizer steps at the params' ``ddp.workers``, in a scratch directory under
@@ -14,7 +14,7 @@ line::
 
 The intervals are exact 95% Poisson intervals (``rate_interval``), as the report's.
 
-    python bench/real_consistency.py --steps 1000 > reports/real_consistency.jsonl   # ~45 min on 2 cores
+    python studies/real_consistency.py --steps 1000 > reports/real_consistency.jsonl   # ~45 min on 2 cores
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ the base student, the SFT model and the teacher are scored by the first and read
 ``reports/pruned_recovery.md``, is written by ``ars_opd.evaluation.recovery`` from the runs' own outputs;
 ``--report-only`` writes it again from a finished root (e.g. one copied back from a GPU machine).
 
-    python bench/pruned_recovery.py --seeds 1 2 3 --steps 120 --jobs 1            # the workspace's real profile
-    python bench/pruned_recovery.py --profile profiles/real.yaml --set ddp.workers=1 --jobs 15   # a GPU machine
-    python bench/pruned_recovery.py --report-only --root build/pruned-recovery
+    python studies/pruned_recovery.py --seeds 1 2 3 --steps 120 --jobs 1            # the workspace's real profile
+    python studies/pruned_recovery.py --profile profiles/real.yaml --set ddp.workers=1 --jobs 15   # a GPU machine
+    python studies/pruned_recovery.py --report-only --root build/pruned-recovery
 """
 
 from __future__ import annotations
@@ -68,7 +68,13 @@ def parse_set(items: list[str]) -> list[tuple[str, object]]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. ddp.workers=1")
-        out.append((key, yaml.safe_load(raw)))
+        value = yaml.safe_load(raw)
+        if isinstance(value, str):  # YAML 1.1 reads 2e-5 (no dot) as a string; a number is meant
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        out.append((key, value))
     return out
 
 
@@ -269,14 +275,15 @@ def run_study(args) -> dict:
         prepare_run(controls[s], run_params(base, overrides, s, CONTROL), source, None)
         for arm in arms:
             prepare_run(root / f"seed-{s}" / arm, run_params(base, overrides, s, arm), source, controls[s])
-    train = [(controls[s], "sft_continued") for s in args.seeds]
+    train = [] if args.train_only else [(controls[s], "sft_continued") for s in args.seeds]
     train += [(root / f"seed-{s}" / a, "opd") for s in args.seeds for a in arms]
     runner.map(lambda job: runner.stage(job[0], job[1], env), train)
     t_train = time.perf_counter() - t0 - t_start
     # an arm is evaluated once its training and its seed's control finished; one trained again (or whose control
     # was) is evaluated again
     evals = []
-    for s in args.seeds:
+    # short runs read for their step logs alone (--train-only: the collapse diagnosis) are not evaluated
+    for s in [] if args.train_only else args.seeds:
         for a in arms:
             run = root / f"seed-{s}" / a
             if (run, "opd") in runner.ran or (controls[s], "sft_continued") in runner.ran:
@@ -319,9 +326,9 @@ def run_study(args) -> dict:
 
 
 def command_name() -> str:
-    """The script the user ran (bench/cross_tokenizer.py runs this one with its own defaults), repo-relative."""
+    """The script the user ran (studies/cross_tokenizer.py runs this one with its own defaults), repo-relative."""
     path = Path(sys.argv[0]).resolve()
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else "bench/pruned_recovery.py"
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else "studies/pruned_recovery.py"
 
 
 def device_words() -> str:
@@ -365,10 +372,16 @@ def collect(root: Path) -> tuple[dict, dict, dict]:
     return by_arm, logs, meta
 
 
-def write_report(root: Path, out: Path, commit: str | None = None) -> dict:
+def write_report(
+    root: Path, out: Path, commit: str | None = None, notes: Path | None = None, diagnosis: Path | None = None
+) -> dict:
     from ars_opd.evaluation import recovery
 
     by_arm, logs, meta = collect(root)
+    if notes is not None:
+        meta["notes"] = notes.read_text()
+    if diagnosis is not None:
+        meta["diagnosis"] = read_jsonl(diagnosis)
     if commit:
         meta["commit"] = commit
     if "profile" not in meta and "--profile" in meta.get("command", "").split():  # a study.json older than the key
@@ -399,7 +412,7 @@ def main(argv=None) -> int:
         nargs="+",
         default=list(SAME_TOKENIZER_ARMS),
         choices=list(ARMS),
-        help="the xtok_* arms distil across tokenizers (bench/cross_tokenizer.py runs them)",
+        help="the xtok_* arms distil across tokenizers (studies/cross_tokenizer.py runs them)",
     )
     ap.add_argument("--steps", type=int, default=120, help="optimiser steps of every arm (opd.steps)")
     ap.add_argument("--snapshot-every", type=int, default=20, help="learning-curve points (opd.snapshot_every)")
@@ -418,6 +431,13 @@ def main(argv=None) -> int:
     ap.add_argument("--own-data", action="store_true", help="with --prepare: make the prompts and teacher completions")
     ap.add_argument("--start", help="a start made earlier (e.g. another study root's start/), used as it is")
     ap.add_argument("--title", help="the page's first line (markdown)")
+    ap.add_argument("--notes", help="a markdown file of the study's reading, put after the verdict")
+    ap.add_argument("--diagnosis", help="studies/opd_collapse.py's JSON lines, rendered as the diagnosis section")
+    ap.add_argument(
+        "--train-only",
+        action="store_true",
+        help="train the arms (not the control) and stop: short runs read for their step logs (opd_collapse.py)",
+    )
     ap.add_argument(
         "--extra-arm",
         action="append",
@@ -445,7 +465,16 @@ def main(argv=None) -> int:
         except ConfigError as e:  # a bad --set or profile: one line naming the key, as a stage says it
             print(f"pruned_recovery: params: {e}", file=sys.stderr)
             return 2
-    counts = write_report(root, REPO / args.out, args.commit)
+        if args.train_only:
+            print(json.dumps({"kind": "pruned_recovery", "root": str(root), "train_only": True}))
+            return 0
+    counts = write_report(
+        root,
+        REPO / args.out,
+        args.commit,
+        Path(args.notes) if args.notes else None,
+        Path(args.diagnosis) if args.diagnosis else None,
+    )
     print(json.dumps({"kind": "pruned_recovery", "root": str(root), "out": args.out, "seeds_per_arm": counts}))
     failed = json.loads((root / "study.json").read_text()).get("failed") or []
     if failed:

@@ -2,15 +2,15 @@
 tokenizer it does not share) on the built-in tasks, by OPD across tokenizers against continued SFT at equal steps
 and equal FLOPs, over paired training seeds.
 
-One command, the pruned-recovery study's runner (``bench/pruned_recovery.py``) with this study's settings: the
+One command, the pruned-recovery study's runner (``studies/pruned_recovery.py``) with this study's settings: the
 profile ``profiles/cross_tokenizer.yaml``, a start made here by the pipeline's own stages (models with
 ``opd.cross_tokenizer``, subset, teacher_gen from the built-in teacher, SFT of the student on its completions), the
 control (``sft_continued``) and the two cross-tokenizer arms (``xtok_sampled``: span sampled-token reverse KL;
 ``xtok_vocab``: shared vocabulary + ULD) per seed, each evaluated against its seed's control. Any of the runner's
 options may follow and override these (e.g. ``--seeds 1 --steps 10`` for a quick look, ``--jobs 2``).
 
-    python bench/cross_tokenizer.py                      # reports/cross_tokenizer.md
-    python bench/cross_tokenizer.py --report-only        # the page again from build/cross-tokenizer
+    python studies/cross_tokenizer.py                      # reports/cross_tokenizer.md
+    python studies/cross_tokenizer.py --report-only        # the page again from build/cross-tokenizer
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "studies"))
 
 import pruned_recovery  # noqa: E402
 

@@ -3,7 +3,7 @@
 Two parts, each at every K of ``--workers`` (default 2, the pipeline's default, and 4):
 
 1. **The null where the report judges**: healthy ``sft`` and ``opd`` stages of the default pipeline
-   (``bench/detection_null.py``: the real stages with the committed params, teacher completions from the
+   (``studies/detection_null.py``: the real stages with the committed params, teacher completions from the
    pipeline's cache, only ``ddp.workers`` and ``ddp.seed`` changed). Calibration seeds choose the design
    rate per K (``report.false_alarms_per_1000`` for K >= 3, ``report.two_worker_false_alarms_per_1000`` for
    K = 2): the largest rate on ``DESIGN_RATES`` that, doubled, keeps the calibration alarms at or below
@@ -20,9 +20,9 @@ Prints JSON lines: ``{"null": ...}`` per (K, stage, held-out seed), ``{"calibrat
 ``{"case": ...}`` per (K, fault, magnitude, seed), then ``{"summary": ...}`` lines (per K and fault; the
 false-alarm rate per K with its interval).
 
-    python bench/detection.py --pipeline . --rows /tmp/det_rows > reports/detection.jsonl   # after dvc repro
-    python bench/detection.py --pipeline . --rows /tmp/det_rows --from-rows   # re-score kept rows
-    python bench/detection.py --workers 4 --fault-seeds 5 --cases loss_scale --null-seeds   # a quick look
+    python studies/detection.py --pipeline . --rows /tmp/det_rows > reports/detection.jsonl   # after dvc repro
+    python studies/detection.py --pipeline . --rows /tmp/det_rows --from-rows   # re-score kept rows
+    python studies/detection.py --workers 4 --fault-seeds 5 --cases loss_scale --null-seeds   # a quick look
 """
 
 from __future__ import annotations

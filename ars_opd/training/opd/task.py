@@ -21,8 +21,8 @@ length, ``ars_opd.lm.batching.sequence_weights``; the engine then divides by the
 ``MicroBatch.units``), so a long rollout weighs what a short one does; the default ``token`` is the global
 token mean, where the longest rollouts weigh most.
 
-The teacher (``ars_opd.training.opd_teachers``, chosen, started and checked by
-``ars_opd.training.opd_teacher_setup``) is ``opd.teacher: local``, the model in every worker (eval mode,
+The teacher (``ars_opd.training.opd.teachers``, chosen, started and checked by
+``ars_opd.training.opd.teacher_setup``) is ``opd.teacher: local``, the model in every worker (eval mode,
 no grad; bf16 on CUDA by default, ``opd.teacher_dtype``), or ``endpoint``, a served teacher's vLLM-style
 ``prompt_logprobs`` (``opd.teacher_endpoint``; ``local`` there starts the bundled server for the pinned
 teacher): the trainer then never loads teacher weights, each step's sequences are scored at once with bounded
@@ -54,38 +54,28 @@ ends or ``max_new_tokens``; not each row's kept completion. It is counted on the
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from ars_opd.config import OPDConfig
-from ars_opd.data.answers import is_checkable, is_correct
-from ars_opd.data.prompts import encode_prompts, encode_teacher_completions, teacher_ended
+from ars_opd.data.answers import is_correct
 from ars_opd.lm.batching import (
     build_rollout_batch,
     eos_set,
     in_first_half,
-    pad_right_with_labels,
     pad_token_id,
     sequence_weights,
 )
-from ars_opd.lm.cross_entropy import cross_entropy_terms, shifted_targets
-from ars_opd.lm.divergences import divergence_terms
-from ars_opd.lm.generation import GenerationCost, decode_completion, eos_token_ids, generate_token_ids
-from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows
-from ars_opd.lm.opd_objectives import TeacherLogits, objective_for, recorded, weighted
+from ars_opd.lm.generation import GenerationCost, decode_completion, generate_token_ids
+from ars_opd.lm.head import OutputHead, last_hidden_states, select_rows
+from ars_opd.lm.opd_objectives import objective_for
 from ars_opd.lm.optim import autocast_context
 from ars_opd.lm.rollout_copy import CastCopy
-from ars_opd.lm.token_alignment import CrossTokenizer, teacher_end_id
-from ars_opd.models.loading import load_teacher_tokenizer, read_manifest
-from ars_opd.models.teachers import Route, check_recorded
 from ars_opd.rollouts.schedule import (
     ENGINE_METRICS,
     EngineRollouts,
@@ -93,36 +83,20 @@ from ars_opd.rollouts.schedule import (
     engine_step_metrics,
     place_on_mask,
 )
-from ars_opd.rollouts.stage import WorkerPlace, stage_engine, worker_rollouts
 from ars_opd.seeding import derive_seed
 from ars_opd.training.batch_plan import step_indices
-from ars_opd.training.budget import matmul_parameters
-from ars_opd.training.cross_teacher import CrossTokenizerTeacher, TeacherSide, max_positions
-from ars_opd.training.opd_teacher_setup import build_teacher, check_scoring_endpoint, scoring_endpoint
-from ars_opd.training.opd_teachers import EndpointTeacher, LocalTeacher
-from ars_opd.training.rollout_health import HealthMonitor, StepRollouts
+from ars_opd.training.opd.anchor import anchor_loss, anchor_rows, joint_hidden
+from ars_opd.training.opd.data import OPDData
+from ars_opd.training.opd.rollout_health import HealthMonitor, StepRollouts
+from ars_opd.training.opd.teacher_route import ROW_KEY, RoutedTeacher, column, rollout_columns, scored_columns
+from ars_opd.training.opd.teacher_route import metric_names as per_teacher_names
+from ars_opd.training.opd.teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.sharding import is_sharded
 from ars_opd.training.task import MicroBatch
-from ars_opd.training.teacher_route import ROW_KEY, RoutedTeacher, column, rollout_columns, scored_columns
-from ars_opd.training.teacher_route import metric_names as per_teacher_names
-from ars_opd.training.teacher_route_setup import build_routed_teacher, routed_endpoints
-from ars_opd.training.train_rows import train_rows
-from ars_opd.training.worker import PreparedRun, TrainingJob, WorkerSetup, launch_stage, run_worker, starting_student
-
-__all__ = [
-    "EndpointTeacher",
-    "LocalTeacher",
-    "ModelSizes",
-    "OPDData",
-    "OPDTask",
-    "RolloutSetup",
-    "run_opd",
-    "uses_student_rollouts",
-]
-
+from ars_opd.training.worker import WorkerSetup
 
 # the rollout-health columns, kept per worker too (``OPDTask.worker_metric_names``); the detector that judges them
-# is ``ars_opd.training.rollout_health``
+# is ``ars_opd.training.opd.rollout_health``
 ROLLOUT_HEALTH = ("eos_rate", "truncation_rate", "response_length", "entropy", "teacher_logprob")
 
 
@@ -148,25 +122,6 @@ def step_rollouts(step: int, metrics: dict, prefix: str = "") -> StepRollouts:
 def uses_student_rollouts(seed: int, step: int, on_policy_fraction: float) -> bool:
     """GKD draw for a step: a pure function of (seed, step), identical on every worker."""
     return random.Random(derive_seed(seed, f"gkd-step-{step}")).random() < on_policy_fraction
-
-
-@dataclass
-class OPDData:
-    """The encoded prompts a run trains on, with the teacher's cached completions and each row's task label."""
-
-    prompts: list[list[int]]
-    completions: list[list[int]]  # the teacher's, for GKD's teacher-text steps
-    tasks: list[str | None] | None = None  # each row's task label (synthetic data), for a task-selective fault
-    counts: dict = field(default_factory=dict)  # rows kept and dropped, for the manifest
-    # each row as the answer check reads it (task, reference, messages) where a program can check its answer
-    # (``ars_opd.data.answers``: the synthetic tasks, the natural prompts' checkable kinds), else None
-    check_rows: list[dict | None] | None = None
-    teacher_prompts: list[list[int]] | None = None  # opd.cross_tokenizer: each prompt in the teacher's own tokens
-    teachers: list[int] | None = None  # several teachers (teachers.named): each row's, by its index in the route
-
-    def checkable(self) -> bool:
-        """Whether any row's answer can be checked (the correct_rate column then counts those rows)."""
-        return bool(self.check_rows) and any(r is not None for r in self.check_rows)
 
 
 class ModelSizes(NamedTuple):
@@ -223,7 +178,7 @@ class OPDTask:
         self.engine = rollouts.engine  # opd.rollouts: engine (ars_opd.rollouts.schedule); None: this worker samples
         self.rollout_copy = CastCopy(torch.bfloat16) if cfg.rollout_dtype == "bf16" else None
         self.health = HealthMonitor()  # the live rollout-health check (check_step)
-        # several teachers (ars_opd.training.teacher_route): each row's teacher, and the columns again per teacher
+        # several teachers (ars_opd.training.opd.teacher_route): each row's teacher, and the columns again per teacher
         self.routed = teacher.names if isinstance(teacher, RoutedTeacher) else None
         self.row_teachers = data.teachers
         self.teacher_health = {t: HealthMonitor() for t in self.routed or ()}
@@ -319,7 +274,13 @@ class OPDTask:
                 batch["overlong"] = (~batch["has_eos"]) & (batch["lengths"] >= self.cfg.max_new_tokens)
             if on_policy and self.cfg.anchor != "none":  # the teacher's text of the same prompts, beside them
                 rows = idx[j : j + self.geometry.micro_batch]
-                batch.update(self._anchor_rows(prompts[j : j + self.geometry.micro_batch], rows))
+                batch.update(
+                    anchor_rows(
+                        prompts[j : j + self.geometry.micro_batch],
+                        [self.teacher_completions[i][: self.cfg.max_new_tokens] for i in rows],
+                        self.pad_id,
+                    )
+                )
             if engine_logprobs is not None:
                 batch["engine_logprobs"] = place_on_mask(
                     batch["loss_mask"], engine_logprobs[j : j + self.geometry.micro_batch]
@@ -352,8 +313,7 @@ class OPDTask:
                     correct = lambda sel, rows=rows, done=done: self._correct(  # noqa: E731
                         [r for r, s in zip(rows, sel.tolist()) if s], [c for c, s in zip(done, sel.tolist()) if s]
                     )
-                counted = meta["rollouts"][1]
-                meta.update(rollout_columns(self.routed, b, cut, counted, correct))
+                meta.update(rollout_columns(self.routed, b, cut, meta["rollouts"][1], correct))
             if n == 0:
                 meta["gen_s"] = (gen_s, 1.0)
                 meta["teacher_s"] = (attach_s, 0.0)  # loss_sum adds the per-micro-batch part and the count
@@ -391,7 +351,7 @@ class OPDTask:
         mask = t["loss_mask"]  # (B, T)
         anchor_hidden = None
         if "anchor_input_ids" in t:  # one forward over the rollouts and their anchor rows together
-            full, anchor_hidden = self._joint_hidden(model, t)
+            full, anchor_hidden = joint_hidden(model, t, self.pad_id)
         else:
             full = last_hidden_states(model, t["input_ids"], t["attention_mask"])
         hidden = select_rows(full, mask)  # (M, H)
@@ -430,7 +390,7 @@ class OPDTask:
             penalty=penalty,
         )
         if anchor_hidden is not None:
-            anchor_sum, anchor_metric = self._anchor_loss(anchor_hidden, head, t)
+            anchor_sum, anchor_metric = anchor_loss(anchor_hidden, head, t, self.cfg, self.teacher)
             loss_sum = loss_sum + anchor_sum
             extra["anchor_loss"] = anchor_metric
         first = in_first_half(mask)
@@ -451,62 +411,6 @@ class OPDTask:
             **extra,
         }
 
-    def _anchor_rows(self, prompts: list[list[int]], rows: list[int]) -> dict[str, torch.Tensor]:
-        """A micro-batch's anchor (``opd.anchor``): the teacher's cached completions of its prompts, cut at
-        max_new_tokens as GKD's teacher-text steps cut them, right-padded: ids, attention, and the scored positions
-        and their targets (``cross_entropy.shifted_targets``)."""
-        b = pad_right_with_labels(
-            prompts, [self.teacher_completions[i][: self.cfg.max_new_tokens] for i in rows], self.pad_id
-        )
-        mask, targets = shifted_targets(b["labels"])
-        return {
-            "anchor_input_ids": b["input_ids"],
-            "anchor_attention_mask": b["attention_mask"],
-            "anchor_mask": mask,
-            "anchor_targets": targets,
-        }
-
-    def _joint_hidden(self, model: torch.nn.Module, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The student's last hidden states of the rollout rows (B, T, H) and, from the same forward, its hidden rows
-        at the anchor's scored positions (M_a, H): both sets right-padded to one width and run as one batch (one
-        forward per backward under DDP), then split."""
-        ids, attn = t["input_ids"], t["attention_mask"]
-        a_ids, a_attn = t["anchor_input_ids"], t["anchor_attention_mask"]
-        width = max(ids.shape[1], a_ids.shape[1])
-
-        def right(x: torch.Tensor, value: int) -> torch.Tensor:
-            return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
-
-        hidden = last_hidden_states(
-            model,
-            torch.cat([right(ids, self.pad_id), right(a_ids, self.pad_id)]),
-            torch.cat([right(attn, 0), right(a_attn, 0)]),
-        )
-        B = ids.shape[0]
-        return hidden[:B, : ids.shape[1]], select_rows(hidden[B:, : a_ids.shape[1]], t["anchor_mask"])
-
-    def _anchor_loss(self, anchor_hidden: torch.Tensor, head: OutputHead, t: dict) -> tuple[torch.Tensor, tuple]:
-        """(anchor_weight × the anchor's summed token losses, with grad; the ``anchor_loss`` column's (sum, count) of
-        the unweighted token losses): cross-entropy of the teacher's tokens (sft) or the full-vocabulary
-        KL(teacher ‖ student) there (forward_kl, the local teacher's distributions on its own text)."""
-        targets = t["anchor_targets"]
-        if self.cfg.anchor == "sft":
-            terms = cross_entropy_terms(targets)
-        else:
-            teacher = self.teacher.model
-            with torch.no_grad():
-                rows = select_rows(
-                    last_hidden_states(teacher, t["anchor_input_ids"], t["anchor_attention_mask"]), t["anchor_mask"]
-                )
-            logits = TeacherLogits(rows, OutputHead.of(teacher, self.teacher.vocab))
-            terms = divergence_terms(logits.rows, beta=0.0, temperature=self.cfg.temperature)
-        values = torch.empty(anchor_hidden.shape[0], dtype=torch.float32, device=anchor_hidden.device)
-        w = torch.full_like(values, self.cfg.anchor_weight)
-        if self.cfg.loss_normalisation == "sequence":  # each anchor row weighs anchor_weight, over its tokens
-            w = w * sequence_weights(t["anchor_mask"])
-        total = chunked_head_loss(anchor_hidden, head, weighted(recorded(terms, values), w), self.cfg.chunk_size)
-        return total, (float(values.sum()), float(values.numel()))
-
     def _correct(self, rows: list[int], completions: list[list[int]]) -> tuple[int, int]:
         """(how many of these completions answer their row correctly, how many of the rows can be checked): token
         ids cut at the first EOS when decoded, checked as the evaluation checks them (``ars_opd.data.answers``)."""
@@ -520,7 +424,7 @@ class OPDTask:
 
     def check_step(self, step: int, metrics: dict) -> None:
         """After the step's columns are reduced, before its update: the engine's lag-0 check
-        (``EngineRollouts.check_step``), and the rollouts' health (``ars_opd.training.rollout_health``, at its
+        (``EngineRollouts.check_step``), and the rollouts' health (``ars_opd.training.opd.rollout_health``, at its
         default settings): the step the rollouts leave their start, rank 0 says so in one line (the run goes on;
         the report, ``ars-opd summary`` and ``ars-opd check`` judge the whole log again)."""
         if self.engine is not None:
@@ -533,166 +437,3 @@ class OPDTask:
             if alarm is not None and self.rank == 0:
                 where = f"opd ({teacher}'s prompts)"
                 print(f"warning: {alarm.line(where)}", file=sys.stderr, flush=True)
-
-
-def _encode(
-    tokenizer,
-    rows: list[dict],
-    cfg: OPDConfig,
-    teacher_tokenizer=None,
-    teacher_positions: int | None = None,
-    route: list[int] | None = None,
-) -> OPDData:
-    """The rows whose prompt fits the budget, encoded, and the counts. A teacher completion has an EOS only
-    where the teacher ended it; with ``truncated_completions: drop`` and teacher-text steps
-    (on_policy_fraction < 1) a row whose completion the teacher was cut off in is left out. Across tokenizers
-    (``teacher_tokenizer``) the prompts are also encoded in the teacher's tokens, and a row whose teacher prompt
-    leaves fewer than ``max_new_tokens`` of the teacher's ``teacher_positions`` is left out (counted): its
-    teacher row could not be scored. A text the teacher spells in more tokens than the student can still overrun
-    at a step; the teacher then stops the run naming the lengths. ``route``: each row's teacher of several (its
-    index), kept for the rows kept."""
-    prompts = encode_prompts(tokenizer, [r["messages"] for r in rows])
-    completions = encode_teacher_completions(tokenizer, rows)
-    fits = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
-    drop_cut = cfg.truncated_completions == "drop" and cfg.on_policy_fraction < 1
-    keep = [i for i in fits if not (drop_cut and not teacher_ended(rows[i]))]
-    counts = {
-        "rows": len(rows),
-        "kept": len(keep),
-        "dropped_prompt_over_budget": len(rows) - len(fits),
-        "dropped_teacher_truncated": len(fits) - len(keep),
-        "teacher_truncated": sum(not teacher_ended(r) for r in rows),
-    }
-    teacher_prompts = None
-    if teacher_tokenizer is not None:  # the same messages under the teacher's own chat template
-        teacher_prompts = encode_prompts(teacher_tokenizer, [rows[i]["messages"] for i in keep])
-        if teacher_positions is not None:  # a prompt the teacher cannot read with room for an answer: left out
-            room = [j for j, tp in enumerate(teacher_prompts) if len(tp) + cfg.max_new_tokens <= teacher_positions]
-            counts["dropped_teacher_prompt_over_context"] = len(keep) - len(room)
-            counts["kept"] = len(room)
-            keep, teacher_prompts = [keep[j] for j in room], [teacher_prompts[j] for j in room]
-    return OPDData(
-        [prompts[i] for i in keep],
-        [completions[i] for i in keep],
-        [rows[i].get("task") for i in keep],
-        counts,
-        [rows[i] if is_checkable(rows[i]) else None for i in keep],
-        teacher_prompts,
-        [route[i] for i in keep] if route is not None else None,
-    )
-
-
-def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
-    ctx, tokenizer = setup.ctx, setup.tokenizer
-    vocab = len(tokenizer)
-    student = starting_student(job, ctx.device)
-    model = student.model
-    rows_out = model.get_output_embeddings().weight.shape[0]
-    if rows_out < vocab:
-        raise ValueError(f"the student has {rows_out} output rows but the tokenizer {vocab} ids")
-    rows, identity = train_rows(job.paths, job.stage, job.control)
-    route = None
-    if job.teachers.active:  # several teachers: each row's own (refused before any work if one has none)
-        where = job.paths.completions("train")
-        route = Route(job.teachers).indices(rows, where)
-        if job.cfg.on_policy_fraction < 1 or job.cfg.anchor != "none":  # the teacher's text must be its own
-            check_recorded(rows, Route(job.teachers).assign(rows, where), where)
-        teacher, teacher_manifest = build_routed_teacher(job, setup, vocab)
-        teacher_params = max(teacher.parameters)  # the budget charges each row's own (forward_flops)
-    else:
-        teacher, teacher_params, teacher_manifest = build_teacher(job, setup, vocab)
-    teacher_tokenizer = None
-    if job.cfg.cross_tokenizer:
-        teacher_tokenizer = load_teacher_tokenizer(job.paths.models_dir, job.trust_remote_code)
-    positions = max_positions(teacher.model) if isinstance(teacher, LocalTeacher) else None
-    data = _encode(tokenizer, rows, job.cfg, teacher_tokenizer, positions, route)
-    if not data.prompts:
-        raise ValueError(f"no OPD prompts left after the budget: {data.counts}")
-    eos_ids = eos_token_ids(model, tokenizer)
-    if teacher_tokenizer is not None:
-        cross = CrossTokenizer(tokenizer, teacher_tokenizer, eos_ids, teacher_end_id(teacher_tokenizer))
-        teacher = cross_tokenizer_teacher(teacher, cross, data, vocab, job.cfg.chunk_size)
-        teacher_manifest["cross_tokenizer"] = {
-            "loss": job.cfg.loss,
-            "teacher_vocab": len(teacher_tokenizer),
-            "student_vocab": vocab,
-        }
-    task = OPDTask(
-        data,
-        teacher,
-        job.cfg,
-        setup,
-        sizes=ModelSizes(matmul_parameters(model), teacher_params, OutputHead.of(model, vocab).weight.numel()),
-        rollouts=RolloutSetup(eos_ids, engine_rollouts(job, setup, eos_ids)),
-    )
-    fingerprint = {
-        "init": student.init,
-        "teacher": read_manifest(job.paths.models_dir)["teacher"]["revision"],
-        **identity,
-    }
-    if job.teachers.active:  # which teachers score which prompts: another route is another run
-        fingerprint["teachers"] = {"pins": teacher_manifest["teachers"], "route": teacher_manifest["route"]}
-    return PreparedRun(
-        model,
-        task,
-        fingerprint,
-        data.counts,
-        manifest={"vocab": vocab, "adapter_start": student.adapter, **teacher_manifest},
-        on_step=lambda s: {"gkd_source": task.source(s)},
-        budget_start=student.budget,
-        close=task.engine.close if task.engine is not None else None,
-    )
-
-
-def cross_tokenizer_teacher(
-    teacher: LocalTeacher | EndpointTeacher, cross: CrossTokenizer, data: OPDData, vocab: int, chunk_size: int
-) -> CrossTokenizerTeacher:
-    """``teacher`` scoring the student's text in its own tokens (``ars_opd.training.cross_teacher``)."""
-    local = isinstance(teacher, LocalTeacher)
-    side = TeacherSide(
-        data.teacher_prompts,
-        len(cross.teacher),
-        pad_token_id(cross.teacher),
-        max_positions(teacher.model) if local else None,
-    )
-    if local:
-        return CrossTokenizerTeacher(cross, side, vocab, model=teacher.model, chunk_size=chunk_size)
-    return CrossTokenizerTeacher(cross, side, vocab, endpoint=teacher, chunk_size=chunk_size)
-
-
-def engine_rollouts(job: TrainingJob, setup: WorkerSetup, eos_ids: tuple[int, ...]) -> EngineRollouts | None:
-    """This worker's side of the rollout engine that ``run_opd`` started or named (None: the worker samples). Its
-    requests are seeded from the rank's seed under the seed scenario, as the trainer's rollouts are."""
-    if job.cfg.rollouts != "engine":
-        return None
-    place = WorkerPlace(setup.ctx.rank, setup.ctx.world_size, setup.stage_seed, setup.rng_seed)
-    return worker_rollouts(job.rollout_engine, job.cfg, place, eos_ids, len(setup.tokenizer))
-
-
-def opd_worker(job: TrainingJob) -> dict:
-    return run_worker(job, prepare_opd)
-
-
-def run_opd(job: TrainingJob) -> dict:
-    """The opd stage: check the job, start the workers, distil, write outputs. Returns rank 0's summary.
-
-    With ``opd.teacher: endpoint`` the endpoint is checked (reachable, serving the model, same tokenizer)
-    before any worker starts, and the bundled server (``teacher_endpoint.endpoint: local``) runs for the
-    stage's duration; under an outside launcher every process does this for itself.
-    """
-    job.check()  # before any worker starts: e.g. a loss the rollouts cannot serve is a config error
-    with contextlib.ExitStack() as stack:
-        if job.cfg.rollouts == "engine":
-            engine = stage_engine(job.cfg, job.paths.models_dir, job.paths.opd_checkpoints)
-            job = dataclasses.replace(job, rollout_engine=stack.enter_context(engine))
-        if job.teachers.active:  # several teachers: every prompt has one, the served ones answer, before any worker
-            Route(job.teachers).assign(train_rows(job.paths, job.stage, job.control)[0], job.paths.completions("train"))
-            endpoints = routed_endpoints(job.teachers, job.cfg, job.paths.models_dir, job.trust_remote_code)
-            return launch_stage(opd_worker, dataclasses.replace(job, teacher_endpoints=endpoints))
-        if job.cfg.teacher == "local":
-            return launch_stage(opd_worker, job)
-        endpoint = stack.enter_context(scoring_endpoint(job.cfg, job.paths))
-        check_scoring_endpoint(endpoint, job)
-        # the resolved endpoints are run-time only: a started server's port changes every run, and must not keep a
-        # checkpoint from resuming (job.scoring and job.rollout_engine are outside the checkpoint fingerprint)
-        return launch_stage(opd_worker, dataclasses.replace(job, scoring=endpoint))

@@ -7,7 +7,7 @@ object: per kind n, correct and accuracy, the total, and how many tokens the ans
 (the part the rule reads; an ``evaluate.max_new_tokens`` below that cuts right answers). ``--answers`` writes
 every answer with its verdict, for reading by eye.
 
-    python bench/natural_teacher.py --teacher /tmp/smollm2-hf --answers /tmp/natural_answers.jsonl
+    python studies/natural_teacher.py --teacher /tmp/smollm2-hf --answers /tmp/natural_answers.jsonl
 """
 
 from __future__ import annotations
