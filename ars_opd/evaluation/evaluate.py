@@ -386,7 +386,10 @@ def curve_point(
         return score_model(model, teacher, tokenizer, data, cfg, vocab, device, teacher_tokenizer=teacher_tokenizer)
 
     m, _ = _scored(cache, lambda: f"dir:{dir_sha256(model_dir)}", data, False, compute)
-    return {**read_budget(model_dir), **{k: m.get(k) for k in CURVE_METRICS}}
+    point = {**read_budget(model_dir), **{k: m.get(k) for k in CURVE_METRICS}}
+    if "per_teacher" in m:  # several teachers: each teacher's rows too, for comparisons at equal budget per teacher
+        point["per_teacher"] = m["per_teacher"]
+    return point
 
 
 def learning_curves(
