@@ -944,6 +944,9 @@ class NamedTeacherConfig:
     tasks: tuple[str, ...] = ()
     """builtin only: the synthetic tasks it is trained on (empty: synthetic.tasks); a teacher trained on some of
     them is a specialist, poor at the rest."""
+    steps: int | None = None
+    """builtin only: its training steps (null: models.teacher_training.steps, whose other settings it keeps); a
+    specialist of fewer tasks learns them in fewer steps."""
     endpoint: EndpointConfig = field(default_factory=EndpointConfig)
     """source endpoint only: its base URL (endpoint: http(s)://...), served model name, API key variable,
     concurrency, timeouts and retries, for teacher_gen's requests and OPD's scoring alike."""
@@ -964,6 +967,12 @@ class NamedTeacherConfig:
             "tasks",
             f"only a built-in teacher is trained on tasks here; {self.source!r} is used as it is: set tasks: []",
         )
+        _require(
+            builtin or self.steps is None,
+            "steps",
+            f"only a built-in teacher is trained here; {self.source!r} is used as it is: set steps: null",
+        )
+        _require(self.steps is None or self.steps > 0, "steps", f"must be > 0, got {self.steps}")
         unknown = [t for t in self.tasks if t not in TASK_NAMES]
         _require(not unknown, "tasks", f"unknown task(s) {unknown}; allowed: {list(TASK_NAMES)}")
         _require(len(set(self.tasks)) == len(self.tasks), "tasks", f"lists a task twice: {list(self.tasks)}")
@@ -1007,8 +1016,8 @@ class TeachersConfig:
     ``default``; a prompt neither covers is refused before any work, naming it."""
 
     named: tuple[NamedTeacherConfig, ...] = ()
-    """The teachers, each a mapping {name, source, revision, tasks, endpoint, parameters}; empty: models.teacher
-    alone."""
+    """The teachers, each a mapping {name, source, revision, tasks, steps, endpoint, parameters}; empty:
+    models.teacher alone."""
     route_by: str | None = "task"
     """The data column whose value picks a prompt's teacher (the synthetic tasks' and natural prompts' task);
     null: every prompt goes to ``default``."""
@@ -1898,6 +1907,14 @@ def check_teachers(params: Params, base: str | Path = ".") -> None:
             pruned is not None and pruned.prune_from == "teacher" and models.teacher == BUILTIN
         )
         student = models.student if isinstance(models.student, str) else "a pruned student"
+        warmup = models.teacher_training.warmup_steps
+        for i, t in enumerate(teachers.named):
+            _require(
+                t.steps is None or t.steps >= warmup,
+                f"teachers.named[{i}].steps",
+                f"must be >= models.teacher_training.warmup_steps ({warmup}), got {t.steps}: the learning rate would "
+                "never reach its peak",
+            )
         for i, t in enumerate(teachers.named):  # a pretrained one's tokenizer is compared by the models stage
             builtin = t.source == BUILTIN or (t.source == THE_TEACHER and models.teacher == BUILTIN)
             if builtin and not student_builtin:

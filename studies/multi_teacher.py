@@ -2,18 +2,19 @@
 that knows it, get both specialties, and at what cost to each?
 
 The start, made here by the pipeline's own stages in ``<root>/start``: the models stage builds three teachers of one
-size (``models.teacher_arch``): ``arith`` trained on add, sort_digits and length, ``words`` on reverse and
-uppercase (``teachers.named``, source builtin, their ``tasks``), and ``general``, the models stage's own teacher,
-trained on all five; teacher_gen answers each prompt with its specialist (the route by task); the sft stage trains
-the student on those completions. Per training seed (``ddp.seed``): one OPD run per arm of
-``ars_opd.evaluation.multi_teacher.ARMS`` (the route alone differs: routed, arith_only, words_only, general) from the
-start; then the evaluate stage for each arm in a directory of its own with the specialists' route (each held-out row
-against the specialist that knows it), the arm's OPD model linked in. The arms are compared with each other; no
-control arm (more SFT) is run, and each evaluation's control slot holds the start. Every run is the pipeline's own
-stage in a directory of its own (``studies/pruned_recovery.py``'s runner: a stage that finished with the same params
-is not run again, so a killed study resumes), one process at a time, at ``--threads`` torch threads each; the
-evaluations share ``ARS_OPD_EVAL_CACHE``. Prints the study's numbers as JSON and writes ``reports/multi_teacher.md``
-(``ars_opd.evaluation.multi_teacher``).
+size (``models.teacher_arch``): ``arith`` trained on add, sort_digits and length, ``words`` on reverse and uppercase
+(``teachers.named``, source builtin, their ``tasks``, ``--specialist-steps`` each), and ``general``, the models
+stage's own teacher, trained on all five (``--teacher-steps``: by default as many steps as the two specialists
+together, so the routed pair and the single teacher cost the same to train); teacher_gen answers each prompt with
+its specialist (the route by task); the sft stage trains the student on those completions. Per training seed
+(``ddp.seed``): one OPD run per arm of ``ars_opd.evaluation.multi_teacher.ARMS`` (the route alone differs: routed,
+arith_only, words_only, general) from the start; then the evaluate stage for each arm in a directory of its own with
+the specialists' route (each held-out row against the specialist that knows it), the arm's OPD model linked in. The
+arms are compared with each other; no control arm (more SFT) is run, and each evaluation's control slot holds the
+start. Every run is the pipeline's own stage in a directory of its own (``studies/pruned_recovery.py``'s runner: a
+stage that finished with the same params is not run again, so a killed study resumes), one process at a time, at
+``--threads`` torch threads each; the evaluations share ``ARS_OPD_EVAL_CACHE``. Prints the study's numbers as JSON
+and writes ``reports/multi_teacher.md`` (``ars_opd.evaluation.multi_teacher``).
 
     OMP_NUM_THREADS=1 python studies/multi_teacher.py                  # build/multi-teacher, reports/multi_teacher.md
     python studies/multi_teacher.py --report-only                      # the page again from a finished root
@@ -66,8 +67,12 @@ ARM_OUTPUTS = ("opd_model", "opd_log")
 def study_params(args) -> dict:
     """The start's params: the workspace's with the study's teachers and budgets."""
     params = yaml.safe_load((REPO / "params.yaml").read_text())
+    teachers = json.loads(json.dumps(TEACHERS))
+    for t in teachers["named"]:
+        if t["source"] == "builtin":  # the specialists: each its own training length
+            t["steps"] = args.specialist_steps
     sets = [
-        ("teachers", TEACHERS),
+        ("teachers", teachers),
         ("models.teacher_training.steps", args.teacher_steps),
         ("sft.steps", args.sft_steps),
         ("sft.snapshot_every", 0),
@@ -171,6 +176,7 @@ def run_study(args) -> dict:
         "arms": args.arms,
         "steps": args.steps,
         "teacher_steps": args.teacher_steps,
+        "specialist_steps": args.specialist_steps,
         "sft_steps": args.sft_steps,
         "threads": args.threads,
         "seconds": time.perf_counter() - t0,
@@ -254,7 +260,16 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=80, help="OPD steps of every arm (opd.steps)")
     ap.add_argument("--snapshot-every", type=int, default=40, help="learning-curve points (opd.snapshot_every)")
     ap.add_argument("--curve-examples", type=int, default=100, help="held-out prompts of each curve point")
-    ap.add_argument("--teacher-steps", type=int, default=600, help="training steps of each built-in teacher")
+    ap.add_argument(
+        "--teacher-steps", type=int, default=1000, help="training steps of the single teacher (models.teacher)"
+    )
+    ap.add_argument(
+        "--specialist-steps",
+        type=int,
+        default=500,
+        help="training steps of each specialist (the two together: "
+        "as many as the single teacher's at the default settings)",
+    )
     ap.add_argument("--sft-steps", type=int, default=600, help="the start's SFT steps")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each stage process")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a params override for every run")

@@ -85,6 +85,18 @@ def test_the_default_params_name_no_teacher_and_every_stage_takes_them(tmp_path)
             {},
         ),
         (
+            "teachers.named[0].steps",
+            "only a built-in teacher is trained",
+            {"named": [{"name": "t", "source": "teacher", "steps": 5}], "default": "t"},
+            {},
+        ),
+        (
+            "teachers.named[0].steps",
+            "warmup_steps",
+            {"named": [{**SPECIALISTS[0], "steps": 10}], "default": "arith"},
+            {},
+        ),
+        (
             "teachers.named[0].endpoint.endpoint",
             "http(s) base URL",
             {"named": [{"name": "s", "source": "endpoint"}], "default": "s"},
@@ -168,7 +180,8 @@ def _teachers(raw: dict) -> TeachersConfig:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("several")
-    several_teachers_workspace(root, {"named": [*SPECIALISTS, {"name": "main", "source": "teacher"}], "route": ROUTE})
+    named = [{**SPECIALISTS[0], "steps": 25}, SPECIALISTS[1], {"name": "main", "source": "teacher"}]
+    several_teachers_workspace(root, {"named": named, "route": ROUTE})
     return root
 
 
@@ -188,6 +201,9 @@ def test_the_models_stage_pins_every_teacher_and_check_verifies_each(workspace):
         assert len({entries[n]["revision"] for n in ("arith", "words", "main")}) == 3  # three different teachers
         metrics = json.loads(Path(paths.models_metrics).read_text())["teachers"]
         assert set(metrics) == {"arith", "words"} and metrics["arith"]["tasks"] == list(ARITH)
+        assert (
+            metrics["arith"]["train_steps"] == 25 and metrics["words"]["train_steps"] == 20
+        )  # its own, or the default
         assert check_outputs(paths, ("models",)) == []
         weights = Path(paths.models_dir) / "teachers" / "words" / "model.safetensors"
         original = weights.read_bytes()

@@ -244,9 +244,10 @@ def render(s: dict, meta: dict) -> str:
     md += [
         "",
         f"The teachers are built by the models stage at one size ({teachers.get('params', 'n/a')} parameters each, "
-        f"`models.teacher_arch`), each trained {meta.get('teacher_steps', 'n/a')} steps: the arithmetic specialist on "
-        "add, sort_digits and length, the letters specialist on reverse and uppercase, and the single teacher "
-        f"(`models.teacher`) on all five. Their exact match per task on {teachers.get('eval_examples', 'n/a')} fresh "
+        f"`models.teacher_arch`): the arithmetic specialist trained {meta.get('specialist_steps', 'n/a')} steps on "
+        f"add, sort_digits and length, the letters specialist {meta.get('specialist_steps', 'n/a')} steps on reverse "
+        f"and uppercase, and the single teacher (`models.teacher`) {meta.get('teacher_steps', 'n/a')} steps on all "
+        "five (batches of 64). Their exact match per task on {teachers.get('eval_examples', 'n/a')} fresh "
         "prompts of every task (the models stage's own scoring):",
         "",
         "| teacher | add | sort_digits | length | reverse | uppercase |",

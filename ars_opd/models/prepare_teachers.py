@@ -8,12 +8,12 @@ Called by ``ars_opd.models.prepare.prepare_models`` in two phases, so that what 
   only (a difference is refused, naming the teacher and what differs); an endpoint teacher is recorded by its URL,
   model name and revision (nothing to pin: what it serves is its operator's);
 - ``build_named_teachers`` after it: a ``builtin`` teacher is built with ``models.teacher_arch`` (the parameter
-  count of the models stage's own teacher) and trained with ``models.teacher_training`` on its own ``tasks``
-  (default ``synthetic.tasks``), from seeds derived from its name, so two specialists differ in their data and
-  initialisation alone; it is gated at ``min_accuracy`` on its own tasks (a specialist is not expected to answer
-  the rest) and scored on every task the pipeline's data has, which its metrics report per task (how poor a
-  specialist is at the other tasks is part of what it is). A teacher named ``teacher`` points at the models stage's
-  own teacher.
+  count of the models stage's own teacher) and trained with ``models.teacher_training`` (for its own ``steps`` where
+  set) on its own ``tasks`` (default ``synthetic.tasks``), from seeds derived from its name, so two specialists
+  differ in their data and initialisation alone; it is gated at ``min_accuracy`` on its own tasks (a specialist is
+  not expected to answer the rest) and scored on every task the pipeline's data has, which its metrics report per
+  task (how poor a specialist is at the other tasks is part of what it is). A teacher named ``teacher`` points at
+  the models stage's own teacher.
 
 Each entry carries ``params_source`` (the source as written in params), which later stages compare with their
 params before they trust the manifest (``ars_opd.models.teachers.check_pinned``).
@@ -122,8 +122,13 @@ def build_named_teachers(
             raise TokenizerMismatchError(
                 f"teacher {t.name} is built-in, but the student does not use the built-in tokenizer"
             )
+        own = models  # its own training length, the rest of models.teacher_training as it is
+        if t.steps is not None:
+            own = dataclasses.replace(
+                models, teacher_training=dataclasses.replace(models.teacher_training, steps=t.steps)
+            )
         entry, metrics[t.name] = _train_builtin(
-            out, t.name, t.tasks or synth.tasks, models, synth, seed, tokenizer, progress
+            out, t.name, t.tasks or synth.tasks, own, synth, seed, tokenizer, progress
         )
         entries[t.name] = entry
     return entries, metrics
@@ -179,6 +184,7 @@ def _train_builtin(
         "exact_match_per_task": scored["per_task"],
         "eval_examples": scored["n"],
         "final_loss": log[-1]["loss"] if log else None,
+        "train_steps": models.teacher_training.steps,
         "train_seconds": round(train_s, 1),
     }
     return entry, metrics
