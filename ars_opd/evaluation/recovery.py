@@ -50,6 +50,31 @@ ARMS: dict[str, tuple[str, str, dict | None]] = {
         "generalised JSD at β = 0.5, on the student's samples on half the steps, the teacher's completions on the rest",
         {"loss": "full_vocab", "beta": 0.5, "on_policy_fraction": 0.5},
     ),
+    "opd_sharp": (
+        "OPD, sharpened teacher (τ_T = 0.5)",
+        "full-vocabulary reverse KL on the student's own samples against the teacher at temperature 0.5 "
+        "(`opd.teacher_temperature`), whose most likely token is its greedy choice",
+        {"loss": "full_vocab", "beta": 1.0, "on_policy_fraction": 1.0, "teacher_temperature": 0.5},
+    ),
+    "opd_sharp_anchor": (
+        "OPD, sharpened teacher + SFT anchor",
+        "the sharpened teacher's reverse KL on the student's samples, and in the same step the SFT loss on the "
+        "teacher's completions of the step's prompts at weight 0.5 (`opd.anchor: sft`)",
+        {
+            "loss": "full_vocab",
+            "beta": 1.0,
+            "on_policy_fraction": 1.0,
+            "teacher_temperature": 0.5,
+            "anchor": "sft",
+            "anchor_weight": 0.5,
+        },
+    ),
+    "constant": (
+        "fixed negative advantage (control)",
+        "the sampled-token policy gradient with every token's advantage −1 (`loss: constant_advantage`): the "
+        "teacher's signal replaced by a constant, to see whether OPD's effect needs the teacher at all",
+        {"loss": "constant_advantage", "beta": 1.0, "on_policy_fraction": 1.0, "constant_advantage": -1.0},
+    ),
     "opd_sampled": (
         "OPD, sampled-token reverse KL",
         "the single-sample estimator of reverse KL's gradient from the sampled tokens' teacher log-probabilities",
