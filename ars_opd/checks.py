@@ -123,6 +123,8 @@ def check_models(p: PathsConfig, problems: Problems) -> None:
                 _check_pin(d, role, ref, problems)
         if manifest.get("student_source"):  # the model a student was pruned from, when not the teacher
             _check_pin(d, "student_source", manifest["student_source"], problems)
+        for name, entry in (manifest.get("teachers") or {}).items():  # several teachers: every one's pin
+            _check_named_teacher(d, name, entry, problems)
         if manifest.get("cross_tokenizer"):
             _check_teacher_tokenizer(d, manifest.get("teacher_tokenizer"), problems)
     if not (d / "tokenizer" / "tokenizer_config.json").is_file():
@@ -159,6 +161,21 @@ def _check_pin(models_dir: Path, role: str, ref: dict, problems: Problems) -> No
         verify_pin(models_dir, role, ref)
     except ModelSourceError as e:
         problems.add(models_dir / "manifest.json", f"{role}: {e}")
+
+
+def _check_named_teacher(models_dir: Path, name: str, entry: dict, problems: Problems) -> None:
+    """A named teacher (``teachers.named``) still matches its pin; an endpoint teacher has none, only its URL."""
+    from ars_opd.models.loading import ModelSourceError  # torch: only for this check
+    from ars_opd.models.teachers import teacher_path
+
+    if entry.get("source") == "endpoint":
+        if not entry.get("url") or not entry.get("model"):
+            problems.add(models_dir / "manifest.json", f"teachers.{name}: an endpoint teacher without a URL or model")
+        return
+    try:
+        teacher_path(models_dir, name, entry)
+    except (ModelSourceError, KeyError) as e:
+        problems.add(models_dir / "manifest.json", f"teachers.{name}: {e}")
 
 
 def _check_source(stats: dict, where: str, problems: Problems) -> None:
@@ -282,11 +299,15 @@ def check_training(stage: str, paths: PathsConfig, problems: Problems, health=No
 
         for where, what in engine_problems(steps):  # a run with engine rollouts: its versions were verified
             problems.add(f"{steps_path} {where}", what)
-        from ars_opd.training.opd.rollout_health import HealthConfig, detect  # plain Python
+        from ars_opd.training.opd.rollout_health import HealthConfig, detect, teacher_prefixes  # plain Python
 
         alarm = detect(steps, health or HealthConfig()).alarm  # rollouts that left their start (opd)
         if alarm is not None:
             problems.add(steps_path, alarm.line(stage))
+        for teacher, prefix in teacher_prefixes(steps).items():  # several teachers: each one's rollouts too
+            alarm = detect(steps, health or HealthConfig(), prefix=prefix).alarm
+            if alarm is not None:
+                problems.add(steps_path, alarm.line(f"{stage} ({teacher}'s prompts)"))
     _metrics(Path(out.live) / "metrics.json", problems)
 
 

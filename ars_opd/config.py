@@ -581,9 +581,12 @@ class InputsConfig:
     student: str = INPUT_PLACEHOLDER
     """models.student when it is a local model directory or .gguf file (a dep of models), else inputs/none (a
     pruned student too: the teacher's file is its dep)."""
+    teachers: str = INPUT_PLACEHOLDER
+    """A directory holding every local directory or .gguf file that teachers.named names (a dep of models: DVC
+    cannot take a list of deps from params, so the named teachers' local files share one), else inputs/none."""
 
     def __post_init__(self):
-        for role in ("data", "teacher", "student"):
+        for role in ("data", "teacher", "student", "teachers"):
             value = getattr(self, role)
             _require(bool(value.strip()), role, f"must be a local path or {INPUT_PLACEHOLDER!r}")
             _require(
@@ -916,6 +919,161 @@ class TeacherGenConfig(EndpointConfig):
             "max_failure_fraction",
             f"must be in [0, 1], got {self.max_failure_fraction}",
         )
+
+
+# what a named teacher's source may be besides a pretrained model (hub id, local directory, .gguf file)
+THE_TEACHER, ENDPOINT_SOURCE = "teacher", "endpoint"
+TEACHER_NAME_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+@dataclass(frozen=True)
+class NamedTeacherConfig:
+    """One teacher of several (``teachers.named``): its name, where it comes from, and for a built-in one the tasks
+    it is trained on (a specialist)."""
+
+    name: str = ""
+    """What the route, the rows and the logs call it (letters, digits, _ and -): teacher_gen's rows carry it, OPD's
+    step log has task/<name>/<column> for it, evaluate's tables a column per teacher."""
+    source: str = BUILTIN
+    """builtin (a built-in teacher the models stage trains, on ``tasks``), teacher (the models stage's own
+    models.teacher, as built or pinned), a hub id, a local model directory or .gguf file (pinned by the models
+    stage, mirrored under inputs.teachers), or endpoint (an OpenAI-compatible server that answers teacher_gen and
+    scores OPD through prompt_logprobs: ``endpoint``)."""
+    revision: str | None = None
+    """A hub teacher's revision (branch, tag or commit; pinned to a commit); an endpoint teacher's model revision
+    in teacher_gen's cache keys (set it when the served weights change under one name)."""
+    tasks: tuple[str, ...] = ()
+    """builtin only: the synthetic tasks it is trained on (empty: synthetic.tasks); a teacher trained on some of
+    them is a specialist, poor at the rest."""
+    steps: int | None = None
+    """builtin only: its training steps (null: models.teacher_training.steps, whose other settings it keeps); a
+    specialist of fewer tasks learns them in fewer steps."""
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    """source endpoint only: its base URL (endpoint: http(s)://...), served model name, API key variable,
+    concurrency, timeouts and retries, for teacher_gen's requests and OPD's scoring alike."""
+    parameters: int | None = None
+    """source endpoint only: its parameter count for the budget's FLOPs (2·P per scored token); null: the models
+    stage's teacher's, as opd.teacher: endpoint assumes."""
+
+    def __post_init__(self):
+        _require(
+            bool(self.name) and set(self.name) <= TEACHER_NAME_CHARACTERS,
+            "name",
+            f"must be letters, digits, _ and - (it names log columns), got {self.name!r}",
+        )
+        _require(bool(self.source.strip()), "source", "must be builtin, teacher, endpoint or a model")
+        builtin = self.source == BUILTIN
+        _require(
+            builtin or not self.tasks,
+            "tasks",
+            f"only a built-in teacher is trained on tasks here; {self.source!r} is used as it is: set tasks: []",
+        )
+        _require(
+            builtin or self.steps is None,
+            "steps",
+            f"only a built-in teacher is trained here; {self.source!r} is used as it is: set steps: null",
+        )
+        _require(self.steps is None or self.steps > 0, "steps", f"must be > 0, got {self.steps}")
+        unknown = [t for t in self.tasks if t not in TASK_NAMES]
+        _require(not unknown, "tasks", f"unknown task(s) {unknown}; allowed: {list(TASK_NAMES)}")
+        _require(len(set(self.tasks)) == len(self.tasks), "tasks", f"lists a task twice: {list(self.tasks)}")
+        endpoint = self.source == ENDPOINT_SOURCE
+        if endpoint:
+            _require(
+                self.endpoint.endpoint != LOCAL_ENDPOINT,
+                "endpoint.endpoint",
+                "an endpoint teacher is a server of its own: set its http(s) base URL (endpoint: http://host:8000/v1)",
+            )
+        _require(
+            endpoint or self.parameters is None,
+            "parameters",
+            "only an endpoint teacher's parameters are given here (a model's are counted): set null",
+        )
+        _require(self.parameters is None or self.parameters > 0, "parameters", f"must be > 0, got {self.parameters}")
+        _require(
+            not (is_gguf(self.source) and self.revision is not None),
+            "revision",
+            "a .gguf file is pinned by its sha256, it has no revisions: set revision to null",
+        )
+
+    @property
+    def is_endpoint(self) -> bool:
+        return self.source == ENDPOINT_SOURCE
+
+    @property
+    def is_model(self) -> bool:
+        """Whether its weights are in the models stage's output or pinned by it (not an endpoint)."""
+        return not self.is_endpoint
+
+
+@dataclass(frozen=True)
+class TeachersConfig:
+    """Several teachers, one student: each prompt goes to the teacher that knows it (``ars_opd.models.teachers``).
+
+    Empty ``named`` (the default) is the one teacher of ``models.teacher``, exactly as before: no stage reads the
+    rest of the section then, and no output changes. With teachers named, every stage follows the route: the models
+    stage pins each, teacher_gen asks each prompt's own teacher, OPD scores each rollout with its own teacher,
+    evaluate measures each held-out row against its own. A prompt's teacher is ``route[row[route_by]]``, else
+    ``default``; a prompt neither covers is refused before any work, naming it."""
+
+    named: tuple[NamedTeacherConfig, ...] = ()
+    """The teachers, each a mapping {name, source, revision, tasks, steps, endpoint, parameters}; empty:
+    models.teacher alone."""
+    route_by: str | None = "task"
+    """The data column whose value picks a prompt's teacher (the synthetic tasks' and natural prompts' task);
+    null: every prompt goes to ``default``."""
+    route: dict[str, str] = field(default_factory=dict)
+    """{value of the route_by column: teacher name}, e.g. {add: arith, reverse: words}."""
+    default: str | None = None
+    """The teacher of a prompt whose value the route does not name (null: such a prompt is refused)."""
+
+    def __post_init__(self):
+        names = [t.name for t in self.named]
+        for i, name in enumerate(names):
+            _require(name not in names[:i], f"named[{i}].name", f"{name!r} names two teachers")
+        if not self.named:
+            _require(
+                not self.route and self.default is None,
+                "named",
+                "the route names teachers but none is named: list them under teachers.named, or empty "
+                "teachers.route and teachers.default (models.teacher alone)",
+            )
+            return
+        for value, teacher in self.route.items():
+            _require(
+                isinstance(teacher, str) and teacher in names,
+                f"route.{value}",
+                f"names no teacher {teacher!r} (teachers.named: {', '.join(names)})",
+            )
+        _require(
+            self.default is None or self.default in names,
+            "default",
+            f"names no teacher {self.default!r} (teachers.named: {', '.join(names)})",
+        )
+        _require(
+            self.default is not None or (self.route_by is not None and bool(self.route)),
+            "route",
+            "no prompt would reach a teacher: map route_by values to teachers, or set teachers.default",
+        )
+        _require(
+            self.route_by is not None or not self.route,
+            "route_by",
+            "the route maps values of a column: name it (e.g. task), or leave teachers.route empty",
+        )
+
+    @property
+    def active(self) -> bool:
+        """Whether several-teacher routing is on (some teacher is named)."""
+        return bool(self.named)
+
+    def by_name(self, name: str) -> NamedTeacherConfig:
+        return next(t for t in self.named if t.name == name)
+
+    def teacher_of(self, value: Any) -> str | None:
+        """The teacher of a prompt whose ``route_by`` column holds ``value`` (None: no teacher covers it)."""
+        if self.route_by is not None and value is not None and str(value) in self.route:
+            return self.route[str(value)]
+        return self.default
 
 
 FAULT_KINDS = ("label_noise", "shard_skew", "loss_scale", "drop_microbatch", "param_desync")
@@ -1389,6 +1547,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "inputs": InputsConfig,
     "teacher_gen": TeacherGenConfig,
+    "teachers": TeachersConfig,
     "ddp": ParallelConfig,
     "sft": SFTConfig,
     "opd": OPDConfig,
@@ -1428,6 +1587,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         allowed = typing.get_args(tp)
         _require(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}")
         return value
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        _require(isinstance(value, Mapping), key, f"must be a mapping, got {value!r}")
+        return {_coerce(key_tp, str(k), key): _coerce(value_tp, v, f"{key}.{k}") for k, v in value.items()}
     if origin is tuple:
         (item_tp, _ellipsis) = typing.get_args(tp)
         _require(isinstance(value, (list, tuple)), key, f"must be a list, got {value!r}")
@@ -1480,6 +1643,7 @@ class Params:
     data: DataConfig | None = None
     inputs: InputsConfig | None = None
     teacher_gen: TeacherGenConfig | None = None
+    teachers: TeachersConfig | None = None
     ddp: ParallelConfig | None = None
     sft: SFTConfig | None = None
     opd: OPDConfig | None = None
@@ -1680,6 +1844,8 @@ def check_params(params: Params, base: str | Path = ".") -> None:
         check_inputs(params.inputs, params.data, params.models, base)
     if params.opd is not None:
         check_objective(params.opd)
+    if params.teachers is not None and params.teachers.active:
+        check_teachers(params, base)
     if params.models is not None and params.opd is not None and params.models.mixed_builtin:
         if not params.opd.cross_tokenizer:
             raise ConfigError(
@@ -1718,6 +1884,110 @@ def check_params(params: Params, base: str | Path = ".") -> None:
             if problem is not None:
                 key = "global_batch_size" if cfg.global_batch_size % workers else "micro_batch_size"
                 raise ConfigError(f"{name}.{key}", problem)
+
+
+def _local_teacher_path(source: str, base: Path) -> Path | None:
+    """A named teacher's source as a local path (relative to ``base``) when it is one, else None (a hub id)."""
+    path_like = source.startswith((".", "/", "~")) or source.count("/") > 1 or is_gguf(source)
+    return _looks_local(source, path_like, base)
+
+
+def check_teachers(params: Params, base: str | Path = ".") -> None:
+    """With teachers named (``teachers.named``), what the other sections must allow; ``ConfigError`` naming the key.
+
+    - ``inputs.teachers``: a directory holding every local directory or .gguf file a named teacher is (one dep of
+      the models stage for all of them), else ``inputs/none``;
+    - every teacher shares the student's tokenizer: a built-in teacher (or the built-in ``models.teacher``) beside
+      a pretrained student tokenises otherwise, and several teachers are offered on the student's tokenizer only
+      (``opd.cross_tokenizer`` is refused with them; a pretrained teacher's tokenizer is compared with the
+      student's by the models stage, which refuses a difference naming the teacher);
+    - ``teacher_gen.endpoint`` stays local: each teacher's source says where it answers;
+    - ``opd``: each teacher's source decides where it scores (``opd.teacher`` stays local); an endpoint teacher
+      returns log-probabilities, not distributions, so the loss must not need logits; the forward_kl anchor needs
+      one teacher's distribution on its own text and is not offered across several.
+    """
+    teachers, base = params.teachers, Path(base).resolve()
+    if params.inputs is not None:
+        local = [
+            (i, t, _local_teacher_path(t.source, base))
+            for i, t in enumerate(teachers.named)
+            if t.source not in (BUILTIN, THE_TEACHER, ENDPOINT_SOURCE)
+        ]
+        local = [(i, t, path) for i, t, path in local if path is not None]
+        value = params.inputs.teachers
+        if not local:
+            _require(
+                value == INPUT_PLACEHOLDER,
+                "inputs.teachers",
+                f"no named teacher is a local file or directory, so there is nothing for DVC to hash: set "
+                f"inputs.teachers: {INPUT_PLACEHOLDER} (got {value!r})",
+            )
+        for i, t, path in local:
+            _require(path.exists(), f"teachers.named[{i}].source", f"no such file or directory: {t.source!r}")
+            holder = Path(value) if Path(value).is_absolute() else base / value
+            _require(
+                value != INPUT_PLACEHOLDER and path.resolve().is_relative_to(holder.resolve()),
+                "inputs.teachers",
+                f"teachers.named[{i}] ({t.name}) is the local path {t.source!r}, which DVC must hash so that `dvc "
+                f"status` reports the models stage as changed when it changes: set inputs.teachers to a directory "
+                f"holding it, e.g. {str(path.parent)!r} (got {value!r})",
+            )
+    if params.models is not None:
+        models = params.models
+        pruned = models.pruned_student
+        student_builtin = models.student == BUILTIN or (
+            pruned is not None and pruned.prune_from == "teacher" and models.teacher == BUILTIN
+        )
+        student = models.student if isinstance(models.student, str) else "a pruned student"
+        warmup = models.teacher_training.warmup_steps
+        for i, t in enumerate(teachers.named):
+            _require(
+                t.steps is None or t.steps >= warmup,
+                f"teachers.named[{i}].steps",
+                f"must be >= models.teacher_training.warmup_steps ({warmup}), got {t.steps}: the learning rate would "
+                "never reach its peak",
+            )
+        for i, t in enumerate(teachers.named):  # a pretrained one's tokenizer is compared by the models stage
+            builtin = t.source == BUILTIN or (t.source == THE_TEACHER and models.teacher == BUILTIN)
+            if builtin and not student_builtin:
+                raise ConfigError(
+                    f"teachers.named[{i}].source",
+                    f"{t.name} ({t.source}) is a built-in teacher and the student ({student}) a pretrained one: they "
+                    "tokenise differently, and several teachers are offered on the student's tokenizer only",
+                )
+    if params.teacher_gen is not None and params.teacher_gen.endpoint != LOCAL_ENDPOINT:
+        raise ConfigError(
+            "teacher_gen.endpoint",
+            "with teachers.named each teacher's source says where it answers (source: endpoint for a served one); "
+            "set teacher_gen.endpoint: local",
+        )
+    if params.opd is not None:
+        opd = params.opd
+        if opd.cross_tokenizer:
+            raise ConfigError(
+                "opd.cross_tokenizer",
+                "several teachers (teachers.named) are offered on the student's tokenizer only; a teacher that "
+                "tokenises otherwise is not supported beside others: set false, or name one teacher in models.teacher",
+            )
+        if opd.teacher != "local":
+            raise ConfigError(
+                "opd.teacher",
+                "with teachers.named each teacher's source says where it scores (source: endpoint for a served one); "
+                "set opd.teacher: local",
+            )
+        endpoints = [t.name for t in teachers.named if t.is_endpoint]
+        if endpoints and RULES[opd.loss].teacher_signal == "logits":
+            raise ConfigError(
+                "opd.loss",
+                f"the {opd.loss} loss needs each teacher's full distribution, which the endpoint teacher(s) "
+                f"{', '.join(endpoints)} do not return; use sampled_token or topk",
+            )
+        if opd.anchor == "forward_kl":
+            raise ConfigError(
+                "opd.anchor",
+                "the forward_kl anchor scores the teacher's text with one teacher's distribution; it is not offered "
+                "with several teachers (teachers.named): use anchor: sft",
+            )
 
 
 def launched_externally() -> bool:

@@ -187,11 +187,14 @@ def _one_line(text: str) -> str:
 
 
 def _section_classes(tp: typing.Any) -> list[type]:
-    """The dataclasses a field's type is or may be (``str | PrunedStudentConfig``: the mapping form)."""
+    """The dataclasses a field's type is or may be (``str | PrunedStudentConfig``: the mapping form), or its items
+    are (``tuple[NamedTeacherConfig, ...]``: a list of mappings)."""
     if dataclasses.is_dataclass(tp):
         return [tp]
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+    if typing.get_origin(tp) is tuple:
+        return [a for a in typing.get_args(tp)[:1] if dataclasses.is_dataclass(a)]
     return []
 
 
@@ -249,7 +252,8 @@ def reference_entries(params_text: str, config_source: str) -> list[Entry]:
             doc = _one_line(src.doc)
             if subs and not dataclasses.is_dataclass(hints[name]):  # a value or a mapping, e.g. models.student
                 sub = subs[0]
-                doc += f" As a mapping ({sub.__name__}): {_one_line(class_docs.get(sub.__name__, ''))}"
+                form = "Each item a mapping" if typing.get_origin(hints[name]) is tuple else "As a mapping"
+                doc += f" {form} ({sub.__name__}): {_one_line(class_docs.get(sub.__name__, ''))}"
             entries.append(Entry(key, src.annotation, value, value_source, doc.strip(), ykey.comments if ykey else ()))
             if subs or (ykey is not None and ykey.value is None):
                 walk(subs[0] if subs else None, key)

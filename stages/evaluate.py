@@ -5,10 +5,10 @@ from stages import run_stage
 
 
 def main() -> None:
-    p = load_params(sections=("paths", "models", "evaluate"))
+    p = load_params(sections=("paths", "models", "evaluate", "teachers"))
     from ars_opd.evaluation.evaluate import eval_table, evaluate_models
 
-    print(eval_table(evaluate_models(p.evaluate, p.paths, p.models.trust_remote_code)))
+    print(eval_table(evaluate_models(p.evaluate, p.paths, p.models.trust_remote_code, p.teachers)))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from stages import run_stage
 
 
 def main() -> None:
-    p = load_params(sections=("paths", "models", "ddp", "opd", "control"))
+    p = load_params(sections=("paths", "models", "ddp", "opd", "control", "teachers"))
     from ars_opd.training.opd.stage import run_opd
     from ars_opd.training.worker import TrainingJob
 

@@ -78,11 +78,12 @@ from pathlib import Path
 import torch
 
 from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
-from ars_opd.config import ConfigError, EvaluateConfig, PathsConfig, to_dict
+from ars_opd.config import ConfigError, EvaluateConfig, PathsConfig, TeachersConfig, to_dict
 from ars_opd.data import synthetic
 from ars_opd.data.answers import is_checkable, is_correct
 from ars_opd.data.prompts import encode_completions, encode_prompts, encode_teacher_completions
 from ars_opd.evaluation.arms import ARMS, MODELS, TRAINED
+from ars_opd.evaluation.row_teachers import RowTeachers, per_teacher, teacher_row
 from ars_opd.evaluation.score_cache import ScoreCache, code_versions, data_sha256, dir_sha256, tokenizers_context
 from ars_opd.evaluation.steps import step_metrics
 from ars_opd.evaluation.tables import render_table
@@ -106,6 +107,7 @@ from ars_opd.models.loading import (
     model_path,
     read_manifest,
 )
+from ars_opd.models.teachers import Route, check_pinned, check_recorded, teacher_path
 from ars_opd.training.budget import SNAPSHOTS, matmul_parameters, read_budget
 
 # what each learning-curve point records (the equal-FLOPs views read these off the curves)
@@ -148,11 +150,20 @@ class HeldOut:
     checkable: list[bool]
     teacher: "HeldOut | None" = None
     teacher_text: TeacherTextRows | None = None  # the teacher's hidden rows on its completions (``with_teacher_text``)
+    teachers: list[str] | None = None  # several teachers (teachers.named): each row's, by name
 
     def head(self, n: int) -> "HeldOut":
         teacher = None if self.teacher is None else self.teacher.head(n)
         text = None if self.teacher_text is None else self.teacher_text.head(n)
-        return HeldOut(self.rows[:n], self.prompts[:n], self.completions[:n], self.checkable[:n], teacher, text)
+        teachers = None if self.teachers is None else self.teachers[:n]
+        return HeldOut(
+            self.rows[:n], self.prompts[:n], self.completions[:n], self.checkable[:n], teacher, text, teachers
+        )
+
+    def subset(self, indices: list[int]) -> "HeldOut":
+        """These rows at ``indices`` (one teacher's rows of several), without the teacher-side extras."""
+        pick = lambda xs: [xs[i] for i in indices]  # noqa: E731
+        return HeldOut(pick(self.rows), pick(self.prompts), pick(self.completions), pick(self.checkable))
 
     def with_teacher_text(self, teacher, tokenizer, cfg: EvaluateConfig, device: torch.device) -> "HeldOut":
         """These rows with the teacher's hidden states on its own completions, computed once for every model's
@@ -264,6 +275,7 @@ def score_model(
     tasks = [r.get("task") for r in data.rows]
     cross = data.teacher is not None or teacher_tokenizer is not None
     m["reverse_kl_kind"] = SAMPLED_CROSS_TOKENIZER if cross else EXACT
+    rkl = None
     if is_teacher:  # KL(p || p) = 0 on every token, so on every kind
         m["reverse_kl"] = 0.0
         m["reverse_kl_per_sequence"] = 0.0
@@ -300,6 +312,9 @@ def score_model(
         m["reverse_kl_fixed_prefix"] = scores.reverse_kl.mean
         m["reverse_kl_fixed_prefix_per_task"] = scores.reverse_kl.per_task(tasks)
         m["reverse_kl_first_sentence"] = scores.reverse_kl_first_sentence.mean
+    if data.teachers is not None and not is_teacher:  # several teachers: each one's rows, against it
+        losses = {"reverse_kl": rkl, "teacher_nll": scores.nll, "reverse_kl_fixed_prefix": scores.reverse_kl}
+        m["per_teacher"] = per_teacher(data.teachers, data.rows, data.checkable, texts, is_correct, losses)
     return m, texts
 
 
@@ -371,7 +386,10 @@ def curve_point(
         return score_model(model, teacher, tokenizer, data, cfg, vocab, device, teacher_tokenizer=teacher_tokenizer)
 
     m, _ = _scored(cache, lambda: f"dir:{dir_sha256(model_dir)}", data, False, compute)
-    return {**read_budget(model_dir), **{k: m.get(k) for k in CURVE_METRICS}}
+    point = {**read_budget(model_dir), **{k: m.get(k) for k in CURVE_METRICS}}
+    if "per_teacher" in m:  # several teachers: each teacher's rows too, for comparisons at equal budget per teacher
+        point["per_teacher"] = m["per_teacher"]
+    return point
 
 
 def learning_curves(
@@ -471,8 +489,47 @@ def log_curves(live_dir: Path, curves: dict) -> None:
                     live.log_metric(f"{stage}/{key}", float(v), plot=True)
 
 
-def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: bool = False) -> dict:
-    """Run the stage; write metrics, table, answers and learning curves; return the metrics."""
+def several_teachers(
+    teachers: TeachersConfig, paths: PathsConfig, rows: list[dict], trust_remote_code: bool, device, dtype
+) -> RowTeachers:
+    """The held-out rows' teachers of several (``teachers.named``), loaded once, after the checks that keep each row
+    measured against its own: every row has a teacher (``Route``), its completion is that teacher's text
+    (``check_recorded``: the NLL is of the teacher's own completions), the teachers are the ones the models stage
+    pinned, each with weights (an endpoint teacher's distribution cannot be had, so it is refused, naming it)."""
+    where = paths.completions("eval")
+    assigned = Route(teachers).assign(rows, where)
+    check_recorded(rows, assigned, where)
+    for i, t in enumerate(teachers.named):
+        if t.is_endpoint:
+            raise ConfigError(
+                f"teachers.named[{i}].source",
+                f"evaluate measures reverse KL against each row's teacher's full distribution, which the endpoint "
+                f"teacher {t.name} does not return; name the weights it serves as a teacher of its own to evaluate",
+            )
+    entries = check_pinned(paths.models_dir, teachers)
+    names = Route(teachers).names
+    models = [
+        load_model_dir_as_teacher(teacher_path(paths.models_dir, n, entries[n]), trust_remote_code, device, dtype)
+        for n in names
+    ]
+    return RowTeachers(names, models, [names.index(a) for a in assigned])
+
+
+def load_model_dir_as_teacher(directory: str, trust_remote_code: bool, device, dtype) -> torch.nn.Module:
+    """A named teacher's pinned directory as the evaluate stage holds a teacher (frozen, ``evaluate.teacher_dtype``)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def evaluate_models(
+    cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: bool = False, teachers: TeachersConfig | None = None
+) -> dict:
+    """Run the stage; write metrics, table, answers and learning curves; return the metrics. ``teachers``: with
+    teachers named, each held-out row is measured against its own (``row_teachers``), the teacher's row of the
+    table is each teacher on its own rows, and every model's figures are also given per teacher
+    (``per_teacher``, ``examples_per_teacher``)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -496,18 +553,40 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
         teacher_tokenizer = load_teacher_tokenizer(paths.models_dir, trust_remote_code)
         check_answer_room(teacher_tokenizer, rows, cfg.max_new_tokens)
     data = held_out(tokenizer, rows, teacher_tokenizer)
-    teacher = _load(paths, "teacher", trust_remote_code, device, frozen_model_dtype(cfg.teacher_dtype, device))
+    several = teachers is not None and teachers.active
+    if several:  # each row against its own teacher
+        teacher = several_teachers(
+            teachers, paths, rows, trust_remote_code, device, frozen_model_dtype(cfg.teacher_dtype, device)
+        )
+        data = dataclasses.replace(data, teachers=[teacher.names[k] for k in teacher.index])
+    else:
+        teacher = _load(paths, "teacher", trust_remote_code, device, frozen_model_dtype(cfg.teacher_dtype, device))
     data = data.with_teacher_text(teacher, tokenizer, cfg, device)  # once, for every model's fixed-prefix KL
-    cache = ScoreCache.from_env(lambda: _cache_context(cfg, paths, trust_remote_code, device))
+    context = (
+        (lambda: {**_cache_context(cfg, paths, trust_remote_code, device), "teachers": to_dict(teachers)})
+        if several
+        else (lambda: _cache_context(cfg, paths, trust_remote_code, device))
+    )
+    cache = ScoreCache.from_env(context)
     kind = EXACT if teacher_tokenizer is None else SAMPLED_CROSS_TOKENIZER
     metrics: dict = {"examples": len(rows), "checkable_examples": sum(data.checkable), "reverse_kl_kind": kind}
     metrics["examples_per_task"] = dict(sorted(Counter(r["task"] for r in rows if r.get("task") is not None).items()))
+    if several:
+        metrics["examples_per_teacher"] = {n: data.teachers.count(n) for n in teacher.names}
     answers: list[dict] = [{"id": r["id"], "task": r.get("task")} for r in rows]
     for name in MODELS:
         # the teacher's row in its own tokens in a cross-tokenizer run; every student's in the student's
         own = data.teacher if name == "teacher" and data.teacher is not None else data
 
         def compute(name: str = name, own: HeldOut = own) -> tuple[dict, list[str]]:
+            if name == "teacher" and several:  # each teacher answers its own rows
+                parts = {}
+                for k, (n, model) in enumerate(zip(teacher.names, teacher.models)):
+                    mine = [i for i, o in enumerate(teacher.index) if o == k]
+                    if mine:
+                        part, texts = score_model(model, model, tokenizer, own.subset(mine), cfg, vocab, device, True)
+                        parts[n] = (part, texts, mine)
+                return teacher_row(parts, own, len(own.rows))
             if name == "teacher":
                 own_tok = tokenizer if teacher_tokenizer is None else teacher_tokenizer
                 return score_model(teacher, teacher, own_tok, own, cfg, len(own_tok), device, True, teacher_tokenizer)
@@ -515,7 +594,11 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
             return score_model(model, teacher, tokenizer, own, cfg, vocab, device, teacher_tokenizer=teacher_tokenizer)
 
         started = time.perf_counter()
-        m, texts = _scored(cache, lambda name=name: _identity(paths, name), own, name == "teacher", compute)
+        # every teacher's row: its pins and the route are in the store's context (the manifest, teachers)
+        identity = (lambda: f"routed:{','.join(teacher.names)}") if several and name == "teacher" else None
+        m, texts = _scored(
+            cache, identity or (lambda name=name: _identity(paths, name)), own, name == "teacher", compute
+        )
         em = "n/a" if m.get("exact_match") is None else f"{m['exact_match']:.1%}"
         what = "reverse KL" if kind == EXACT else "reverse KL (sampled, cross-tokenizer)"
         print(  # a real model takes minutes per model: say where the stage is
@@ -525,7 +608,9 @@ def evaluate_models(cfg: EvaluateConfig, paths: PathsConfig, trust_remote_code: 
         )
         if name in TRAINED:
             m["budget"] = read_budget(paths.training(name).model)
-        if name == "teacher":  # the data-cost view charges 2 of these FLOPs per token the teacher wrote
+        if name == "teacher" and several:  # the largest teacher's: the data cost's upper bound (equal sizes: exact)
+            m["matmul_parameters"] = max(matmul_parameters(t) for t in teacher.models)
+        elif name == "teacher":  # the data-cost view charges 2 of these FLOPs per token the teacher wrote
             m["matmul_parameters"] = matmul_parameters(teacher)
         metrics[name] = m
         for a, t in zip(answers, texts):

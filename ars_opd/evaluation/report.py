@@ -34,7 +34,7 @@ from ars_opd.evaluation.consistency_report import (
 from ars_opd.evaluation.detector import Alarm, standardised_residuals
 from ars_opd.evaluation.distillation import curve_figure
 from ars_opd.evaluation.equal_budget import budget_note, compare, headline, regime_note
-from ars_opd.evaluation.rollout_dashboard import dashboard_section, engine_section, has_rollouts
+from ars_opd.evaluation.rollout_dashboard import dashboard_section, engine_section, has_rollouts, teacher_views
 from ars_opd.evaluation.tables import render_table
 from ars_opd.training.opd.rollout_health import HealthConfig
 
@@ -102,6 +102,12 @@ def build_report(
     health = HealthConfig.of(cfg)
     dashboards = [
         dashboard_section(stage, df, health) for stage, df in stage_logs.items() if not df.empty and has_rollouts(df)
+    ]
+    dashboards += [  # several teachers: each teacher's rollouts again, with their own verdict
+        dashboard_section(f"{stage}/{teacher}", view, health)
+        for stage, df in stage_logs.items()
+        if not df.empty and has_rollouts(df)
+        for teacher, view in teacher_views(df).items()
     ]
     engines = [engine_section(stage, df) for stage, df in stage_logs.items() if not df.empty]
     dashboards += [part for part in engines if part[0]]  # stages with engine rollouts
@@ -180,6 +186,34 @@ def _figure(df: pd.DataFrame, alarms: list[Alarm], cfg: ReportConfig, stage: str
     plt.close(fig)
 
 
+def _teacher_rollouts_figure(views: dict[str, pd.DataFrame], stage: str, path: Path) -> None:
+    """Each teacher's rollouts over the run (OPD with several teachers): EOS share, mean length, correct share and
+    the divergence per token, one line per teacher (``rollout_dashboard.teacher_views``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (
+        ("task/eos_rate", "share of rollouts that ended (EOS)"),
+        ("task/response_length", "mean length (tokens)"),
+        ("task/correct_rate", "share answered correctly"),
+        ("task/divergence_second_half", "divergence per token, 2nd half"),
+    )
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7), sharex=True)
+    for ax, (col, title) in zip(axes.flat, panels):
+        for teacher, df in views.items():
+            if col in df:
+                ax.plot(df["step"], pd.to_numeric(df[col], errors="coerce"), lw=0.9, label=teacher)
+        ax.set_title(f"{stage}: {title}")
+        ax.legend(fontsize=7)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 PLOT_COLUMNS = (
     "step",
     "loss",
@@ -214,6 +248,9 @@ def write_report(cfg: ReportConfig, paths: PathsConfig) -> dict:
             if df.empty:
                 continue
             _figure(df, alarms.get(stage, []), cfg, stage, tmp[1] / f"{stage}.png")
+            views = teacher_views(df) if has_rollouts(df) else {}
+            if views:  # several teachers: each one's rollouts over the run
+                _teacher_rollouts_figure(views, stage, tmp[1] / f"{stage}_rollouts_by_teacher.png")
             cols = [c for c in PLOT_COLUMNS if c in df]
             df[cols].rename(columns=lambda c: c.split("/")[-1]).to_csv(tmp[2] / f"{stage}.csv", index=False)
         write_json(tmp[3], flat)

@@ -7,7 +7,8 @@ the learning rate, the teacher's mean log-probability of the sampled tokens and 
 first and the second half of each completion. One row per step: a collapse that takes three steps must not be
 averaged away (a run of more than ``MAX_ROWS`` steps shows every step of its first ``MAX_ROWS // 2`` and then
 every k-th). Above the table, the rollout-health detector's verdict in one line
-(``ars_opd.training.opd.rollout_health``). Arithmetic and text only.
+(``ars_opd.training.opd.rollout_health``). With several teachers (``teachers.named``) every teacher's rollouts get a
+dashboard and a verdict of their own (``teacher_views``). Arithmetic and text only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 import pandas as pd
 
 from ars_opd.evaluation.tables import fmt
-from ars_opd.training.opd.rollout_health import HealthConfig, detect
+from ars_opd.training.opd.rollout_health import HealthConfig, detect, teacher_prefixes
 
 # log column -> (table heading, flat metric name); in table order
 COLUMNS = {
@@ -133,6 +134,24 @@ def dashboard_section(
         if math.isfinite(last):
             flat[f"{stage}/rollouts/{name}_end"] = float(last)
     return md, flat
+
+
+def teacher_views(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """A log of OPD with several teachers as one log per teacher: its ``task/<teacher>/<column>`` columns under the
+    all-teacher names (``task/<column>``), beside the step, the learning rate and the on-policy share, so that the
+    dashboard and the health detector read each teacher's rollouts as they read a run's; {} for one teacher."""
+    prefixes = teacher_prefixes(df.head(1).to_dict("records"))
+    shared = [c for c in ("step", "lr", "task/on_policy") if c in df]
+    return {
+        teacher: pd.concat(
+            [
+                df[shared],
+                df[[c for c in df if c.startswith(prefix)]].rename(columns=lambda c: "task/" + c[len(prefix) :]),
+            ],
+            axis=1,
+        )
+        for teacher, prefix in prefixes.items()
+    }
 
 
 def engine_section(stage: str, df: pd.DataFrame) -> tuple[list[str], dict]:

@@ -59,6 +59,44 @@ def per_kind_tables(metrics: dict) -> list[str]:
     return lines
 
 
+def per_teacher_tables(metrics: dict) -> list[str]:
+    """With several teachers (``examples_per_teacher``): one row per teacher with its n and each model's value over
+    that teacher's held-out rows, measured against that teacher: exact match, reverse KL on the model's own samples,
+    reverse KL at the teacher's fixed prefixes and the NLL of the teacher's completions. Empty for one teacher."""
+    counts = metrics.get("examples_per_teacher")
+    if not counts:
+        return []
+    models = [name for name in MODELS if metrics.get(name) is not None]
+    per = {name: metrics[name].get("per_teacher") or {} for name in models}
+    lines = [
+        "",
+        "Per teacher (each held-out row measured against its own teacher; n: its rows; the teacher column is each "
+        "teacher on its own rows):",
+    ]
+    for key, title, pct in (
+        ("exact_match", "Exact match", True),
+        ("reverse_kl", "Reverse KL to the row's teacher (per token)", False),
+        ("reverse_kl_fixed_prefix", "Reverse KL at the row's teacher's fixed prefixes (per token)", False),
+        ("teacher_nll", "NLL of the row's teacher's completions (per token)", False),
+    ):
+        lines += [
+            "",
+            f"{title}:",
+            "",
+            "| teacher | n | " + " | ".join(models) + " |",
+            "|---|---|" + "---|" * len(models),
+        ]
+        for t, n in counts.items():
+            cells = []
+            for m in models:
+                v = (per[m].get(t) or {}).get(key)
+                if m == "teacher" and key.startswith("reverse_kl"):
+                    v = 0.0
+                cells.append(fmt(v, pct=True) if pct else _loss(v))
+            lines.append(f"| {t} | {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render_table(metrics: dict) -> str:
     """Markdown: one row per model (exact match over the checkable rows only), then the per-kind tables."""
     checkable, examples = metrics.get("checkable_examples"), metrics.get("examples")
@@ -80,4 +118,5 @@ def render_table(metrics: dict) -> str:
             "teacher NLL count every row.",
         ]
     lines += per_kind_tables(metrics)
+    lines += per_teacher_tables(metrics)
     return "\n".join(lines) + "\n"

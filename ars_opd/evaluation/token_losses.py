@@ -16,6 +16,10 @@ Both come from the models' last hidden states through their output heads one chu
 has (fp32 sums per batch, added in order), and each row's sum and token count, recorded from the same fp32
 per-token values as the chunks pass (a ``RowTerms`` wrapper; nothing is computed twice), so that the stage can
 report token-weighted means per kind of prompt without changing the overall numbers by a bit.
+
+With several teachers (``teachers.named``) the teacher is a ``RowTeachers`` and each row is measured against its
+own (``ars_opd.evaluation.row_teachers``: ``teacher_logits``, ``text_rows``, ``text_logits`` are where these losses
+ask a teacher for anything; with one model they do exactly what they did).
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ import torch
 
 from ars_opd.config import EvaluateConfig
 from ars_opd.data.natural_check import SENTENCE_END
+from ars_opd.evaluation.row_teachers import teacher_logits, text_logits, text_rows
 from ars_opd.lm.batching import build_rollout_batch, cut_at_first_eos, pad_right_with_labels, pad_token_id
 from ars_opd.lm.cross_entropy import shifted_targets
 from ars_opd.lm.divergences import divergence_terms
 from ars_opd.lm.generation import eos_token_ids, generate_token_ids
 from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows, target_logprobs
-from ars_opd.lm.opd_objectives import TeacherLogits
 from ars_opd.lm.token_alignment import UNALIGNED, CrossTokenizer, teacher_end_id
 
 EXACT = "exact"  # reverse KL summed over the shared vocabulary at every sampled position
@@ -139,7 +143,7 @@ def reverse_kl_on_own_samples(
             row_sums += [0.0] * len(b["lengths"])
             row_counts += [0] * len(b["lengths"])
             continue
-        teacher_rows = TeacherLogits(_hidden_rows(teacher, b, b["loss_mask"], device), OutputHead.of(teacher, vocab))
+        teacher_rows = teacher_logits(teacher, b, b["loss_mask"], device, vocab, i)  # each row's own teacher's
         hidden = _hidden_rows(model, b, b["loss_mask"], device)
         values = torch.empty(hidden.shape[0], dtype=torch.float32, device=device)
         s = chunked_head_loss(
@@ -198,8 +202,7 @@ class TeacherTextRows:
         for i in range(0, len(prompts), cfg.batch_size):
             b = pad_right_with_labels(prompts[i : i + cfg.batch_size], completions[i : i + cfg.batch_size], pad)
             mask, _ = shifted_targets(b["labels"])
-            hidden = _hidden_rows(teacher, b, mask, device)
-            rows += list(hidden.split(mask.sum(1).tolist()))
+            rows += text_rows(teacher, b, mask, device, i)  # each row's own teacher's
         return cls(rows, [first_sentence_tokens(tokenizer, c) for c in completions])
 
 
@@ -276,10 +279,9 @@ def teacher_text_scores(
             nll = -logprobs
         else:
             t_model, t_rows = teacher
-            rows = torch.cat(t_rows.rows[i : i + cfg.batch_size]).to(device)
             nll = torch.empty(hidden.shape[0], dtype=torch.float32, device=device)
             rkl = torch.empty_like(nll)
-            logits = TeacherLogits(rows, OutputHead.of(t_model, vocab))
+            logits = text_logits(t_model, t_rows.rows[i : i + cfg.batch_size], i, device, vocab)
             s = chunked_head_loss(
                 hidden, head, _nll_and_reverse_kl(targets.to(device), logits.rows, nll, rkl), cfg.chunk_size
             )

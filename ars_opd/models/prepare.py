@@ -52,6 +52,7 @@ from ars_opd.config import (
     ConfigError,
     ModelsConfig,
     SyntheticConfig,
+    TeachersConfig,
     TeacherTrainingConfig,
     is_gguf,
     to_dict,
@@ -72,6 +73,7 @@ from ars_opd.models.loading import (
     sha256_of_files,
     written_ref,
 )
+from ars_opd.models.prepare_teachers import MANIFEST_KEY, build_named_teachers, manifest_section, pin_named_teachers
 from ars_opd.models.tokenizer import (
     TokenizerMismatchError,
     build_char_word_tokenizer,
@@ -274,11 +276,16 @@ def prepare_models(
     progress: bool = True,
     *,
     cross_tokenizer: bool = False,
+    teachers: TeachersConfig | None = None,
 ) -> dict:
     """Run the models stage; write ``models_dir`` and ``metrics_path`` all or nothing; return the metrics.
 
     cross_tokenizer: ``opd.cross_tokenizer``; allows a teacher and student whose tokenizers differ (refused,
-    naming the flag, without it) and saves the teacher's own tokenizer to ``teacher_tokenizer/``."""
+    naming the flag, without it) and saves the teacher's own tokenizer to ``teacher_tokenizer/``.
+    teachers: ``teachers``; with teachers named, each is pinned, converted or trained beside ``models.teacher``
+    (``ars_opd.models.prepare_teachers``) and recorded under the manifest's ``teachers`` and the metrics'
+    ``teachers``; without, nothing here changes."""
+    several = teachers is not None and teachers.active
     if base.threads:
         torch.set_num_threads(base.threads)
     trc = cfg.trust_remote_code
@@ -303,6 +310,8 @@ def prepare_models(
         student_tok.save_pretrained(out / "tokenizer")  # every training stage tokenises with the student's
         if cross_tokenizer:
             teacher_tok.save_pretrained(out / TEACHER_TOKENIZER)
+        # several teachers: the pretrained and served ones pinned before any training, so a missing one fails fast
+        named = pin_named_teachers(out, teachers, trc, student_tok) if several else {}
 
         if cfg.teacher == BUILTIN:
             metrics = _build_builtin(out, cfg, synth, base.seed, progress, builtin_tok, refs, student_tok)
@@ -319,6 +328,11 @@ def prepare_models(
             }
             if cfg.student == BUILTIN:
                 metrics["student_params"] = count_parameters(student)
+        if several:  # the built-in ones trained beside the models stage's own teacher, now pinned
+            built, metrics[MANIFEST_KEY] = build_named_teachers(
+                out, teachers, cfg, synth, base.seed, builtin_tok, refs["teacher"], progress
+            )
+            named.update(built)
 
         paths = {role: Path(ref.path) for role, ref in refs.items()}
         tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"), trust_remote_code=trc)
@@ -359,9 +373,11 @@ def prepare_models(
                 "logits are compared over the tokenizer's ids only (0..vocab_size-1); embedding rows beyond "
                 "the tokenizer are padding and are dropped on both sides"
             )
-        manifest["provenance"] = provenance(
-            {"base": to_dict(base), "models": to_dict(cfg), "synthetic": to_dict(synth)}
-        )
+        config = {"base": to_dict(base), "models": to_dict(cfg), "synthetic": to_dict(synth)}
+        if several:
+            manifest[MANIFEST_KEY] = manifest_section(named, teachers)
+            config[MANIFEST_KEY] = to_dict(teachers)
+        manifest["provenance"] = provenance(config)
         write_json(out / MANIFEST, manifest)
         metrics["tokenizer_vocab_size"] = manifest["tokenizer"]["vocab_size"]
         if cross_tokenizer:

@@ -33,6 +33,7 @@ from ars_opd.config import (
     Params,
     PathsConfig,
     SFTConfig,
+    TeachersConfig,
     TrainLoopConfig,
     to_dict,
 )
@@ -164,6 +165,12 @@ class TrainingJob:
     """OPD with ``opd.teacher: endpoint``: the endpoint, resolved by ``run_opd`` for the stage's duration.
     Outside the checkpoint fingerprint (``run_worker`` fingerprints cfg, ddp, adapter and the data), so a
     rerun against another port still resumes."""
+    teachers: TeachersConfig = field(default_factory=TeachersConfig)
+    """``teachers``: OPD with several teachers scores each rollout with its prompt's own
+    (``ars_opd.training.teacher_route``); none named: the one teacher, as always."""
+    teacher_endpoints: dict[str, ScoringEndpoint] | None = None
+    """The endpoint teachers of several, by name, with their client settings (the API keys read once by
+    ``run_opd``); run-time only, like ``scoring``."""
 
     @classmethod
     def from_params(cls, stage: str, params: Params, progress: bool = True) -> TrainingJob:
@@ -182,6 +189,7 @@ class TrainingJob:
             progress=progress,
             adapter=models.student_adapter if models is not None else AdapterConfig(),
             control=params.control if params.control is not None else ControlConfig(),
+            teachers=params.teachers if params.teachers is not None else TeachersConfig(),
         )
 
     def check(self) -> None:

@@ -36,17 +36,18 @@ and written nowhere.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import re
 import sys
 from pathlib import Path
 
 from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json, write_jsonl
-from ars_opd.config import LOCAL_ENDPOINT, PathsConfig, TeacherGenConfig, to_dict
-from ars_opd.models.loading import cross_tokenizer, load_teacher_tokenizer, model_path, read_manifest
+from ars_opd.config import LOCAL_ENDPOINT, ConfigError, PathsConfig, TeacherGenConfig, TeachersConfig, to_dict
+from ars_opd.models.loading import cross_tokenizer, load_teacher_tokenizer
+from ars_opd.models.teachers import ROUTE_COLUMN, Route
 from ars_opd.serving.local_server import LOCAL_MODEL_NAME, batch_rows, local_server
 from ars_opd.teacher.client import endpoint
+from ars_opd.teacher.client.askers import Asker, bundled_server, merged, routed_askers, single_asker
 from ars_opd.teacher.client.cache import TeacherCache, cache_key
 from ars_opd.teacher.client.chat import AskSummary, TeacherRequest, ask_all, count_by_reason
 from ars_opd.teacher.client.endpoint import ClientSettings
@@ -57,6 +58,21 @@ from ars_opd.teacher.client.failures import (
     is_remembered,
     write_failure_report,
 )
+
+# what callers import from here: the stage's own names, and the servers it starts (``askers``)
+__all__ = [
+    "LOCAL_MODEL_NAME",
+    "REMOTE_CONCURRENCY",
+    "MissingAPIKeyError",
+    "TeacherGenerationError",
+    "build_requests",
+    "bundled_server",
+    "check_served_tokenizer",
+    "generate_teacher_completions",
+    "local_server",
+    "resolve_concurrency",
+    "strip_thinking",
+]
 
 SPLITS = ("train", "eval")
 FAILURES_FILE, MANIFEST_FILE = "failures.jsonl", "manifest.json"
@@ -92,13 +108,6 @@ def resolve_concurrency(cfg: TeacherGenConfig) -> int:
     if cfg.endpoint != LOCAL_ENDPOINT:
         return REMOTE_CONCURRENCY
     return 2 * batch_rows(cfg.server, cfg.max_tokens)
-
-
-def bundled_server(cfg: TeacherGenConfig, model_dir: str, log_requests: str | None = None):
-    """The bundled server as ``endpoint: local`` starts it for ``model_dir`` (a context manager yielding its base
-    URL): ``teacher_gen.server``'s batching and threads, and pushback past ``server.max_queue_fraction`` of
-    this client's ``request_timeout_s``."""
-    return local_server(model_dir, cfg.server, log_requests=log_requests, request_timeout_s=cfg.request_timeout_s)
 
 
 def check_served_tokenizer(models_dir: str, teacher_dir: str) -> None:
@@ -153,13 +162,16 @@ def _join(
     answers: dict[str, dict],
     failed: dict[str, dict],
     strip: bool,
+    assigned: dict[str, list[str | None]] | None = None,
 ) -> tuple[dict[str, list[dict]], list[dict]]:
-    """Answers joined to their prompts in subset order, and one failure row per prompt left without one."""
+    """Answers joined to their prompts in subset order, and one failure row per prompt left without one.
+    ``assigned``: each row's teacher of several (``teachers.named``), written into its row as ``teacher``."""
     outputs: dict[str, list[dict]] = {}
     failures: list[dict] = []
     for split in SPLITS:
         outputs[split] = []
-        for row, req in zip(rows[split], requests[split]):
+        owners = assigned[split] if assigned is not None else [None] * len(rows[split])
+        for row, req, owner in zip(rows[split], requests[split], owners):
             entry = answers.get(req.key)
             base = {"id": row["id"], "split": split, "key": req.key}
             if entry is None:
@@ -183,35 +195,51 @@ def _join(
                     "completion": text,
                     "finish_reason": entry["response"].get("finish_reason"),
                     "key": req.key,
+                    **({ROUTE_COLUMN: owner} if owner is not None else {}),
                 }
             )
     return outputs, failures
 
 
 def generate_teacher_completions(
-    cfg: TeacherGenConfig, paths: PathsConfig, progress: bool = True, log_requests: str | None = None
+    cfg: TeacherGenConfig,
+    paths: PathsConfig,
+    progress: bool = True,
+    log_requests: str | None = None,
+    teachers: TeachersConfig | None = None,
 ) -> dict:
     """Run the stage; returns its metrics. Raises ``TeacherGenerationError`` above the failure threshold.
 
     Every run past its setup writes ``paths.teacher_failure_report`` (also when it then fails). A null
-    ``concurrency`` is resolved first (``resolve_concurrency``), so the manifest records the number used."""
+    ``concurrency`` is resolved first (``resolve_concurrency``), so the manifest records the number used.
+    ``teachers``: with teachers named, each prompt is asked of its own teacher (``ars_opd.models.teachers.Route``,
+    which refuses a prompt no teacher covers before any request), one teacher after another
+    (``ars_opd.teacher.client.askers``); every row then says which teacher answered it (``teacher``)."""
     cfg = dataclasses.replace(cfg, concurrency=resolve_concurrency(cfg))
     split_paths = {"train": paths.subset_train, "eval": paths.subset_eval}  # teacher_gen reads the subset
     rows = {split: read_jsonl(split_paths[split]) if split in cfg.splits else [] for split in SPLITS}
-    api_key = endpoint.api_key(
-        cfg.api_key_env, "teacher_gen", MissingAPIKeyError
-    )  # before any work: a missing key is an immediate, clear error
-
-    if cfg.endpoint == LOCAL_ENDPOINT:
-        # model_path verifies the teacher's files against the pin, so the revision in the keys is the truth
-        model, revision = LOCAL_MODEL_NAME, read_manifest(paths.models_dir)["teacher"]["revision"]
-        teacher_dir = model_path(paths.models_dir, "teacher")
-        check_served_tokenizer(paths.models_dir, teacher_dir)
-        server = bundled_server(cfg, teacher_dir, log_requests)
+    several = teachers is not None and teachers.active
+    if several:  # before any work: every prompt has a teacher, every key variable is set, every pin holds
+        if cfg.endpoint != LOCAL_ENDPOINT:
+            raise ConfigError(
+                "teacher_gen.endpoint",
+                "with teachers.named each teacher's source says where it answers (source: endpoint for a served "
+                "one); set teacher_gen.endpoint: local",
+            )
+        route = Route(teachers)
+        assigned = {split: route.assign(rows[split], split_paths[split]) for split in SPLITS}
+        askers = routed_askers(cfg, paths, teachers, MissingAPIKeyError, log_requests)
     else:
-        model, revision = cfg.model, cfg.model_revision
-        server = contextlib.nullcontext(cfg.endpoint)
-    requests = {split: build_requests(rows[split], cfg, model, revision) for split in SPLITS}
+        # before any work: a missing key is an immediate, clear error
+        api_key = endpoint.api_key(cfg.api_key_env, "teacher_gen", MissingAPIKeyError)
+        assigned = None
+        askers = {None: single_asker(cfg, paths, api_key, log_requests, check_served_tokenizer)}
+    requests = {split: _requests(rows[split], cfg, askers, assigned and assigned[split]) for split in SPLITS}
+    owner = {
+        r.key: a
+        for split in SPLITS
+        for r, a in zip(requests[split], assigned[split] if several else [None] * len(rows[split]))
+    }
     unique = list({r.key: r for split in SPLITS for r in requests[split]}.values())
     deterministic = deterministic_sampling(cfg.temperature, cfg.seed)
     total = sum(len(rows[s]) for s in SPLITS)
@@ -231,27 +259,30 @@ def generate_teacher_completions(
             f = refusals.get(r.key)["failure"]
             failed[r.key] = {**f, "remembered": True}
         to_ask = [r for r in missing if r.key not in failed]
-        if to_ask:
+        for name, asker in askers.items():  # one teacher after another, each with its own server
+            group = [r for r in to_ask if owner[r.key] == name]
+            if not group:
+                continue
             try:
-                with server as base_url:
-                    summary = asyncio.run(
-                        ask_all(to_ask, cache, ClientSettings(base_url, api_key, cfg), progress=progress)
-                    )
+                with asker.server() as base_url:
+                    settings = ClientSettings(base_url, asker.api_key, asker.limits)
+                    summary = merged(summary, asyncio.run(ask_all(group, cache, settings, progress=progress)))
             except endpoint.EndpointError as e:  # stopped early: report what it saw, then fail with the cause
                 if e.summary is not None:
-                    _record(e.summary, refusals, {r.key: r for r in to_ask}, failed, deterministic)
+                    _record(merged(summary, e.summary), refusals, {r.key: r for r in to_ask}, failed, deterministic)
                     _, failures = _join(
                         rows,
                         requests,
                         {r.key: cache.get(r.key) for r in unique if r.key in cache},
                         failed,
                         cfg.strip_thinking,
+                        assigned,
                     )
                     _report(paths, failures, deterministic, total, cfg, stage_failed=True)
                 raise
         _record(summary, refusals, {r.key: r for r in to_ask}, failed, deterministic)
         answers = {r.key: cache.get(r.key) for r in unique if r.key in cache}
-    outputs, failures = _join(rows, requests, answers, failed, cfg.strip_thinking)
+    outputs, failures = _join(rows, requests, answers, failed, cfg.strip_thinking, assigned)
 
     by_reason = count_by_reason(f["reason"] for f in failures)
     over = bool(total) and len(failures) / total > cfg.max_failure_fraction
@@ -274,6 +305,10 @@ def generate_teacher_completions(
         ),
         **{f"{split}_rows": len(outputs[split]) for split in SPLITS},
     }
+    if several:  # the rows each teacher answered, per split
+        metrics["rows_per_teacher"] = {
+            name: {split: sum(r[ROUTE_COLUMN] == name for r in outputs[split]) for split in SPLITS} for name in askers
+        }
     if over:
         raise TeacherGenerationError(
             f"{description}\n{len(failures) / total:.1%} failed > teacher_gen.max_failure_fraction = "
@@ -282,22 +317,36 @@ def generate_teacher_completions(
         )
     if failures:
         print(description, file=sys.stderr)
+    if several:
+        who = {
+            "teachers": {
+                a.name: {"model": a.model, "model_revision": a.revision, "endpoint": a.endpoint}
+                for a in askers.values()
+            },
+            "route": to_dict(teachers),
+        }
+    else:
+        (asker,) = askers.values()
+        who = {"model": asker.model, "model_revision": asker.revision, "endpoint": cfg.endpoint}
     with atomic_outputs(paths.teacher_dir, paths.teacher_metrics) as (out_dir, metrics_tmp):
         out_dir.mkdir(parents=True)
         for split in SPLITS:
             write_jsonl(out_dir / Path(paths.completions(split)).name, outputs[split])
         write_jsonl(out_dir / FAILURES_FILE, [{k: f[k] for k in FAILURE_KEYS} for f in failures])
-        write_json(
-            out_dir / MANIFEST_FILE,
-            {
-                "model": model,
-                "model_revision": revision,
-                "endpoint": cfg.endpoint,
-                **provenance({"teacher_gen": to_dict(cfg)}),
-            },
-        )
+        write_json(out_dir / MANIFEST_FILE, {**who, **provenance({"teacher_gen": to_dict(cfg)})})
         write_json(metrics_tmp, metrics)
     return metrics
+
+
+def _requests(
+    rows: list[dict], cfg: TeacherGenConfig, askers: dict[str | None, Asker], assigned: list[str] | None
+) -> list[TeacherRequest]:
+    """One request per row, in order: for the one teacher all at once, else each row keyed by its own teacher's
+    model and revision (``assigned``)."""
+    if assigned is None:
+        (asker,) = askers.values()
+        return build_requests(rows, cfg, asker.model, asker.revision)
+    return [build_requests([row], cfg, askers[a].model, askers[a].revision)[0] for row, a in zip(rows, assigned)]
 
 
 def _record(

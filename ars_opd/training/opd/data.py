@@ -27,6 +27,7 @@ class OPDData:
     # (``ars_opd.data.answers``: the synthetic tasks, the natural prompts' checkable kinds), else None
     check_rows: list[dict | None] | None = None
     teacher_prompts: list[list[int]] | None = None  # opd.cross_tokenizer: each prompt in the teacher's own tokens
+    teachers: list[int] | None = None  # several teachers (teachers.named): each row's, by its index in the route
 
     def checkable(self) -> bool:
         """Whether any row's answer can be checked (the correct_rate column then counts those rows)."""
@@ -34,7 +35,12 @@ class OPDData:
 
 
 def encode_rows(
-    tokenizer, rows: list[dict], cfg: OPDConfig, teacher_tokenizer=None, teacher_positions: int | None = None
+    tokenizer,
+    rows: list[dict],
+    cfg: OPDConfig,
+    teacher_tokenizer=None,
+    teacher_positions: int | None = None,
+    route: list[int] | None = None,
 ) -> OPDData:
     """The rows whose prompt fits the budget, encoded, and the counts. A teacher completion has an EOS only
     where the teacher ended it; with ``truncated_completions: drop`` and teacher-text steps
@@ -42,7 +48,8 @@ def encode_rows(
     (``teacher_tokenizer``) the prompts are also encoded in the teacher's tokens, and a row whose teacher prompt
     leaves fewer than ``max_new_tokens`` of the teacher's ``teacher_positions`` is left out (counted): its
     teacher row could not be scored. A text the teacher spells in more tokens than the student can still overrun
-    at a step; the teacher then stops the run naming the lengths."""
+    at a step; the teacher then stops the run naming the lengths. ``route``: each row's teacher of several (its
+    index in the route's names), kept for the rows kept."""
     prompts = encode_prompts(tokenizer, [r["messages"] for r in rows])
     completions = encode_teacher_completions(tokenizer, rows)
     fits = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
@@ -70,4 +77,5 @@ def encode_rows(
         counts,
         [rows[i] if is_checkable(rows[i]) else None for i in keep],
         teacher_prompts,
+        [route[i] for i in keep] if route is not None else None,
     )

@@ -188,37 +188,56 @@ class HealthMonitor:
         return None
 
 
-def rollouts_of(rows: Iterable[Mapping], batch: int | None = None) -> list[StepRollouts]:
+PREFIX = "task/"  # the all-rollout columns; with several teachers ``task/<teacher>/`` holds each one's rollouts
+
+
+def rollouts_of(rows: Iterable[Mapping], batch: int | None = None, prefix: str = PREFIX) -> list[StepRollouts]:
     """The on-policy steps' rollouts of a step log (``steps.jsonl`` rows, or a DataFrame's records): rows without
     the rollout columns, or that trained on the teacher's text, are left out. ``batch``: the rollouts per step
-    where the log predates its ``task/rollouts`` column (the stage's global batch size)."""
+    where the log predates its ``task/rollouts`` column (the stage's global batch size). ``prefix``: whose rollouts
+    (``task/<teacher>/``: one teacher's of several, ``teacher_columns``); a step with none of them is left out."""
     out = []
     for r in rows:
-        rate = r.get("task/eos_rate")
+        rate = r.get(f"{prefix}eos_rate")
         if rate is None or not math.isfinite(float(rate)) or float(r.get("task/on_policy", 1.0) or 0.0) < 1.0:
             continue
-        n = r.get("task/rollouts")
+        n = r.get(f"{prefix}rollouts")
         n = int(round(float(n))) if n is not None and math.isfinite(float(n)) else batch
         if not n:
             continue
-        sq = r.get("task/response_length_sq")
+        sq = r.get(f"{prefix}response_length_sq")
         out.append(
             StepRollouts(
                 int(r["step"]),
                 n,
                 int(round(float(rate) * n)),
-                int(round(float(r.get("task/truncation_rate", 0.0)) * n)),
-                float(r.get("task/response_length", 0.0)) * n,
+                int(round(float(r.get(f"{prefix}truncation_rate", 0.0)) * n)),
+                float(r.get(f"{prefix}response_length", 0.0)) * n,
                 None if sq is None or not math.isfinite(float(sq)) else float(sq) * n,
             )
         )
     return out
 
 
-def detect(rows: Iterable[Mapping], cfg: HealthConfig = HealthConfig(), batch: int | None = None) -> HealthMonitor:
+def detect(
+    rows: Iterable[Mapping], cfg: HealthConfig = HealthConfig(), batch: int | None = None, prefix: str = PREFIX
+) -> HealthMonitor:
     """The detector run over a whole step log; its ``alarm`` is the first alarm (None: the rollouts stayed at their
-    start, as far as the tests can tell), ``smallest`` each test's smallest p-value."""
+    start, as far as the tests can tell), ``smallest`` each test's smallest p-value. ``prefix``: whose rollouts
+    (``rollouts_of``)."""
     monitor = HealthMonitor(cfg)
-    for s in rollouts_of(rows, batch):
+    for s in rollouts_of(rows, batch, prefix):
         monitor.add(s)
     return monitor
+
+
+def teacher_prefixes(rows: Iterable[Mapping]) -> dict[str, str]:
+    """{teacher: its columns' prefix} of a log of OPD with several teachers (``task/<teacher>/eos_rate`` present);
+    {} for one teacher."""
+    names: dict[str, str] = {}
+    for r in rows:
+        for key in r:
+            if key.startswith(PREFIX) and key.endswith("/eos_rate") and key.count("/") == 2:
+                names.setdefault(key.split("/")[1], f"{PREFIX}{key.split('/')[1]}/")
+        break  # every row has the same columns
+    return names

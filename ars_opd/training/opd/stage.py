@@ -18,6 +18,7 @@ from ars_opd.lm.generation import eos_token_ids
 from ars_opd.lm.head import OutputHead
 from ars_opd.lm.token_alignment import CrossTokenizer, teacher_end_id
 from ars_opd.models.loading import PinnedModels
+from ars_opd.models.teachers import Route, check_recorded
 from ars_opd.rollouts.schedule import (
     EngineRollouts,
 )
@@ -26,6 +27,7 @@ from ars_opd.training.budget import matmul_parameters
 from ars_opd.training.opd.cross_teacher import CrossTokenizerTeacher, TeacherSide, max_positions
 from ars_opd.training.opd.data import OPDData, encode_rows
 from ars_opd.training.opd.task import ModelSizes, OPDTask, RolloutSetup
+from ars_opd.training.opd.teacher_route_setup import build_routed_teacher, routed_endpoints
 from ars_opd.training.opd.teacher_setup import build_teacher, check_scoring_endpoint, scoring_endpoint
 from ars_opd.training.opd.teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.train_rows import train_rows
@@ -41,13 +43,22 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
     rows_out = model.get_output_embeddings().weight.shape[0]
     if rows_out < vocab:
         raise ValueError(f"the student has {rows_out} output rows but the tokenizer {vocab} ids")
-    teacher, teacher_params, teacher_manifest = build_teacher(job, setup, vocab, models)
     rows, identity = train_rows(job.paths, job.stage, job.control)
+    route = None
+    if job.teachers.active:  # several teachers: each row's own (refused before any work if one has none)
+        where = job.paths.completions("train")
+        route = Route(job.teachers).indices(rows, where)
+        if job.cfg.on_policy_fraction < 1 or job.cfg.anchor != "none":  # the teacher's text must be its own
+            check_recorded(rows, Route(job.teachers).assign(rows, where), where)
+        teacher, teacher_manifest = build_routed_teacher(job, setup, vocab, models)
+        teacher_params = max(teacher.parameters)  # the budget charges each row's own (forward_flops)
+    else:
+        teacher, teacher_params, teacher_manifest = build_teacher(job, setup, vocab, models)
     teacher_tokenizer = None
     if job.cfg.cross_tokenizer:
         teacher_tokenizer = models.teacher_tokenizer
     positions = max_positions(teacher.model) if isinstance(teacher, LocalTeacher) else None
-    data = encode_rows(tokenizer, rows, job.cfg, teacher_tokenizer, positions)
+    data = encode_rows(tokenizer, rows, job.cfg, teacher_tokenizer, positions, route)
     if not data.prompts:
         raise ValueError(f"no OPD prompts left after the budget: {data.counts}")
     eos_ids = eos_token_ids(model, tokenizer)
@@ -72,6 +83,8 @@ def prepare_opd(job: TrainingJob, setup: WorkerSetup) -> PreparedRun:
         "teacher": models.revision("teacher"),
         **identity,
     }
+    if job.teachers.active:  # which teachers score which prompts: another route is another run
+        fingerprint["teachers"] = {"pins": teacher_manifest["teachers"], "route": teacher_manifest["route"]}
     return PreparedRun(
         model,
         task,
@@ -125,6 +138,10 @@ def run_opd(job: TrainingJob) -> dict:
         if job.cfg.rollouts == "engine":
             engine = stage_engine(job.cfg, job.paths.models_dir, job.paths.opd_checkpoints)
             job = dataclasses.replace(job, rollout_engine=stack.enter_context(engine))
+        if job.teachers.active:  # several teachers: every prompt has one, the served ones answer, before any worker
+            Route(job.teachers).assign(train_rows(job.paths, job.stage, job.control)[0], job.paths.completions("train"))
+            endpoints = routed_endpoints(job.teachers, job.cfg, job.paths.models_dir, job.trust_remote_code)
+            return launch_stage(opd_worker, dataclasses.replace(job, teacher_endpoints=endpoints))
         if job.cfg.teacher == "local":
             return launch_stage(opd_worker, job)
         endpoint = stack.enter_context(scoring_endpoint(job.cfg, job.paths))

@@ -54,6 +54,7 @@ ends or ``max_new_tokens``; not each row's kept completion. It is counted on the
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 import time
@@ -87,6 +88,8 @@ from ars_opd.training.batch_plan import step_indices
 from ars_opd.training.opd.anchor import anchor_loss, anchor_rows, joint_hidden
 from ars_opd.training.opd.data import OPDData
 from ars_opd.training.opd.rollout_health import HealthMonitor, StepRollouts
+from ars_opd.training.opd.teacher_route import ROW_KEY, RoutedTeacher, column, rollout_columns, scored_columns
+from ars_opd.training.opd.teacher_route import metric_names as per_teacher_names
 from ars_opd.training.opd.teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.sharding import is_sharded
 from ars_opd.training.task import MicroBatch
@@ -97,17 +100,22 @@ from ars_opd.training.worker import WorkerSetup
 ROLLOUT_HEALTH = ("eos_rate", "truncation_rate", "response_length", "entropy", "teacher_logprob")
 
 
-def step_rollouts(step: int, metrics: dict) -> StepRollouts:
+def step_rollouts(step: int, metrics: dict, prefix: str = "") -> StepRollouts:
     """A step's rollouts for the health detector, from its reduced columns (n = 0, not judged, on a step that
-    trained on the teacher's text)."""
-    n = int(round(metrics.get("rollouts", 0.0))) if metrics.get("on_policy", 1.0) >= 1.0 else 0
+    trained on the teacher's text). ``prefix``: one teacher's of several (``<teacher>/``)."""
+    n = int(round(metrics.get(f"{prefix}rollouts", 0.0))) if metrics.get("on_policy", 1.0) >= 1.0 else 0
+
+    def value(name: str) -> float:
+        v = metrics.get(f"{prefix}{name}", 0.0)
+        return v if n and math.isfinite(v) else 0.0  # a teacher without rollouts this step: nothing to judge
+
     return StepRollouts(
         step,
         n,
-        int(round(metrics.get("eos_rate", 0.0) * n)),
-        int(round(metrics.get("truncation_rate", 0.0) * n)),
-        metrics.get("response_length", 0.0) * n,
-        metrics.get("response_length_sq", 0.0) * n,
+        int(round(value("eos_rate") * n)),
+        int(round(value("truncation_rate") * n)),
+        value("response_length") * n,
+        value("response_length_sq") * n,
     )
 
 
@@ -170,11 +178,16 @@ class OPDTask:
         self.engine = rollouts.engine  # opd.rollouts: engine (ars_opd.rollouts.schedule); None: this worker samples
         self.rollout_copy = CastCopy(torch.bfloat16) if cfg.rollout_dtype == "bf16" else None
         self.health = HealthMonitor()  # the live rollout-health check (check_step)
+        # several teachers (ars_opd.training.opd.teacher_route): each row's teacher, and the columns again per teacher
+        self.routed = teacher.names if isinstance(teacher, RoutedTeacher) else None
+        self.row_teachers = data.teachers
+        self.teacher_health = {t: HealthMonitor() for t in self.routed or ()}
 
     def worker_metric_names(self) -> tuple[str, ...]:
         """The columns the step log also keeps per worker (``worker_task/<name>``): the rollouts' health, so that
-        one worker whose samples stop ending (a stale engine, a skewed shard) shows in the log by itself."""
-        return ROLLOUT_HEALTH
+        one worker whose samples stop ending (a stale engine, a skewed shard) shows in the log by itself; with several
+        teachers, per teacher too (``worker_task/<teacher>/<name>``)."""
+        return ROLLOUT_HEALTH + tuple(column(t, n) for t in self.routed or () for n in ROLLOUT_HEALTH)
 
     def metric_names(self) -> list[str]:
         names = ["rollouts", "teacher_logprob", "entropy", "response_length", "response_length_sq", "eos_rate"]
@@ -183,6 +196,7 @@ class OPDTask:
         names += ["divergence_first_half", "divergence_second_half", "gen_s", "teacher_s", "on_policy"]
         names += ["unaligned_rate"] if self.cfg.cross_tokenizer else []
         names += ["anchor_loss"] if self.cfg.anchor != "none" else []
+        names += per_teacher_names(self.routed, self.check_rows is not None) if self.routed else []
         return names + (list(ENGINE_METRICS) if self.engine is not None else [])
 
     def teacher_tokens(self, step: int) -> int:
@@ -253,6 +267,9 @@ class OPDTask:
             )
             if self.cfg.cross_tokenizer:  # the teacher renders each row's prompt in its own tokens
                 batch["row_index"] = torch.tensor(idx[j : j + self.geometry.micro_batch], dtype=torch.long)
+            if self.routed:  # several teachers: each row's own scores it
+                rows = idx[j : j + self.geometry.micro_batch]
+                batch[ROW_KEY] = torch.tensor([self.row_teachers[i] for i in rows], dtype=torch.long)
             if on_policy and self.cfg.truncated_rollouts != "keep":  # rollouts cut at max_new_tokens (no EOS)
                 batch["overlong"] = (~batch["has_eos"]) & (batch["lengths"] >= self.cfg.max_new_tokens)
             if on_policy and self.cfg.anchor != "none":  # the teacher's text of the same prompts, beside them
@@ -289,6 +306,14 @@ class OPDTask:
             if self.check_rows is not None:  # over the micro-batch's checkable rows
                 right, checked = self._correct(idx[j : j + self.geometry.micro_batch], completions[j : j + n_seq])
                 meta["correct_rate"] = (float(right), float(checked))
+            if self.routed:  # the same columns over each teacher's rows
+                rows, done = idx[j : j + n_seq], completions[j : j + n_seq]
+                correct = None
+                if self.check_rows is not None:
+                    correct = lambda sel, rows=rows, done=done: self._correct(  # noqa: E731
+                        [r for r, s in zip(rows, sel.tolist()) if s], [c for c, s in zip(done, sel.tolist()) if s]
+                    )
+                meta.update(rollout_columns(self.routed, b, cut, meta["rollouts"][1], correct))
             if n == 0:
                 meta["gen_s"] = (gen_s, 1.0)
                 meta["teacher_s"] = (attach_s, 0.0)  # loss_sum adds the per-micro-batch part and the count
@@ -305,6 +330,8 @@ class OPDTask:
             real_t = int(b["teacher_attention_mask"].sum()) if "teacher_attention_mask" in b else real
             n_tok = int(b["loss_mask"].sum())
             flops = 6 * self.student_params * real + 2 * self.teacher_params * real_t
+            if self.routed:  # each row's teacher forward at its own teacher's size
+                flops = 6 * self.student_params * real + self.teacher.forward_flops(b)
             flops += 2 * self.student_params * sampled + 2 * self.extra_head_params * n_tok
             if "anchor_attention_mask" in b:  # the anchor rows' forward and backward (and the teacher's forward)
                 anchor_real = int(b["anchor_attention_mask"].sum())
@@ -371,6 +398,10 @@ class OPDTask:
         if "student_span" in t:  # across tokenizers: the columns average over the tokens in a span (unaligned: 0)
             aligned = t["student_span"] >= 0
             n, first, second = int(aligned.sum()), first & aligned, second & aligned
+        if self.routed:  # the same columns over each teacher's positions
+            owner = t[ROW_KEY][mask.nonzero()[:, 0]]
+            values = {"teacher_logprob": scores.target_logprobs(), "entropy": entropy, "divergence": per_token}
+            extra.update(scored_columns(self.routed, owner, values, first, second))
         return loss_sum, {
             "teacher_logprob": (float(scores.target_logprobs().sum()), float(n)),
             "entropy": (float(entropy.sum()), float(entropy.numel())),
@@ -401,3 +432,8 @@ class OPDTask:
         alarm = self.health.add(step_rollouts(step, metrics))
         if alarm is not None and self.rank == 0:
             print(f"warning: {alarm.line('opd')}", file=sys.stderr, flush=True)
+        for teacher, monitor in self.teacher_health.items():  # several teachers: each one's rollouts too
+            alarm = monitor.add(step_rollouts(step, metrics, column(teacher, "")))
+            if alarm is not None and self.rank == 0:
+                where = f"opd ({teacher}'s prompts)"
+                print(f"warning: {alarm.line(where)}", file=sys.stderr, flush=True)
