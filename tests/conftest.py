@@ -19,6 +19,14 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_sessionstart(session):
+    """Read the committed params.yaml, which every test config is built from (tests/micro.py says why not the
+    workspace's), once at the start: a checkout git cannot show it from fails here, before any test runs."""
+    from micro import committed_text
+
+    committed_text("params.yaml")
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO

@@ -1,17 +1,44 @@
-"""A micro configuration of the whole pipeline: seconds per stage, for stage tests."""
+"""A micro configuration of the whole pipeline: seconds per stage, for stage tests; and the params every test
+builds its configuration from.
+
+The committed params, not the workspace's: ``make repro-real`` (any ``dvc exp run``/``dvc exp apply``) leaves
+its experiment applied to the working ``params.yaml`` and ``dvc.lock``, and a test config built from that file
+would carry the experiment (the real profile's ``data.source: inputs/natural_prompts.jsonl``, relative to a
+workspace the test does not have). So tests build configs from the file git holds:
+
+- ``committed_params()``: ``params.yaml`` as committed, a fresh mapping per call (edit it freely);
+- ``committed_params_file()``: the same text in a file, for what takes a path (``load_params``,
+  ``profile_overrides``); ``load_committed_params()`` loads it with relative paths based at the repository;
+- ``micro_params`` / ``write_micro_params`` / ``distill_workspace``: the committed params with
+  ``MICRO_OVERRIDES`` (and a test's own) merged on;
+- ``repo_copy``: the repository's files with ``params.yaml`` and ``dvc.lock`` as committed.
+
+"As committed" is git's index (``git show :params.yaml``): HEAD's file unless a change to it is staged, so a
+new default is seen by the suite once it is ``git add``-ed (DVC experiments never stage it). Outside a git
+checkout (an unpacked source archive) there is no experiment to apply and the working file is read. The text
+is read once per process (``conftest.py`` reads it at session start, so a broken checkout fails there). The
+tests about the working file itself (``test_config.py``'s "the workspace's params.yaml loads") read it
+directly.
+"""
 
 from __future__ import annotations
 
+import atexit
 import copy
+import functools
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+# the files an applied DVC experiment rewrites in the workspace
+EXPERIMENT_FILES = ("params.yaml", "dvc.lock")
 
 MICRO_OVERRIDES = {
     "models": {
@@ -71,9 +98,50 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def micro_params(repo_root: Path, extra: dict | None = None) -> dict:
-    params = yaml.safe_load((repo_root / "params.yaml").read_text())
-    params = _merge(params, MICRO_OVERRIDES)
+def committed_text(name: str = "params.yaml", repo_root: Path = REPO) -> str:
+    """``name`` (a path relative to ``repo_root``) as git's index holds it, read once per process; the working
+    file where ``repo_root`` is not a git checkout. A checkout where git cannot show it (not tracked, an
+    unresolved merge) is an error naming the command, never a silent fall back to the working file."""
+    return _committed_text(name, Path(repo_root).resolve())
+
+
+@functools.lru_cache(maxsize=None)
+def _committed_text(name: str, repo_root: Path) -> str:
+    if not (repo_root / ".git").exists():
+        return (repo_root / name).read_text()
+    shown = subprocess.run(["git", "show", f":{name}"], cwd=repo_root, capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise RuntimeError(f"`git show :{name}` in {repo_root} failed: {shown.stderr.strip()}")
+    return shown.stdout
+
+
+def committed_params(repo_root: Path = REPO) -> dict:
+    """``params.yaml``'s committed defaults (``committed_text``), a fresh mapping per call."""
+    return yaml.safe_load(committed_text("params.yaml", repo_root))
+
+
+@functools.lru_cache(maxsize=None)
+def committed_params_file() -> Path:
+    """A file holding the repository's committed ``params.yaml``, written once per process in a temporary
+    directory removed at exit. Its relative paths mean the repository's: pass ``base=REPO`` to ``load_params``
+    (``load_committed_params`` does)."""
+    directory = Path(tempfile.mkdtemp(prefix="ars-opd-committed-params-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    path = directory / "params.yaml"
+    path.write_text(committed_text("params.yaml"))
+    return path
+
+
+def load_committed_params(sections: tuple[str, ...] | None = None):
+    """``load_params`` of the committed ``params.yaml``, relative paths at the repository root."""
+    from ars_opd.config import load_params
+
+    return load_params(committed_params_file(), sections=sections, base=REPO)
+
+
+def micro_params(repo_root: Path = REPO, extra: dict | None = None) -> dict:
+    """``repo_root``'s committed params with ``MICRO_OVERRIDES``, then ``extra``, merged on."""
+    params = _merge(committed_params(repo_root), MICRO_OVERRIDES)
     return _merge(params, extra or {})
 
 
@@ -171,7 +239,9 @@ def run_stage_here(root: Path, stage: str) -> None:
 
 
 def repo_copy(dest: Path) -> Path:
-    """The repository's tracked and untracked-but-not-ignored files, without data/, copied to ``dest``."""
+    """The repository's tracked and untracked-but-not-ignored files, without data/, copied to ``dest``: the
+    working files (the code under test), but ``params.yaml`` and ``dvc.lock`` as committed (an experiment
+    applied in the workspace is not the default pipeline)."""
     files = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
         cwd=REPO,
@@ -183,7 +253,10 @@ def repo_copy(dest: Path) -> Path:
         if f.startswith("data/") or not (REPO / f).is_file():
             continue
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / f, dest / f)
+        if f in EXPERIMENT_FILES:
+            (dest / f).write_text(committed_text(f, REPO))
+        else:
+            shutil.copy2(REPO / f, dest / f)
     return dest
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from ars_opd.checks import check_outputs
 from ars_opd.config import TRAINING_STAGES, load_params
 from ars_opd.profiles import merged, read_profile
-from micro import run_stage_here
+from micro import committed_params, run_stage_here
 from real_models import shared_real_models
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def real_run(tmp_path_factory):
     models_dir = shared_real_models(tmp_path_factory)
     root = tmp_path_factory.mktemp("real-run")
     params = merged(
-        merged(yaml.safe_load((REPO / "params.yaml").read_text()), read_profile(REPO / "profiles" / "real.yaml")),
+        merged(committed_params(), read_profile(REPO / "profiles" / "real.yaml")),
         SMALL,
     )
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

@@ -17,9 +17,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-import yaml
 
 from ars_opd.evaluation import recovery
+from micro import committed_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,13 +148,13 @@ def test_run_params_set_the_arm_the_seed_and_the_studys_keys():
         import pruned_recovery as pr
     finally:
         sys.path.remove(str(REPO / "studies"))
-    base = yaml.safe_load((REPO / "params.yaml").read_text())
+    base = committed_params()
     params = pr.run_params(base, [("opd.steps", 7), ("ddp.workers", 1)], seed=3, arm="gkd")
     assert params["opd"]["steps"] == 7 and params["ddp"]["workers"] == 1 and params["ddp"]["seed"] == 3
     assert params["opd"]["beta"] == 0.5 and params["opd"]["on_policy_fraction"] == 0.5
     control = pr.run_params(base, [], seed=3, arm="sft")
     assert control["opd"] == base["opd"]  # the control's loop is the opd section, unchanged
-    assert json.dumps(base) == json.dumps(yaml.safe_load((REPO / "params.yaml").read_text()))
+    assert json.dumps(base) == json.dumps(committed_params())
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         pr.parse_set(["opd.steps"])
 
