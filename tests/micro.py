@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -40,7 +41,16 @@ REPO = Path(__file__).resolve().parents[1]
 # the files an applied DVC experiment rewrites in the workspace
 EXPERIMENT_FILES = ("params.yaml", "dvc.lock")
 
+# A directory every pytest-xdist worker of this session shares (conftest.py's session fixture sets it; None
+# outside pytest): what ``made_once`` makes lives there.
+SESSION_DIR: Path | None = None
+
+# One thread in every process a micro run starts (the models stage, the teacher's servers, evaluate; the DDP
+# workers' threads_per_worker): ``make test`` runs two pytest workers on two cores, and a second thread of a
+# micro-sized model only waited for a core (the micro models stage took 40 s of a loaded machine at two threads,
+# 16 s at one).
 MICRO_OVERRIDES = {
+    "base": {"threads": 1},
     "models": {
         "teacher_arch": {
             "hidden_size": 32,
@@ -85,6 +95,7 @@ MICRO_OVERRIDES = {
         "checkpoint_every": 2,
         "snapshot_every": 2,
         "max_new_tokens": 6,
+        "teacher_server": {"threads": 1},
     },
     "evaluate": {"max_examples": 10, "curve_examples": 4, "max_new_tokens": 8, "threads": 1},
     "report": {"window": 4},
@@ -150,6 +161,51 @@ def write_micro_params(repo_root: Path, dest: Path, extra: dict | None = None) -
     return dest
 
 
+def made_once(name: str, make: Callable[[Path], None]) -> Path:
+    """``SESSION_DIR / name``, filled by ``make(directory)`` the first time any test of the session asks for it,
+    in whichever pytest-xdist worker: the others wait on a file lock and reuse it. For set-up that several
+    tests (possibly in several files, so several workers) need the same of: read-only by convention, so a test
+    that changes files copies them first. ``name`` must say everything the contents depend on (a hash of the
+    config, say); the session's directory is fresh, so code changes between sessions need no key. Outside
+    pytest (no ``SESSION_DIR``) ``make`` fills a fresh temporary directory each call."""
+    import fcntl
+
+    if SESSION_DIR is None:
+        directory = Path(tempfile.mkdtemp(prefix=f"ars-opd-{name}-"))
+        make(directory)
+        return directory
+    directory = SESSION_DIR / name
+    SESSION_DIR.mkdir(parents=True, exist_ok=True)
+    with open(SESSION_DIR / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = SESSION_DIR / f"{name}.done"
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a make() that raised part way left it
+            directory.mkdir()
+            make(directory)
+            done.write_text("")
+    return directory
+
+
+def micro_models(p) -> Path:
+    """The models stage's outputs (``models/`` and ``models.json``) for the params ``p``'s ``models`` and
+    ``synthetic`` sections, at one thread: made once per session for each distinct pair (``made_once``; the
+    micro teacher's 100 training steps are most of ``distill_workspace``'s set-up)."""
+    import hashlib
+    import json
+
+    from ars_opd.config import BaseConfig, to_dict
+    from ars_opd.models.prepare import prepare_models
+
+    sections = {"models": to_dict(p.models), "synthetic": to_dict(p.synthetic)}
+    key = hashlib.sha256(json.dumps(sections, sort_keys=True).encode()).hexdigest()[:16]
+
+    def make(d: Path) -> None:
+        prepare_models(BaseConfig(threads=1), p.models, p.synthetic, str(d / "models"), str(d / "models.json"), False)
+
+    return made_once(f"micro-models-{key}", make)
+
+
 def teacher_rows(n: int, seed: int) -> list[dict]:
     """``n`` synthetic rows in the teacher_gen output schema, the reference answer as the completion."""
     from ars_opd.data import synthetic
@@ -173,13 +229,13 @@ def distill_workspace(repo_root: Path, root: Path, opd: dict, workers: int = 2, 
     """A micro workspace in ``root`` ready for the stages that start from the SFT student (opd,
     sft_continued): params with these ``opd`` overrides and ``workers``, the built-in micro models (``models``:
     overrides of that section, e.g. a teacher vLLM can serve), 64 teacher training rows, and the base student
-    standing in as the SFT student (they only need an HF model directory)."""
+    standing in as the SFT student (they only need an HF model directory). The models are the models stage's
+    outputs for these params, made once per session (``micro_models``) and copied in."""
     import os
 
     from ars_opd.artifacts import write_jsonl
-    from ars_opd.config import BaseConfig, load_params
+    from ars_opd.config import load_params
     from ars_opd.models.loading import load_model
-    from ars_opd.models.prepare import prepare_models
 
     root.mkdir(parents=True, exist_ok=True)
     extra = {"opd": opd, "ddp": {"workers": workers, "threads_per_worker": 1}}
@@ -188,9 +244,11 @@ def distill_workspace(repo_root: Path, root: Path, opd: dict, workers: int = 2, 
     os.chdir(root)
     try:
         p = load_params("params.yaml")
-        prepare_models(
-            BaseConfig(threads=1), p.models, p.synthetic, p.paths.models_dir, p.paths.models_metrics, progress=False
-        )
+        made = micro_models(p)
+        shutil.rmtree(p.paths.models_dir, ignore_errors=True)  # a second call on one root replaces them
+        shutil.copytree(made / "models", p.paths.models_dir)
+        Path(p.paths.models_metrics).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(made / "models.json", p.paths.models_metrics)
         Path(p.paths.teacher_dir).mkdir(parents=True, exist_ok=True)
         write_jsonl(Path(p.paths.teacher_dir) / "train.jsonl", teacher_rows(64, seed=5))
         load_model(p.paths.models_dir, "student").save_pretrained(Path(p.paths.sft_model))

@@ -1,6 +1,6 @@
 """The served-teacher paths against a real vLLM server (CPU build, ``.venv-vllm``), not against our own.
 
-One session fixture (``vllm_teacher``, tests/conftest.py) serves a micro teacher twice: as the README tells
+One module fixture (``vllm_teacher``, tests/conftest.py) serves a micro teacher twice: as the README tells
 users to start vLLM for OPD scoring (``--logprobs-mode raw_logprobs``, no prefix caching), and with
 ``raw_logits`` for the refusal. Oracles: the bundled server (its answers come from transformers' generate),
 the teacher's own HF forward in this process, and a counting proxy in front of vLLM for what was asked.
