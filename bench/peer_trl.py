@@ -162,10 +162,11 @@ def progress(msg: str) -> None:
 # ---- settings and inputs ----
 
 
-def real_params(work: Path, quick: bool, max_new_tokens: int) -> Params:
-    """params.yaml with the real profile applied; one CPU worker without the diagnostics; OPD's max_new_tokens;
-    OPD from the base student (no SFT model is needed). Written to ``work`` and parsed with every stage check."""
-    raw = merged(read_params_file(REPO / "params.yaml"), read_profile(REPO / "profiles" / "real.yaml"))
+def real_params(work: Path, quick: bool, max_new_tokens: int, profile: Path = REPO / "profiles/real.yaml") -> Params:
+    """params.yaml with the real profile (or ``profile``) applied; one CPU worker without the diagnostics; OPD's
+    max_new_tokens; OPD from the base student (no SFT model is needed). Written to ``work`` and parsed with every
+    stage check."""
+    raw = merged(read_params_file(REPO / "params.yaml"), read_profile(profile))
     raw["ddp"].update(workers=1, device="cpu", backend="gloo", consistency=False, drift_check_every=0)
     raw["opd"].update(max_new_tokens=max_new_tokens, rollouts="trainer", teacher="local")
     models_dir = raw.get("paths", {}).get("models_dir", "data/models")

@@ -8,6 +8,10 @@ object: per kind n, correct and accuracy, the total, and how many tokens the ans
 every answer with its verdict, for reading by eye.
 
     python studies/natural_teacher.py --teacher /tmp/smollm2-hf --answers /tmp/natural_answers.jsonl
+
+``--rows data/subset/eval.jsonl`` reads the subset stage's held-out split instead (its rows are normalised already),
+and ``--max-examples N`` keeps its first N checkable rows: a teacher and a student scored on the same held-out
+prompts (``--model`` names either), as docs/larger-teacher.md compares them.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from ars_opd.lm.generation import decode_completion, eos_token_ids, generate_tok
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--teacher", required=True, help="a local Hugging Face model directory")
+    ap.add_argument("--teacher", "--model", dest="teacher", required=True, help="a local Hugging Face model directory")
     ap.add_argument("--data", default=DEFAULT_OUT)
+    ap.add_argument("--rows", default=None, help="the subset stage rows (data/subset/eval.jsonl), not --data")
+    ap.add_argument("--max-examples", type=int, default=0, help="the first N checkable rows (0: all)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
@@ -43,10 +49,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    for raw in read_jsonl(args.data):
-        messages, reference, task, _ = normalise_row(raw, "auto")
+    for raw in read_jsonl(args.rows or args.data):
+        if args.rows:  # the subset stage wrote them normalised
+            messages, reference, task = raw["messages"], raw["reference"], raw["task"]
+        else:
+            messages, reference, task, _ = normalise_row(raw, "auto")
         if task in CHECKABLE_KINDS and reference is not None:
             rows.append({"task": task, "messages": messages, "reference": reference})
+    if args.max_examples:
+        rows = rows[: args.max_examples]
     if args.per_kind:
         by_kind = defaultdict(list)
         for r in rows:
@@ -85,7 +96,7 @@ def main() -> None:
         json.dumps(
             {
                 "teacher": str(Path(args.teacher)),
-                "data": args.data,
+                "data": args.rows or args.data,
                 "max_new_tokens": args.max_new_tokens,
                 "examples": len(rows),
                 "correct": total,

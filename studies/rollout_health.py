@@ -85,7 +85,7 @@ def poisson_interval(k: int, exposure: float) -> tuple[float, float]:
         return (lo + hi) / 2
 
     upper = solve(lambda lam: cdf(k, lam) - 0.025, 0.0, 10.0 * (k + 5))
-    lower = 0.0 if k == 0 else solve(lambda lam: 0.975 - cdf(k - 1, lam), 0.0, 10.0 * (k + 5))
+    lower = 0.0 if k == 0 else solve(lambda lam: cdf(k - 1, lam) - 0.975, 0.0, 10.0 * (k + 5))
     return lower / exposure, upper / exposure
 
 

@@ -53,6 +53,14 @@ def test_unknown_key_is_named_with_allowed_keys(tmp_path):
     assert "lr" in str(e.value) and "steps" in str(e.value)
 
 
+def test_a_float_without_a_dot_is_a_float(tmp_path):
+    """DVC writes an experiment's floats below 1e-4 as 5e-05 (YAML 1.2), which YAML 1.1 reads as a string."""
+    p = _write(tmp_path, "opd:\n  lr: 5e-05\n  temperature: 1E+0\nsft:\n  lr: 3e-4\n  steps: 120\n")
+    params = load_params(p, sections=("opd", "sft"))
+    assert params.opd.lr == 5e-05 and params.opd.temperature == 1.0 and params.sft.lr == 3e-4
+    assert isinstance(params.sft.steps, int)
+
+
 def test_unknown_section_rejected(tmp_path):
     p = _write(tmp_path, "modles:\n  teacher: builtin\n")
     with pytest.raises(ConfigError, match="modles"):

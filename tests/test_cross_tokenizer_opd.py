@@ -16,11 +16,12 @@ import math
 import pytest
 import torch
 
+from ars_opd.config import OPDConfig
 from ars_opd.data import synthetic
 from ars_opd.lm.batching import build_rollout_batch, pad_token_id
 from ars_opd.lm.divergences import cross_vocab_terms
 from ars_opd.lm.head import OutputHead, chunked_head_loss, last_hidden_states, select_rows
-from ars_opd.lm.opd_objectives import get_objective
+from ars_opd.lm.opd_objectives import get_objective, objective_for
 from ars_opd.lm.token_alignment import CrossTokenizer
 from ars_opd.models.builtin import build_causal_lm
 from ars_opd.models.tokenizer import build_char_word_tokenizer
@@ -62,8 +63,8 @@ def _cross_teacher(student_tok, teacher_tok, teacher):
     return CrossTokenizerTeacher(cross, side, len(student_tok), model=teacher, chunk_size=5)
 
 
-def _loss_and_grads(student, tok, batch, teacher_obj, loss="sampled_token", chunk=5):
-    objective = get_objective(loss)
+def _loss_and_grads(student, tok, batch, teacher_obj, loss="sampled_token", chunk=5, objective=None):
+    objective = objective or get_objective(loss)
     student.zero_grad()
     mask = batch["loss_mask"]
     hidden = select_rows(last_hidden_states(student, batch["input_ids"], batch["attention_mask"]), mask)
@@ -269,6 +270,46 @@ def test_span_credit_gradient_matches_autograd_of_the_span_surrogate():
         # fp32 against float64: each row's gradient within a few ulp of fp32 of its own size, over M rows
         bound = 64 * EPS32 * logq.shape[0] * (float(ref.abs().max()) + float(d.abs().max()))
         assert float((got - ref).abs().max()) <= bound, name
+
+
+def test_the_span_baseline_reaches_the_objective_through_the_cross_teacher():
+    """``opd.span_baseline: leave_one_out`` through the teacher and the stage's objective (``objective_for``): the
+    teacher gives each scored token's rollout, and the gradient is autograd's of Σ_t sg(d_s − b_i)·log q(y_t) in
+    float64, b_i the mean credit of the other rollouts' aligned tokens (tests/test_span_baseline.py checks the terms
+    against derived bounds; here the plumbing, at the neighbouring test's bound)."""
+    student_tok = _tok()
+    teacher_tok = _tok(["answer", "Reverse", "spaced", "cba", "ABC"])
+    student, teacher = _models(student_tok, teacher_tok, seed=5)
+    batch, _, _ = _batch(student_tok, TEXTS)
+    cross = _cross_teacher(student_tok, teacher_tok, teacher)
+    cfg = OPDConfig(cross_tokenizer=True, loss="sampled_token", span_baseline="leave_one_out", micro_batch_size=4)
+    objective = objective_for(cfg)
+    cross.attach([batch], objective)
+    mask = batch["loss_mask"]
+    scores = cross.score(batch, objective, 1.0)
+    assert torch.equal(scores.sequence_index, mask.nonzero()[:, 0])
+    _, _, grads = _loss_and_grads(student, student_tok, batch, cross, objective=objective)
+    _, _, plain = _loss_and_grads(student, student_tok, batch, cross)
+    s64 = build_causal_lm(TINY, student_tok, seed=0).double()
+    s64.load_state_dict(student.state_dict())
+    logits = s64(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logq = torch.log_softmax(logits, -1)[:, :-1].gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    logq = torch.cat([logq, logq.new_zeros(logq.shape[0], 1)], 1)[mask]
+    spans, seq = scores.span_index, scores.sequence_index
+    aligned = spans >= 0
+    d = torch.zeros(int(batch["n_spans"]), dtype=torch.float64).index_add(0, spans[aligned], logq.detach()[aligned])
+    d = d - scores.span_logprobs.double()
+    credit = torch.where(aligned, d[spans.clamp(min=0)], 0.0)
+    b = torch.stack([credit[(seq != i) & aligned].mean() for i in seq.tolist()])
+    c = torch.where(aligned, credit - b, 0.0)
+    (c.detach() * logq).sum().backward()
+    moved = 0.0
+    for name, p in s64.named_parameters():
+        got = grads[name].double()
+        bound = 64 * EPS32 * logq.shape[0] * (float(p.grad.abs().max()) + float(c.abs().max()))
+        assert float((got - p.grad).abs().max()) <= bound, name
+        moved = max(moved, float((got - plain[name].double()).abs().max()) / bound)
+    assert moved > 10  # the baseline-free gradient is another one
 
 
 def test_a_micro_batch_with_no_span_trains_nothing_and_does_not_fail():

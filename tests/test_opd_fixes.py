@@ -31,32 +31,14 @@ from ars_opd.training.opd.data import OPDData
 from ars_opd.training.opd.task import ModelSizes, OPDTask, RolloutSetup
 from ars_opd.training.opd.teachers import LocalTeacher
 from ars_opd.training.worker import WorkerSetup
+from tiny_models import tiny_llama
 
 CPU = torch.device("cpu")
 MAX_NEW = 6
 
 
 def _model(vocab: int, seed: int, eos: int, pad: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(3.0)
-    return model
+    return tiny_llama(vocab, seed, eos, pad, head_scale=3.0)
 
 
 def _task(tok, n: int = 8, **opd):

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from ars_opd.config import ConfigError, load_params
-from ars_opd.profiles import flatten, merged, profile_overrides, render
+from ars_opd.profiles import flatten, merged, profile_overrides, read_profile, render
 from micro import committed_params_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,3 +96,28 @@ def test_the_cross_tokenizer_profile_is_valid_params_and_hashes_the_prune_source
     with pytest.raises(ConfigError) as e:
         load_params(params, base=REPO)
     assert e.value.key == "inputs.student" and "prune_from" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["larger_teacher", "qwen_pair"])
+def test_the_qwen_profiles_are_valid_params_with_their_files_in_place(tmp_path, name):
+    """profiles/larger_teacher.yaml and profiles/qwen_pair.yaml (after `make qwen-setup`) pass every check a stage
+    runs. Nothing in the tests downloads the Qwen files, so empty files stand at their paths (the checks ask only that
+    each exists and is mirrored by its inputs key). DVC applies the overrides as `ars-opd profile run` has it do, and
+    the stage's reader gets opd.lr 5e-05 back as a number (DVC writes it without a dot)."""
+    profile = read_profile(REPO / "profiles" / f"{name}.yaml")
+    for path in {profile["models"]["teacher"], profile["models"]["student"], profile["data"]["source"]}:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).touch()
+    params = tmp_path / "params.yaml"
+    shutil.copy(committed_params_file(), params)
+    applied = _apply_with_dvc(params, profile_overrides(REPO / "profiles" / f"{name}.yaml", params))
+    p = load_params(params, base=tmp_path)
+    assert p.models.teacher.startswith("inputs/qwen/") and p.models.teacher.endswith(".gguf")
+    assert applied["inputs"]["teacher"] == p.models.teacher and applied["inputs"]["student"] == p.models.student
+    assert isinstance(p.opd.lr, float) and p.opd.lr == profile["opd"]["lr"]
+    if name == "larger_teacher":  # another family: the complete SmolLM2 student, scored span by span
+        assert p.models.student.startswith("inputs/smollm2/") and p.models.pruned_student is None
+        assert p.opd.cross_tokenizer and p.opd.loss == "sampled_token" and p.opd.span_baseline == "leave_one_out"
+    else:  # one tokenizer: the full vocabulary, one GPU worker
+        assert p.models.student.startswith("inputs/qwen/") and not p.opd.cross_tokenizer
+        assert p.opd.loss == "full_vocab" and p.ddp.workers == 1

@@ -159,6 +159,27 @@ def test_run_params_set_the_arm_the_seed_and_the_studys_keys():
         pr.parse_set(["opd.steps"])
 
 
+def test_every_cross_tokenizer_arm_is_valid_over_the_larger_teacher_profile():
+    """profiles/larger_teacher.yaml turns the span baseline on; each cross-tokenizer arm sets it as its name says
+    (the span sampled-token arm without, the leave-one-out arm with, cross_vocab without: it has no credit), so the
+    study runs every arm over that profile."""
+    from ars_opd.config import OPDConfig, check_objective, parse_section
+    from ars_opd.profiles import merged, read_profile
+
+    sys.path.insert(0, str(REPO / "studies"))
+    try:
+        import pruned_recovery as pr
+    finally:
+        sys.path.remove(str(REPO / "studies"))
+    base = merged(committed_params(), read_profile(REPO / "profiles/larger_teacher.yaml"))
+    want = {"xtok_sampled": "none", "xtok_sampled_loo": "leave_one_out", "xtok_vocab": "none"}
+    assert set(want) == set(recovery.CROSS_TOKENIZER_ARMS) - {recovery.CONTROL}
+    for arm, baseline in want.items():
+        opd = parse_section(OPDConfig, pr.run_params(base, [], seed=1, arm=arm)["opd"], "opd")
+        assert opd.span_baseline == baseline and opd.cross_tokenizer
+        check_objective(opd)
+
+
 def test_the_trainer_side_runs_without_the_endpoint_client():
     """The training and evaluation stages import no HTTP client unless a run talks to an endpoint: a machine with
     torch and transformers alone (a GPU node) runs them."""

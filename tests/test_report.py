@@ -94,6 +94,11 @@ def test_clipping_noise_scale_and_drift_are_reported():
     noisy["gns/b_simple"] = -500.0
     md, _, _ = build_report({"opd": noisy}, None, ReportConfig())
     assert "critical batch size in tokens is about" not in md and "not resolved in this stage" in md
+    # one worker logs no estimate (gns/b_simple NaN at every step): null in the metrics, which ars-opd check accepts
+    one = _log()
+    one["gns/b_simple"] = float("nan")
+    _, flat, _ = build_report({"opd": one}, None, ReportConfig())
+    assert flat["opd/noise_scale_tokens"] is None
 
 
 def test_detection_benchmark_summary(tmp_path):

@@ -206,3 +206,26 @@ def test_opd_logs_rollout_health_per_step_and_per_worker(tmp_path):
             assert sum(r[f"worker_task/{name}"]) / 2 == pytest.approx(r[f"task/{name}"], rel=1e-12, abs=1e-12)
         assert r["task/entropy"] > 0
         assert r["task/response_length_sq"] >= r["task/response_length"] ** 2 * (1 - 1e-12)
+
+
+def test_the_calibration_study_counts_alarms_and_delays(tmp_path):
+    """studies/rollout_health.py: the exact Poisson interval against its closed forms and tabulated values
+    (0 events: upper −ln 0.025; 2 events: Garwood's 0.2422–7.2247), the collapse step, and one healthy and one
+    collapsed log judged: no false alarm, the collapse found with its delay."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "studies"))
+    try:
+        import rollout_health as study
+    finally:
+        sys.path.remove(str(REPO / "studies"))
+    lo, hi = study.poisson_interval(0, 1.0)
+    assert lo == 0.0 and hi == pytest.approx(-math.log(0.025), rel=1e-9)
+    lo, hi = study.poisson_interval(2, 1.0)
+    assert lo == pytest.approx(0.2422, abs=1e-4) and hi == pytest.approx(7.2247, abs=1e-4)
+    collapsed = _log([0.625, 0.375, 0.375] + [0.0] * 20)
+    assert study.collapse_step(collapsed, None, 5) == 3
+    steady = _log([0.625, 0.5, 0.75, 0.5] * 10)
+    out = study.judge([("steady", steady, None)], [("collapsed", collapsed, None)], HealthConfig(1, 4, 1e-4), 5)
+    assert out["false_alarms"] == 0 and out["judged_steps"] == 39
+    assert out["detected"] == 1 and out["delays"][0]["delay"] == out["delays"][0]["alarm_step"] - 3

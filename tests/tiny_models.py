@@ -52,3 +52,28 @@ def prepare_local_models(root: Path, models: ModelsConfig, out: str = "models", 
     return prepare_models(
         BaseConfig(threads=1), models, SyntheticConfig(), str(root / out), str(root / metrics), progress=False
     )
+
+
+def tiny_llama(vocab: int, seed: int, eos: int, pad: int, head_scale: float = 1.0):
+    """A two-layer Llama (hidden 32, eager attention, untied head) of ``vocab`` ids from ``seed``, its output head
+    scaled by ``head_scale`` (far from uniform above 1, so divergences and their gradients are not all alike)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(head_scale)
+    return model

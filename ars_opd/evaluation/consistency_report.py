@@ -208,7 +208,8 @@ def stage_section(stage: str, df: pd.DataFrame, cfg: ReportConfig) -> tuple[list
     ]
 
     b_simple, batch_tokens = noise_scale_summary(df)
-    flat[f"{stage}/noise_scale_tokens"] = b_simple
+    # not measured (one worker, or no step with an estimate): null, not NaN, in metrics.json (ars-opd check reads it)
+    flat[f"{stage}/noise_scale_tokens"] = b_simple if math.isfinite(b_simple) else None
     flat[f"{stage}/global_batch_tokens"] = batch_tokens
     if math.isfinite(b_simple) and b_simple > 0:
         md += [

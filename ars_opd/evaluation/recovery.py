@@ -26,6 +26,8 @@ from ars_opd.evaluation.stats import mean_ci
 from ars_opd.evaluation.tables import fmt
 
 CONTROL = "sft"
+# the cross-tokenizer arms without the span baseline say so, whatever the profile under them sets
+_NO_BASELINE = {"span_baseline": "none"}
 TITLE = "# Recovering a depth-pruned real model: distillation arms against continued SFT"
 
 # arm -> (label, what it is, the opd section's overrides; None: the control, the sft_continued stage)
@@ -50,6 +52,31 @@ ARMS: dict[str, tuple[str, str, dict | None]] = {
         "generalised JSD at β = 0.5, on the student's samples on half the steps, the teacher's completions on the rest",
         {"loss": "full_vocab", "beta": 0.5, "on_policy_fraction": 0.5},
     ),
+    "opd_sharp": (
+        "OPD, sharpened teacher (τ_T = 0.5)",
+        "full-vocabulary reverse KL on the student's own samples against the teacher at temperature 0.5 "
+        "(`opd.teacher_temperature`), whose most likely token is its greedy choice",
+        {"loss": "full_vocab", "beta": 1.0, "on_policy_fraction": 1.0, "teacher_temperature": 0.5},
+    ),
+    "opd_sharp_anchor": (
+        "OPD, sharpened teacher + SFT anchor",
+        "the sharpened teacher's reverse KL on the student's samples, and in the same step the SFT loss on the "
+        "teacher's completions of the step's prompts at weight 0.5 (`opd.anchor: sft`)",
+        {
+            "loss": "full_vocab",
+            "beta": 1.0,
+            "on_policy_fraction": 1.0,
+            "teacher_temperature": 0.5,
+            "anchor": "sft",
+            "anchor_weight": 0.5,
+        },
+    ),
+    "constant": (
+        "fixed negative advantage (control)",
+        "the sampled-token policy gradient with every token's advantage −1 (`loss: constant_advantage`): the "
+        "teacher's signal replaced by a constant, to see whether OPD's effect needs the teacher at all",
+        {"loss": "constant_advantage", "beta": 1.0, "on_policy_fraction": 1.0, "constant_advantage": -1.0},
+    ),
     "opd_sampled": (
         "OPD, sampled-token reverse KL",
         "the single-sample estimator of reverse KL's gradient from the sampled tokens' teacher log-probabilities",
@@ -60,13 +87,25 @@ ARMS: dict[str, tuple[str, str, dict | None]] = {
         "the student's text scored by the teacher in its own tokens; each span both tokenisations share carries its "
         "log-ratio log q − log p as its tokens' credit, the sequence estimate exact by the chain rule "
         "(`opd.cross_tokenizer`, `opd.loss: sampled_token`)",
-        {"loss": "sampled_token", "beta": 1.0, "on_policy_fraction": 1.0, "cross_tokenizer": True},
+        {"loss": "sampled_token", "beta": 1.0, "on_policy_fraction": 1.0, "cross_tokenizer": True, **_NO_BASELINE},
+    ),
+    "xtok_sampled_loo": (
+        "OPD across tokenizers, span sampled-token reverse KL, leave-one-out baseline",
+        "as the span sampled-token arm, each span's credit less the mean credit of the micro-batch's other rollouts, "
+        "a control variate that keeps the expected gradient (`opd.span_baseline: leave_one_out`)",
+        {
+            "loss": "sampled_token",
+            "beta": 1.0,
+            "on_policy_fraction": 1.0,
+            "cross_tokenizer": True,
+            "span_baseline": "leave_one_out",
+        },
     ),
     "xtok_vocab": (
         "OPD across tokenizers, shared vocabulary + ULD",
         "at each span's first token, reverse KL over the tokens both vocabularies spell alike (plus one bucket for "
         "the rest) and ULD's sorted-probability distance on the rest (`opd.loss: cross_vocab`)",
-        {"loss": "cross_vocab", "beta": 1.0, "on_policy_fraction": 1.0, "cross_tokenizer": True},
+        {"loss": "cross_vocab", "beta": 1.0, "on_policy_fraction": 1.0, "cross_tokenizer": True, **_NO_BASELINE},
     ),
 }
 VIEW_KEYS = ("equal_steps", "equal_flops", "equal_total_flops")
@@ -225,7 +264,6 @@ def diagnosis_section(lines: list[dict]) -> list[str]:
         ]
         for who in ("teacher", "start"):
             cells = [fmt(r.get(f"{who}/{m}/{n}"), True) for n in (48, 128) for m in ("greedy", "sampled")]
-            cells = [cells[0], cells[1], cells[2], cells[3]]
             out.append(f"| {who} | " + " | ".join(cells) + " |")
         out.append("")
     if by_kind.get("eos_gradient"):

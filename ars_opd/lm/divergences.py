@@ -228,12 +228,29 @@ def span_shares(span_index: torch.Tensor, span_values: torch.Tensor) -> torch.Te
     return (values / count.clamp(min=1))[spans] * aligned.float()
 
 
+def leave_one_out_baseline(credit: torch.Tensor, sequence_index: torch.Tensor, aligned: torch.Tensor) -> torch.Tensor:
+    """(M,) each row's baseline: the mean credit of the aligned rows of the OTHER rollouts (sequences) of the batch,
+    b_i = Σ_{j≠i} Σ_{t∈j} c_t / Σ_{j≠i} n_j over aligned rows t (0 where no other rollout has one).
+
+    credit (M,) each row's credit (0 where not aligned), sequence_index (M,) its rollout, aligned (M,) bool. Summed
+    in float64 (a micro-batch's credits can be hundreds of rows of a few nats each), returned in fp32.
+    """
+    seq = sequence_index.long()
+    n_seq = int(seq.max()) + 1 if seq.numel() else 0
+    weight = aligned.double()
+    sums = torch.zeros(n_seq, dtype=torch.float64, device=credit.device).index_add_(0, seq, credit.double() * weight)
+    counts = torch.zeros(n_seq, dtype=torch.float64, device=credit.device).index_add_(0, seq, weight)
+    others_sum, others_n = sums.sum() - sums[seq], counts.sum() - counts[seq]
+    return torch.where(others_n > 0, others_sum / others_n.clamp(min=1), 0.0).float()
+
+
 def span_sampled_token_terms(
     span_index: torch.Tensor,
     span_teacher_logprobs: torch.Tensor,
     student_logprobs: torch.Tensor,
     tokens: torch.Tensor,
     temperature: float = 1.0,
+    sequence_index: torch.Tensor | None = None,
 ) -> Callable:
     """``RowTerms`` of the sampled-token estimator of reverse KL over spans (cross-tokenizer OPD).
 
@@ -246,6 +263,14 @@ def span_sampled_token_terms(
       to log q(sequence) − log p_T(its text), the sequence-exact estimate of reverse KL;
     - a row's gradient is that of the surrogate d_s·log q(y_t): d_s·(onehot(y) − q)/τ, the span's log-ratio as
       each of its tokens' credit. Where every span is one token on both sides this is ``sampled_token_terms``.
+
+    ``sequence_index`` (M,), the rollout of each row (``opd.span_baseline: leave_one_out``): each row's credit becomes
+    d_s − b_i, with b_i the mean credit of the other rollouts' aligned rows (``leave_one_out_baseline``), so the
+    gradient is (d_s − b_i)·(onehot(y) − q)/τ. b_i is a function of the other rollouts only, which were sampled
+    independently of rollout i, so E[b_i·∇log q(y_t)] = E[b_i]·E[∇log q(y_t)] = 0: the expected gradient is
+    unchanged (a control variate), and only its variance moves. A baseline from rollout i itself (its own mean span
+    log-ratio) would hold d_s and so correlate with y_t: biased. The value is unchanged (the estimate, not the
+    surrogate).
     """
     if not temperature > 0:
         raise DivergenceInputError(f"temperature must be > 0, got {temperature}")
@@ -257,6 +282,8 @@ def span_sampled_token_terms(
     p_span = torch.cat([span_teacher_logprobs.float(), q_span.new_zeros(1)])
     keep = aligned.float()
     credit = (q_span - p_span)[spans] * keep  # (M,)
+    if sequence_index is not None:
+        credit = (credit - leave_one_out_baseline(credit, sequence_index, aligned)) * keep
     share = span_shares(span_index, span_teacher_logprobs)  # (M,)
 
     def terms(z: torch.Tensor, start: int, end: int, need_grad: bool):

@@ -99,6 +99,9 @@ class TeacherScores:
     student_logprobs: torch.Tensor | None = None
     """(M,) log q of the scored tokens at the objective's temperature, no gradient: a span's credit needs all its
     tokens' (``Objective.loss`` fills it before the chunked loss when ``span_index`` is set)."""
+    sequence_index: torch.Tensor | None = None
+    """(M,) cross-tokenizer OPD: the rollout (row of the micro-batch) of each scored student token, for the span
+    credit's leave-one-out baseline (``opd.span_baseline``)."""
 
     def target_logprobs(self) -> torch.Tensor:
         """(M,) log p_T(target) at τ = 1 (the ``teacher_logprob`` column)."""
@@ -233,6 +236,21 @@ def _sampled_token(teacher: TeacherScores, targets, beta, temperature) -> RowTer
     return sampled_token_terms(teacher.token_logprobs, targets, temperature)
 
 
+def _span_sampled_token_loo(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
+    """``loss: sampled_token`` across tokenizers with ``opd.span_baseline: leave_one_out``: each span credit less the
+    mean credit of the micro-batch's other rollouts (``divergences.span_sampled_token_terms``)."""
+    if teacher.span_index is None or teacher.sequence_index is None:
+        raise ValueError("opd.span_baseline needs a cross-tokenizer teacher's spans and rollouts (opd.cross_tokenizer)")
+    return span_sampled_token_terms(
+        teacher.span_index,
+        teacher.span_logprobs,
+        teacher.student_logprobs,
+        targets,
+        temperature,
+        sequence_index=teacher.sequence_index,
+    )
+
+
 def _cross_vocab(teacher: TeacherScores, targets, beta, temperature) -> RowTerms:
     if teacher.logits is None or teacher.cross_rows is None or teacher.shared_vocab is None:
         raise ValueError("the cross_vocab loss needs a cross-tokenizer teacher (opd.cross_tokenizer)")
@@ -291,8 +309,10 @@ def sharpened_full_vocab(teacher_temperature: float) -> TermsFactory:
 
 def objective_for(cfg: OPDConfig) -> Objective:
     """The objective ``cfg.loss`` names, with the section's own settings where it has any (constant_advantage's
-    advantage, full_vocab's teacher temperature)."""
+    advantage, full_vocab's teacher temperature, the cross-tokenizer span credit's baseline)."""
     objective = get_objective(cfg.loss)
+    if cfg.span_baseline == "leave_one_out":
+        objective = dataclasses.replace(objective, terms=_span_sampled_token_loo)
     if cfg.loss == "constant_advantage":
         objective = dataclasses.replace(objective, terms=constant_advantage(cfg.constant_advantage))
     if cfg.teacher_temperature is not None:

@@ -10,7 +10,8 @@ where the student ended. Only the aligned teacher tokens are scored (``teacher_l
 
 - ``sampled_token``: each student token's span (``span_index``) and each span's teacher log-probability
   (``span_logprobs``, the sum of its teacher tokens' at τ): the chain rule makes the per-sequence estimate
-  exact (``divergences.span_sampled_token_terms``);
+  exact (``divergences.span_sampled_token_terms``); and each token's rollout (``sequence_index``), for the span
+  credit's leave-one-out baseline (``opd.span_baseline``);
 - ``cross_vocab``: the teacher's distribution at each span's first token (the position where both sides predict
   the next token from the same text) through ``TeacherLogits`` over the teacher's vocabulary, and the
   student-to-teacher row map (``divergences.cross_vocab_terms``).
@@ -175,6 +176,7 @@ class CrossTokenizerTeacher:
             span_index=span_s,
             span_logprobs=span_t_lp,
             logged_logprobs=span_shares(span_s, span_1_lp),
+            sequence_index=tensors["loss_mask"].nonzero()[:, 0].to(span_s.device),  # row-major, as the scored rows
         )
 
     def shared_vocab(self, device) -> tuple[torch.Tensor, torch.Tensor]:
