@@ -126,13 +126,15 @@ repro-vllm: setup $(VLLM_VENV)/.installed models-stage
 # Two pytest workers (pytest-xdist), one test file each at a time (--dist loadfile: a file's module and session
 # fixtures, such as the vLLM servers, start once, in one worker). Run one after another the tests kept one of
 # the two cores busy on average (CPU time 19.6 min over 21 min of wall time): many wait on a subprocess or a
-# server's start, or run one thread. Before them, the docs site (mkdocs.yml) is built in strict mode, a few seconds:
-# a broken link between pages, a missing anchor or a page left out of nav fails it.
+# server's start, or run one thread. --no-loadscope-reorder: files are handed out in the order tests/conftest.py
+# gives them (the slowest first), not by their number of tests (which put the few-test, slow ones last). Before
+# them, the docs site (mkdocs.yml) is built in strict mode, a few seconds: a broken link between pages, a missing
+# anchor or a page left out of nav fails it.
 test: setup real-setup $(VLLM_VENV)/.installed
 	ruff check .
 	ruff format --check .
 	mkdocs build --strict --quiet --site-dir build/site
-	python -m pytest -q -n 2 --dist loadfile --durations=30
+	python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
 test-fast: setup
 	python -m pytest -q -m "not slow and not ddp and not vllm"

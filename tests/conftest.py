@@ -1,4 +1,29 @@
-"""Shared fixtures. Tests never touch the network: the hub is forced offline for the whole session."""
+"""Shared fixtures, and how the suite shares two cores. Tests never touch the network: the hub is forced offline
+for the whole session.
+
+What a new test can reuse rather than build again:
+
+- configs: ``tests/micro.py`` (``micro_params``, ``write_micro_params``, ``committed_params``,
+  ``load_committed_params``), always from the committed params.yaml, never the workspace's (micro.py says why);
+- a micro workspace ready for opd/sft_continued: ``micro.distill_workspace``; its models come from
+  ``micro.micro_models``, made once per session for each distinct ``models``/``synthetic`` config;
+- any other expensive set-up several tests need the same of, in whichever worker: ``micro.made_once(name,
+  make)``, made once per session under a file lock in a directory both workers share;
+- the real profile's models (SmolLM2 from the wheel's GGUF, the pruned student): ``real_models.shared_real_models``;
+- a real vLLM: ``vllm_teacher`` (module scope: two servers of a micro teacher) and ``vllm_student`` (module scope:
+  a rollout engine) below. A file's module fixtures start once, in the one worker that runs the file (``--dist
+  loadfile``), and stop when it ends, so tests that need the same server belong in one file.
+
+Two workers on two cores (``make test``: ``-n 2 --dist loadfile``):
+
+- torch in each worker runs ``THREADS`` intra-op threads (cores / workers, so 1), reset before every test (a stage
+  run in-process sets its own and would leave it set): two workers with torch's default of one thread per core
+  ran four threads on two cores, and a thread pool whose threads wait on each other slows down by several times
+  when its threads are not all running. Subprocesses (stages, servers) take their threads from their params.
+- ``SLOW_FILES`` are handed out first, longest first (``make test`` passes ``--no-loadscope-reorder``: xdist
+  otherwise orders files by their number of tests, which put the few-test, many-minute files last, run by one
+  worker while the other had finished); the many short files then fill in around them.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +42,40 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _threads_per_worker() -> int | None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    return max(1, len(os.sched_getaffinity(0)) // workers) if workers > 1 else None
+
+
+THREADS = _threads_per_worker()  # None: one process (no xdist), torch's default
+
+
+@pytest.fixture(autouse=True)
+def _worker_threads():
+    if THREADS is not None:
+        import torch
+
+        torch.set_num_threads(THREADS)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_dir(tmp_path_factory):
+    """``micro.SESSION_DIR``: under pytest-xdist each worker's base temporary directory lies in the session's,
+    which both workers share; alone, the base is the session's."""
+    import micro
+
+    base = tmp_path_factory.getbasetemp()
+    micro.SESSION_DIR = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "made-once"
+
+
+def pytest_sessionstart(session):
+    """Read the committed params.yaml, which every test config is built from (tests/micro.py says why not the
+    workspace's), once at the start: a checkout git cannot show it from fails here, before any test runs."""
+    from micro import committed_text
+
+    committed_text("params.yaml")
 
 
 @pytest.fixture(scope="session")
@@ -39,12 +98,38 @@ VLLM_TEACHER_ARCH = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv
 VLLM_MODEL = "teacher"
 
 
+# Files that take a minute or more on 2 cores under make test (its --durations), longest first: handed out first
+# (the module docstring says why). A new file that takes minutes belongs here, by its time.
+SLOW_FILES = (
+    "test_real_pipeline.py",
+    "test_dvc_pipeline.py",
+    "test_engine_rollouts.py",
+    "test_endpoint_errors.py",
+    "test_vllm.py",
+    "test_fsdp.py",
+    "test_sft_stage.py",
+    "test_gguf_pruning.py",
+    "test_cross_tokenizer_stage.py",
+    "test_engine.py",
+    "test_engine_stage.py",
+    "test_engine_server.py",
+    "test_multinode.py",
+    "test_opd_endpoint.py",
+    "test_dvc_inputs.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The vllm tests run last, one after another: their servers start once and stop at the end of the session
-    (or of their module), so few other tests share the cores with an idle vLLM (about a fifth of a core each).
-    Under ``make test``'s two workers (``--dist loadfile``) the order holds within each worker, and a file's
-    fixtures start in the one worker that runs the file."""
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: the rest keep their order
+    """``SLOW_FILES`` first, in their order; within a file, and among the rest, the vllm tests last, so that a
+    module's vLLM server starts late and few other tests share the cores with an idle one (about a fifth of a
+    core each). Under ``--dist loadfile`` a file's tests run in one worker, in this order."""
+
+    def key(item):
+        name = item.path.name
+        rank = SLOW_FILES.index(name) if name in SLOW_FILES else len(SLOW_FILES)
+        return rank, item.get_closest_marker("vllm") is not None
+
+    items.sort(key=key)  # stable: the rest keep their order
 
 
 # The model runs inside the engine core (`--distributed-executor-backend uni`, one worker) rather than in a
@@ -66,10 +151,11 @@ class VLLMTeacher:
     model: str = VLLM_MODEL
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_teacher(tmp_path_factory):
-    """Both servers start side by side and stop at the end of the session. No vLLM environment, or a server
-    that does not start, is an error naming why (never a skip): ``make test`` builds ``.venv-vllm`` first."""
+    """Both servers start side by side and stop after the module that asked for them (a session fixture idled
+    on until the end of the session, after its one file had run). No vLLM environment, or a server that does not
+    start, is an error naming why (never a skip): ``make test`` builds ``.venv-vllm`` first."""
     from ars_opd.config import load_params
     from ars_opd.models.loading import model_path
     from ars_opd.serving.vllm_server import VLLMOptions, VLLMServer

@@ -16,10 +16,11 @@ import torch.distributed as dist
 import yaml
 from safetensors.torch import load_file
 
-from ars_opd.config import AdapterConfig, ArchConfig, ConfigError, ModelsConfig, OptimConfig, load_params
+from ars_opd.config import AdapterConfig, ArchConfig, ConfigError, ModelsConfig, OptimConfig
 from ars_opd.lm.optim import make_optimizer
 from ars_opd.models import adapters
 from ars_opd.models.builtin import build_causal_lm
+from micro import load_committed_params
 from tolerances import U32, gamma
 
 REPO = Path(__file__).resolve().parents[1]
@@ -280,7 +281,7 @@ def test_stages_refuse_a_bad_adapter_before_any_worker_starts(monkeypatch):
     for module in (sft, opd):
         monkeypatch.setattr(module, "launch_stage", lambda *a, **k: started.append(a))
     monkeypatch.setattr(worker, "check_adapter", lambda *a, **k: (_ for _ in ()).throw(ConfigError("k", "bad")))
-    p = load_params(REPO / "params.yaml")
+    p = load_committed_params()
     p = dataclasses.replace(p, models=dataclasses.replace(p.models, student_adapter=LORA))
     for run in (
         lambda: sft.run_sft(TrainingJob.from_params("sft", p)),

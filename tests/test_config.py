@@ -13,19 +13,30 @@ from ars_opd.config import (
     parse_section,
     to_dict,
 )
+from micro import committed_params, committed_params_file
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_real_params_yaml_loads_every_section(repo_root):
-    params = load_params(repo_root / "params.yaml")
+def test_committed_params_yaml_loads_every_section(repo_root):
+    """The committed params.yaml (what a clean clone runs, and what the tests build their configs from)."""
+    params = load_params(committed_params_file(), base=repo_root)
     for name in SECTIONS:
         assert getattr(params, name) is not None, name
     assert params.models.teacher == "builtin"
     # the real file sets every key explicitly: nothing silently falls back to a code default
-    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    raw = committed_params()
     assert to_dict(params.models) == raw["models"]
     assert to_dict(params.paths) == raw["paths"]
+
+
+def test_workspace_params_yaml_loads_every_section(repo_root):
+    """The working params.yaml, what ``dvc repro`` and ``ars-opd`` read here, passes every check a stage runs,
+    whatever experiment is applied to it (``make repro-real`` leaves the real profile's); in a clean clone it is
+    the committed file above."""
+    params = load_params(repo_root / "params.yaml")
+    for name in SECTIONS:
+        assert getattr(params, name) is not None, name
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -114,7 +125,7 @@ def test_objective_constraints_come_from_the_registry(raw, key, fragment, tmp_pa
     with pytest.raises(ConfigError) as e:
         check_config(cfg)
     assert e.value.key == key and fragment in str(e.value)
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = committed_params()
     params["opd"].update(raw)
     p = tmp_path / "params.yaml"
     p.write_text(yaml.safe_dump(params))
@@ -167,7 +178,7 @@ def test_a_stage_prints_a_params_error_alone_and_exits_2(tmp_path, section, raw,
     import subprocess
     import sys
 
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = committed_params()
     params[section].update(raw)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
@@ -199,12 +210,13 @@ def _differences_from_defaults(raw: dict, cfg, where: str) -> list[str]:
     return problems
 
 
-def test_every_params_yaml_value_is_its_dataclass_default(repo_root):
+def test_every_params_yaml_value_is_its_dataclass_default():
     """One source of defaults: params.yaml is the product's default, so a config built in code (a test, a
     benchmark) or a key left out of a params file runs what the pipeline runs. No exceptions: every field has
     a default (each section builds with no arguments), and paths and inputs are held to it too (dvc.yaml reads
-    the same paths from params.yaml: a different default would write elsewhere than DVC tracks)."""
-    raw = yaml.safe_load((repo_root / "params.yaml").read_text())
+    the same paths from params.yaml: a different default would write elsewhere than DVC tracks). The committed
+    file: the workspace's may carry an applied experiment."""
+    raw = committed_params()
     problems = [
         p for name, cls in SECTIONS.items() for p in _differences_from_defaults(raw.get(name) or {}, cls(), name)
     ]
@@ -254,7 +266,7 @@ def test_load_params_refuses_what_the_stages_refuse(tmp_path, capsys, over, sect
     refuse the same file, naming the key, before any work starts."""
     from ars_opd.cli import main
 
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = committed_params()
     for section, values in over.items():
         params[section].update(values)
     p = tmp_path / "params.yaml"

@@ -39,6 +39,7 @@ from ars_opd.config import ConfigError, OPDConfig, ParallelConfig, PathsConfig, 
 from ars_opd.rollouts import stage
 from ars_opd.training.opd.stage import run_opd
 from ars_opd.training.worker import TrainingJob
+from micro import load_committed_params
 
 URL = "http://127.0.0.1:9/v1"  # nothing listens: the tests that name it never reach an engine
 REPO = Path(__file__).resolve().parents[1]
@@ -251,10 +252,10 @@ def test_a_resume_against_a_restarted_engine_on_another_port_continues_from_its_
 
 
 def test_what_a_resume_may_change_names_real_parameters():
-    from ars_opd.config import load_params, to_dict
+    from ars_opd.config import to_dict
     from ars_opd.training.worker import ADDRESS_KINDS, RESUMABLE_KEYS, resumable_view
 
-    params = load_params(REPO / "params.yaml")
+    params = load_committed_params()
     config = {"opd": to_dict(params.opd), "ddp": to_dict(params.ddp)}
     for key in (*RESUMABLE_KEYS, *ADDRESS_KINDS):
         node = config

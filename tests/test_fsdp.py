@@ -21,7 +21,7 @@ from ars_opd.artifacts import read_jsonl
 from ars_opd.config import ConfigError, InjectConfig, ParallelConfig, load_params
 from ars_opd.training.distributed import launch
 from fsdp_probe import fsdp_consistency_probe, fsdp_engine_probe
-from micro import distill_workspace, run_stage_here
+from micro import committed_params, distill_workspace, run_stage_here
 from test_consistency import _batches, _compare
 from test_sft_stage import _workspace
 
@@ -219,7 +219,7 @@ def test_fsdp_refusals_name_the_key(tmp_path):
     with pytest.raises(ConfigError) as e:
         ParallelConfig(strategy="fsdp", inject=InjectConfig(kind="param_desync", magnitude=0.1))
     assert e.value.key == "inject.kind" and "no replicas" in str(e.value)
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = committed_params()
     params["ddp"]["strategy"] = "fsdp"
     params["opd"]["rollout_cache"] = "static"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))

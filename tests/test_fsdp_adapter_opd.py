@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from ars_opd.artifacts import read_jsonl
 from ars_opd.config import ConfigError, load_params
-from micro import distill_workspace, run_stage_here
+from micro import committed_params, distill_workspace, run_stage_here
 from test_fsdp import SAME_TRAINING, _rel, _set
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_static_rollouts_with_a_sharded_lora_student_are_refused_before_any_work
     """The static cache's loop stops each worker at its own EOS, and a sharded student needs every worker to
     run the same forwards: refused at the params check, with an adapter as without (the dynamic path above is
     the one that runs)."""
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = committed_params()
     params["ddp"]["strategy"] = "fsdp"
     params["opd"]["rollout_cache"] = "static"
     params["models"]["student_adapter"] = ADAPTER

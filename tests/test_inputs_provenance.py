@@ -17,14 +17,14 @@ from ars_opd.config import (
 )
 from ars_opd.models import loading
 from ars_opd.models.loading import ModelPinError, load_model, model_path, read_manifest
-from micro import MICRO_OVERRIDES
+from micro import MICRO_OVERRIDES, committed_params, load_committed_params
 from tiny_models import prepare_local_models, save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _params(tmp_path: Path, data: dict | None = None, models: dict | None = None, inputs: dict | None = None) -> Path:
-    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw = committed_params()
     for section, over in (("data", data), ("models", models), ("inputs", inputs)):
         raw[section].update(over or {})
     path = tmp_path / "params.yaml"
@@ -43,7 +43,7 @@ def test_inputs_must_mirror_every_local_source(tmp_path):
     data.write_text('{"instruction": "x"}\n')
     model = tmp_path / "qwen"
     model.mkdir()
-    load_params(REPO / "params.yaml")  # the default: synthetic data, built-in models, placeholders
+    load_committed_params()  # the default: synthetic data, built-in models, placeholders
 
     e = _error(_params(tmp_path, data={"source": str(data)}))
     assert e.key == "inputs.data" and f"set inputs.data: '{data}'" in str(e) and "data.source" in str(e)

@@ -37,6 +37,7 @@ from ars_opd.rollouts.nccl_sync import NcclWeightSync, WeightTransferError, upda
 from ars_opd.rollouts.schedule import EngineRollouts, RolloutPlan
 from ars_opd.rollouts.verify import StaleEngineError
 from ars_opd.rollouts.weights import engine_state_dict
+from micro import load_committed_params
 from server_thread import ServerThread
 from tiny_models import SYNC_ARCH, perturbed, sync_student
 
@@ -300,11 +301,11 @@ def test_a_server_without_the_routes_says_how_to_start_vllm(student):
 
 
 def test_nccl_is_refused_where_it_cannot_run():
-    from ars_opd.config import check_params, load_params
+    from ars_opd.config import check_params
 
     with pytest.raises(WeightTransferError, match="CUDA"):
         NcclWeightSync(EngineClient("http://127.0.0.1:9", "student"), torch.device("cpu"))
-    params = load_params(REPO / "params.yaml")
+    params = load_committed_params()
     with pytest.raises(ConfigError, match="bundled"):  # the section itself refuses the pair
         dataclasses.replace(params.opd.engine, server="bundled", transport="nccl")
     opd = dataclasses.replace(

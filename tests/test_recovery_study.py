@@ -17,9 +17,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-import yaml
 
 from ars_opd.evaluation import recovery
+from micro import committed_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,13 +148,13 @@ def test_run_params_set_the_arm_the_seed_and_the_studys_keys():
         import pruned_recovery as pr
     finally:
         sys.path.remove(str(REPO / "studies"))
-    base = yaml.safe_load((REPO / "params.yaml").read_text())
+    base = committed_params()
     params = pr.run_params(base, [("opd.steps", 7), ("ddp.workers", 1)], seed=3, arm="gkd")
     assert params["opd"]["steps"] == 7 and params["ddp"]["workers"] == 1 and params["ddp"]["seed"] == 3
     assert params["opd"]["beta"] == 0.5 and params["opd"]["on_policy_fraction"] == 0.5
     control = pr.run_params(base, [], seed=3, arm="sft")
     assert control["opd"] == base["opd"]  # the control's loop is the opd section, unchanged
-    assert json.dumps(base) == json.dumps(yaml.safe_load((REPO / "params.yaml").read_text()))
+    assert json.dumps(base) == json.dumps(committed_params())
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         pr.parse_set(["opd.steps"])
 
@@ -171,9 +171,7 @@ def test_every_cross_tokenizer_arm_is_valid_over_the_larger_teacher_profile():
         import pruned_recovery as pr
     finally:
         sys.path.remove(str(REPO / "studies"))
-    base = merged(
-        yaml.safe_load((REPO / "params.yaml").read_text()), read_profile(REPO / "profiles/larger_teacher.yaml")
-    )
+    base = merged(committed_params(), read_profile(REPO / "profiles/larger_teacher.yaml"))
     want = {"xtok_sampled": "none", "xtok_sampled_loo": "leave_one_out", "xtok_vocab": "none"}
     assert set(want) == set(recovery.CROSS_TOKENIZER_ARMS) - {recovery.CONTROL}
     for arm, baseline in want.items():

@@ -128,9 +128,9 @@ def test_an_old_log_needs_the_batch_size():
 
 def test_check_names_a_collapsed_run_in_one_line(tmp_path):
     """``ars-opd check`` on a training log whose rollouts stopped ending: one problem line naming the step."""
-    from ars_opd.config import load_params
+    from micro import load_committed_params
 
-    p = load_params(REPO / "params.yaml", sections=("paths",)).paths
+    p = load_committed_params(sections=("paths",)).paths
     out = p.training("opd")
     steps = tmp_path / out.steps
     steps.parent.mkdir(parents=True)

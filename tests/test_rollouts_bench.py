@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from micro import load_committed_params
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "rollouts.py"
 THROUGHPUT_KEYS = {
@@ -70,11 +72,10 @@ def test_opd_lag_lines_take_medians_after_the_first_step_from_the_last_checkpoin
 def test_opd_lag_says_what_is_missing(tmp_path, monkeypatch):
     import dataclasses
 
-    from ars_opd.config import load_params
     from bench import opd_lag
 
     monkeypatch.setenv("ARS_OPD_VLLM_PYTHON", sys.executable)  # an interpreter that exists: only the data is missing
-    params = load_params(REPO / "params.yaml")
+    params = load_committed_params()
     params = dataclasses.replace(params, paths=dataclasses.replace(params.paths, models_dir="data/no-such-models"))
     assert "dvc repro" in opd_lag.problem(params)
 

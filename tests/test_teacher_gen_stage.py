@@ -22,6 +22,7 @@ from ars_opd.teacher.client.generate import (
     strip_thinking,
 )
 from fake_endpoint import FakeEndpoint, expected_answer
+from micro import committed_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,7 +133,7 @@ _STAGE = [sys.executable, str(REPO / "stages" / "teacher_gen.py")]
 
 
 def _write_params(root: Path, url: str, **teacher_gen) -> None:
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = committed_params()
     params["teacher_gen"].update({"endpoint": url, "model": "fake-teacher", **teacher_gen})
     (root / "params.yaml").write_text(yaml.safe_dump(params))
 

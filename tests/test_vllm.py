@@ -1,6 +1,6 @@
 """The served-teacher paths against a real vLLM server (CPU build, ``.venv-vllm``), not against our own.
 
-One session fixture (``vllm_teacher``, tests/conftest.py) serves a micro teacher twice: as the README tells
+One module fixture (``vllm_teacher``, tests/conftest.py) serves a micro teacher twice: as the README tells
 users to start vLLM for OPD scoring (``--logprobs-mode raw_logprobs``, no prefix caching), and with
 ``raw_logits`` for the refusal. Oracles: the bundled server (its answers come from transformers' generate),
 the teacher's own HF forward in this process, and a counting proxy in front of vLLM for what was asked.
@@ -45,6 +45,7 @@ from ars_opd.training.opd.teacher_setup import check_scoring_endpoint
 from ars_opd.training.opd.teachers import EndpointTeacher, LocalTeacher
 from ars_opd.training.worker import ScoringEndpoint, TrainingJob
 from fake_endpoint import FaultyProxy
+from micro import committed_params
 from tolerances import forward_bound, two_computations
 
 pytestmark = pytest.mark.vllm
@@ -145,7 +146,7 @@ def test_length_finish_is_recorded_as_truncation(vllm_teacher, in_tmp):
 
 
 def _write_stage_params(root: Path, **teacher_gen) -> None:
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = committed_params()
     params["teacher_gen"].update(teacher_gen)
     (root / "params.yaml").write_text(yaml.safe_dump(params))
 
