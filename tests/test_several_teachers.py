@@ -25,6 +25,7 @@ from ars_opd.config import ConfigError, DataConfig, PathsConfig, SyntheticConfig
 from ars_opd.data.subset import make_subset
 from ars_opd.models.teachers import ROUTE_COLUMN, Route, check_recorded
 from fake_endpoint import FakeEndpoint, expected_answer
+from micro import committed_params
 from several_teachers import ARITH, ROUTE, SPECIALISTS, WORDS, exact_row_losses, several_teachers_workspace
 from tolerances import two_computations, vs_oracle
 
@@ -33,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _params(tmp_path: Path, **sections) -> Path:
     """params.yaml of the repository with ``sections`` merged over it (one level deep), in ``tmp_path``."""
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = committed_params()
     for name, over in sections.items():
         params[name] = {**params.get(name, {}), **over}
     path = tmp_path / "params.yaml"
@@ -245,7 +246,7 @@ def _teacher_gen_workspace(root: Path, urls: dict[str, str], route: dict, n: int
             }
         },
     )
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = committed_params()
     params["teachers"] = {"named": named, "route": route}
     params["teacher_gen"].update({"request_timeout_s": 5.0, **teacher_gen})
     (root / "params.yaml").write_text(yaml.safe_dump(params))

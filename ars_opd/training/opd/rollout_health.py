@@ -39,6 +39,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from ars_opd.config import ReportConfig
+
 KINDS = ("stopped_ending", "ending_early", "truncated_more", "longer", "shorter")
 WORDS = {
     "stopped_ending": "the rollouts stopped ending",
@@ -73,9 +75,9 @@ class HealthConfig:
             return cls()
         return cls(report.rollout_baseline_steps, report.rollout_window, report.rollout_alpha)
 
-    baseline_steps: int = 1
-    window: int = 6
-    alpha: float = 1e-4
+    baseline_steps: int = ReportConfig.rollout_baseline_steps
+    window: int = ReportConfig.rollout_window
+    alpha: float = ReportConfig.rollout_alpha
 
 
 @dataclass(frozen=True)
