@@ -89,7 +89,7 @@ def test_every_arm_against_the_control_with_paired_seed_differences(by_arm):
         by_arm, {}, {"command": "python studies/pruned_recovery.py", "seconds": 60, "steps": 120}, {}
     )
     for arm in ("opd", "kd"):
-        rkl, em, _ = _cells(text, "At equal steps", recovery.label(arm))
+        rkl, em, *_ = _cells(text, "At equal steps", recovery.label(arm))
         arm_mean, arm_lo, arm_hi, d_mean, d_lo, d_hi = _numbers(rkl.replace("− control:", ""))
         assert (arm_mean, arm_lo, arm_hi) == pytest.approx(_t_interval(ARM_RKL[arm]), abs=6e-4)
         diffs = [a - c for a, c in zip(ARM_RKL[arm], CTL_RKL)]
@@ -115,6 +115,42 @@ def test_equal_flops_reads_each_arm_off_its_curve_at_the_cheaper_total(by_arm):
     assert _numbers(rkl)[3] == pytest.approx(1.6 - sum(CTL_RKL) / 3)
 
 
+def test_the_figures_length_cannot_game_are_tabled_and_judged_per_seed_pair(by_arm):
+    """Reverse KL at the teacher's prefixes and sampled exact match get their own columns, paired intervals and
+    verdict clauses; the own samples' EOS rate and length a table of their own (t-intervals: the closed form)."""
+    fixed = {"opd": [0.50, 0.55, 0.52], "kd": [0.90, 0.95, 0.93]}
+    ctl_fixed, sampled, ctl_sampled = [0.70, 0.72, 0.71], [0.30, 0.33, 0.31], [0.20, 0.22, 0.21]
+    eos, ctl_eos = [0.1, 0.0, 0.2], [0.9, 0.8, 0.85]
+    for arm, runs in by_arm.items():
+        for i, r in enumerate(runs):
+            opd, ctl = r["evaluate"]["opd"], r["evaluate"]["sft_continued"]
+            opd.update(reverse_kl_fixed_prefix=fixed[arm][i], exact_match_sampled=sampled[i], own_eos_rate=eos[i])
+            ctl.update(
+                reverse_kl_fixed_prefix=ctl_fixed[i], exact_match_sampled=ctl_sampled[i], own_eos_rate=ctl_eos[i]
+            )
+    text = recovery.render(by_arm, {}, {"seconds": 1}, {})
+    _, _, _, prefix, sampled_cell = _cells(text, "At equal steps", recovery.label("opd"))
+    assert _numbers(prefix.replace("− control:", "")) == pytest.approx(
+        [*_t_interval(fixed["opd"]), *_t_interval([a - c for a, c in zip(fixed["opd"], ctl_fixed)])], abs=6e-4
+    )
+    # percentages: exact match is shown in points
+    assert _numbers(sampled_cell.replace("− control:", ""))[3:] == pytest.approx(
+        [100 * x for x in _t_interval([a - c for a, c in zip(sampled, ctl_sampled)])], abs=0.06
+    )
+    verdict = text.split("## Verdict\n", 1)[1].split("\n## ", 1)[0]
+    opd_line = next(line for line in verdict.splitlines() if recovery.label("opd") in line)
+    kd_line = next(line for line in verdict.splitlines() if recovery.label("kd") in line)
+    assert "at equal steps, reverse KL at the teacher's prefixes (per token): better than the control" in opd_line
+    assert "at equal steps, reverse KL at the teacher's prefixes (per token): worse than the control" in kd_line
+    assert "at equal steps, exact match, sampled at temperature 1: better than the control" in opd_line
+    own = text.split("How the models' own samples", 1)[1].split("\n## ", 1)[0]
+    row = {line.split("|")[1].strip(): line.split("|")[2] for line in own.splitlines() if line.startswith("| ")}
+    assert _numbers(row[recovery.label("opd")]) == pytest.approx([100 * x for x in _t_interval(eos)], abs=0.06)
+    assert _numbers(row[recovery.label(recovery.CONTROL)]) == pytest.approx(
+        [100 * x for x in _t_interval(ctl_eos)], abs=0.06
+    )
+
+
 def test_rollout_dashboards_use_only_the_steps_on_the_students_own_samples():
     seed_a = pd.DataFrame(
         {
@@ -134,7 +170,7 @@ def test_rollout_dashboards_use_only_the_steps_on_the_students_own_samples():
         }
     )
     teacher_text = [f.assign(**{"task/on_policy": 0.0}) for f in (seed_a, seed_b)]
-    md = "\n".join(recovery.rollout_sections({"gkd": [seed_a, seed_b], "kd": teacher_text}))
+    md = "\n".join(recovery.rollout_sections({"gkd": [seed_a, seed_b], "kd": teacher_text}, label=recovery.label))
     assert recovery.label("kd") + " (" not in md  # an arm with no rollouts (λ = 0) has no dashboard
     rows = [line for line in md.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert _numbers(rows[0].split("|")[2])[0] == 20.0 and _numbers(rows[0].split("|")[3])[0] == 1.5  # both seeds

@@ -56,29 +56,30 @@ def total_flops(point: dict, teacher_parameters: int) -> float:
     return point["flops"] + 2.0 * teacher_parameters * point.get("teacher_tokens", 0)
 
 
-def _at_equal(curves: dict, x_key: str) -> dict:
+def _at_equal(curves: dict, x_key: str, metrics: tuple = METRICS) -> dict:
     """Both arms at the cheaper arm's final ``x_key``, each read off its learning curve."""
     x = min(max(p[x_key] for p in curves[a]) for a in ARMS)
-    return {"flops": x, **{arm: {k: interpolate(curves[arm], x_key, x, k) for k, _, _ in METRICS} for arm in ARMS}}
+    return {"flops": x, **{arm: {k: interpolate(curves[arm], x_key, x, k) for k, _, _ in metrics} for arm in ARMS}}
 
 
-def compare(eval_metrics: dict) -> dict | None:
+def compare(eval_metrics: dict, metrics: tuple = METRICS) -> dict | None:
     """One run's comparison: {"equal_steps": {arm: {metric: v, ...budget}}, "equal_flops": {"flops": F,
     arm: {metric: v}}, "equal_total_flops": the same with the teacher's data cost counted}; None when an arm
-    is missing. The third view needs the teacher's parameter count (evaluate metrics, ``teacher``)."""
+    is missing. The third view needs the teacher's parameter count (evaluate metrics, ``teacher``). ``metrics``:
+    (key, label, direction) triples read in every view (a study may read more than ``METRICS``)."""
     if not all(eval_metrics.get(a) for a in ARMS):
         return None
     out: dict[str, Any] = {"equal_steps": {}, "equal_flops": {}, "equal_total_flops": {}}
     for arm in ARMS:
         m = eval_metrics[arm]
-        out["equal_steps"][arm] = {**{k: m.get(k) for k, _, _ in METRICS}, **(m.get("budget") or {})}
+        out["equal_steps"][arm] = {**{k: m.get(k) for k, _, _ in metrics}, **(m.get("budget") or {})}
     curves = eval_metrics.get("curves") or {}
     if all(curves.get(a) for a in ARMS):
-        out["equal_flops"] = _at_equal(curves, "flops")
+        out["equal_flops"] = _at_equal(curves, "flops", metrics)
         p_teacher = (eval_metrics.get("teacher") or {}).get("matmul_parameters")
         if p_teacher:
             total = {a: [{**p, "total_flops": total_flops(p, p_teacher)} for p in curves[a]] for a in ARMS}
-            out["equal_total_flops"] = _at_equal(total, "total_flops")
+            out["equal_total_flops"] = _at_equal(total, "total_flops", metrics)
     return out
 
 

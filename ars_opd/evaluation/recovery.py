@@ -21,7 +21,7 @@ import pandas as pd
 
 from ars_opd.evaluation.distillation import comparison, control_table, instrument_control, interval_cell
 from ars_opd.evaluation.equal_budget import METRICS, compare, interpolate
-from ars_opd.evaluation.rollout_dashboard import dashboard_section, has_rollouts, health_line
+from ars_opd.evaluation.recovery_sections import diagnosis_section, rollout_sections
 from ars_opd.evaluation.stats import mean_ci
 from ars_opd.evaluation.tables import fmt
 
@@ -109,6 +109,25 @@ ARMS: dict[str, tuple[str, str, dict | None]] = {
     ),
 }
 VIEW_KEYS = ("equal_steps", "equal_flops", "equal_total_flops")
+# the page's figures: the pipeline's three, and two that a change of length cannot game: reverse KL at the teacher's
+# own prefixes (the student never chooses where it is scored) and exact match of a sample at temperature 1 (an
+# answer that never ends is wrong however it is read)
+STUDY_METRICS = (
+    *METRICS,
+    ("reverse_kl_fixed_prefix", "reverse KL at the teacher's prefixes (per token)", "lower"),
+    ("exact_match_sampled", "exact match, sampled at temperature 1", "higher"),
+)
+# the verdict's figures: all but the NLL of the teacher's completions (an SFT arm's own loss)
+VERDICT_METRICS = ("reverse_kl", "exact_match", "reverse_kl_fixed_prefix", "exact_match_sampled")
+# how the models' own samples end (evaluate's own_eos_rate, own_length): read beside the figures, not judged
+OWN_SAMPLES = (
+    ("own_eos_rate", "own samples that end (EOS)", True),
+    ("own_length", "their mean length (tokens)", False),
+)
+
+
+def _pct(metric: str) -> bool:
+    return metric.startswith("exact_match")
 
 
 def cross_tokenizer_arm(arm: str) -> bool:
@@ -129,7 +148,7 @@ def _paired_values(runs: list[dict], where: str, metric: str) -> tuple[list[floa
     """(arm, control) values of ``metric`` in view ``where``, one pair per seed that has both."""
     a, b = [], []
     for r in runs:
-        c = compare(r["evaluate"]) or {}
+        c = compare(r["evaluate"], STUDY_METRICS) or {}
         view = c.get(where) or {}
         x, y = (view.get("opd") or {}).get(metric), (view.get("sft_continued") or {}).get(metric)
         if x is not None and y is not None and math.isfinite(x) and math.isfinite(y):
@@ -146,21 +165,21 @@ def summary_table(by_arm: dict[str, list[dict]], where: str) -> list[str]:
     arms = [a for a in by_arm if by_arm[a]]
     if not arms:
         return []
-    lines = ["| arm | " + " | ".join(lbl for _, lbl, _ in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
+    lines = ["| arm | " + " | ".join(lbl for _, lbl, _ in STUDY_METRICS) + " |", "|---|" + "---|" * len(STUDY_METRICS)]
     if where == "equal_steps":
         control_cells = []
-        for metric, _, _ in METRICS:
+        for metric, _, _ in STUDY_METRICS:
             _, b = _paired_values(by_arm[arms[0]], where, metric)
-            control_cells.append(interval_cell(mean_ci(b), metric == "exact_match") if len(b) >= 2 else "n/a")
+            control_cells.append(interval_cell(mean_ci(b), _pct(metric)) if len(b) >= 2 else "n/a")
         lines.append(f"| {label(CONTROL)} | " + " | ".join(control_cells) + " |")
     for arm in arms:
         cells = []
-        for metric, _, _ in METRICS:
+        for metric, _, _ in STUDY_METRICS:
             a, b = _paired_values(by_arm[arm], where, metric)
             if len(a) < 2:
                 cells.append(f"n/a ({len(a)} seed(s))")
                 continue
-            pct = metric == "exact_match"
+            pct = _pct(metric)
             diff = mean_ci([x - y for x, y in zip(a, b)])
             cells.append(f"{interval_cell(mean_ci(a), pct)}<br>− control: {interval_cell(diff, pct)} (n = {len(a)})")
         lines.append(f"| {label(arm)} | " + " | ".join(cells) + " |")
@@ -168,19 +187,19 @@ def summary_table(by_arm: dict[str, list[dict]], where: str) -> list[str]:
 
 
 def verdict(by_arm: dict[str, list[dict]]) -> list[str]:
-    """One line per arm and view: better, worse or not resolved against the control, on reverse KL and exact
-    match, by whether the paired 95% interval excludes 0."""
+    """One line per arm and view: better, worse or not resolved against the control on each of
+    ``VERDICT_METRICS``, by whether the paired 95% interval excludes 0."""
     out = []
     for arm, runs in by_arm.items():
         bits = []
         for where, words in (("equal_steps", "equal steps"), ("equal_flops", "equal FLOPs")):
-            for metric, lbl, direction in METRICS:
-                if metric not in ("reverse_kl", "exact_match"):
+            for metric, lbl, direction in STUDY_METRICS:
+                if metric not in VERDICT_METRICS:
                     continue
                 a, b = _paired_values(runs, where, metric)
                 if len(a) < 2:
                     continue
-                pct = metric == "exact_match"
+                pct = _pct(metric)
                 m, lo, hi = mean_ci([x - y for x, y in zip(a, b)])
                 if lo == hi:
                     word = "not resolved (every seed gave the same difference)"
@@ -196,142 +215,6 @@ def verdict(by_arm: dict[str, list[dict]]) -> list[str]:
     return out
 
 
-def rollout_sections(logs: dict[str, list[pd.DataFrame]], batch: int | None = None) -> list[str]:
-    """Each on-policy arm's rollouts: the rollout-health verdict of each seed's own log
-    (``ars_opd.training.opd.rollout_health``; ``batch``: the rollouts per step of a log older than its ``task/rollouts``
-    column), a summary line (the EOS rate, truncation and length at the first own-sample step and over the last
-    fifth), and the dashboard (``rollout_dashboard``) over the steps that trained on the student's own samples
-    (``task/on_policy``), each step the mean over the seeds that sampled at it, with every seed's EOS rate beside
-    the mean: a collapse in one seed is not averaged away."""
-    lines, summary = [], []
-    for arm, frames in logs.items():
-        frames = [f for f in frames if not f.empty and has_rollouts(f)]
-        verdicts = [health_line(f"{label(arm)}, seed {i + 1}", f, batch=batch) for i, f in enumerate(frames)]
-        # only the steps on the student's own samples: a GKD step on the teacher's completions describes the
-        # teacher's text, not the student's rollouts (the on-policy steps differ by seed, so rows are pooled)
-        frames = [f[f["task/on_policy"] == 1] if "task/on_policy" in f else f for f in frames]
-        frames = [f for f in frames if not f.empty]
-        if not frames:
-            continue  # no rollouts (an arm on the teacher's completions alone: λ = 0)
-        pooled = pd.concat(frames, ignore_index=True).groupby("step", as_index=False).mean(numeric_only=True)
-        per_seed = None
-        if "task/eos_rate" in pooled:
-            per_seed = [
-                [float(e) for e in f.set_index("step")["task/eos_rate"].reindex(pooled["step"]).tolist()]
-                for f in frames
-            ]
-        name = f"{label(arm)} (its steps on its own samples, mean over the {len(frames)} seeds that had each)"
-        md, flat = dashboard_section(name, pooled, per_seed_eos=per_seed)
-        alarms = sum(v.startswith("**") for v in verdicts)
-        lines += md[:2] + [f"- {v}" for v in verdicts if v] + [""] + md[2:]
-        key = f"{name}/rollouts/"
-        moves = [
-            f"{what} {fmt(flat[key + col + '_start'], pct)} → {fmt(flat[key + col + '_end'], pct)}"
-            for col, what, pct in (
-                ("eos_rate", "EOS rate", True),
-                ("truncation_rate", "cut at max_new_tokens", True),
-                ("response_length", "mean length (tokens)", False),
-                ("divergence_second_half", "divergence in the second half", False),
-            )
-            if key + col + "_start" in flat and key + col + "_end" in flat
-        ]
-        if moves:
-            summary.append(
-                f"- {label(arm)}, its own samples, first step → last fifth of its steps (mean over seeds): "
-                + ", ".join(moves)
-                + f"; rollout-health alarm in {alarms} of {len(verdicts)} seeds."
-            )
-    return (summary + [""] if summary else []) + lines
-
-
-def diagnosis_section(lines: list[dict]) -> list[str]:
-    """The collapse diagnosis (``studies/opd_collapse.py``'s JSON lines) as markdown: the teacher's and the start's
-    own EOS rates, each divergence's push on the EOS logit, the bf16 teacher against fp32, and the short runs (one
-    setting changed per arm) with their trajectories. Numbers only; the reading is the notes' (``--notes``)."""
-    by_kind: dict[str, list[dict]] = {}
-    for x in lines:
-        by_kind.setdefault(x.get("kind", ""), []).append(x)
-    out: list[str] = []
-    if by_kind.get("eos_rates"):
-        r = by_kind["eos_rates"][0]
-        out += [
-            "### Does the teacher itself end within the budget?",
-            "",
-            "The share of answers that end with an EOS on training prompts, greedy and sampled at temperature 1:",
-            "",
-            "| model | greedy, 48 tokens | sampled, 48 | greedy, 128 | sampled, 128 |",
-            "|---|---|---|---|---|",
-        ]
-        for who in ("teacher", "start"):
-            cells = [fmt(r.get(f"{who}/{m}/{n}"), True) for n in (48, 128) for m in ("greedy", "sampled")]
-            out.append(f"| {who} | " + " | ".join(cells) + " |")
-        out.append("")
-    if by_kind.get("eos_gradient"):
-        g = by_kind["eos_gradient"][0]
-        out += [
-            "### The divergences' push on the end token",
-            "",
-            f"On {g.get('rollouts')} of the start's own rollouts (temperature 1, 48 tokens; "
-            f"{fmt(g.get('student_eos_rate'), True)} ended), minus the gradient of each position's divergence "
-            "with respect to the EOS logit: what one step of gradient descent moves that logit by, per unit of "
-            "learning rate, before the optimiser's scaling (positive: towards ending). Where the student ended, its "
-            f"own q(EOS) averaged {fmt(g.get('mean q(EOS) where the student ended'))} and the teacher's p(EOS) "
-            f"{fmt(g.get('mean p(EOS) where the student ended'))}.",
-            "",
-            "| divergence | where the student ended and p_T(EOS) < 0.5 | where p_T(EOS) ≥ 0.5 and the student went on "
-            "| all positions, summed per rollout |",
-            "|---|---|---|---|",
-        ]
-        names = {"beta=1.0": "reverse KL (β = 1)", "beta=0.5": "JSD (β = 0.5)", "beta=0.0": "forward KL (β = 0)"}
-        for key, name in names.items():
-            d = g.get(key) or {}
-            a, b = d.get("ends_teacher_would_not") or {}, d.get("teacher_would_end") or {}
-            out.append(
-                f"| {name} | {fmt(a.get('mean_push'))} (n = {a.get('positions')}) | {fmt(b.get('mean_push'))} "
-                f"(n = {b.get('positions')}) | {fmt(d.get('per_rollout_mean_push'))} |"
-            )
-        out.append("")
-    if by_kind.get("bf16_teacher"):
-        t = by_kind["bf16_teacher"][0]
-        out += [
-            "### The teacher in bf16",
-            "",
-            f"On {t.get('rows')} held-out rows ({t.get('tokens')} tokens of the teacher's completions), the teacher "
-            "in fp32 against bf16 weights under bf16 autocast (what `precision: auto` and `teacher_dtype: auto` "
-            "give on CUDA; this CPU's bf16 kernels stand in for the GPU's): NLL of its own completions "
-            f"{fmt(t.get('nll_fp32'))} (fp32) against {fmt(t.get('nll_bf16'))} (bf16), and "
-            f"KL(fp32 teacher ‖ bf16 teacher) {fmt(t.get('kl_fp32_bf16'))} per token.",
-            "",
-        ]
-    runs = by_kind.get("short_run") or []
-    if runs:
-        out += [
-            "### Short runs, one setting changed at a time",
-            "",
-            f"OPD from the same start for {runs[0].get('steps')} steps, each arm one change from the old OPD "
-            "(reverse KL, λ = 1, temperature 1, fp32): the first three on-policy steps against the last three, "
-            "and the rollout-health verdict.",
-            "",
-            "| arm | change | EOS rate | length (tokens) | student entropy | teacher log p / token | loss | alarm |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        base = next((r["opd"] for r in runs if r["arm"] == "opd"), {})
-        for r in runs:
-            change = ", ".join(f"{k} = {v}" for k, v in r["opd"].items() if base.get(k) != v) or "none (old OPD)"
-
-            def move(key: str, pct: bool = False) -> str:
-                return f"{fmt(r.get(key + '_start'), pct)} → {fmt(r.get(key + '_end'), pct)}"
-
-            alarm = r.get("alarm")
-            a = "none" if not alarm else f"step {alarm['step']} ({alarm['kind'].replace('_', ' ')})"
-            out.append(
-                f"| {r['arm']} | {change} | {move('eos_rate', True)} | {move('response_length')} | {move('entropy')} "
-                f"| {move('teacher_logprob')} | {move('loss')} | {a} |"
-            )
-        out.append("")
-    return out
-
-
 def start_table(by_arm: dict[str, list[dict]]) -> list[str]:
     """The models every arm shares (the pruned base, the start, the teacher), as the first evaluation scored them."""
     ev = next((runs[0]["evaluate"] for runs in by_arm.values() if runs), {})
@@ -341,10 +224,31 @@ def start_table(by_arm: dict[str, list[dict]]) -> list[str]:
     rows = [(name, m) for name, m in rows if m]
     if not rows:
         return []
-    out = ["| model | " + " | ".join(lbl for _, lbl, _ in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
+    cols = [(k, lbl, _pct(k)) for k, lbl, _ in STUDY_METRICS] + list(OWN_SAMPLES)
+    out = ["| model | " + " | ".join(lbl for _, lbl, _ in cols) + " |", "|---|" + "---|" * len(cols)]
     for name, m in rows:
-        out.append(f"| {name} | " + " | ".join(fmt(m.get(k), k == "exact_match") for k, _, _ in METRICS) + " |")
+        out.append(f"| {name} | " + " | ".join(fmt(m.get(k), pct) for k, _, pct in cols) + " |")
     return out + [""]
+
+
+def own_samples_table(by_arm: dict[str, list[dict]]) -> list[str]:
+    """How each arm's own samples of the held-out prompts end, at equal steps (mean [95% t-interval over seeds]):
+    the control's row from every seed's evaluation, then each arm's; [] when no evaluation measured them. A run
+    whose rollouts stop ending shows here whatever its reverse KL says."""
+    rows = [(label(CONTROL), [r["evaluate"].get("sft_continued") or {} for r in next(iter(by_arm.values()), [])])]
+    rows += [(label(arm), [r["evaluate"].get("opd") or {} for r in runs]) for arm, runs in by_arm.items()]
+    body, measured = [], False
+    for name, ms in rows:
+        cells = []
+        for key, _, pct in OWN_SAMPLES:
+            xs = [m[key] for m in ms if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+            measured |= len(xs) >= 2
+            cells.append(f"{interval_cell(mean_ci(xs), pct)} (n = {len(xs)})" if len(xs) >= 2 else "n/a")
+        body.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not measured:
+        return []
+    head = ["| arm | " + " | ".join(lbl for _, lbl, _ in OWN_SAMPLES) + " |", "|---|" + "---|" * len(OWN_SAMPLES)]
+    return head + body + [""]
 
 
 def curves_figure(by_arm: dict[str, list[dict]], x_key: str, path: Path) -> None:
@@ -449,6 +353,9 @@ def render(
             ]
             continue
         lines += [f"## {title}", "", *table]
+        own = own_samples_table(by_arm) if where == "equal_steps" else []
+        if own:
+            lines += ["How the models' own samples of the held-out prompts end, at equal steps:", "", *own]
     control = instrument_control(next(iter(by_arm.values()), []))
     if control:
         lines += [
@@ -467,7 +374,7 @@ def render(
         lines += [meta["notes"].strip(), ""]
     if meta.get("diagnosis"):
         lines += ["## Why the rollouts stop ending: the diagnosis", "", *diagnosis_section(meta["diagnosis"])]
-    dash = rollout_sections(logs, meta.get("batch"))
+    dash = rollout_sections(logs, meta.get("batch"), label=label)
     if dash:
         lines += ["## The on-policy arms' rollouts", "", *dash]
     detail = []
