@@ -151,13 +151,15 @@ def _outputs(p) -> dict:
 def test_stored_scores_give_the_stages_outputs_byte_for_byte(tmp_path, monkeypatch):
     """ARS_OPD_EVAL_CACHE: a rerun reads every score back and writes the same files as scoring afresh; a changed
     model, and only it, is scored again; a changed evaluate section or data misses everything."""
+    import ars_opd.evaluation.curves as curves
     import ars_opd.evaluation.evaluate as ev
 
     p = _micro_models(tmp_path, monkeypatch)
     _stand_ins(p)
     calls = []
     score = ev.score_model
-    monkeypatch.setattr(ev, "score_model", lambda *a, **k: calls.append(1) or score(*a, **k))
+    for scorer in (ev, curves):  # the stage's models and the curves' points
+        monkeypatch.setattr(scorer, "score_model", lambda *a, **k: calls.append(1) or score(*a, **k))
 
     def run(cache: bool) -> tuple[dict, int]:
         if cache:

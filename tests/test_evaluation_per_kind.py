@@ -12,6 +12,7 @@ import torch
 from ars_opd.config import ConfigError, EvaluateConfig
 from ars_opd.data.prompts import alpaca_messages, encode_completions, encode_prompts, encode_teacher_completions
 from ars_opd.evaluation import evaluate as ev
+from ars_opd.evaluation import scoring
 from ars_opd.evaluation.tables import OPEN, render_table
 from ars_opd.evaluation.token_losses import TokenLosses, reverse_kl_on_own_samples, teacher_nll
 from ars_opd.lm.batching import build_rollout_batch, pad_right_with_labels
@@ -149,7 +150,7 @@ def test_natural_kinds_are_checked_by_their_rule_and_open_kinds_are_neither_righ
     )
     assert data.checkable == [True, True, False, False, True]
     # the greedy answers, written by hand (an open row's answer "Paris" is not scored at all)
-    monkeypatch.setattr(ev, "generate_token_ids", lambda *a, **k: encode_completions(tok, ANSWERS))
+    monkeypatch.setattr(scoring, "generate_token_ids", lambda *a, **k: encode_completions(tok, ANSWERS))
     cfg = EvaluateConfig(batch_size=2, max_new_tokens=8, seed=0, chunk_size=4)
     m, texts = ev.score_model(model, teacher, tok, data, cfg, len(tok), CPU)
     assert texts == ANSWERS

@@ -3,7 +3,7 @@
 A sweep of DVC experiments evaluates the same models again and again. Every experiment scores the base student and
 the teacher; every arm of a seed scores that seed's SFT student and the study's pinned start; an arm whose control
 DVC did not rerun (its settings unchanged) scores the control's final model and all its snapshots again. Scoring
-a model (``evaluate.score_model``) is a function of its files, the teacher's, the held-out prompts, the evaluate
+a model (``scoring.score_model``) is a function of its files, the teacher's, the held-out prompts, the evaluate
 section and the code alone: greedy answers, and reverse-KL samples drawn after ``torch.manual_seed(evaluate.seed)``
 for each model. So each score is stored under the sha256 of all of these and read back instead of recomputed,
 and the stage writes the same files, byte for byte (JSON gives a float back exactly).
