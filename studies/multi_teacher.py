@@ -223,6 +223,18 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} minutes"
 
 
+def stage_seconds(root: Path) -> float:
+    """The seconds every finished stage under ``root`` took, from its marker: the study's cost however many times it
+    was resumed (a resumed invocation's own wall time leaves out what an earlier one ran)."""
+    total = 0.0
+    for marker in root.rglob(f"{DONE}-*"):
+        try:
+            total += float(json.loads(marker.read_text())["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return total
+
+
 def write_report(root: Path, out: Path) -> dict:
     by_seed, start, meta = collect(root)
     if not by_seed:
@@ -231,8 +243,12 @@ def write_report(root: Path, out: Path) -> dict:
     p = load_params(root / "start" / "params.yaml", base=root / "start")
     meta_page = {
         **meta,
-        "wall": _minutes(meta["seconds"]),
-        "start_wall": f"of which the start (three teachers, teacher_gen, SFT) took {_minutes(meta['start_seconds'])}",
+        "wall": (
+            f"{_minutes(stage_seconds(root))} of stage time (each finished stage's own time, one at a time, "
+            f"summed over every invocation; the last one ran {_minutes(meta['seconds'])})"
+        ),
+        "start_wall": "of which the start (three teachers, teacher_gen, SFT) "
+        + _minutes(stage_seconds(root / "start")),
         "teachers": teachers_record(root),
         "setup": (
             f"{p.data.subset_size - p.data.eval_size} training prompts and {p.data.eval_size} held out "

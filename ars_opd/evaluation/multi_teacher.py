@@ -247,7 +247,7 @@ def render(s: dict, meta: dict) -> str:
         f"`models.teacher_arch`): the arithmetic specialist trained {meta.get('specialist_steps', 'n/a')} steps on "
         f"add, sort_digits and length, the letters specialist {meta.get('specialist_steps', 'n/a')} steps on reverse "
         f"and uppercase, and the single teacher (`models.teacher`) {meta.get('teacher_steps', 'n/a')} steps on all "
-        "five (batches of 64). Their exact match per task on {teachers.get('eval_examples', 'n/a')} fresh "
+        f"five (batches of 64). Their exact match per task on {teachers.get('eval_examples', 'n/a')} fresh "
         "prompts of every task (the models stage's own scoring):",
         "",
         "| teacher | add | sort_digits | length | reverse | uppercase |",
@@ -320,7 +320,7 @@ def render(s: dict, meta: dict) -> str:
         "",
         "## How it was run",
         "",
-        f"`{meta.get('command', '')}`: {meta.get('wall', 'n/a')} of wall time on {meta.get('device', 'n/a')}, "
+        f"`{meta.get('command', '')}`: {meta.get('wall', 'n/a')} on {meta.get('device', 'n/a')}, "
         f"{meta.get('start_wall', 'n/a')}; code at `{meta.get('commit', 'n/a')}`. The page is written again from the "
         "finished runs with `--report-only`.",
         "",
