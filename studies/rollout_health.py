@@ -7,7 +7,7 @@ The runs are step logs (``steps.jsonl``) found under the roots given:
   arms (``reports/cross_tokenizer/runs``: their rollouts end throughout), the default pipeline's OPD at several
   seeds (``--default-runs``), a real-profile study's arms that a human judged healthy;
 - ``--collapsed ROOT``: runs whose rollouts stopped ending (the committed GPU pruned-recovery study's OPD and GKD
-  arms, ``reports/pruned_recovery/runs``).
+  arms, ``reports/pruned_recovery_gpu/runs``).
 
 For a collapsed run the collapse step is the first on-policy step from which no rollout ended for at least
 ``--collapse-span`` on-policy steps in a row; the delay is the alarm's step minus it (negative: the alarm came
@@ -17,7 +17,7 @@ after the baseline) with an exact Poisson 95% interval. One JSON line per settin
 ``--out`` writes them (``reports/rollout_health.jsonl``).
 
     python studies/rollout_health.py --healthy reports/cross_tokenizer/runs build/health-default \
-        --collapsed reports/pruned_recovery/runs
+        --collapsed reports/pruned_recovery_gpu/runs
     python studies/rollout_health.py --default-runs build/health-default --seeds 1 2 3 4 5   # make the default runs
 """
 

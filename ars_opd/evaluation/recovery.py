@@ -127,7 +127,14 @@ OWN_SAMPLES = (
 
 
 def _pct(metric: str) -> bool:
-    return metric.startswith("exact_match")
+    return metric.startswith("exact_match") or metric == "own_eos_rate"
+
+
+def measured(by_arm: dict[str, list[dict]], metrics: tuple = STUDY_METRICS) -> tuple:
+    """The ``metrics`` some arm's or control's evaluation holds a value of: a study evaluated before a figure
+    existed gets no column of empty cells for it."""
+    entries = [r["evaluate"].get(k) or {} for runs in by_arm.values() for r in runs for k in ("opd", "sft_continued")]
+    return tuple(m for m in metrics if any(e.get(m[0]) is not None for e in entries))
 
 
 def cross_tokenizer_arm(arm: str) -> bool:
@@ -165,16 +172,17 @@ def summary_table(by_arm: dict[str, list[dict]], where: str) -> list[str]:
     arms = [a for a in by_arm if by_arm[a]]
     if not arms:
         return []
-    lines = ["| arm | " + " | ".join(lbl for _, lbl, _ in STUDY_METRICS) + " |", "|---|" + "---|" * len(STUDY_METRICS)]
+    metrics = measured(by_arm)
+    lines = ["| arm | " + " | ".join(lbl for _, lbl, _ in metrics) + " |", "|---|" + "---|" * len(metrics)]
     if where == "equal_steps":
         control_cells = []
-        for metric, _, _ in STUDY_METRICS:
+        for metric, _, _ in metrics:
             _, b = _paired_values(by_arm[arms[0]], where, metric)
             control_cells.append(interval_cell(mean_ci(b), _pct(metric)) if len(b) >= 2 else "n/a")
         lines.append(f"| {label(CONTROL)} | " + " | ".join(control_cells) + " |")
     for arm in arms:
         cells = []
-        for metric, _, _ in STUDY_METRICS:
+        for metric, _, _ in metrics:
             a, b = _paired_values(by_arm[arm], where, metric)
             if len(a) < 2:
                 cells.append(f"n/a ({len(a)} seed(s))")
@@ -224,7 +232,7 @@ def start_table(by_arm: dict[str, list[dict]]) -> list[str]:
     rows = [(name, m) for name, m in rows if m]
     if not rows:
         return []
-    cols = [(k, lbl, _pct(k)) for k, lbl, _ in STUDY_METRICS] + list(OWN_SAMPLES)
+    cols = [(k, lbl, _pct(k)) for k, lbl, _ in measured(by_arm, STUDY_METRICS + OWN_SAMPLES)]
     out = ["| model | " + " | ".join(lbl for _, lbl, _ in cols) + " |", "|---|" + "---|" * len(cols)]
     for name, m in rows:
         out.append(f"| {name} | " + " | ".join(fmt(m.get(k), pct) for k, _, pct in cols) + " |")
@@ -329,6 +337,13 @@ def render(
             + ". Each cell says how many seeds it has.",
             "",
         ]
+    unmeasured = [
+        lbl
+        for m, lbl, _ in STUDY_METRICS + OWN_SAMPLES
+        if m not in {k for k, _, _ in measured(by_arm, STUDY_METRICS + OWN_SAMPLES)}
+    ]
+    if unmeasured:
+        lines += [f"Not measured by these runs' evaluation (it predates them): {'; '.join(unmeasured)}.", ""]
     lines += ["The shared models, on all the held-out prompts:", "", *start_table(by_arm)]
     if meta.get("overrides"):
         base = f"the profile `{meta['profile']}` over params.yaml" if meta.get("profile") else "params.yaml"
