@@ -1,24 +1,16 @@
-"""The bundled server's model side: the queue of waiting requests and the batcher that serves them.
+"""The bundled server's engine: the loaded model, the queue of waiting requests and the batcher that serves them.
 
 A batcher task takes the first waiting request, waits ``max_wait_ms`` for others (again while a burst is
 still arriving), and runs them in arrival order, up to ``max_batch_size`` rows and ``max_batch_tokens``
-(rows × longest ``max_tokens``: the queue and its batches are ``ars_opd.serving.server.admission``),
-left-padded, through one ``model.generate`` call in a single worker thread, so the event loop keeps
-accepting requests while the next batch gathers. Rows of one batch may differ in temperature, top_p,
-max_tokens, seed and stop strings:
-
-* sampling is a logits processor, ``ars_opd.serving.server.sampling.RowSampler``: per-row temperature,
-  top_p and seeded Gumbel noise, so a seeded request gives the same text alone or batched.
-* a stopping criterion called after every decoding step records each row's new token, ends the row at
-  EOS, at a stop string or at its ``max_tokens``, and pushes the row's progress to its request, which is
-  how streaming sends tokens while they are generated.
-
-The rows and the events that answer them are ``ars_opd.serving.server.jobs``. Scoring rows
-(``/v1/completions`` with ``prompt_logprobs``, ``ars_opd.serving.server.scoring``) wait in the same
-queue and are taken into the same batches; a batch's scoring rows run as one right-padded forward before its
-chat rows generate. Token-id generation rows (``/v1/completions`` without ``prompt_logprobs``,
-``ars_opd.serving.server.generation``) are chat rows without a template: they also stop at their request's
-``stop_token_ids`` and keep each sampled token's raw log-probability (``RowSampler.raw_logprob``).
+(rows × longest ``max_tokens``: the queue and its batches are ``ars_opd.serving.server.admission``) in a
+single worker thread, so the event loop keeps accepting requests while the next batch gathers. What a batch
+computes there is the engine's other half, ``ars_opd.serving.server.runner``: its scoring rows
+(``/v1/completions`` with ``prompt_logprobs``, ``ars_opd.serving.server.scoring``) as one forward, then its
+chat rows and token-id generation rows (``/v1/completions`` without ``prompt_logprobs``,
+``ars_opd.serving.server.generation``: chat rows without a template) through one ``model.generate`` call,
+with per-row sampling and stopping, streaming tokens while they are generated. The rows and the events that
+answer them are ``ars_opd.serving.server.jobs``; the counters at ``GET /stats`` are
+``ars_opd.serving.server.stats``.
 
 Weight loads (``load_weights``, the ``/collective_rpc`` route) take the lock each batch holds while it runs
 and load on the generation thread, so they fall between batches and no row sees a half-loaded model; so does
@@ -41,28 +33,19 @@ import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    LogitsProcessorList,
-    StoppingCriteria,
-    StoppingCriteriaList,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from ars_opd.lm.batching import pad_left
-from ars_opd.serving.server.admission import Limits, RowQueue, Throughput, budget, plan
+from ars_opd.serving.server.admission import Limits, RowQueue, Throughput, plan
 from ars_opd.serving.server.generation import GenerateRequest
-from ars_opd.serving.server.jobs import Job, Progress, ScoreJob
+from ars_opd.serving.server.jobs import Job, ScoreJob
 from ars_opd.serving.server.options import ServerOptions
 from ars_opd.serving.server.preparation import RequestPreparer
-from ars_opd.serving.server.sampling import RowSampler
-from ars_opd.serving.server.scoring import ScoreRequest, score_rows
+from ars_opd.serving.server.runner import BatchRunner
+from ars_opd.serving.server.scoring import ScoreRequest
+from ars_opd.serving.server.stats import ServerStats  # also where tests ask it
 from ars_opd.serving.server.validation import ChatRequest, RequestError
 from ars_opd.serving.server.weights import load_state_file, state_fingerprint
 
@@ -72,71 +55,9 @@ GATHER_WAITS = 20  # a batch waits for company at most this many times max_wait_
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-class _RowProgress(StoppingCriteria):
-    """Called by ``generate`` after every decoding step: advances each row and returns which rows are done."""
-
-    def __init__(self, jobs: Sequence[Job], engine: "TeacherEngine", sampler: RowSampler):
-        self.jobs, self.engine, self.sampler = jobs, engine, sampler
-
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        last = input_ids[:, -1].tolist()
-        self.engine.throughput.step()
-        for row, (job, token) in enumerate(zip(self.jobs, last)):
-            if job.done:  # generate pads finished rows; nothing to record
-                continue
-            if self.engine.stopping:
-                job.fail(503, "the server is shutting down")
-            elif job.cancelled:  # its client has gone: no more steps for nobody
-                job.done = True
-                self.engine.stats.rows_stopped += 1
-            else:
-                self.engine.advance(job, token, self.sampler.raw_logprob(row, token))
-        return torch.tensor([j.done for j in self.jobs], dtype=torch.bool, device=input_ids.device)
-
-
-@dataclass
-class ServerStats:
-    """Counters for batching, readable at ``GET /stats``."""
-
-    completions: int = 0
-    """Chat requests accepted for generation."""
-    generate_calls: int = 0
-    """``model.generate`` calls started (one per batch)."""
-    rows_generated: int = 0
-    """Sum of batch sizes."""
-    tokens_generated: int = 0
-    """Completion tokens recorded (the rows' own tokens, not the padding of rows that ended earlier)."""
-    clients_gone: int = 0
-    """Requests whose client left (a timeout, a dropped connection) before their answer."""
-    rows_dropped: int = 0
-    """Rows whose client had left while they waited: taken out of the queue and never computed."""
-    rows_stopped: int = 0
-    """Rows whose client left during their batch: stopped at the next decoding step."""
-    largest_batch: int = 0
-    largest_batch_tokens: int = 0
-    """Largest token budget of a generate call: its rows × their longest ``max_tokens``."""
-    generating: bool = False
-    """A ``generate`` call is running now."""
-    scores: int = 0
-    """Prompts accepted for scoring (``/v1/completions``)."""
-    score_calls: int = 0
-    """Scoring forwards run (one per batch of prompts)."""
-    tokens_scored: int = 0
-    """Prompt tokens scored."""
-    generations: int = 0
-    """Token-id generation requests accepted (``/v1/completions`` without ``prompt_logprobs``)."""
-    weight_loads: int = 0
-    """Weight files loaded through ``/collective_rpc`` (pretended ones included, under the fault option)."""
-    pushed_back: int = 0
-    """Generation requests answered 429 because their estimated wait exceeded ``max_queue_s``."""
-    step_fixed_s: float | None = None
-    """The wait estimate's model of a decoding step: this many seconds ..."""
-    step_per_row_s: float | None = None
-    """... plus this many per row of the batch (``ars_opd.serving.server.admission.Throughput``)."""
-
-
-class TeacherEngine:
-    """The loaded model and tokenizer, the queue of waiting requests, and the batcher that serves them."""
+class TeacherEngine(BatchRunner):
+    """The loaded model and tokenizer, the queue of waiting requests, and the batcher that serves them; what a
+    batch computes on the worker thread is ``BatchRunner``'s."""
 
     def __init__(self, model_dir: str, options: ServerOptions = ServerOptions()):
         self.model_name = options.model_name or Path(os.path.normpath(model_dir)).name
@@ -373,91 +294,3 @@ class TeacherEngine:
                 return
             seen = len(self._pending)
             await asyncio.sleep(self.max_wait_s)
-
-    # -- generation thread side -------------------------------------------------------------------------
-
-    def _generate_batch(self, jobs: list[Job]) -> None:
-        stats = self.stats
-        stats.generate_calls += 1
-        stats.rows_generated += len(jobs)
-        stats.largest_batch = max(stats.largest_batch, len(jobs))
-        stats.largest_batch_tokens = max(stats.largest_batch_tokens, budget(jobs))
-        stats.generating = True
-        ids, mask = pad_left([j.prompt_ids for j in jobs], self.pad_id)  # (B, T) each
-        sampler = RowSampler(jobs, self.device, self.vocab)
-        try:
-            with torch.inference_mode():
-                # position ids come from the attention mask inside generate, so left padding is invisible
-                self.model.generate(
-                    input_ids=ids.to(self.device),
-                    attention_mask=mask.to(self.device),
-                    do_sample=False,
-                    max_new_tokens=max(j.max_tokens for j in jobs),
-                    logits_processor=LogitsProcessorList([sampler]),
-                    stopping_criteria=StoppingCriteriaList([_RowProgress(jobs, self, sampler)]),
-                )
-        except Exception as e:  # a server fault: every waiting request learns it, the server keeps running
-            log.exception("generate failed for a batch of %d", len(jobs))
-            for job in jobs:
-                if not job.done:
-                    job.fail(500, f"generation failed: {type(e).__name__}: {e}")
-        finally:
-            stats.generating = False
-        for job in jobs:
-            if not job.done:  # cannot happen unless generate stops early on its own
-                job.fail(500, "generation ended before this request's completion was finished")
-
-    def _score_batch(self, jobs: list[ScoreJob]) -> None:
-        stats = self.stats
-        stats.score_calls += 1
-        stats.tokens_scored += sum(len(j.prompt_ids) for j in jobs)
-        stats.largest_batch = max(stats.largest_batch, len(jobs))
-        try:
-            k = max(j.top_k for j in jobs)  # one top-k for the batch; each row keeps its own first k
-            with torch.inference_mode():
-                rows = score_rows(self.model, [j.prompt_ids for j in jobs], k, self.vocab, self.pad_id)
-        except Exception as e:  # a server fault: every waiting request learns it, the server keeps running
-            log.exception("scoring failed for a batch of %d", len(jobs))
-            for job in jobs:
-                job.fail(500, f"scoring failed: {type(e).__name__}: {e}")
-            return
-        for job, row in zip(jobs, rows):
-            row.top_ids, row.top_logprobs = row.top_ids[:, : job.top_k], row.top_logprobs[:, : job.top_k]
-            job.done = True
-            job.post(row)
-
-    def decode_token(self, token: int) -> str:
-        """One token's text (``decoded_token`` of a scoring answer), memoised: the same ids recur constantly."""
-        text = self._token_text.get(token)
-        if text is None:
-            text = self._token_text[token] = self.tokenizer.decode([token])
-        return text
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=True)
-
-    def advance(self, job: Job, token: int, logprob: float | None = None) -> None:
-        """Record ``token`` (and its raw ``logprob`` when the job keeps them) for ``job``, decide whether the
-        row is finished, and post its progress."""
-        job.completion_ids.append(token)
-        self.stats.tokens_generated += 1
-        if job.logprobs is not None:
-            job.logprobs.append(logprob)
-        n = len(job.completion_ids)
-        stops = token in self.eos_ids or token in job.stop_ids
-        finish = "stop" if stops else "length" if n >= job.max_tokens else None
-        # decoding every step costs a little; only streams and stop strings need the text before the end
-        if finish or job.stream or job.stop:
-            text = self.decode(job.completion_ids)
-            cut = _first_stop(text, job.stop)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-            if finish or job.stream:
-                job.post(Progress(text, n, finish))
-        job.done = finish is not None
-
-
-def _first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index where the earliest stop string starts in ``text``, or None."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
