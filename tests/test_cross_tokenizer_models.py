@@ -264,6 +264,7 @@ def test_the_stage_passes_the_flag_from_params(tmp_path, monkeypatch):
 
     monkeypatch.setattr(prepare, "prepare_models", fake_prepare)
     stages.models.main()
+    assert not seen.pop("teachers").active  # the default: no named teachers (the several-teachers path)
     assert seen == {"cross_tokenizer": True}
 
 
