@@ -32,6 +32,7 @@ from ars_opd.training.opd.data import OPDData
 from ars_opd.training.opd.task import ModelSizes, OPDTask, RolloutSetup
 from ars_opd.training.opd.teachers import LocalTeacher
 from ars_opd.training.worker import WorkerSetup
+from tiny_models import tiny_llama
 
 PAD, EOS, VOCAB = 0, 2, 40
 ENDS = (2, 3, 4, 5, 6, 7)  # the model's generation_config EOS ids (the tokenizer names 2 alone)
@@ -42,23 +43,7 @@ class _Tok:
 
 
 def _model(seed: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = tiny_llama(VOCAB, seed, EOS, PAD, attn_implementation=None)
     # six of the 40 ids end a completion: its near-uniform rows end at different steps, most before max_new
     model.generation_config.eos_token_id = list(ENDS)
     return model

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ars_opd.lm.generation import eos_token_ids, generate_token_ids
+from tiny_models import tiny_llama
 from tolerances import forward_bound, two_computations
 
 PAD, EOS_A, EOS_B = 0, 2, 3  # the tokenizer's EOS is EOS_A; the model's generation_config also stops at EOS_B
@@ -35,25 +36,7 @@ def _model(seed: int, scale: float, vocab: int = VOCAB, eos: int = EOS_A, pad: i
     """A tiny Llama (output head scaled by ``scale``: larger logits) whose checkpoint generation config would
     change what generate samples and where it stops: repetition penalty 1.3, min_p 0.05, EOS ids [eos,
     second_eos]."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
+    model = tiny_llama(vocab, seed, eos, pad, head_scale=scale, attn_implementation=None).eval()
     g = model.generation_config
     g.repetition_penalty, g.min_p, g.eos_token_id = 1.3, 0.05, [eos, second_eos]
     return model

@@ -54,9 +54,12 @@ def prepare_local_models(root: Path, models: ModelsConfig, out: str = "models", 
     )
 
 
-def tiny_llama(vocab: int, seed: int, eos: int, pad: int, head_scale: float = 1.0):
+def tiny_llama(
+    vocab: int, seed: int, eos: int, pad: int, head_scale: float = 1.0, attn_implementation: str | None = "eager"
+):
     """A two-layer Llama (hidden 32, eager attention, untied head) of ``vocab`` ids from ``seed``, its output head
-    scaled by ``head_scale`` (far from uniform above 1, so divergences and their gradients are not all alike)."""
+    scaled by ``head_scale`` (far from uniform above 1, so divergences and their gradients are not all alike);
+    ``attn_implementation`` None: transformers' default."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(
@@ -73,7 +76,8 @@ def tiny_llama(vocab: int, seed: int, eos: int, pad: int, head_scale: float = 1.
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **kwargs)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(head_scale)
     return model
