@@ -70,12 +70,41 @@ def _session_dir(tmp_path_factory):
     micro.SESSION_DIR = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "made-once"
 
 
+def _workspace_files() -> dict[str, tuple[int, int]]:
+    """The repo workspace's data/ files (path -> size, mtime): what the pipeline writes, and no test may."""
+    data = REPO / "data"
+    return {str(p.relative_to(REPO)): (p.stat().st_size, p.stat().st_mtime_ns) for p in data.rglob("*") if p.is_file()}
+
+
+_WORKSPACE_AT_START: dict[str, tuple[int, int]] = {}
+
+
 def pytest_sessionstart(session):
     """Read the committed params.yaml, which every test config is built from (tests/micro.py says why not the
-    workspace's), once at the start: a checkout git cannot show it from fails here, before any test runs."""
+    workspace's), once at the start: a checkout git cannot show it from fails here, before any test runs. The
+    controller also notes the workspace's data/ files, which ``pytest_sessionfinish`` checks nothing wrote."""
     from micro import committed_text
 
     committed_text("params.yaml")
+    if not hasattr(session.config, "workerinput"):
+        _WORKSPACE_AT_START.update(_workspace_files())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A test that ran a stage (or ``stages.run_stage``) with the repo as its working directory wrote into the
+    user's workspace (a record of runs under data/logs/, a stage's outputs): the session fails naming the files.
+    A pipeline run in this workspace while the tests ran trips it too; the message says so."""
+    if hasattr(session.config, "workerinput") or not _WORKSPACE_AT_START and not (REPO / "data").is_dir():
+        return
+    now = _workspace_files()
+    changed = sorted(k for k in now.keys() | _WORKSPACE_AT_START.keys() if now.get(k) != _WORKSPACE_AT_START.get(k))
+    if changed:
+        print(
+            f"\nthe test session changed the repo's workspace (run each stage in a temporary directory; or was a "
+            f"pipeline running here meanwhile?): {changed[:10]}",
+            file=sys.stderr,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

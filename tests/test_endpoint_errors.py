@@ -171,10 +171,13 @@ def stage_main() -> None:
 
 
 @pytest.mark.slow
-def test_an_endpoint_error_in_a_worker_reaches_the_stage_as_itself():
+def test_an_endpoint_error_in_a_worker_reaches_the_stage_as_itself(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     code = "from stages import run_stage; from test_endpoint_errors import stage_main; run_stage(stage_main)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    # run where the stage's record of runs (paths.stage_runs, relative) may be written: not the repo's workspace
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     _assert_one_clean_message(out, "test_endpoint_errors", "http://127.0.0.1:9/v1 stopped answering")
 
 
@@ -192,13 +195,15 @@ def test_an_unexpected_error_in_a_worker_keeps_its_traceback():
     assert any(frame.name == "worker_raises" for frame in traceback.extract_tb(e.value.__traceback__))
 
 
-def test_run_stage_prints_an_endpoint_error_alone_and_lets_others_through(capsys):
+def test_run_stage_prints_an_endpoint_error_alone_and_lets_others_through(capsys, monkeypatch, tmp_path):
     from ars_opd.teacher.client.endpoint import EndpointError
     from stages import EXIT_ENDPOINT as code
     from stages import run_stage
 
     def main() -> None:
         raise EndpointError("the teacher endpoint http://x/v1 is gone: start it")
+
+    monkeypatch.chdir(tmp_path)  # run_stage records the run under paths.stage_runs, relative to the workspace
 
     with pytest.raises(SystemExit) as e:
         run_stage(main)

@@ -130,7 +130,7 @@ def test_a_new_forkserver_does_not_wait_for_a_child_of_the_old_one_still_running
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="CUDA in sight: workers are spawned, nothing to start")
-def test_importing_stages_starts_nothing(monkeypatch):
+def test_importing_stages_starts_nothing(monkeypatch, tmp_path):
     """``import stages`` as a training stage's ``python -m`` has no side effect: the forkserver head start
     waits for ``run_stage``."""
     import importlib
@@ -150,5 +150,6 @@ def test_importing_stages_starts_nothing(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     importlib.reload(stages)
     assert calls == []
+    monkeypatch.chdir(tmp_path)  # run_stage records the run under paths.stage_runs, relative to the workspace
     stages.run_stage(lambda: None)  # where the head start is taken
     assert calls == [(ddp.threads_per_worker,)]
