@@ -36,9 +36,9 @@ from real_models import shared_real_models
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-# two steps of four sequences in micro-batches of two (accumulation), the last checkpointed and snapshotted (a real model's checkpoint and
-# snapshot written once; a snapshot at the final step is the final model, so the learning curves score each
-# trained model once, not a step-1 snapshot beside it): the same for both trainers
+# two steps of four sequences in micro-batches of two (accumulation), the last checkpointed and snapshotted (a real
+# model's checkpoint and snapshot written once; a snapshot at the final step is the final model, so the learning
+# curves score each trained model once, not a step-1 snapshot beside it): the same for both trainers
 FEW_STEPS = {
     "steps": 2,
     "global_batch_size": 4,
