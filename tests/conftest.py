@@ -178,16 +178,11 @@ ONE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 @contextmanager
 def one_process_vllm():
     """Start a vLLM inside this block (``VLLMServer.start`` passes this process's environment on) with the
-    engine in the API server's process; the environment is as it was after the block."""
-    before = os.environ.get(ONE_PROCESS_ENV)
-    os.environ[ONE_PROCESS_ENV] = "0"
-    try:
+    engine in the API server's process; pytest's MonkeyPatch puts the environment back after the block (module
+    fixtures have no ``monkeypatch``)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ONE_PROCESS_ENV, "0")
         yield
-    finally:
-        if before is None:
-            os.environ.pop(ONE_PROCESS_ENV, None)
-        else:
-            os.environ[ONE_PROCESS_ENV] = before
 
 
 @dataclass(frozen=True)
