@@ -88,3 +88,37 @@ def test_fsync_cadence(tmp_path, monkeypatch):
             c.put(f"k{i}", {}, {})
         assert len(calls) == 2
     assert len(calls) == 3  # the last record is synced on close
+
+
+def test_sorted_on_close_makes_the_bytes_independent_of_arrival_order(tmp_path):
+    """Asynchronous answers arrive in any order; with sorted_on_close two runs that cache the same answers write
+    the same bytes (the stage's DVC output hash), and the file still reads back whole."""
+    entries = [(f"k{i}", {"q": i}, {"content": f"answer {i}"}) for i in (3, 1, 4, 0, 2)]
+    written = {}
+    for name, order in (("forward", entries), ("reverse", entries[::-1])):
+        p = tmp_path / f"{name}.jsonl"
+        with TeacherCache(p, sorted_on_close=True) as c:
+            for key, request, response in order:
+                c.put(key, request, response)
+        written[name] = p.read_bytes()
+        with TeacherCache(p) as c:
+            assert len(c) == 5 and c.get("k4")["response"]["content"] == "answer 4"
+    assert written["forward"] == written["reverse"]
+    assert [json.loads(line)["key"] for line in written["forward"].splitlines()] == [f"k{i}" for i in range(5)]
+    assert not list(tmp_path.glob("*.sorting"))
+    # without it the file keeps arrival order (what made two identical runs differ)
+    p = tmp_path / "plain.jsonl"
+    with TeacherCache(p) as c:
+        for key, request, response in entries:
+            c.put(key, request, response)
+    assert [json.loads(line)["key"] for line in p.read_bytes().splitlines()] == [e[0] for e in entries]
+
+
+def test_sorted_on_close_appends_after_reopen_and_sorts_again(tmp_path):
+    p = tmp_path / "c.jsonl"
+    with TeacherCache(p, sorted_on_close=True) as c:
+        c.put("b", {}, {"content": "b"})
+    with TeacherCache(p, sorted_on_close=True) as c:
+        c.put("a", {}, {"content": "a"})
+        c.put("c", {}, {"content": "c"})
+    assert [json.loads(line)["key"] for line in p.read_bytes().splitlines()] == ["a", "b", "c"]

@@ -112,6 +112,9 @@ def test_stage_against_faulty_endpoint_writes_ordered_outputs_and_lists_failures
     assert m["train_rows"] + m["eval_rows"] + m["failed"] == m["prompts"] == 120
     metrics = json.loads(Path(paths.teacher_metrics).read_text())
     assert metrics["failures_by_reason"] == {"http_500": m["failed"]}
+    # the answer cache (a DVC output) is in key order, not the order the answers arrived in
+    keys = [r["key"] for r in read_jsonl(paths.teacher_cache)]
+    assert len(keys) == 120 - m["failed"] and keys == sorted(keys)
 
 
 def test_missing_api_key_is_an_error_before_any_request(in_tmp, monkeypatch):

@@ -9,6 +9,11 @@ of an OS crash, and nothing but a torn final line of a process crash. On open, a
 newline, or not valid JSON) is detected, reported and cut off; an invalid line elsewhere means the file
 was damaged otherwise and is an error naming the line.
 
+With ``sorted_on_close``, closing rewrites the file in key order (a new file renamed over the old one, so a
+crash mid-way leaves the old file whole): answers arrive in the order asynchronous requests complete, and
+without it two identical runs write the same lines in another order, so a pipeline that hashes the file
+(DVC) would see a change where there is none.
+
 Duplicates are impossible: keys already present are never appended again (the cache is the single
 writer, guarded by an exclusive ``flock`` so two runs cannot interleave on one file), and a file that
 somehow holds a key twice keeps the first answer.
@@ -47,9 +52,12 @@ def cache_key(request: dict[str, Any]) -> str:
 class TeacherCache:
     """Append-only answer cache; use as a context manager (holds the file lock while open)."""
 
-    def __init__(self, path: str | Path, fsync_every: int = 64, fsync_interval_s: float = 2.0):
+    def __init__(
+        self, path: str | Path, fsync_every: int = 64, fsync_interval_s: float = 2.0, sorted_on_close: bool = False
+    ):
         self.path = Path(path)
         self.fsync_every, self.fsync_interval_s = fsync_every, fsync_interval_s
+        self.sorted_on_close = sorted_on_close
         self._entries: dict[str, dict] = {}
         self._file = None
         self._unsynced = 0
@@ -75,6 +83,8 @@ class TeacherCache:
     def close(self) -> None:
         if self._file is not None:
             self._sync()
+            if self.sorted_on_close:
+                self._rewrite_sorted()
             fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
             self._file.close()
             self._file = None
@@ -148,8 +158,7 @@ class TeacherCache:
         key = entry["key"]
         if key in self._entries:
             return False
-        line = (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
-        self._file.write(line)
+        self._file.write(_line(entry))
         self._file.flush()
         self._entries[key] = entry
         self._unsynced += 1
@@ -157,8 +166,25 @@ class TeacherCache:
             self._sync()
         return True
 
+    def _rewrite_sorted(self) -> None:
+        """Replace the file by its entries in key order (under the lock still held on the old file)."""
+        data = b"".join(_line(self._entries[k]) for k in sorted(self._entries))
+        self._file.seek(0)
+        if self._file.read() == data:
+            return
+        tmp = self.path.with_name(self.path.name + ".sorting")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
     def _sync(self) -> None:
         if self._file is not None and self._unsynced:
             os.fsync(self._file.fileno())
         self._unsynced = 0
         self._last_sync = time.monotonic()
+
+
+def _line(entry: dict) -> bytes:
+    return (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")

@@ -246,7 +246,11 @@ def generate_teacher_completions(
 
     summary = AskSummary()
     failed: dict[str, dict] = {}  # key -> {reason, attempts, status?, remembered?}
-    with TeacherCache(paths.teacher_cache) as cache, TeacherCache(paths.teacher_refusals) as refusals:
+    # both files are the stage's DVC outputs: sorted on close, so identical runs write identical bytes
+    with (
+        TeacherCache(paths.teacher_cache, sorted_on_close=True) as cache,
+        TeacherCache(paths.teacher_refusals, sorted_on_close=True) as refusals,
+    ):
         if cache.dropped_torn_line:
             print(
                 f"teacher cache: dropped a torn last line in {paths.teacher_cache} (from an interrupted run)",
