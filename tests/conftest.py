@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,25 +163,9 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=key)  # stable: the rest keep their order
 
 
-# One process for a test's vLLM: the engine core inside the API server and the model inside the engine core,
-# rather than three processes that each import vLLM. Two settings, as vLLM's CPU platform wants them: the flag
-# alone is silently turned back into the multiprocess executor while VLLM_ENABLE_V1_MULTIPROCESSING is on (its
-# default; measured: an engine core and a worker process still started), so the servers a test starts itself are
-# started inside ``one_process_vllm()``. About 10 s less per server on 2 cores; the answers and log-probabilities
-# are the same (the model's forward does not change). The servers a stage starts (its params) keep vLLM's
-# default layout, as a user's run has it.
-ONE_PROCESS_ENGINE = ("--distributed-executor-backend", "uni")
-ONE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
-
-@contextmanager
-def one_process_vllm():
-    """Start a vLLM inside this block (``VLLMServer.start`` passes this process's environment on) with the
-    engine in the API server's process; pytest's MonkeyPatch puts the environment back after the block (module
-    fixtures have no ``monkeypatch``)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ONE_PROCESS_ENV, "0")
-        yield
+# The vLLMs the tests start themselves run in one process (VLLMOptions(one_process=True)): about 10 s less per
+# server on 2 cores, the same forward. The servers a stage starts (its params) keep vLLM's default layout, as a
+# user's run has it.
 
 
 @dataclass(frozen=True)
@@ -217,19 +200,18 @@ def vllm_teacher(tmp_path_factory):
     servers = [
         VLLMServer(
             teacher_dir,
-            VLLMOptions(served_model_name=VLLM_MODEL, extra_args=ONE_PROCESS_ENGINE),
+            VLLMOptions(served_model_name=VLLM_MODEL, one_process=True),
             log_path=logs / "raw_logprobs.log",
         ),
         VLLMServer(
             teacher_dir,
-            VLLMOptions(served_model_name=VLLM_MODEL, logprobs_mode="raw_logits", extra_args=ONE_PROCESS_ENGINE),
+            VLLMOptions(served_model_name=VLLM_MODEL, logprobs_mode="raw_logits", one_process=True),
             log_path=logs / "raw_logits.log",
         ),
     ]
     try:
-        with one_process_vllm():
-            for server in servers:
-                server.start()
+        for server in servers:
+            server.start()
         urls = [server.wait_ready() for server in servers]
         yield VLLMTeacher(root, models_dir, teacher_dir, urls[0], urls[1])
     finally:
@@ -265,12 +247,11 @@ def vllm_student(tmp_path_factory, char_tokenizer):
     log = tmp_path_factory.mktemp("vllm-student-logs") / "vllm.log"
     server = VLLMServer(
         model_dir,
-        VLLMOptions(served_model_name="student", weight_sync=True, extra_args=ONE_PROCESS_ENGINE),
+        VLLMOptions(served_model_name="student", weight_sync=True, one_process=True),
         log_path=log,
     )
     try:
-        with one_process_vllm():
-            server.start()
+        server.start()
         url = server.wait_ready()
         yield VLLMStudent(model_dir, url, server.root)
     finally:

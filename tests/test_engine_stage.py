@@ -415,7 +415,7 @@ def test_a_real_vllm_without_the_extension_is_named_and_the_flag_given(tmp_path,
     from ars_opd.rollouts.engine_api import EngineClient, EngineSetupError
     from ars_opd.rollouts.weights import engine_state_dict, write_version
     from ars_opd.serving.vllm_server import VLLMOptions, vllm_server
-    from conftest import ONE_PROCESS_ENGINE, VLLM_STUDENT_ARCH, one_process_vllm
+    from conftest import VLLM_STUDENT_ARCH
     from test_engine_server import save_student
 
     model_dir = save_student(tmp_path / "student", char_tokenizer, ArchConfig(**VLLM_STUDENT_ARCH))
@@ -423,8 +423,8 @@ def test_a_real_vllm_without_the_extension_is_named_and_the_flag_given(tmp_path,
         engine_state_dict(build_causal_lm(ArchConfig(**VLLM_STUDENT_ARCH), char_tokenizer, seed=1)), tmp_path, 0
     )
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
-    opts = VLLMOptions(served_model_name="student", extra_args=ONE_PROCESS_ENGINE)
-    with one_process_vllm(), vllm_server(model_dir, opts, log_path=tmp_path / "vllm.log") as url:
+    opts = VLLMOptions(served_model_name="student", one_process=True)
+    with vllm_server(model_dir, opts, log_path=tmp_path / "vllm.log") as url:
         client = EngineClient(url, "student")
         with pytest.raises(EngineSetupError) as err:
             client.load_weights(str(version.path))

@@ -110,19 +110,17 @@ def padded_vllm(padded_dir, tmp_path_factory):
     """One vLLM for the module, a rollout engine (our extension, dev mode) serving the padded student WITH
     prefix caching (vLLM's default, not the flags the stage starts it with); an error, never a skip."""
     from ars_opd.serving.vllm_server import VLLMOptions, VLLMServer
-    from conftest import ONE_PROCESS_ENGINE, one_process_vllm
 
     opts = VLLMOptions(
         served_model_name="student",
         weight_sync=True,
         prefix_caching=True,
         max_model_len=512,
-        extra_args=ONE_PROCESS_ENGINE,
+        one_process=True,
     )
     server = VLLMServer(padded_dir, opts, log_path=tmp_path_factory.mktemp("vllm-padded") / "vllm.log")
     try:
-        with one_process_vllm():
-            server.start()
+        server.start()
         server.wait_ready()
         yield server
     finally:

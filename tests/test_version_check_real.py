@@ -139,13 +139,11 @@ def real_vllm(student_dir, tmp_path_factory):
     """One vLLM (the stage's rollout-engine flags, fp32, a short context) serving the real student for the module;
     an error, never a skip, when it cannot start."""
     from ars_opd.serving.vllm_server import VLLMOptions, VLLMServer
-    from conftest import ONE_PROCESS_ENGINE, one_process_vllm
 
-    opts = VLLMOptions(served_model_name="student", weight_sync=True, max_model_len=128, extra_args=ONE_PROCESS_ENGINE)
+    opts = VLLMOptions(served_model_name="student", weight_sync=True, max_model_len=128, one_process=True)
     server = VLLMServer(student_dir, opts, log_path=tmp_path_factory.mktemp("vllm-real") / "vllm.log")
     try:
-        with one_process_vllm():
-            server.start()
+        server.start()
         server.wait_ready()
         yield server
     finally:

@@ -125,6 +125,21 @@ def test_the_cpu_cores_go_to_a_cpu_build_only_and_the_projects_path_never():
     assert "VLLM_CPU_OMP_THREADS_BIND" not in gpu and "PYTHONPATH" not in gpu
 
 
+def test_one_process_sets_both_halves_and_the_default_neither():
+    """The uni executor alone is turned back into vLLM CPU's multiprocess executor while its V1 multiprocessing
+    variable is on: one_process sets the flag and the variable together, the default layout touches neither."""
+    base = {"HOME": "/root", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    for build in ("cpu", "gpu"):
+        opts = resolve_options(VLLMOptions(one_process=True), build)
+        cmd = _command(VLLMOptions(one_process=True), build)
+        assert _flag(cmd, "--distributed-executor-backend") == "uni"
+        assert vllm_env(opts, base)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        plain = resolve_options(VLLMOptions(), build)
+        assert "--distributed-executor-backend" not in _command(VLLMOptions(), build)
+        assert vllm_env(plain, base)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert _command(VLLMOptions(one_process=True), "cpu")[: len(CPU_COMMAND)] == CPU_COMMAND
+
+
 def _fake_python(tmp_path: Path, answer: str) -> Path:
     """An interpreter that answers the build probe with ``answer`` and otherwise records how it was started
     (its argv after the exit-with-parent wrapper, and its environment) in ``started.json`` beside it."""
