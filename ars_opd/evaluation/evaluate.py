@@ -81,7 +81,7 @@ from ars_opd.artifacts import atomic_outputs, provenance, read_jsonl, write_json
 from ars_opd.config import ConfigError, EvaluateConfig, PathsConfig, TeachersConfig, to_dict
 from ars_opd.data.answers import is_checkable  # noqa: F401  (where a study and tests ask it)
 from ars_opd.evaluation.arms import MODELS, TRAINED
-from ars_opd.evaluation.curves import learning_curves, log_curves
+from ars_opd.evaluation.curves import CurveScorer, log_curves
 from ars_opd.evaluation.held_out import HeldOut, check_answer_room, held_out
 from ars_opd.evaluation.row_teachers import RowTeachers, teacher_row
 from ars_opd.evaluation.score_cache import ScoreCache, code_versions, dir_sha256, tokenizers_context
@@ -292,9 +292,9 @@ def evaluate_models(
     curve_data = data.head(cfg.curve_examples) if cfg.curve_examples else data
     metrics["curves"] = {
         "examples": len(curve_data.rows),
-        **learning_curves(
-            paths, teacher, tokenizer, curve_data, cfg, vocab, device, trust_remote_code, cache, teacher_tokenizer
-        ),
+        **CurveScorer(
+            teacher, tokenizer, curve_data, cfg, vocab, device, trust_remote_code, cache, teacher_tokenizer
+        ).curves(paths),
     }
     if cache is not None:
         print(cache.summary())
