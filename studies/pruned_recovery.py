@@ -122,11 +122,15 @@ def link(root: Path, rel: str, src: Path) -> None:
     dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
 
 
-def prepare_run(root: Path, params: dict, source: Path, control_dir: Path | None) -> None:
+def prepare_run(root: Path, params: dict, source: Path, control_dir: Path | None, keep_params: bool = False) -> bool:
     """``root``'s params.yaml and its links to ``source`` (the workspace, or the study's own start) and, for an
-    arm, to its seed's control."""
+    arm, to its seed's control. With ``keep_params`` a run that has a params.yaml keeps it as it is (a study
+    finished by newer code: keys the params gained since would change its sha and retrain it); returns whether
+    it was kept."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    kept = keep_params and (root / "params.yaml").is_file()
+    if not kept:
+        (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     if not (root / "inputs").exists():  # the params' local sources, before the checks that look for them
         (root / "inputs").symlink_to(REPO / "inputs", target_is_directory=True)
     paths = load_params(root / "params.yaml", base=root).paths  # every check a stage runs, before anything runs
@@ -139,6 +143,7 @@ def prepare_run(root: Path, params: dict, source: Path, control_dir: Path | None
             if not dst.is_symlink():
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 dst.symlink_to(control_dir / getattr(paths, name), target_is_directory=True)
+    return kept
 
 
 def params_sha(run_dir: Path) -> str:
@@ -271,10 +276,16 @@ def run_study(args) -> dict:
         source = REPO
     t_start = time.perf_counter() - t0
     controls = {s: root / f"seed-{s}" / CONTROL for s in args.seeds}
+    kept = []
     for s in args.seeds:
-        prepare_run(controls[s], run_params(base, overrides, s, CONTROL), source, None)
+        if prepare_run(controls[s], run_params(base, overrides, s, CONTROL), source, None, args.keep_params):
+            kept.append(f"seed-{s}/{CONTROL}")
         for arm in arms:
-            prepare_run(root / f"seed-{s}" / arm, run_params(base, overrides, s, arm), source, controls[s])
+            run = root / f"seed-{s}" / arm
+            if prepare_run(run, run_params(base, overrides, s, arm), source, controls[s], args.keep_params):
+                kept.append(f"seed-{s}/{arm}")
+    if kept:
+        print(f"--keep-params: {len(kept)} run(s) keep the params they have: {', '.join(kept)}", file=sys.stderr)
     train = [] if args.train_only else [(controls[s], "sft_continued") for s in args.seeds]
     train += [(root / f"seed-{s}" / a, "opd") for s in args.seeds for a in arms]
     runner.map(lambda job: runner.stage(job[0], job[1], env), train)
@@ -318,6 +329,7 @@ def run_study(args) -> dict:
         "commit": git_commit(),
         "failed": runner.failed,
         "extra_arms": args.extra_specs,
+        "kept_params": kept,
         "profile": args.profile,
         "title": args.title,
     }
@@ -425,6 +437,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="reports/pruned_recovery.md")
     ap.add_argument("--report-only", action="store_true", help="write the page from a finished --root")
     ap.add_argument("--commit", help="the commit the runs' code was (default: this checkout's HEAD when run)")
+    ap.add_argument(
+        "--keep-params",
+        action="store_true",
+        help="runs that have a params.yaml keep it (finish a study begun by older code without retraining it)",
+    )
     ap.add_argument(
         "--prepare", action="store_true", help="make the start here (models and sft stages) instead of the workspace's"
     )

@@ -256,6 +256,33 @@ def test_a_stage_is_done_only_with_the_params_it_ran_with(tmp_path):
     assert not pr.finished(tmp_path, "opd")
 
 
+def test_keep_params_leaves_a_runs_params_and_so_its_finished_stages(tmp_path):
+    """A study begun by older code is finished by newer code without retraining: with keep_params a run that has
+    a params.yaml keeps its bytes (its stages' markers still match), a new run gets the study's params; without
+    it the params are rewritten as the code now writes them (here: a key added since), and the run is not done."""
+    pr = _bench()
+    base = committed_params()
+    source = tmp_path / "start"
+    source.mkdir()
+    (source / "params.yaml").write_text(pr.yaml.safe_dump(base, sort_keys=False))
+    source_paths = pr.load_params(source / "params.yaml", base=source, sections=("paths",)).paths
+    for name in pr.SHARED:  # the start's outputs the runs link to
+        (source / getattr(source_paths, name)).mkdir(parents=True, exist_ok=True)
+    run = tmp_path / "study" / "seed-1" / "opd"
+    older = {k: v for k, v in pr.run_params(base, [], 1, "opd").items() if k != "teachers"}
+    run.mkdir(parents=True)
+    (run / "params.yaml").write_text(pr.yaml.safe_dump(older, sort_keys=False))
+    (run / f"{pr.DONE}-opd").write_text(json.dumps({"seconds": 1.0, "params_sha256": pr.params_sha(run)}))
+    before = (run / "params.yaml").read_bytes()
+    assert pr.prepare_run(run, pr.run_params(base, [], 1, "opd"), source, None, keep_params=True)
+    assert (run / "params.yaml").read_bytes() == before and pr.finished(run, "opd")
+    fresh = tmp_path / "study" / "seed-2" / "opd"
+    assert not pr.prepare_run(fresh, pr.run_params(base, [], 2, "opd"), source, None, keep_params=True)
+    assert pr.yaml.safe_load((fresh / "params.yaml").read_text())["ddp"]["seed"] == 2
+    assert not pr.prepare_run(run, pr.run_params(base, [], 1, "opd"), source, None)
+    assert (run / "params.yaml").read_bytes() != before and not pr.finished(run, "opd")
+
+
 def test_a_failed_stage_is_counted_and_leaves_no_marker(tmp_path):
     pr = _bench()
     run = tmp_path / "study" / "seed-1" / "opd"
