@@ -79,6 +79,13 @@ def _cells(text: str, section: str, arm_label: str) -> list[str]:
     return [c.strip() for c in row.strip("|").split("|")][1:]
 
 
+def _cells_by_column(text: str, section: str, arm_label: str) -> dict[str, str]:
+    """{column header: the arm's cell} of the first table in ``section``."""
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    header = next(line for line in body.splitlines() if line.startswith("| arm |"))
+    return dict(zip([c.strip() for c in header.strip("|").split("|")][1:], _cells(text, section, arm_label)))
+
+
 def _numbers(cell: str) -> list[float]:
     cell = re.sub(r"\(n = \d+\)", "", cell)  # the seed count is not a value
     return [float(x) for x in re.findall(r"-?\d+\.?\d*(?:e-?\d+)?", cell)]
@@ -116,23 +123,45 @@ def test_equal_flops_reads_each_arm_off_its_curve_at_the_cheaper_total(by_arm):
 
 
 def test_the_figures_length_cannot_game_are_tabled_and_judged_per_seed_pair(by_arm):
-    """Reverse KL at the teacher's prefixes and sampled exact match get their own columns, paired intervals and
-    verdict clauses; the own samples' EOS rate and length a table of their own (t-intervals: the closed form)."""
+    """Reverse KL at the teacher's prefixes (whole and first sentence), the own samples' reverse KL per sequence
+    and sampled exact match get their own columns and paired intervals, and verdict clauses where the page judges
+    them; the own samples' EOS rate and length a table of their own (t-intervals: the closed form)."""
     fixed = {"opd": [0.50, 0.55, 0.52], "kd": [0.90, 0.95, 0.93]}
     ctl_fixed, sampled, ctl_sampled = [0.70, 0.72, 0.71], [0.30, 0.33, 0.31], [0.20, 0.22, 0.21]
+    first, ctl_first = [0.61, 0.64, 0.60], [0.80, 0.79, 0.83]
+    per_seq, ctl_per_seq = [31.0, 35.5, 30.2], [22.0, 24.5, 23.1]
     eos, ctl_eos = [0.1, 0.0, 0.2], [0.9, 0.8, 0.85]
     for arm, runs in by_arm.items():
         for i, r in enumerate(runs):
             opd, ctl = r["evaluate"]["opd"], r["evaluate"]["sft_continued"]
-            opd.update(reverse_kl_fixed_prefix=fixed[arm][i], exact_match_sampled=sampled[i], own_eos_rate=eos[i])
+            opd.update(
+                reverse_kl_fixed_prefix=fixed[arm][i],
+                reverse_kl_first_sentence=first[i],
+                reverse_kl_per_sequence=per_seq[i],
+                exact_match_sampled=sampled[i],
+                own_eos_rate=eos[i],
+            )
             ctl.update(
-                reverse_kl_fixed_prefix=ctl_fixed[i], exact_match_sampled=ctl_sampled[i], own_eos_rate=ctl_eos[i]
+                reverse_kl_fixed_prefix=ctl_fixed[i],
+                reverse_kl_first_sentence=ctl_first[i],
+                reverse_kl_per_sequence=ctl_per_seq[i],
+                exact_match_sampled=ctl_sampled[i],
+                own_eos_rate=ctl_eos[i],
             )
     text = recovery.render(by_arm, {}, {"seconds": 1}, {})
-    _, _, _, prefix, sampled_cell = _cells(text, "At equal steps", recovery.label("opd"))
+    cells = _cells_by_column(text, "At equal steps", recovery.label("opd"))
+    prefix = cells["reverse KL at the teacher's prefixes (per token)"]
+    sampled_cell = cells["exact match, sampled at temperature 1"]
     assert _numbers(prefix.replace("− control:", "")) == pytest.approx(
         [*_t_interval(fixed["opd"]), *_t_interval([a - c for a, c in zip(fixed["opd"], ctl_fixed)])], abs=6e-4
     )
+    for column, arm_values, ctl_values, tol in (
+        ("reverse KL at the teacher's first sentence (per token)", first, ctl_first, 6e-4),
+        ("reverse KL to the teacher, own samples (per sequence)", per_seq, ctl_per_seq, 0.006),  # 4 digits of ~30
+    ):
+        assert _numbers(cells[column].replace("− control:", "")) == pytest.approx(
+            [*_t_interval(arm_values), *_t_interval([a - c for a, c in zip(arm_values, ctl_values)])], abs=tol
+        )
     # percentages: exact match is shown in points
     assert _numbers(sampled_cell.replace("− control:", ""))[3:] == pytest.approx(
         [100 * x for x in _t_interval([a - c for a, c in zip(sampled, ctl_sampled)])], abs=0.06

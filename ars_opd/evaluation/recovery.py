@@ -109,12 +109,15 @@ ARMS: dict[str, tuple[str, str, dict | None]] = {
     ),
 }
 VIEW_KEYS = ("equal_steps", "equal_flops", "equal_total_flops")
-# the page's figures: the pipeline's three, and two that a change of length cannot game: reverse KL at the teacher's
-# own prefixes (the student never chooses where it is scored) and exact match of a sample at temperature 1 (an
-# answer that never ends is wrong however it is read)
+# the page's figures: the pipeline's three, and those a change of length cannot game: reverse KL at the teacher's
+# own prefixes, whole and their first sentence (the student never chooses where it is scored), exact match of a
+# sample at temperature 1 (an answer that never ends is wrong however it is read), and the own-sample reverse KL
+# summed per sequence (which never-ending samples raise where the per-token mean hides them)
 STUDY_METRICS = (
     *METRICS,
     ("reverse_kl_fixed_prefix", "reverse KL at the teacher's prefixes (per token)", "lower"),
+    ("reverse_kl_first_sentence", "reverse KL at the teacher's first sentence (per token)", "lower"),
+    ("reverse_kl_per_sequence", "reverse KL to the teacher, own samples (per sequence)", "lower"),
     ("exact_match_sampled", "exact match, sampled at temperature 1", "higher"),
 )
 # the verdict's figures: all but the NLL of the teacher's completions (an SFT arm's own loss)

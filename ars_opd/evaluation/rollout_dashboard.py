@@ -65,8 +65,8 @@ def health_line(stage: str, df: pd.DataFrame, health: HealthConfig | None = None
         return ""
     kind, p = min(monitor.smallest.items(), key=lambda kv: kv[1])
     return (
-        f"Rollout health: no alarm in {len(monitor.steps)} on-policy steps (the EOS rate, cut share and length stayed "
-        f"with the start's; smallest p = {p:.1e}, {kind}, against α = {monitor.cfg.alpha:g})."
+        f"Rollout health, {stage}: no alarm in {len(monitor.steps)} on-policy steps (the EOS rate, cut share and "
+        f"length stayed with the start's; smallest p = {p:.1e}, {kind}, against α = {monitor.cfg.alpha:g})."
     )
 
 
