@@ -1,3 +1,4 @@
+import fcntl
 import json
 import os
 
@@ -122,3 +123,65 @@ def test_sorted_on_close_appends_after_reopen_and_sorts_again(tmp_path):
         c.put("a", {}, {"content": "a"})
         c.put("c", {}, {"content": "c"})
     assert [json.loads(line)["key"] for line in p.read_bytes().splitlines()] == ["a", "b", "c"]
+
+
+def test_a_failed_sort_keeps_the_cache_whole_and_releases_the_lock(tmp_path, monkeypatch, capsys):
+    """A rewrite that cannot finish (here: the rename fails, as on a full disk) leaves the file in arrival order,
+    whole, no half-written file beside it, and the lock released; closing says so instead of failing the run."""
+    import ars_opd.teacher.client.cache as cache_module
+
+    p = tmp_path / "c.jsonl"
+    c = TeacherCache(p, sorted_on_close=True).open()
+    for key in ("b", "a"):
+        c.put(key, {}, {"content": key})
+
+    def no_space(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cache_module.os, "replace", no_space)
+    c.close()
+    monkeypatch.undo()
+    assert "left in arrival order" in capsys.readouterr().err
+    assert [json.loads(line)["key"] for line in p.read_bytes().splitlines()] == ["b", "a"]
+    assert list(tmp_path.iterdir()) == [p]
+    with TeacherCache(p) as again:  # not locked
+        assert len(again) == 2
+
+
+def test_an_opener_that_locked_the_replaced_file_opens_the_new_one(tmp_path, monkeypatch):
+    """B opens the path, then A (sorting on close) renames its sorted file over it and unlocks: B's lock is then on
+    a file no longer at the path. B must open the path again, or its answers go to a file nobody reads."""
+    import ars_opd.teacher.client.cache as cache_module
+
+    p = tmp_path / "c.jsonl"
+    a = TeacherCache(p, sorted_on_close=True).open()
+    a.put("z", {}, {"content": "z"})
+    a.put("y", {}, {"content": "y"})
+    real_flock = cache_module.fcntl.flock
+    state = {"closed_a": False}
+
+    def flock(fd, op):
+        if op & fcntl.LOCK_EX and not state["closed_a"]:  # B's first attempt: A finishes in between
+            state["closed_a"] = True
+            a.close()
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(cache_module.fcntl, "flock", flock)
+    b = TeacherCache(p).open()
+    monkeypatch.undo()
+    assert state["closed_a"] and len(b) == 2  # B sees A's answers: it holds the file at the path
+    b.put("x", {}, {"content": "x"})
+    b.close()
+    with TeacherCache(p) as c:
+        assert {e["key"] for e in c.entries()} == {"x", "y", "z"}
+
+
+def test_sorted_on_close_does_not_rewrite_a_sorted_file(tmp_path):
+    p = tmp_path / "c.jsonl"
+    with TeacherCache(p, sorted_on_close=True) as c:
+        c.put("b", {}, {"content": "b"})
+        c.put("a", {}, {"content": "a"})
+    inode = os.stat(p).st_ino
+    with TeacherCache(p, sorted_on_close=True):
+        pass
+    assert os.stat(p).st_ino == inode

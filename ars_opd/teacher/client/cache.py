@@ -10,9 +10,10 @@ newline, or not valid JSON) is detected, reported and cut off; an invalid line e
 was damaged otherwise and is an error naming the line.
 
 With ``sorted_on_close``, closing rewrites the file in key order (a new file renamed over the old one, so a
-crash mid-way leaves the old file whole): answers arrive in the order asynchronous requests complete, and
-without it two identical runs write the same lines in another order, so a pipeline that hashes the file
-(DVC) would see a change where there is none.
+crash mid-way leaves the old file whole; a rewrite that fails leaves it in arrival order, said on stderr):
+answers arrive in the order asynchronous requests complete, and without it two identical runs write the same
+lines in another order, so a pipeline that hashes the file (DVC) would see a change where there is none. The
+lock is on the file opened, so an opener that locked a file since renamed over opens the path again.
 
 Duplicates are impossible: keys already present are never appended again (the cache is the single
 writer, guarded by an exclusive ``flock`` so two runs cannot interleave on one file), and a file that
@@ -29,11 +30,15 @@ import fcntl
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 from ars_opd.artifacts import dumps_canonical
+
+OPEN_ATTEMPTS = 10
+SORTING_SUFFIX = ".sorting"  # sorted_on_close's new file, renamed over the cache (git-ignored)
 
 
 class CacheCorruptError(RuntimeError):
@@ -64,27 +69,43 @@ class TeacherCache:
         self._last_sync = time.monotonic()
         self.dropped_torn_line = False
         self.duplicate_lines = 0
+        self._appended = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
     def open(self) -> "TeacherCache":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+b")
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        for _ in range(OPEN_ATTEMPTS):
+            f = open(self.path, "a+b")
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                raise CacheLockedError(
+                    f"{self.path} is in use by another process (is another teacher_gen running?)"
+                ) from None
+            # a writer that sorted on close renamed a new file over the one opened here before unlocking it: the
+            # lock is on a file no longer at the path, so open the path again
+            if _same_file(f, self.path):
+                break
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
             f.close()
-            raise CacheLockedError(
-                f"{self.path} is in use by another process (is another teacher_gen running?)"
-            ) from None
+        else:
+            raise CacheLockedError(f"{self.path} kept being replaced while it was opened (another writer?)")
         self._file = f
         self._load()
         return self
 
     def close(self) -> None:
-        if self._file is not None:
+        if self._file is None:
+            return
+        try:
             self._sync()
             if self.sorted_on_close:
-                self._rewrite_sorted()
+                try:
+                    self._rewrite_sorted()
+                except OSError as e:  # the unsorted file is a whole cache still: say so, do not fail the run
+                    print(f"teacher cache: {self.path} left in arrival order ({e})", file=sys.stderr)
+        finally:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
             self._file.close()
             self._file = None
@@ -161,29 +182,52 @@ class TeacherCache:
         self._file.write(_line(entry))
         self._file.flush()
         self._entries[key] = entry
+        self._appended += 1
         self._unsynced += 1
         if self._unsynced >= self.fsync_every or time.monotonic() - self._last_sync >= self.fsync_interval_s:
             self._sync()
         return True
 
     def _rewrite_sorted(self) -> None:
-        """Replace the file by its entries in key order (under the lock still held on the old file)."""
-        data = b"".join(_line(self._entries[k]) for k in sorted(self._entries))
-        self._file.seek(0)
-        if self._file.read() == data:
+        """Replace the file by its entries in key order, under the lock still held on the old file: a new file
+        beside it (its mode), fsynced, renamed over it, the directory fsynced so the rename survives a power loss.
+        Nothing is written when the file is in key order already (nothing appended, no duplicate or torn line)."""
+        keys = list(self._entries)
+        if not self._appended and not self.duplicate_lines and not self.dropped_torn_line and keys == sorted(keys):
             return
-        tmp = self.path.with_name(self.path.name + ".sorting")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        tmp = self.path.with_name(self.path.name + SORTING_SUFFIX)
+        try:
+            with open(tmp, "wb") as f:
+                for k in sorted(keys):
+                    f.write(_line(self._entries[k]))
+                f.flush()
+                os.fchmod(f.fileno(), os.fstat(self._file.fileno()).st_mode & 0o7777)
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
 
     def _sync(self) -> None:
         if self._file is not None and self._unsynced:
             os.fsync(self._file.fileno())
         self._unsynced = 0
         self._last_sync = time.monotonic()
+
+
+def _same_file(f, path: Path) -> bool:
+    """Whether the open file ``f`` is the file at ``path`` now (not one renamed over it since it was opened)."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(f.fileno())
+    return (opened.st_dev, opened.st_ino) == (now.st_dev, now.st_ino)
 
 
 def _line(entry: dict) -> bytes:
