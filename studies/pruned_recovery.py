@@ -122,14 +122,45 @@ def link(root: Path, rel: str, src: Path) -> None:
     dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
 
 
-def prepare_run(root: Path, params: dict, source: Path, control_dir: Path | None, keep_params: bool = False) -> bool:
+def get_dotted(params: dict, dotted: str):
+    node = params
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return KeyError
+        node = node[part]
+    return node
+
+
+def study_keys(overrides: list[tuple[str, object]], arm: str) -> list[str]:
+    """The params keys the study itself sets in a run of ``arm`` (``run_params``): what a kept run must agree on."""
+    return [k for k, _ in overrides] + ["ddp.seed"] + [f"opd.{k}" for k in ARMS[arm][2] or {}]
+
+
+def prepare_run(
+    root: Path,
+    params: dict,
+    source: Path,
+    control_dir: Path | None,
+    keep_params: bool = False,
+    keys: list[str] = (),
+) -> bool:
     """``root``'s params.yaml and its links to ``source`` (the workspace, or the study's own start) and, for an
     arm, to its seed's control. With ``keep_params`` a run that has a params.yaml keeps it as it is (a study
-    finished by newer code: keys the params gained since would change its sha and retrain it); returns whether
-    it was kept."""
+    finished by newer code: keys the params gained since would change its sha and retrain it), provided it agrees
+    with ``params`` on ``keys`` (the study's own: its steps, its --set, the seed, the arm's keys), else the study
+    stops naming them; returns whether it was kept."""
     root.mkdir(parents=True, exist_ok=True)
     kept = keep_params and (root / "params.yaml").is_file()
-    if not kept:
+    if kept:
+        have = yaml.safe_load((root / "params.yaml").read_text()) or {}
+        differ = [k for k in keys if get_dotted(have, k) != get_dotted(params, k)]
+        if differ:
+            raise SystemExit(
+                f"--keep-params: {root / 'params.yaml'} differs from this study's command on "
+                + ", ".join(f"{k} ({get_dotted(have, k)!r} there, {get_dotted(params, k)!r} here)" for k in differ)
+                + ": run the command it was trained with, or remove the run to train it again"
+            )
+    else:
         (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     if not (root / "inputs").exists():  # the params' local sources, before the checks that look for them
         (root / "inputs").symlink_to(REPO / "inputs", target_is_directory=True)
@@ -278,11 +309,11 @@ def run_study(args) -> dict:
     controls = {s: root / f"seed-{s}" / CONTROL for s in args.seeds}
     kept = []
     for s in args.seeds:
-        if prepare_run(controls[s], run_params(base, overrides, s, CONTROL), source, None, args.keep_params):
-            kept.append(f"seed-{s}/{CONTROL}")
-        for arm in arms:
+        for arm in [CONTROL, *arms]:
             run = root / f"seed-{s}" / arm
-            if prepare_run(run, run_params(base, overrides, s, arm), source, controls[s], args.keep_params):
+            control = None if arm == CONTROL else controls[s]
+            keys = study_keys(overrides, arm)
+            if prepare_run(run, run_params(base, overrides, s, arm), source, control, args.keep_params, keys):
                 kept.append(f"seed-{s}/{arm}")
     if kept:
         print(f"--keep-params: {len(kept)} run(s) keep the params they have: {', '.join(kept)}", file=sys.stderr)

@@ -308,8 +308,19 @@ def test_keep_params_leaves_a_runs_params_and_so_its_finished_stages(tmp_path):
     fresh = tmp_path / "study" / "seed-2" / "opd"
     assert not pr.prepare_run(fresh, pr.run_params(base, [], 2, "opd"), source, None, keep_params=True)
     assert pr.yaml.safe_load((fresh / "params.yaml").read_text())["ddp"]["seed"] == 2
+    # a kept run that disagrees with the command on the study's own keys stops the study, naming them
+    sharp = tmp_path / "study" / "seed-1" / "opd_sharp"
+    sharp.mkdir(parents=True)
+    (sharp / "params.yaml").write_text(pr.yaml.safe_dump(pr.run_params(base, [("opd.steps", 60)], 1, "opd_sharp")))
+    keys = pr.study_keys([("opd.steps", 40)], "opd_sharp")
+    assert keys[:2] == ["opd.steps", "ddp.seed"] and "opd.teacher_temperature" in keys
+    with pytest.raises(SystemExit, match=r"opd\.steps \(60 there, 40 here\)"):
+        pr.prepare_run(sharp, pr.run_params(base, [("opd.steps", 40)], 1, "opd_sharp"), source, None, True, keys)
     assert not pr.prepare_run(run, pr.run_params(base, [], 1, "opd"), source, None)
     assert (run / "params.yaml").read_bytes() != before and not pr.finished(run, "opd")
+    # the page names the kept runs
+    text = recovery.render({}, {}, {"seconds": 1, "kept_params": ["seed-1/opd"]}, {})
+    assert "1 run(s) kept the params they were trained with" in text and "`seed-1/opd`" in text
 
 
 def test_a_failed_stage_is_counted_and_leaves_no_marker(tmp_path):

@@ -138,6 +138,8 @@ def test_one_process_sets_both_halves_and_the_default_neither():
         assert "--distributed-executor-backend" not in _command(VLLMOptions(), build)
         assert vllm_env(plain, base)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert _command(VLLMOptions(one_process=True), "cpu")[: len(CPU_COMMAND)] == CPU_COMMAND
+    with pytest.raises(ValueError, match="cpus"):  # the thread binding needs vLLM's multiprocess executor
+        VLLMOptions(one_process=True, cpus="0")
 
 
 def _fake_python(tmp_path: Path, answer: str) -> Path:

@@ -351,6 +351,14 @@ def render(
     if meta.get("overrides"):
         base = f"the profile `{meta['profile']}` over params.yaml" if meta.get("profile") else "params.yaml"
         lines += [f"Params of every run, over {base}: `" + " ".join(meta["overrides"]) + "`.", ""]
+    if meta.get("kept_params"):
+        lines += [
+            f"{len(meta['kept_params'])} run(s) kept the params they were trained with (`--keep-params`: they agree "
+            "with these on the study's own keys; keys added to the code since are absent from them): "
+            + ", ".join(f"`{r}`" for r in meta["kept_params"])
+            + ".",
+            "",
+        ]
     tables = {}
     for where, title in (
         ("equal_steps", "At equal steps"),

@@ -118,6 +118,8 @@ class VLLMOptions:
             raise ValueError(f"dtype must be one of {', '.join(VLLM_DTYPES)} or None, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.one_process and self.cpus is not None:  # vLLM binds threads in its multiprocess executor only
+            raise ValueError("one_process cannot bind the cpus: vLLM's one-process executor does not apply them")
 
 
 def vllm_python() -> Path:
