@@ -380,7 +380,7 @@ def test_the_diagnosis_section_shows_each_measurement():
         {
             "kind": "short_run",
             "arm": "opd_fkl",
-            "steps": 12,
+            "steps": 9,
             "opd": {"lr": 1e-4, "beta": 0.0},
             "eos_rate_start": 0.5,
             "eos_rate_end": 0.75,
@@ -391,5 +391,5 @@ def test_the_diagnosis_section_shows_each_measurement():
     assert "| teacher | 50.0% | 25.0% | 75.0% | 62.5% |" in md
     assert "| reverse KL (β = 1) | -0.125 (n = 7) | 0.0625 (n = 3) | -0.5 |" in md
     assert "0.6 (fp32) against 0.7 (bf16)" in md and "0.03 per token" in md
-    assert "| opd | none (old OPD) | 50.0% → 0.0% |" in md and "step 7 (stopped ending)" in md
-    assert "| opd_fkl | beta = 0.0 | 50.0% → 75.0% |" in md
+    assert "| opd | none (old OPD) | 12 | 50.0% → 0.0% |" in md and "step 7 (stopped ending)" in md
+    assert "| opd_fkl | beta = 0.0 | 9 | 50.0% → 75.0% |" in md

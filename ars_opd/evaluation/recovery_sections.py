@@ -127,12 +127,13 @@ def diagnosis_section(lines: list[dict]) -> list[str]:
         out += [
             "### Short runs, one setting changed at a time",
             "",
-            f"OPD from the same start for {runs[0].get('steps')} steps, each arm one change from the old OPD "
-            "(reverse KL, λ = 1, temperature 1, fp32): the first three on-policy steps against the last three, "
-            "and the rollout-health verdict.",
+            "OPD from the same start, each arm one change from the old OPD (reverse KL, λ = 1, temperature 1, fp32), "
+            "its on-policy steps (λ < 1 trains some steps on the teacher's text): the first three on-policy steps "
+            "against the last three, and the rollout-health verdict.",
             "",
-            "| arm | change | EOS rate | length (tokens) | student entropy | teacher log p / token | loss | alarm |",
-            "|---|---|---|---|---|---|---|---|",
+            "| arm | change | on-policy steps | EOS rate | length (tokens) | student entropy | teacher log p / token "
+            "| loss | alarm |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         base = next((r["opd"] for r in runs if r["arm"] == "opd"), {})
         for r in runs:
@@ -144,8 +145,8 @@ def diagnosis_section(lines: list[dict]) -> list[str]:
             alarm = r.get("alarm")
             a = "none" if not alarm else f"step {alarm['step']} ({alarm['kind'].replace('_', ' ')})"
             out.append(
-                f"| {r['arm']} | {change} | {move('eos_rate', True)} | {move('response_length')} | {move('entropy')} "
-                f"| {move('teacher_logprob')} | {move('loss')} | {a} |"
+                f"| {r['arm']} | {change} | {r.get('steps')} | {move('eos_rate', True)} | {move('response_length')} "
+                f"| {move('entropy')} | {move('teacher_logprob')} | {move('loss')} | {a} |"
             )
         out.append("")
     return out
