@@ -182,6 +182,17 @@ def test_natural_kinds_are_checked_by_their_rule_and_open_kinds_are_neither_righ
     poem = next(line for line in rkl if line.startswith("| nl_poem |"))
     assert poem == f"| nl_poem | 2 | {m['reverse_kl_per_task']['nl_poem']:.4f} | 0.0000 |"
     assert any(line.startswith("| nl_poem | 2 | ") and OPEN not in line for line in nll)
+    # the figures length cannot game: a table of their own, every model that has them, as the evaluation gave them
+    proof = table.split("What a change of answer length cannot game")[1].split("\n\n")[1].splitlines()
+    header = [c.strip() for c in proof[0].strip("|").split("|")]
+    row = next(line for line in proof if line.startswith("| base |"))
+    cells = dict(zip(header, [c.strip() for c in row.strip("|").split("|")]))
+    prefix = m.get("reverse_kl_fixed_prefix")
+    assert cells["reverse KL at the teacher's prefixes (per token)"] == ("n/a" if prefix is None else f"{prefix:.4g}")
+    assert cells["reverse KL on own samples (per sequence)"] == f"{m['reverse_kl_per_sequence']:.4g}"
+    assert cells["exact match, sampled at temperature 1"] == f"{m['exact_match_sampled']:.1%}"
+    assert cells["own samples that end (EOS)"] == f"{m['own_eos_rate']:.1%}"
+    assert "What a change of answer length" not in render_table({"base": {"reverse_kl": 1.0, "teacher_nll": 1.0}})
 
 
 def test_answer_room_for_natural_kinds_is_the_bare_reference(char_tokenizer):

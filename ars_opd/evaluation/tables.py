@@ -21,6 +21,39 @@ def _loss(v) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4f}"
 
 
+# the figures a change of length cannot game (evaluate's own keys), each with its column and whether it is a share
+LENGTH_PROOF = (
+    ("reverse_kl_fixed_prefix", "reverse KL at the teacher's prefixes (per token)", False),
+    ("reverse_kl_first_sentence", "the same, their first sentence", False),
+    ("reverse_kl_per_sequence", "reverse KL on own samples (per sequence)", False),
+    ("exact_match_sampled", "exact match, sampled at temperature 1", True),
+    ("own_eos_rate", "own samples that end (EOS)", True),
+    ("own_length", "their mean length (tokens)", False),
+)
+
+
+def length_proof_table(metrics: dict) -> list[str]:
+    """The figures beside the per-token ones that longer or shorter answers cannot move by themselves: reverse KL
+    where the teacher wrote the text (whole, and its first sentence), the own-sample reverse KL summed per
+    sequence, exact match of a temperature-1 sample, and how the own samples end. Only the columns some model
+    has (an evaluation made before them has none: no table)."""
+    models = [(name, metrics[name]) for name in MODELS if isinstance(metrics.get(name), dict)]
+    cols = [(k, lbl, pct) for k, lbl, pct in LENGTH_PROOF if any(m.get(k) is not None for _, m in models)]
+    if not cols:
+        return []
+    lines = [
+        "",
+        "What a change of answer length cannot game by itself (the per-token reverse KL above is averaged over each "
+        "model's own samples, so samples that run on add cheap tokens to it):",
+        "",
+        "| model | " + " | ".join(lbl for _, lbl, _ in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for name, m in models:
+        lines.append(f"| {name} | " + " | ".join(fmt(m.get(k), pct) for k, _, pct in cols) + " |")
+    return lines
+
+
 def per_kind_tables(metrics: dict) -> list[str]:
     """For every kind (``task``) in the held-out data, one row per kind with its n and each model's value, in
     three tables: exact match (``OPEN`` for a kind with no checkable answer), reverse KL and teacher NLL (per
@@ -117,6 +150,7 @@ def render_table(metrics: dict) -> str:
             f"Exact match counts the {checkable} checkable rows of the {examples} held out; reverse KL and "
             "teacher NLL count every row.",
         ]
+    lines += length_proof_table(metrics)
     lines += per_kind_tables(metrics)
     lines += per_teacher_tables(metrics)
     return "\n".join(lines) + "\n"
