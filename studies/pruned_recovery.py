@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from ars_opd.artifacts import read_jsonl  # noqa: E402
 from ars_opd.config import ConfigError, load_params, read_params_file  # noqa: E402
+from ars_opd.evaluation.distillation import param  # noqa: E402
 from ars_opd.evaluation.recovery import ARMS, CONTROL, SAME_TOKENIZER_ARMS, cross_tokenizer_arm  # noqa: E402
 
 # what every run reads from the workspace (linked, never written): the models, the prompts, the teacher's
@@ -122,18 +123,22 @@ def link(root: Path, rel: str, src: Path) -> None:
     dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
 
 
-def get_dotted(params: dict, dotted: str):
-    node = params
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return KeyError
-        node = node[part]
-    return node
+class _Absent:
+    """A key a params.yaml does not have (told apart from an explicit null)."""
+
+    def __repr__(self) -> str:
+        return "absent"
+
+
+ABSENT = _Absent()
 
 
 def study_keys(overrides: list[tuple[str, object]], arm: str) -> list[str]:
-    """The params keys the study itself sets in a run of ``arm`` (``run_params``): what a kept run must agree on."""
-    return [k for k, _ in overrides] + ["ddp.seed"] + [f"opd.{k}" for k in ARMS[arm][2] or {}]
+    """The params keys the study itself sets in a run of ``arm`` (``run_params``): what a kept run must agree on.
+    The control's run trains only (its evaluation is each arm's evaluate stage, with the arm's params), so its
+    ``evaluate`` keys are not among them: a study whose evaluation settings changed keeps its controls."""
+    keys = [k for k, _ in overrides] + ["ddp.seed"] + [f"opd.{k}" for k in ARMS[arm][2] or {}]
+    return [k for k in keys if not (arm == CONTROL and k.startswith("evaluate."))]
 
 
 def prepare_run(
@@ -153,11 +158,12 @@ def prepare_run(
     kept = keep_params and (root / "params.yaml").is_file()
     if kept:
         have = yaml.safe_load((root / "params.yaml").read_text()) or {}
-        differ = [k for k in keys if get_dotted(have, k) != get_dotted(params, k)]
+        pairs = {k: (param(have, k, ABSENT), param(params, k, ABSENT)) for k in keys}
+        differ = {k: (there, here) for k, (there, here) in pairs.items() if there != here}
         if differ:
             raise SystemExit(
                 f"--keep-params: {root / 'params.yaml'} differs from this study's command on "
-                + ", ".join(f"{k} ({get_dotted(have, k)!r} there, {get_dotted(params, k)!r} here)" for k in differ)
+                + ", ".join(f"{k} ({there!r} there, {here!r} here)" for k, (there, here) in differ.items())
                 + ": run the command it was trained with, or remove the run to train it again"
             )
     else:

@@ -314,6 +314,18 @@ def test_keep_params_leaves_a_runs_params_and_so_its_finished_stages(tmp_path):
     (sharp / "params.yaml").write_text(pr.yaml.safe_dump(pr.run_params(base, [("opd.steps", 60)], 1, "opd_sharp")))
     keys = pr.study_keys([("opd.steps", 40)], "opd_sharp")
     assert keys[:2] == ["opd.steps", "ddp.seed"] and "opd.teacher_temperature" in keys
+    # a key the kept run lacks differs from one the command sets to null
+    assert pr.param({"opd": {"x": None}}, "opd.x", pr.ABSENT) is None and pr.param({}, "opd.x", pr.ABSENT) is pr.ABSENT
+    # the control only trains (each arm's evaluate scores it), so a change of evaluation settings keeps it
+    evals = [("opd.steps", 60), ("evaluate.max_examples", 100)]
+    assert pr.study_keys(evals, pr.CONTROL) == ["opd.steps", "ddp.seed"]
+    assert "evaluate.max_examples" in pr.study_keys(evals, "opd")
+    control = tmp_path / "study" / "seed-1" / pr.CONTROL
+    control.mkdir(parents=True)
+    (control / "params.yaml").write_text(pr.yaml.safe_dump(pr.run_params(base, [("opd.steps", 60)], 1, pr.CONTROL)))
+    assert pr.prepare_run(
+        control, pr.run_params(base, evals, 1, pr.CONTROL), source, None, True, pr.study_keys(evals, pr.CONTROL)
+    )
     with pytest.raises(SystemExit, match=r"opd\.steps \(60 there, 40 here\)"):
         pr.prepare_run(sharp, pr.run_params(base, [("opd.steps", 40)], 1, "opd_sharp"), source, None, True, keys)
     assert not pr.prepare_run(run, pr.run_params(base, [], 1, "opd"), source, None)

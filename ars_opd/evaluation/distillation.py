@@ -42,12 +42,13 @@ def _without_seed(params: dict) -> str:
     return json.dumps({**params, "ddp": ddp}, sort_keys=True, default=str)
 
 
-def param(params: dict, dotted: str) -> Any:
-    """A params.yaml value by its dotted key (``opd.steps``); None when absent."""
+def param(params: dict, dotted: str, default: Any = None) -> Any:
+    """A params.yaml value by its dotted key (``opd.steps``); ``default`` when absent (pass a sentinel to tell an
+    absent key from an explicit null)."""
     node: Any = params
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
-            return None
+            return default
         node = node[part]
     return node
 
