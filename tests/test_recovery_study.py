@@ -156,8 +156,8 @@ def test_the_figures_length_cannot_game_are_tabled_and_judged_per_seed_pair(by_a
         [*_t_interval(fixed["opd"]), *_t_interval([a - c for a, c in zip(fixed["opd"], ctl_fixed)])], abs=6e-4
     )
     for column, arm_values, ctl_values, tol in (
-        ("reverse KL at the teacher's first sentence (per token)", first, ctl_first, 6e-4),
-        ("reverse KL to the teacher, own samples (per sequence)", per_seq, ctl_per_seq, 0.006),  # 4 digits of ~30
+        ("the same, their first sentence", first, ctl_first, 6e-4),
+        ("reverse KL on own samples (per sequence)", per_seq, ctl_per_seq, 0.006),  # 4 digits of ~30
     ):
         assert _numbers(cells[column].replace("− control:", "")) == pytest.approx(
             [*_t_interval(arm_values), *_t_interval([a - c for a, c in zip(arm_values, ctl_values)])], abs=tol

@@ -23,7 +23,7 @@ from ars_opd.evaluation.distillation import comparison, control_table, instrumen
 from ars_opd.evaluation.equal_budget import METRICS, compare, interpolate
 from ars_opd.evaluation.recovery_sections import diagnosis_section, rollout_sections
 from ars_opd.evaluation.stats import mean_ci
-from ars_opd.evaluation.tables import fmt
+from ars_opd.evaluation.tables import LENGTH_PROOF, OWN, fmt
 
 CONTROL = "sft"
 # the cross-tokenizer arms without the span baseline say so, whatever the profile under them sets
@@ -113,20 +113,16 @@ VIEW_KEYS = ("equal_steps", "equal_flops", "equal_total_flops")
 # own prefixes, whole and their first sentence (the student never chooses where it is scored), exact match of a
 # sample at temperature 1 (an answer that never ends is wrong however it is read), and the own-sample reverse KL
 # summed per sequence (which never-ending samples raise where the per-token mean hides them)
+# the length-proof figures (their labels are evaluate's table's, ``tables.LENGTH_PROOF``): judged like the others,
+# lower reverse KL and higher exact match being better
 STUDY_METRICS = (
     *METRICS,
-    ("reverse_kl_fixed_prefix", "reverse KL at the teacher's prefixes (per token)", "lower"),
-    ("reverse_kl_first_sentence", "reverse KL at the teacher's first sentence (per token)", "lower"),
-    ("reverse_kl_per_sequence", "reverse KL to the teacher, own samples (per sequence)", "lower"),
-    ("exact_match_sampled", "exact match, sampled at temperature 1", "higher"),
+    *((k, lbl, "higher" if k.startswith("exact_match") else "lower") for k, lbl, _ in LENGTH_PROOF if k not in OWN),
 )
 # the verdict's figures: all but the NLL of the teacher's completions (an SFT arm's own loss)
 VERDICT_METRICS = ("reverse_kl", "exact_match", "reverse_kl_fixed_prefix", "exact_match_sampled")
 # how the models' own samples end (evaluate's own_eos_rate, own_length): read beside the figures, not judged
-OWN_SAMPLES = (
-    ("own_eos_rate", "own samples that end (EOS)", True),
-    ("own_length", "their mean length (tokens)", False),
-)
+OWN_SAMPLES = tuple(c for c in LENGTH_PROOF if c[0] in OWN)
 
 
 def _pct(metric: str) -> bool:

@@ -30,6 +30,8 @@ LENGTH_PROOF = (
     ("own_eos_rate", "own samples that end (EOS)", True),
     ("own_length", "their mean length (tokens)", False),
 )
+# the keys above that describe how the own samples end (shown beside the figures, not judged better or worse)
+OWN = ("own_eos_rate", "own_length")
 
 
 def length_proof_table(metrics: dict) -> list[str]:
