@@ -405,3 +405,27 @@ def test_the_diagnosis_section_shows_each_measurement():
     assert "0.6 (fp32) against 0.7 (bf16)" in md and "0.03 per token" in md
     assert "| opd | none (old OPD) | 12 | 50.0% → 0.0% |" in md and "step 7 (stopped ending)" in md
     assert "| opd_fkl | beta = 0.0 | 9 | 50.0% → 75.0% |" in md
+
+
+def test_every_arm_sets_opd_keys_and_every_committed_run_has_its_arms_settings():
+    """An arm's name labels its runs on the page: each arm's overrides are keys of the opd section, and every run
+    committed under reports/pruned_recovery/runs trained with the settings its arm's name stands for (a run made as
+    an ``--extra-arm`` and registered later under a name keeps its label honest only if the two agree)."""
+    import dataclasses
+
+    import yaml
+
+    from ars_opd.config import OPDConfig
+
+    fields = {f.name for f in dataclasses.fields(OPDConfig)}
+    for name, (_, _, overrides) in recovery.ARMS.items():
+        assert set(overrides or {}) <= fields, (name, set(overrides or {}) - fields)
+    runs = Path(__file__).resolve().parents[1] / "reports" / "pruned_recovery" / "runs"
+    checked = 0
+    for params_file in sorted(runs.glob("seed-*/*/params.yaml")):
+        arm = params_file.parent.name
+        opd = yaml.safe_load(params_file.read_text())["opd"]
+        for key, value in (recovery.ARMS[arm][2] or {}).items():
+            assert opd.get(key) == value, (str(params_file), key, opd.get(key), value)
+            checked += 1
+    assert checked >= 3 * 3 * 4  # three seeds of the old OPD, the sharpened teacher, GKD and reverse KL at λ = 0.5

@@ -52,6 +52,12 @@ ARMS: dict[str, tuple[str, str, dict | None]] = {
         "generalised JSD at β = 0.5, on the student's samples on half the steps, the teacher's completions on the rest",
         {"loss": "full_vocab", "beta": 0.5, "on_policy_fraction": 0.5},
     ),
+    "opd_lambda05": (
+        "OPD, reverse KL, λ = 0.5",
+        "full-vocabulary reverse KL, on the student's samples on half the steps and the teacher's completions on the "
+        "rest (GKD's λ without its β)",
+        {"loss": "full_vocab", "beta": 1.0, "on_policy_fraction": 0.5},
+    ),
     "opd_sharp": (
         "OPD, sharpened teacher (τ_T = 0.5)",
         "full-vocabulary reverse KL on the student's own samples against the teacher at temperature 0.5 "
