@@ -409,8 +409,9 @@ def test_the_diagnosis_section_shows_each_measurement():
 
 def test_every_arm_sets_opd_keys_and_every_committed_run_has_its_arms_settings():
     """An arm's name labels its runs on the page: each arm's overrides are keys of the opd section, and every run
-    committed under reports/pruned_recovery/runs trained with the settings its arm's name stands for (a run made as
-    an ``--extra-arm`` and registered later under a name keeps its label honest only if the two agree)."""
+    committed under reports/pruned_recovery/runs or reports/larger_teacher/runs trained with the settings its arm's
+    name stands for (a run made as an ``--extra-arm`` and registered later under a name keeps its label honest only
+    if the two agree)."""
     import dataclasses
 
     import yaml
@@ -420,12 +421,15 @@ def test_every_arm_sets_opd_keys_and_every_committed_run_has_its_arms_settings()
     fields = {f.name for f in dataclasses.fields(OPDConfig)}
     for name, (_, _, overrides) in recovery.ARMS.items():
         assert set(overrides or {}) <= fields, (name, set(overrides or {}) - fields)
-    runs = Path(__file__).resolve().parents[1] / "reports" / "pruned_recovery" / "runs"
-    checked = 0
-    for params_file in sorted(runs.glob("seed-*/*/params.yaml")):
-        arm = params_file.parent.name
-        opd = yaml.safe_load(params_file.read_text())["opd"]
-        for key, value in (recovery.ARMS[arm][2] or {}).items():
-            assert opd.get(key) == value, (str(params_file), key, opd.get(key), value)
-            checked += 1
-    assert checked >= 3 * 3 * 4  # three seeds of the old OPD, the sharpened teacher, GKD and reverse KL at λ = 0.5
+    reports = Path(__file__).resolve().parents[1] / "reports"
+    checked = {}
+    for study in ("pruned_recovery", "larger_teacher"):
+        checked[study] = 0
+        for params_file in sorted((reports / study / "runs").glob("seed-*/*/params.yaml")):
+            arm = params_file.parent.name
+            opd = yaml.safe_load(params_file.read_text())["opd"]
+            for key, value in (recovery.ARMS[arm][2] or {}).items():
+                assert opd.get(key) == value, (str(params_file), key, opd.get(key), value)
+                checked[study] += 1
+    assert checked["pruned_recovery"] >= 3 * 3 * 4  # three seeds of the old OPD, sharpened teacher, GKD, λ = 0.5
+    assert checked["larger_teacher"] >= 3  # the span arm with its baseline (two seeds so far) and cross_vocab
