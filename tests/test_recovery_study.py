@@ -433,3 +433,36 @@ def test_every_arm_sets_opd_keys_and_every_committed_run_has_its_arms_settings()
                 checked[study] += 1
     assert checked["pruned_recovery"] >= 3 * 3 * 4  # three seeds of the old OPD, sharpened teacher, GKD, λ = 0.5
     assert checked["larger_teacher"] >= 3  # the span arm with its baseline (two seeds so far) and cross_vocab
+
+
+def test_a_cross_tokenizer_study_says_its_fixed_prefix_figures_cannot_be_taken(by_arm):
+    """Runs across tokenizers have no fixed-prefix reverse KL (no shared vocabulary): the page says so, and keeps
+    "predates" for what an older evaluation did not take; a same-tokenizer study's missing figures predate it."""
+    fixed = [
+        lbl for k, lbl, _ in recovery.STUDY_METRICS if k in ("reverse_kl_fixed_prefix", "reverse_kl_first_sentence")
+    ]
+    assert len(fixed) == 2
+
+    def missing_lines(text: str) -> tuple[str, str]:
+        across = next((line for line in text.splitlines() if line.startswith("Not measurable across")), "")
+        older = next((line for line in text.splitlines() if "predates them" in line), "")
+        return across, older
+
+    for runs in by_arm.values():
+        for r in runs:
+            for entry in (r["evaluate"]["opd"], r["evaluate"]["sft_continued"]):
+                entry.update(reverse_kl_per_sequence=7.0, exact_match_sampled=0.4, own_eos_rate=0.8)
+    across, older = missing_lines(recovery.render(by_arm, {}, {"seconds": 1}, {}))
+    assert across == "" and all(lbl in older for lbl in fixed)  # same-tokenizer runs: an older evaluation
+
+    for runs in by_arm.values():
+        for r in runs:
+            r["evaluate"]["reverse_kl_kind"] = "sampled_cross_tokenizer"
+    across, older = missing_lines(recovery.render(by_arm, {}, {"seconds": 1}, {}))
+    assert all(lbl in across for lbl in fixed) and "share none" in across
+    assert "own samples" not in older and not any(lbl in older for lbl in fixed)
+    assert "their mean length (tokens)" in older  # own_length: not taken by these runs, so it still predates them
+
+    by_arm["opd"][0]["evaluate"]["reverse_kl_kind"] = "exact"  # one same-tokenizer run: no claim about tokenizers
+    across, older = missing_lines(recovery.render(by_arm, {}, {"seconds": 1}, {}))
+    assert across == "" and all(lbl in older for lbl in fixed)

@@ -142,6 +142,40 @@ def measured(by_arm: dict[str, list[dict]], metrics: tuple = STUDY_METRICS) -> t
     return tuple(m for m in metrics if any(e.get(m[0]) is not None for e in entries))
 
 
+# the figures a cross-tokenizer evaluation cannot take: a per-token reverse KL at the teacher's own prefixes compares
+# two next-token distributions over one vocabulary, and a student and a teacher with different tokenizers share none
+NO_SHARED_VOCABULARY = ("reverse_kl_fixed_prefix", "reverse_kl_first_sentence")
+CROSS_TOKENIZER_KIND = "sampled_cross_tokenizer"  # evaluate's reverse_kl_kind in a cross-tokenizer run
+
+
+def unmeasured_lines(by_arm: dict[str, list[dict]], unmeasured_keys: list[str]) -> list[str]:
+    """Why a figure of the study's tables has no column: in runs across tokenizers (every evaluation's
+    ``reverse_kl_kind`` the cross-tokenizer one) the fixed-prefix reverse KLs cannot be taken at all; any other
+    missing figure was not measured because the runs' evaluation predates it."""
+    if not unmeasured_keys:
+        return []
+    labels = {k: lbl for k, lbl, _ in STUDY_METRICS + OWN_SAMPLES}
+    kinds = {r["evaluate"].get("reverse_kl_kind") for runs in by_arm.values() for r in runs}
+    cross = kinds == {CROSS_TOKENIZER_KIND}
+    no_vocab = [k for k in unmeasured_keys if cross and k in NO_SHARED_VOCABULARY]
+    older = [k for k in unmeasured_keys if k not in no_vocab]
+    lines = []
+    if no_vocab:
+        lines += [
+            f"Not measurable across tokenizers: {'; '.join(labels[k] for k in no_vocab)}. It compares the student's "
+            "and the teacher's next-token distributions over one vocabulary at the teacher's prefixes, and these "
+            "two models share none; the reverse KL on own samples is the sampled estimate over the teacher's own "
+            "tokens.",
+            "",
+        ]
+    if older:
+        lines += [
+            f"Not measured by these runs' evaluation (it predates them): {'; '.join(labels[k] for k in older)}.",
+            "",
+        ]
+    return lines
+
+
 def cross_tokenizer_arm(arm: str) -> bool:
     """Whether ``arm`` distils across tokenizers (it then needs a models stage run with opd.cross_tokenizer, and the
     same-tokenizer arms' full-vocabulary losses cannot run beside it)."""
@@ -343,12 +377,11 @@ def render(
             "",
         ]
     unmeasured = [
-        lbl
-        for m, lbl, _ in STUDY_METRICS + OWN_SAMPLES
+        m
+        for m, _, _ in STUDY_METRICS + OWN_SAMPLES
         if m not in {k for k, _, _ in measured(by_arm, STUDY_METRICS + OWN_SAMPLES)}
     ]
-    if unmeasured:
-        lines += [f"Not measured by these runs' evaluation (it predates them): {'; '.join(unmeasured)}.", ""]
+    lines += unmeasured_lines(by_arm, unmeasured)
     lines += ["The shared models, on all the held-out prompts:", "", *start_table(by_arm)]
     if meta.get("overrides"):
         base = f"the profile `{meta['profile']}` over params.yaml" if meta.get("profile") else "params.yaml"
