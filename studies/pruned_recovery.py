@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -249,8 +250,32 @@ class Runner:
             list(pool.map(fn, items))
 
 
+def seed_teacher_cache(start: Path, cache: Path) -> bool:
+    """``--teacher-cache``: an earlier start's teacher answers (its ``paths.teacher_cache`` file) put where this
+    start's teacher_gen stage looks first, so that it asks the teacher only for prompts the file lacks. An answer
+    is read back only under its request's sha256 (the teacher file's own sha256, the prompt, the sampling), so a
+    file from another teacher or other settings costs nothing but its reading. A start that already has a cache
+    keeps it (the stage resumes from it). Returns whether the file was put in place."""
+    if not cache.is_file():
+        raise SystemExit(f"--teacher-cache {cache}: no such file")
+    target = start / load_params(start / "params.yaml", base=start, sections=("paths",)).paths.teacher_cache
+    if target.exists():
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.copyfile(cache, tmp)
+    os.replace(tmp, target)
+    return True
+
+
 def prepare_start(
-    root: Path, base: dict, sets: list[tuple[str, object]], runner: "Runner", env: dict, own_data: bool = False
+    root: Path,
+    base: dict,
+    sets: list[tuple[str, object]],
+    runner: "Runner",
+    env: dict,
+    own_data: bool = False,
+    teacher_cache: Path | None = None,
 ) -> Path:
     """``--prepare``: the start the arms share, made here by the pipeline's own stages (models, then sft) in
     ``<root>/start``, with the prompts and the teacher's completions linked from the workspace where they are
@@ -273,6 +298,8 @@ def prepare_start(
                 link(start, getattr(paths, n), REPO / getattr(workspace, n))
         else:
             stages.append(stage)
+    if teacher_cache is not None and "teacher_gen" in stages and seed_teacher_cache(start, teacher_cache):
+        print(f"{start}: teacher answers seeded from {teacher_cache}", file=sys.stderr)
     for stage in [*stages, "sft"]:
         runner.stage(start, stage, env)
         if runner.failed:
@@ -308,7 +335,8 @@ def run_study(args) -> dict:
     if args.start:  # a start made earlier (a --prepare root's start/): its stages' outputs, as they are
         source = Path(args.start).resolve()
     elif args.prepare:
-        source = prepare_start(root, base, parse_set(args.set), runner, env, args.own_data)
+        cache = Path(args.teacher_cache) if args.teacher_cache else None
+        source = prepare_start(root, base, parse_set(args.set), runner, env, args.own_data, cache)
     else:
         source = REPO
     t_start = time.perf_counter() - t0
@@ -483,6 +511,11 @@ def main(argv=None) -> int:
         "--prepare", action="store_true", help="make the start here (models and sft stages) instead of the workspace's"
     )
     ap.add_argument("--own-data", action="store_true", help="with --prepare: make the prompts and teacher completions")
+    ap.add_argument(
+        "--teacher-cache",
+        help="with --prepare: an earlier start's teacher answers (e.g. reports/larger_teacher/runs/start/"
+        "teacher_answers.jsonl), so teacher_gen asks only for what it lacks",
+    )
     ap.add_argument("--start", help="a start made earlier (e.g. another study root's start/), used as it is")
     ap.add_argument("--title", help="the page's first line (markdown)")
     ap.add_argument("--notes", help="a markdown file of the study's reading, put after the verdict")

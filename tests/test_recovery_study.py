@@ -466,3 +466,20 @@ def test_a_cross_tokenizer_study_says_its_fixed_prefix_figures_cannot_be_taken(b
     by_arm["opd"][0]["evaluate"]["reverse_kl_kind"] = "exact"  # one same-tokenizer run: no claim about tokenizers
     across, older = missing_lines(recovery.render(by_arm, {}, {"seconds": 1}, {}))
     assert across == "" and all(lbl in older for lbl in fixed)
+
+
+def test_teacher_cache_seeds_a_new_start_and_never_replaces_one(tmp_path):
+    """--teacher-cache puts an earlier start's answers where this start's teacher_gen reads them, byte for byte;
+    a start that has its own cache keeps it; a missing file is refused in one line."""
+    pr = _bench()
+    start = tmp_path / "start"
+    start.mkdir()
+    (start / "params.yaml").write_text(pr.yaml.safe_dump(committed_params(), sort_keys=False))
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text('{"key": "a", "request": {}, "response": {"content": "x"}}\n')
+    target = start / pr.load_params(start / "params.yaml", base=start, sections=("paths",)).paths.teacher_cache
+    assert pr.seed_teacher_cache(start, earlier) and target.read_bytes() == earlier.read_bytes()
+    target.write_text("its own\n")
+    assert not pr.seed_teacher_cache(start, earlier) and target.read_text() == "its own\n"
+    with pytest.raises(SystemExit, match="no such file"):
+        pr.seed_teacher_cache(start, tmp_path / "absent.jsonl")
