@@ -7,6 +7,7 @@ the module's own mean_ci.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import yaml
 
 from ars_opd.evaluation import recovery
 from micro import committed_params
@@ -483,3 +485,27 @@ def test_teacher_cache_seeds_a_new_start_and_never_replaces_one(tmp_path):
     assert not pr.seed_teacher_cache(start, earlier) and target.read_text() == "its own\n"
     with pytest.raises(SystemExit, match="no such file"):
         pr.seed_teacher_cache(start, tmp_path / "absent.jsonl")
+
+
+def test_the_committed_teacher_answers_are_the_pinned_teachers_on_every_prompt():
+    """reports/larger_teacher/runs/start/teacher_answers.jsonl, which --teacher-cache seeds a new start with: one
+    greedy answer of the pinned 0.5B file for each natural prompt, each under the sha256 of its own request
+    (recomputed here from canonical JSON, not by the cache's code), so teacher_gen reads back exactly these."""
+    from ars_opd.models.split_file import QWEN_CODER
+
+    runs = REPO / "reports" / "larger_teacher" / "runs"
+    lines = [json.loads(line) for line in (runs / "start" / "teacher_answers.jsonl").read_text().splitlines()]
+    profile = yaml.safe_load((REPO / "profiles" / "larger_teacher.yaml").read_text())
+    prompts = {json.loads(line)["prompt"] for line in (REPO / "inputs" / "natural_prompts.jsonl").open()}
+    held_out = {json.loads(line)["messages"][-1]["content"] for line in (runs / "start" / "eval.jsonl").open()}
+    asked = []
+    for entry in lines:
+        request = entry["request"]
+        canonical = json.dumps(request, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        assert entry["key"] == hashlib.sha256(canonical.encode()).hexdigest()
+        assert request["model_revision"] == QWEN_CODER["qwen-0.5b"].sha256
+        assert request["sampling"]["temperature"] == 0.0
+        assert request["sampling"]["max_tokens"] == profile["teacher_gen"]["max_tokens"]
+        assert entry["response"]["content"] and entry["response"]["finish_reason"] in ("stop", "length")
+        asked.append(request["messages"][-1]["content"])
+    assert len(asked) == len(set(asked)) and set(asked) == prompts and held_out <= prompts
