@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import copy
 import functools
+import importlib
 import os
 import shutil
 import subprocess
@@ -124,6 +125,17 @@ def _committed_text(name: str, repo_root: Path) -> str:
     if shown.returncode != 0:
         raise RuntimeError(f"`git show :{name}` in {repo_root} failed: {shown.stderr.strip()}")
     return shown.stdout
+
+
+def load_study(name: str):
+    """The module ``studies/<name>.py``, imported as ``python studies/<name>.py`` sees it (``studies/`` on the path
+    only while it loads, so its sibling imports resolve)."""
+    studies = str(REPO / "studies")
+    sys.path.insert(0, studies)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(studies)
 
 
 def committed_params(repo_root: Path = REPO) -> dict:

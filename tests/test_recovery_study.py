@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from ars_opd.evaluation import recovery
-from micro import committed_params
+from micro import committed_params, load_study
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -267,12 +267,7 @@ def test_the_trainer_side_runs_without_the_endpoint_client():
 
 
 def _bench():
-    sys.path.insert(0, str(REPO / "studies"))
-    try:
-        import pruned_recovery
-    finally:
-        sys.path.remove(str(REPO / "studies"))
-    return pruned_recovery
+    return load_study("pruned_recovery")
 
 
 def test_a_stage_is_done_only_with_the_params_it_ran_with(tmp_path):

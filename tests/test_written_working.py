@@ -5,21 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from micro import load_study
 
 
 def _study():
-    sys.path.insert(0, str(REPO / "studies"))
-    try:
-        import written_working
-    finally:
-        sys.path.remove(str(REPO / "studies"))
-    return written_working
+    return load_study("written_working")
 
 
 def _row(task: str, prompt: str, completion: str) -> dict:

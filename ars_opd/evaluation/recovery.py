@@ -376,11 +376,8 @@ def render(
             + ". Each cell says how many seeds it has.",
             "",
         ]
-    unmeasured = [
-        m
-        for m, _, _ in STUDY_METRICS + OWN_SAMPLES
-        if m not in {k for k, _, _ in measured(by_arm, STUDY_METRICS + OWN_SAMPLES)}
-    ]
+    have = {k for k, _, _ in measured(by_arm, STUDY_METRICS + OWN_SAMPLES)}
+    unmeasured = [m for m, _, _ in STUDY_METRICS + OWN_SAMPLES if m not in have]
     lines += unmeasured_lines(by_arm, unmeasured)
     lines += ["The shared models, on all the held-out prompts:", "", *start_table(by_arm)]
     if meta.get("overrides"):
