@@ -449,6 +449,13 @@ def collect(root: Path) -> tuple[dict, dict, dict]:
     return by_arm, logs, meta
 
 
+def base_label(params_file: Path) -> str:
+    """The base student's name on the page: a pruned copy of the teacher (``models.student`` a mapping with
+    ``prune_from``) or a complete model, scored before any training."""
+    student = (read_params_file(params_file).get("models") or {}).get("student")
+    return "pruned base" if isinstance(student, dict) else "base student (complete, before any training)"
+
+
 def write_report(
     root: Path, out: Path, commit: str | None = None, notes: Path | None = None, diagnosis: Path | None = None
 ) -> dict:
@@ -468,6 +475,7 @@ def write_report(
         raise SystemExit(f"{root}: no arm has a finished evaluation")
     first = root / f"seed-{meta['seeds'][0]}" / next(iter(by_arm))
     p = load_params(first / "params.yaml", base=first, sections=("paths", "opd"))
+    meta.setdefault("base", base_label(first / "params.yaml"))
     meta.setdefault("start", f"`{p.paths.distill_init}`")
     meta.setdefault("batch", p.opd.global_batch_size)
     meta.setdefault("rollouts", p.opd.rollouts + (f" ({p.opd.engine.server})" if p.opd.rollouts == "engine" else ""))

@@ -504,3 +504,20 @@ def test_the_committed_teacher_answers_are_the_pinned_teachers_on_every_prompt()
         assert entry["response"]["content"] and entry["response"]["finish_reason"] in ("stop", "length")
         asked.append(request["messages"][-1]["content"])
     assert len(asked) == len(set(asked)) and set(asked) == prompts and held_out <= prompts
+
+
+def test_the_shared_models_table_names_a_complete_student_as_such(by_arm):
+    """The first row of the shared-models table is the base student: "pruned base" for the real profile's pruned
+    copy of the teacher, not for the cross-family study's complete SmolLM2 (read from each committed run's params)."""
+    pr = _bench()
+    runs = REPO / "reports"
+    assert pr.base_label(runs / "pruned_recovery/runs/seed-1/opd/params.yaml") == "pruned base"
+    complete = pr.base_label(runs / "larger_teacher/runs/seed-1/xtok_sampled_loo/params.yaml")
+    assert "pruned" not in complete
+    for runs_ in by_arm.values():
+        for r in runs_:
+            r["evaluate"]["base"] = {"reverse_kl": 1.2, "exact_match": 0.5}
+    for name in ("pruned base", complete):
+        table = recovery.render(by_arm, {}, {"seconds": 1, "base": name}, {}).split("The shared models", 1)[1]
+        first_row = next(line for line in table.splitlines() if line.startswith("| ") and "model |" not in line)
+        assert first_row.startswith(f"| {name} | ")

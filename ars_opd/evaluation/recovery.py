@@ -262,12 +262,11 @@ def verdict(by_arm: dict[str, list[dict]]) -> list[str]:
     return out
 
 
-def start_table(by_arm: dict[str, list[dict]]) -> list[str]:
-    """The models every arm shares (the pruned base, the start, the teacher), as the first evaluation scored them."""
+def start_table(by_arm: dict[str, list[dict]], base: str = "pruned base") -> list[str]:
+    """The models every arm shares (the base student, the start, the teacher), as the first evaluation scored them.
+    ``base`` names the first: the pruned copy of the teacher, or a complete student before any training."""
     ev = next((runs[0]["evaluate"] for runs in by_arm.values() if runs), {})
-    rows = [
-        (name, ev.get(key)) for key, name in (("base", "pruned base"), ("sft", "start (SFT)"), ("teacher", "teacher"))
-    ]
+    rows = [(name, ev.get(key)) for key, name in (("base", base), ("sft", "start (SFT)"), ("teacher", "teacher"))]
     rows = [(name, m) for name, m in rows if m]
     if not rows:
         return []
@@ -336,7 +335,7 @@ def render(
 ) -> str:
     """The study's markdown. ``by_arm``: arm -> one run per seed ({"seed", "evaluate"}: the evaluation of that
     arm against that seed's control); ``logs``: arm -> its per-seed step logs; ``meta``: how it was run
-    (command, seeds, steps, device, seconds, overrides)."""
+    (command, seeds, steps, device, seconds, overrides; ``base``, the base student's row name)."""
     seeds = sorted({r["seed"] for runs in by_arm.values() for r in runs})
     lines = [
         meta.get("title") or TITLE,
@@ -379,7 +378,11 @@ def render(
     have = {k for k, _, _ in measured(by_arm, STUDY_METRICS + OWN_SAMPLES)}
     unmeasured = [m for m, _, _ in STUDY_METRICS + OWN_SAMPLES if m not in have]
     lines += unmeasured_lines(by_arm, unmeasured)
-    lines += ["The shared models, on all the held-out prompts:", "", *start_table(by_arm)]
+    lines += [
+        "The shared models, on all the held-out prompts:",
+        "",
+        *start_table(by_arm, meta.get("base", "pruned base")),
+    ]
     if meta.get("overrides"):
         base = f"the profile `{meta['profile']}` over params.yaml" if meta.get("profile") else "params.yaml"
         lines += [f"Params of every run, over {base}: `" + " ".join(meta["overrides"]) + "`.", ""]
