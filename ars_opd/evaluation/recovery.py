@@ -262,7 +262,7 @@ def verdict(by_arm: dict[str, list[dict]]) -> list[str]:
     return out
 
 
-def start_table(by_arm: dict[str, list[dict]], base: str = "pruned base") -> list[str]:
+def start_table(by_arm: dict[str, list[dict]], base: str) -> list[str]:
     """The models every arm shares (the base student, the start, the teacher), as the first evaluation scored them.
     ``base`` names the first: the pruned copy of the teacher, or a complete student before any training."""
     ev = next((runs[0]["evaluate"] for runs in by_arm.values() if runs), {})
