@@ -344,3 +344,32 @@ def test_a_zero_width_interval_is_not_a_verdict():
     assert lo == hi == pytest.approx(-0.02)
     assert "equal steps, exact match: not resolved (every seed gave the same difference" in text
     assert "at equal steps, exact match: control better" not in text
+
+
+def test_one_prompt_fewer_in_every_seed_is_not_a_verdict():
+    """Exact match moves in steps of one prompt: one prompt fewer of 78 in every seed, at different levels, is one
+    difference in exact arithmetic (the oracle: fractions) but three floats 1e-17 apart, whose t-interval is a
+    sliver that excludes 0. No page may call that better or worse: not the seed study's, not the recovery
+    study's, not the multi-teacher study's."""
+    from fractions import Fraction
+
+    from ars_opd.evaluation import multi_teacher, recovery
+    from ars_opd.evaluation.stats import mean_ci, one_difference
+
+    counts = [(36, 37), (37, 38), (38, 39)]
+    diffs = [a / 78 - b / 78 for a, b in counts]
+    assert {Fraction(a, 78) - Fraction(b, 78) for a, b in counts} == {Fraction(-1, 78)}
+    _, lo, hi = mean_ci(diffs)
+    assert len(set(diffs)) > 1 and lo < hi < 0  # the floats differ, and their interval excludes 0
+    assert one_difference(diffs, 1.0)
+    assert not one_difference([-3 / 78, -4 / 78, -3 / 78], 1.0)
+    assert not multi_teacher.resolved(diffs)
+    assert multi_teacher.resolved([-3 / 78, -4 / 78, -3 / 78])  # a spread that still excludes 0 is resolved
+    evals = [_evaluate(1.0 + 0.01 * s, 1.3 + 0.02 * s, opd_em=a / 78, ctl_em=b / 78) for s, (a, b) in enumerate(counts)]
+    runs = [{"name": f"s{s}", "seed": s, "evaluate": e} for s, e in enumerate(evals)]
+    text, _ = render_study(runs, "c", {})
+    assert "equal steps, exact match: not resolved (every seed gave the same difference" in text
+    assert "at equal steps, exact match: control better" not in text
+    words = "\n".join(recovery.verdict({"opd": runs}))
+    assert "at equal steps, exact match: not resolved (every seed gave the same difference)" in words
+    assert "at equal steps, exact match: worse than the control" not in words

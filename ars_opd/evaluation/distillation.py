@@ -32,7 +32,7 @@ from ars_opd.evaluation.equal_budget import (
 )
 from ars_opd.evaluation.experiments import walk_experiments
 from ars_opd.evaluation.first_error import first_error_figure, has_steps, step_table
-from ars_opd.evaluation.stats import mean_ci
+from ars_opd.evaluation.stats import mean_ci, one_difference
 from ars_opd.evaluation.tables import fmt
 
 
@@ -164,7 +164,8 @@ def comparison(runs: list[dict], level: str = "##", arm: str = "OPD") -> tuple[l
             if len(a) < 2:
                 continue
             pct = metric == "exact_match"
-            diff = mean_ci([x - y for x, y in zip(a, b)])
+            diffs = [x - y for x, y in zip(a, b)]
+            diff = mean_ci(diffs)
             _, ld, hd = diff
             cells = (interval_cell(mean_ci(a), pct), interval_cell(mean_ci(b), pct), interval_cell(diff, pct))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -173,7 +174,7 @@ def comparison(runs: list[dict], level: str = "##", arm: str = "OPD") -> tuple[l
                 good = (hd < 0) if direction == "lower" else (ld > 0)
                 bad = (ld > 0) if direction == "lower" else (hd < 0)
                 word = f"{arm} better" if good else "control better" if bad else "no difference resolved"
-                if ld == hd:  # every seed gave the same difference: a zero-width interval says nothing
+                if one_difference(diffs, max(abs(v) for v in a + b)):  # a zero-width interval says nothing
                     word = "not resolved (every seed gave the same difference, so the interval has no width)"
                 verdict_bits.append(f"{title.lower()}, {label}: {word} ({arm} − control {interval_cell(diff, pct)})")
         lines.append("")

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from ars_opd.evaluation.stats import mean_ci
+from ars_opd.evaluation.stats import mean_ci, one_difference
 from ars_opd.evaluation.tables import fmt
 
 # arm -> (label, what it is, the teachers section's route and default for its OPD run)
@@ -78,10 +78,11 @@ def _signed(values: list[float], pct: bool) -> str:
     return f"{one(m)} [{one(lo)}, {one(hi)}]{unit}"
 
 
-def resolved(values: list[float]) -> bool:
-    """Whether the 95% interval of the mean excludes 0."""
+def resolved(values: list[float], scale: float = 1.0) -> bool:
+    """Whether the 95% interval of the mean excludes 0; not where every seed gave the same difference, whose
+    interval has no width. ``scale``: the largest magnitude of the numbers differenced (1 for shares)."""
     _, lo, hi = mean_ci(values)
-    return math.isfinite(lo) and (lo > 0 or hi < 0)
+    return math.isfinite(lo) and (lo > 0 or hi < 0) and not one_difference(values, scale)
 
 
 def _interpolate(points: list[tuple[float, float]], x: float) -> float:
@@ -157,10 +158,12 @@ def summary(by_seed: dict[int, dict[str, dict]], start: dict[int, dict]) -> dict
                     entry = {"values": values, "mean_ci": list(mean_ci(values))}
                     if arm != REFERENCE:
                         diff = _paired(view, arm, half, metric, seeds)
+                        ref = _series(view, REFERENCE, half, metric, seeds)
+                        scale = max((abs(v) for v in values + ref if math.isfinite(v)), default=1.0)
                         entry["minus_routed"] = {
                             "values": diff,
                             "mean_ci": list(mean_ci(diff)),
-                            "resolved": resolved(diff),
+                            "resolved": resolved(diff, scale),
                         }
                     table[arm][half][metric] = entry
         out["views"][name] = table

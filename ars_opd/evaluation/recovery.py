@@ -22,7 +22,7 @@ import pandas as pd
 from ars_opd.evaluation.distillation import comparison, control_table, instrument_control, interval_cell
 from ars_opd.evaluation.equal_budget import METRICS, compare, interpolate
 from ars_opd.evaluation.recovery_sections import diagnosis_section, rollout_sections
-from ars_opd.evaluation.stats import mean_ci
+from ars_opd.evaluation.stats import mean_ci, one_difference
 from ars_opd.evaluation.tables import LENGTH_PROOF, OWN, fmt
 
 CONTROL = "sft"
@@ -247,8 +247,9 @@ def verdict(by_arm: dict[str, list[dict]]) -> list[str]:
                 if len(a) < 2:
                     continue
                 pct = _pct(metric)
-                m, lo, hi = mean_ci([x - y for x, y in zip(a, b)])
-                if lo == hi:
+                diffs = [x - y for x, y in zip(a, b)]
+                m, lo, hi = mean_ci(diffs)
+                if one_difference(diffs, max(abs(v) for v in a + b)):
                     word = "not resolved (every seed gave the same difference)"
                 elif (hi < 0) if direction == "lower" else (lo > 0):
                     word = "better than the control"
