@@ -406,9 +406,9 @@ def test_the_diagnosis_section_shows_each_measurement():
 
 def test_every_arm_sets_opd_keys_and_every_committed_run_has_its_arms_settings():
     """An arm's name labels its runs on the page: each arm's overrides are keys of the opd section, and every run
-    committed under reports/pruned_recovery/runs or reports/larger_teacher/runs trained with the settings its arm's
-    name stands for (a run made as an ``--extra-arm`` and registered later under a name keeps its label honest only
-    if the two agree)."""
+    committed under reports/{pruned_recovery,pruned_recovery_start2,larger_teacher}/runs trained with the settings
+    its arm's name stands for (a run made as an ``--extra-arm`` and registered later under a name keeps its label
+    honest only if the two agree)."""
     import dataclasses
 
     import yaml
@@ -420,7 +420,7 @@ def test_every_arm_sets_opd_keys_and_every_committed_run_has_its_arms_settings()
         assert set(overrides or {}) <= fields, (name, set(overrides or {}) - fields)
     reports = Path(__file__).resolve().parents[1] / "reports"
     checked = {}
-    for study in ("pruned_recovery", "larger_teacher"):
+    for study in ("pruned_recovery", "pruned_recovery_start2", "larger_teacher"):
         checked[study] = 0
         for params_file in sorted((reports / study / "runs").glob("seed-*/*/params.yaml")):
             arm = params_file.parent.name
@@ -430,6 +430,7 @@ def test_every_arm_sets_opd_keys_and_every_committed_run_has_its_arms_settings()
                 checked[study] += 1
     assert checked["pruned_recovery"] >= 3 * 3 * 4  # three seeds of the old OPD, sharpened teacher, GKD, λ = 0.5
     assert checked["larger_teacher"] >= 3 * 2 * 5  # three seeds of the baselined span arm and of cross_vocab
+    assert checked["pruned_recovery_start2"] >= 3 * (6 + 3)  # three seeds of the anchored sharp arm and of λ = 0.25
 
 
 def test_a_cross_tokenizer_study_says_its_fixed_prefix_figures_cannot_be_taken(by_arm):

@@ -58,6 +58,12 @@ ARMS: dict[str, tuple[str, str, dict | None]] = {
         "rest (GKD's λ without its β)",
         {"loss": "full_vocab", "beta": 1.0, "on_policy_fraction": 0.5},
     ),
+    "opd_lambda025": (
+        "OPD, reverse KL, λ = 0.25",
+        "full-vocabulary reverse KL, on the student's samples on a quarter of the steps and the teacher's completions "
+        "on the rest",
+        {"loss": "full_vocab", "beta": 1.0, "on_policy_fraction": 0.25},
+    ),
     "opd_sharp": (
         "OPD, sharpened teacher (τ_T = 0.5)",
         "full-vocabulary reverse KL on the student's own samples against the teacher at temperature 0.5 "
