@@ -159,7 +159,10 @@ def summary(by_seed: dict[int, dict[str, dict]], start: dict[int, dict]) -> dict
                     if arm != REFERENCE:
                         diff = _paired(view, arm, half, metric, seeds)
                         ref = _series(view, REFERENCE, half, metric, seeds)
-                        scale = max((abs(v) for v in values + ref if math.isfinite(v)), default=1.0)
+                        scale = max(
+                            (abs(v) for v in values + ref if isinstance(v, (int, float)) and math.isfinite(v)),
+                            default=1.0,
+                        )
                         entry["minus_routed"] = {
                             "values": diff,
                             "mean_ci": list(mean_ci(diff)),
