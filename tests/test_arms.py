@@ -361,10 +361,12 @@ def test_one_prompt_fewer_in_every_seed_is_not_a_verdict():
     assert {Fraction(a, 78) - Fraction(b, 78) for a, b in counts} == {Fraction(-1, 78)}
     _, lo, hi = mean_ci(diffs)
     assert len(set(diffs)) > 1 and lo < hi < 0  # the floats differ, and their interval excludes 0
-    assert one_difference(diffs, 1.0)
-    assert not one_difference([-3 / 78, -4 / 78, -3 / 78], 1.0)
-    assert not multi_teacher.resolved(diffs)
-    assert multi_teacher.resolved([-3 / 78, -4 / 78, -3 / 78])  # a spread that still excludes 0 is resolved
+    arm, control = [a / 78 for a, _ in counts], [b / 78 for _, b in counts]
+    assert one_difference(arm, control)
+    spread = ([33 / 78, 34 / 78, 35 / 78], [36 / 78, 38 / 78, 38 / 78])  # -3, -4, -3 prompts
+    assert not one_difference(*spread)
+    assert not multi_teacher.difference(arm, control)["resolved"]
+    assert multi_teacher.difference(*spread)["resolved"]  # a spread that still excludes 0 is resolved
     evals = [_evaluate(1.0 + 0.01 * s, 1.3 + 0.02 * s, opd_em=a / 78, ctl_em=b / 78) for s, (a, b) in enumerate(counts)]
     runs = [{"name": f"s{s}", "seed": s, "evaluate": e} for s, e in enumerate(evals)]
     text, _ = render_study(runs, "c", {})

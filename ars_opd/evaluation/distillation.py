@@ -164,8 +164,7 @@ def comparison(runs: list[dict], level: str = "##", arm: str = "OPD") -> tuple[l
             if len(a) < 2:
                 continue
             pct = metric == "exact_match"
-            diffs = [x - y for x, y in zip(a, b)]
-            diff = mean_ci(diffs)
+            diff = mean_ci([x - y for x, y in zip(a, b)])
             _, ld, hd = diff
             cells = (interval_cell(mean_ci(a), pct), interval_cell(mean_ci(b), pct), interval_cell(diff, pct))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -174,7 +173,7 @@ def comparison(runs: list[dict], level: str = "##", arm: str = "OPD") -> tuple[l
                 good = (hd < 0) if direction == "lower" else (ld > 0)
                 bad = (ld > 0) if direction == "lower" else (hd < 0)
                 word = f"{arm} better" if good else "control better" if bad else "no difference resolved"
-                if one_difference(diffs, max(abs(v) for v in a + b)):  # a zero-width interval says nothing
+                if one_difference(a, b):  # every seed gave the same difference: a zero-width interval says nothing
                     word = "not resolved (every seed gave the same difference, so the interval has no width)"
                 verdict_bits.append(f"{title.lower()}, {label}: {word} ({arm} − control {interval_cell(diff, pct)})")
         lines.append("")

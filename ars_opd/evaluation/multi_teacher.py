@@ -78,11 +78,13 @@ def _signed(values: list[float], pct: bool) -> str:
     return f"{one(m)} [{one(lo)}, {one(hi)}]{unit}"
 
 
-def resolved(values: list[float], scale: float = 1.0) -> bool:
-    """Whether the 95% interval of the mean excludes 0; not where every seed gave the same difference, whose
-    interval has no width. ``scale``: the largest magnitude of the numbers differenced (1 for shares)."""
-    _, lo, hi = mean_ci(values)
-    return math.isfinite(lo) and (lo > 0 or hi < 0) and not one_difference(values, scale)
+def difference(a: list[float], b: list[float]) -> dict:
+    """a − b per seed, the mean's 95% interval, and whether it is resolved: the interval excludes 0, and the seeds did
+    not all give the same difference (an interval with no width says nothing)."""
+    values = [x - y for x, y in zip(a, b)]
+    m, lo, hi = mean_ci(values)
+    resolved = math.isfinite(lo) and (lo > 0 or hi < 0) and not one_difference(a, b)
+    return {"values": values, "mean_ci": [m, lo, hi], "resolved": resolved}
 
 
 def _interpolate(points: list[tuple[float, float]], x: float) -> float:
@@ -131,13 +133,10 @@ def _series(view: dict[str, dict[int, dict]], arm: str, half: str, metric: str, 
     return [view[arm][s][half][metric] for s in seeds if s in view.get(arm, {})]
 
 
-def _paired(view, arm: str, half: str, metric: str, seeds: list[int]) -> list[float]:
-    """arm − routed, per seed that has both."""
-    return [
-        view[arm][s][half][metric] - view[REFERENCE][s][half][metric]
-        for s in seeds
-        if s in view.get(arm, {}) and s in view.get(REFERENCE, {})
-    ]
+def _paired(view, arm: str, half: str, metric: str, seeds: list[int]) -> dict:
+    """arm − routed, per seed that has both (``difference``)."""
+    both = [s for s in seeds if s in view.get(arm, {}) and s in view.get(REFERENCE, {})]
+    return difference([view[arm][s][half][metric] for s in both], [view[REFERENCE][s][half][metric] for s in both])
 
 
 def summary(by_seed: dict[int, dict[str, dict]], start: dict[int, dict]) -> dict:
@@ -157,17 +156,7 @@ def summary(by_seed: dict[int, dict[str, dict]], start: dict[int, dict]) -> dict
                     values = _series(view, arm, half, metric, seeds)
                     entry = {"values": values, "mean_ci": list(mean_ci(values))}
                     if arm != REFERENCE:
-                        diff = _paired(view, arm, half, metric, seeds)
-                        ref = _series(view, REFERENCE, half, metric, seeds)
-                        scale = max(
-                            (abs(v) for v in values + ref if isinstance(v, (int, float)) and math.isfinite(v)),
-                            default=1.0,
-                        )
-                        entry["minus_routed"] = {
-                            "values": diff,
-                            "mean_ci": list(mean_ci(diff)),
-                            "resolved": resolved(diff, scale),
-                        }
+                        entry["minus_routed"] = _paired(view, arm, half, metric, seeds)
                     table[arm][half][metric] = entry
         out["views"][name] = table
         if name == "equal_flops":
@@ -177,12 +166,9 @@ def summary(by_seed: dict[int, dict[str, dict]], start: dict[int, dict]) -> dict
         for half in (*HALVES, "all")
     }
     steps = views(by_seed)["equal_steps"]
-    control = {
+    out["positive_control"] = {
         "arith_only on the letters half": _paired(steps, "arith_only", "words", "exact_match", seeds),
         "words_only on the arithmetic half": _paired(steps, "words_only", "arith", "exact_match", seeds),
-    }
-    out["positive_control"] = {
-        k: {"values": v, "mean_ci": list(mean_ci(v)), "resolved": resolved(v)} for k, v in control.items()
     }
     return out
 

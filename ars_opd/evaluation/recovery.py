@@ -253,9 +253,8 @@ def verdict(by_arm: dict[str, list[dict]]) -> list[str]:
                 if len(a) < 2:
                     continue
                 pct = _pct(metric)
-                diffs = [x - y for x, y in zip(a, b)]
-                m, lo, hi = mean_ci(diffs)
-                if one_difference(diffs, max(abs(v) for v in a + b)):
+                m, lo, hi = mean_ci([x - y for x, y in zip(a, b)])
+                if one_difference(a, b):
                     word = "not resolved (every seed gave the same difference)"
                 elif (hi < 0) if direction == "lower" else (lo > 0):
                     word = "better than the control"

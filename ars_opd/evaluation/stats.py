@@ -49,17 +49,18 @@ def mean_ci(x: Sequence[float], level: float = 0.95) -> tuple[float, float, floa
     return m, m - half, m + half
 
 
-def one_difference(diffs: Sequence[float], scale: float) -> bool:
-    """Whether paired differences are one number up to float64 rounding, so their t-interval has no width and says
-    nothing (exact match moves in steps of one prompt: one prompt fewer in every seed is 36/78 − 37/78 in one seed
-    and 37/78 − 38/78 in another, equal in exact arithmetic, apart by 1e-17 in floats). Each difference x − y of
-    numbers no larger than ``scale`` in magnitude, each correctly rounded (error at most eps/2 · scale) and then
-    subtracted (at most eps/2 · 2·scale more), is within 1.5 · eps · scale of the exact one, so two renderings of
-    one exact difference are within 3 · eps · scale of each other; the bound used is 4 · eps · scale."""
-    d = np.asarray(diffs, dtype=float)
-    if len(d) < 2 or not np.isfinite(d).all():
+def one_difference(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether the paired differences a − b are one number up to float64 rounding, so their t-interval has no width
+    and says nothing (exact match moves in steps of one prompt: one prompt fewer in every seed is 36/78 − 37/78 in
+    one seed and 37/78 − 38/78 in another, equal in exact arithmetic, apart by 1e-17 in floats). With s the largest
+    magnitude among a and b, each difference of two correctly rounded numbers (error at most eps/2 · s each) is
+    rounded once more (at most eps/2 · 2s), so it is within 1.5 · eps · s of the exact one, and two renderings of
+    one exact difference are within 3 · eps · s of each other; the bound used is 4 · eps · s."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if len(x) < 2 or len(x) != len(y) or not (np.isfinite(x).all() and np.isfinite(y).all()):
         return False
-    return float(d.max() - d.min()) <= 4 * np.finfo(float).eps * scale
+    d = x - y
+    return float(d.max() - d.min()) <= 4 * np.finfo(float).eps * float(np.abs(np.concatenate([x, y])).max())
 
 
 def welch_diff(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> tuple[float, float, float, float, float]:
