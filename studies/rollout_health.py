@@ -7,7 +7,10 @@ The runs are step logs (``steps.jsonl``) found under the roots given:
   arms (``reports/cross_tokenizer/runs``: their rollouts end throughout), the default pipeline's OPD at several
   seeds (``--default-runs``), a real-profile study's arms that a human judged healthy;
 - ``--collapsed ROOT``: runs whose rollouts stopped ending (the committed GPU pruned-recovery study's OPD and GKD
-  arms, ``reports/pruned_recovery_gpu/runs``).
+  arms, ``reports/pruned_recovery_gpu/runs``);
+- ``--runs ROOT``: runs labelled by their own step log, not by a person: collapsed if they have a collapse step
+  (below), healthy otherwise. Every committed study's runs can go here, the GKD-style ones (λ < 1) included,
+  whose baseline step may follow teacher-text steps.
 
 For a collapsed run the collapse step is the first on-policy step from which no rollout ended for at least
 ``--collapse-span`` on-policy steps in a row; the delay is the alarm's step minus it (negative: the alarm came
@@ -19,6 +22,7 @@ after the baseline) with an exact Poisson 95% interval. One JSON line per settin
     python studies/rollout_health.py --healthy reports/cross_tokenizer/runs build/health-default \
         --collapsed reports/pruned_recovery_gpu/runs
     python studies/rollout_health.py --default-runs build/health-default --seeds 1 2 3 4 5   # make the default runs
+    python studies/rollout_health.py --runs reports/*/runs --out reports/rollout_health.jsonl   # every committed run
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from ars_opd.artifacts import read_jsonl  # noqa: E402
 from ars_opd.config import read_params_file  # noqa: E402
 from ars_opd.training.opd.rollout_health import HealthConfig, detect, rollouts_of  # noqa: E402
 
-GRID = [(1, w, a) for w in (4, 6, 8) for a in (1e-3, 1e-4, 1e-5)]
+GRID = [(b, w, a) for b in (1, 2, 3) for w in (4, 6, 8) for a in (1e-3, 1e-4, 1e-5)]
 
 
 def step_logs(root: Path) -> list[tuple[str, list[dict], int | None]]:
@@ -156,6 +160,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--healthy", nargs="*", default=[], help="roots of healthy runs' step logs")
     ap.add_argument("--collapsed", nargs="*", default=[], help="roots of runs whose rollouts stopped ending")
+    ap.add_argument("--runs", nargs="*", default=[], help="roots of runs labelled by their collapse step")
     ap.add_argument("--collapse-span", type=int, default=5)
     ap.add_argument("--default-runs", help="make the default pipeline's OPD runs here first (--seeds)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
@@ -165,9 +170,16 @@ def main(argv=None) -> int:
         make_default_runs(Path(args.default_runs), args.seeds)
     healthy = [(f"{r}/{n}", rows, b) for r in args.healthy for n, rows, b in step_logs(Path(r))]
     collapsed = [(f"{r}/{n}", rows, b) for r in args.collapsed for n, rows, b in step_logs(Path(r))]
+    for r in args.runs:
+        for n, rows, b in step_logs(Path(r)):
+            (healthy if collapse_step(rows, b, args.collapse_span) is None else collapsed).append((f"{r}/{n}", rows, b))
     lines = [judge(healthy, collapsed, HealthConfig(b, w, a), args.collapse_span) for b, w, a in GRID]
     default = HealthConfig()
-    chosen = next(x for x in lines if (x["window"], x["alpha"]) == (default.window, default.alpha))
+    chosen = next(
+        x
+        for x in lines
+        if (x["baseline_steps"], x["window"], x["alpha"]) == (default.baseline_steps, default.window, default.alpha)
+    )
     lines.append({"kind": "summary", "default": [default.baseline_steps, default.window, default.alpha], **chosen})
     text = "".join(json.dumps(x) + "\n" for x in lines)
     sys.stdout.write(text)

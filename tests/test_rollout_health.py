@@ -1,7 +1,9 @@
 """Rollout health: the detector's exact tests, its verdict on collapsed and steady logs, the columns the OPD stage
 logs for it (per step and per worker), and where the verdict shows (check, summary).
 
-Oracles: Fisher's tail against a brute-force sum of ``math.comb`` ratios; the test's size under the null by exact
+Oracles: Fisher's tail against a brute-force sum of ``math.comb`` ratios; Student's t tail against mpmath's
+incomplete beta at 50 digits and the closed forms at 1 and 2 degrees of freedom; the length test against Welch's
+statistic recomputed from the raw lengths; the test's size under the null by exact
 enumeration of every binomial outcome; the student's entropy against ``torch.distributions`` in float64; the
 per-worker columns against the all-worker ones they must average to.
 """
@@ -14,10 +16,12 @@ import math
 from fractions import Fraction
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
 from ars_opd.checks import Problems, check_training
+from ars_opd.evaluation.rollout_dashboard import health_line
 from ars_opd.training.opd.rollout_health import (
     HealthConfig,
     HealthMonitor,
@@ -26,6 +30,7 @@ from ars_opd.training.opd.rollout_health import (
     hypergeometric_tail,
     rollouts_of,
     step_tests,
+    student_t_sf,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +68,110 @@ def test_the_rate_tests_keep_their_size_under_the_null(p):
                 if step_tests(base, win)[kind][0] < alpha:
                     size += prob
             assert size <= alpha * (1 + 1e-9), (kind, alpha, size)
+
+
+def _t_tail_bound(t: float, df: float) -> float:
+    """A relative error bound for ``student_t_sf`` in float64: its log prefactor sums five terms (three lgammas and
+    two a·log x), each within a few ulps of its magnitude S_i, so the exponent's absolute error, which is the
+    tail's relative error, is below 8·eps·ΣS_i; the continued fraction's modified Lentz steps add at most a few eps
+    each, 4·eps over its cap of 1,000 iterations, and its stopping rule one eps more."""
+    eps = 2.0**-52
+    a, b = df / 2, 0.5
+    x, y = df / (df + t * t), t * t / (df + t * t)
+    terms = [
+        math.lgamma(a + b),
+        math.lgamma(a),
+        math.lgamma(b),
+        a * math.log(x) if x else 0.0,
+        b * math.log(y) if y else 0.0,
+    ]
+    return eps * (8 * sum(abs(v) for v in terms) + 4 * 1000 + 1)
+
+
+@pytest.mark.parametrize("df", [0.5, 1.0, 2.0, 2.5, 7.0, 30.0, 1000.0, 1e4])
+def test_student_t_tail_against_mpmath_and_closed_forms(df):
+    import mpmath  # torch's own dependency (through sympy), so always there with torch
+
+    with mpmath.workdps(50):
+        for t in (0.0, 1e-3, 0.1, 1.0, 2.5, 3.72, 6.6, 20.0, 300.0, -0.5, -3.0, -30.0):
+            x = mpmath.mpf(df) / (df + mpmath.mpf(t) ** 2)
+            tail = 0.5 * mpmath.betainc(mpmath.mpf(df) / 2, 0.5, 0, x, regularized=True) if t else mpmath.mpf(0.5)
+            want = float(tail if t >= 0 else 1 - tail)
+            if want < 1e-300:  # below float64's normal range: nothing to compare
+                continue
+            got = student_t_sf(t, df)
+            assert abs(got - want) <= _t_tail_bound(t, df) * want, (t, df, got, want)
+    for t in (0.1, 1.0, 6.6, 1e3):  # P(T > t) = atan(1/t)/π at df = 1 (Cauchy); ½(1 − t/√(2 + t²)) at df = 2
+        assert student_t_sf(t, 1.0) == pytest.approx(math.atan(1 / t) / math.pi, rel=_t_tail_bound(t, 1.0) + 8 * 2**-52)
+        two = 1 / (math.sqrt(2 + t * t) * (math.sqrt(2 + t * t) + t))  # ½(1 − t/√(2+t²)) without the cancellation
+        assert student_t_sf(t, 2.0) == pytest.approx(two, rel=_t_tail_bound(t, 2.0) + 8 * 2**-52)
+
+
+def _welch_p_by_hand(base: list[float], win: list[float]) -> float:
+    """Welch's one-sided p-value that the window is longer, from the raw lengths (float64 numpy, ddof 1) and
+    mpmath's t tail: the independent route to what ``step_tests`` gets from per-step sums."""
+    import mpmath
+    import numpy as np
+
+    a, b = np.asarray(base, dtype=float), np.asarray(win, dtype=float)
+    sa, sb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    t = (b.mean() - a.mean()) / math.sqrt(sa + sb)
+    df = (sa + sb) ** 2 / (sa**2 / (len(a) - 1) + sb**2 / (len(b) - 1))
+    with mpmath.workdps(50):
+        tail = 0.5 * mpmath.betainc(
+            mpmath.mpf(df) / 2, 0.5, 0, mpmath.mpf(df) / (df + mpmath.mpf(t) ** 2), regularized=True
+        )
+    return float(tail if t > 0 else 1 - tail)
+
+
+def _steps(groups: list[list[float]], max_new: float = 48.0) -> list[StepRollouts]:
+    return [
+        StepRollouts(
+            i, len(g), sum(x < max_new for x in g), sum(x >= max_new for x in g), sum(g), sum(x * x for x in g)
+        )
+        for i, g in enumerate(groups)
+    ]
+
+
+def test_the_length_test_is_welch_read_against_student_t():
+    """The longer/shorter p-values equal Welch's from the raw lengths. And the case that made it matter: a baseline
+    of 8 rollouts (7 ended, mean 17.4 tokens) against one step of 8 all cut at 48, a one-step stall a λ = 0.25 run
+    recovered from. Read against the normal it is p < 1e-10 and alarms; against t (7 degrees of freedom) it is
+    above α = 1e-4, and Fisher's test on the ended counts (p = 8/11440) does not alarm either."""
+    base = [6.0, 8.0, 10.0, 11.0, 12.0, 14.0, 20.0, 48.0]
+    for win in ([9.0, 12.0, 15.0, 16.0, 21.0, 30.0], [4.0, 5.0, 9.0, 6.0], [48.0] * 7 + [47.0]):
+        tests = step_tests(_steps([base]), _steps([win]))
+        want = _welch_p_by_hand(base, win)
+        assert tests["longer"][0] == pytest.approx(want, rel=1e-9, abs=1e-15)
+        assert tests["shorter"][0] == pytest.approx(1 - want, rel=1e-9, abs=1e-15)
+    stall = [base, [48.0] * 8]
+    tests = step_tests(_steps(stall[:1]), _steps(stall[1:]))
+    mean = sum(base) / 8
+    se = math.sqrt(sum((x - mean) ** 2 for x in base) / 7 / 8)
+    normal_p = 0.5 * math.erfc((48.0 - mean) / se / math.sqrt(2))
+    assert normal_p < 1e-10  # what the normal reading said
+    assert tests["longer"][0] == pytest.approx(_welch_p_by_hand(base, [48.0] * 8), rel=1e-9)
+    assert tests["longer"][0] > 1e-4 and tests["stopped_ending"][0] == pytest.approx(8 / 11440, rel=1e-12)
+    assert detect([r for r in _rows_of(stall)]).alarm is None
+    # the study page's line says how near it came rather than that nothing moved
+    line = health_line("opd", pd.DataFrame(_rows_of(stall)))
+    assert "no alarm in 2 on-policy steps" in line and f"p = {tests['longer'][0]:.1e}, longer" in line
+
+
+def _rows_of(groups: list[list[float]], max_new: float = 48.0) -> list[dict]:
+    rows = []
+    for s in _steps(groups, max_new):
+        rows.append(
+            {
+                "step": s.step,
+                "task/rollouts": float(s.n),
+                "task/eos_rate": s.ended / s.n,
+                "task/truncation_rate": s.cut / s.n,
+                "task/response_length": s.length_sum / s.n,
+                "task/response_length_sq": s.length_sq_sum / s.n,
+            }
+        )
+    return rows
 
 
 def _log(eos: list[float], batch: int = 8, lengths: list[float] | None = None, on_policy=None) -> list[dict]:

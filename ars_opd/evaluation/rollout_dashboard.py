@@ -65,8 +65,8 @@ def health_line(stage: str, df: pd.DataFrame, health: HealthConfig | None = None
         return ""
     kind, p = min(monitor.smallest.items(), key=lambda kv: kv[1])
     return (
-        f"Rollout health, {stage}: no alarm in {len(monitor.steps)} on-policy steps (the EOS rate, cut share and "
-        f"length stayed with the start's; smallest p = {p:.1e}, {kind}, against α = {monitor.cfg.alpha:g})."
+        f"Rollout health, {stage}: no alarm in {len(monitor.steps)} on-policy steps (no test of the EOS rate, cut "
+        f"share or length against the start's reached α = {monitor.cfg.alpha:g}; the nearest: p = {p:.1e}, {kind})."
     )
 
 
