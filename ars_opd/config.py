@@ -1511,9 +1511,9 @@ class ReportConfig:
     start each later window is tested against (step 0's are the start model's own)."""
     rollout_window: int = 4
     """Rollout health: the last on-policy steps tested against the baseline at each step. 4 rather than 6 or 8
-    (``studies/rollout_health.py``, reports/rollout_health.jsonl, every committed study's 42 runs): no false alarm
-    on the 32 healthy runs at any of them at α 1e-4, the same collapsed runs caught, and the alarm a median 3 steps
-    after the collapse rather than 5 or 7. A baseline of 2 or 3 steps did worse there: more false alarms, fewer
+    (``studies/rollout_health.py``, reports/rollout_health.jsonl, the 39 committed study runs that sample): no false
+    alarm on the 32 healthy runs at any of them at α 1e-4, the same collapsed runs caught, and the alarm a median 3
+    steps after the collapse rather than 5 or 7. A baseline of 2 or 3 steps did worse there: more false alarms, fewer
     collapses caught."""
     rollout_alpha: float = 1e-4
     """Rollout health: a test's p-value below this raises the alarm (five one-sided tests a step: EOS rate down

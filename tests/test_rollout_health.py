@@ -135,9 +135,9 @@ def _steps(groups: list[list[float]], max_new: float = 48.0) -> list[StepRollout
 
 def test_the_length_test_is_welch_read_against_student_t():
     """The longer/shorter p-values equal Welch's from the raw lengths. And the case that made it matter: a baseline
-    of 8 rollouts (7 ended, mean 17.4 tokens) against one step of 8 all cut at 48, a one-step stall a λ = 0.25 run
-    recovered from. Read against the normal it is p < 1e-10 and alarms; against t (7 degrees of freedom) it is
-    above α = 1e-4, and Fisher's test on the ended counts (p = 8/11440) does not alarm either."""
+    of 8 rollouts (7 ended, mean 16.1 tokens; the run's was 17.4) against one step of 8 all cut at 48, a one-step
+    stall a λ = 0.25 run recovered from. Read against the normal it is p < 1e-10 and alarms; against t (7 degrees
+    of freedom) it is above α = 1e-4, and Fisher's test on the ended counts (p = 8/11440) does not alarm either."""
     base = [6.0, 8.0, 10.0, 11.0, 12.0, 14.0, 20.0, 48.0]
     for win in ([9.0, 12.0, 15.0, 16.0, 21.0, 30.0], [4.0, 5.0, 9.0, 6.0], [48.0] * 7 + [47.0]):
         tests = step_tests(_steps([base]), _steps([win]))
@@ -338,3 +338,23 @@ def test_the_calibration_study_counts_alarms_and_delays(tmp_path):
     out = study.judge([("steady", steady, None)], [("collapsed", collapsed, None)], HealthConfig(1, 4, 1e-4), 5)
     assert out["false_alarms"] == 0 and out["judged_steps"] == 39
     assert out["detected"] == 1 and out["delays"][0]["delay"] == out["delays"][0]["alarm_step"] - 3
+
+
+def test_student_t_tail_at_the_edges():
+    """Beyond df 1e7 the normal's tail (t is within 1e-7 relative of it there; lgamma's differences would lose more);
+    an infinite t is 0 or 1; a NaN t or a df that is not positive is an error, not a silent p-value."""
+    z = 1.3
+    assert student_t_sf(z, math.inf) == 0.5 * math.erfc(z / math.sqrt(2))
+    assert student_t_sf(z, 1e9) == 0.5 * math.erfc(z / math.sqrt(2))
+    assert student_t_sf(math.inf, 3.0) == 0.0 and student_t_sf(-math.inf, 3.0) == 1.0
+    for bad_t, bad_df in ((math.nan, 3.0), (1.0, 0.0), (1.0, math.nan), (1.0, -2.0)):
+        with pytest.raises(ValueError):
+            student_t_sf(bad_t, bad_df)
+
+
+def test_lengths_that_are_not_numbers_are_not_tested():
+    """A log whose length columns overflowed to inf gives no length verdict (the old branch called it p = 0)."""
+    base = [StepRollouts(0, 8, 4, 4, 200.0, 6000.0)]
+    win = [StepRollouts(1, 8, 4, 4, math.inf, math.inf)]
+    tests = step_tests(base, win)
+    assert "longer" not in tests and "shorter" not in tests and "stopped_ending" in tests

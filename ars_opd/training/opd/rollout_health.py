@@ -30,7 +30,7 @@ baseline is short on purpose, since the collapse this guards against took three 
 a p-value can get (all k baseline ends and none in the window gives about (n_B / (n_B + n_W))^k), so the window
 is several steps. An alarm is the first step at which any test's p-value is below ``alpha``; the step log of a
 healthy run is not exchangeable (a student may legitimately learn to end more often), so the false-alarm rate is
-measured on healthy runs rather than taken from α (``bench/rollout_health.py``; its figures in the report).
+measured on healthy runs rather than taken from α (``studies/rollout_health.py``; its figures in the report).
 
 Plain Python (``math``): the report, ``ars-opd summary``, ``ars-opd check`` and the OPD stage itself (a warning
 line the step it fires) all call ``detect``.
@@ -129,6 +129,10 @@ def hypergeometric_tail(k_window: int, n_window: int, total: int, n_all: int, up
     return min(1.0, math.exp(m) * sum(math.exp(t - m) for t in terms))
 
 
+def _normal_sf(z: float) -> float:
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
 def _continued_fraction(a: float, b: float, x: float) -> float:
     """The continued fraction of the incomplete beta function (modified Lentz), which converges fast for
     x < (a + 1) / (a + b + 2)."""
@@ -158,7 +162,9 @@ def regularized_beta(x: float, y: float, a: float, b: float) -> float:
         return 0.0
     if y <= 0.0:
         return 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(y)
+    log_x = math.log(x) if x < 0.5 else math.log1p(-y)
+    log_y = math.log(y) if y < 0.5 else math.log1p(-x)
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * log_x + b * log_y
     if x < (a + 1.0) / (a + b + 2.0):
         return math.exp(log_front) * _continued_fraction(a, b, x) / a
     return 1.0 - math.exp(log_front) * _continued_fraction(b, a, y) / b
@@ -169,6 +175,10 @@ def student_t_sf(t: float, df: float) -> float:
     ½ I_{df/(df+t²)}(df/2, ½) for t > 0, accurate far into the tail (p = 1e-12 keeps its leading digits)."""
     if not df > 0:
         raise ValueError(f"df must be > 0, got {df}")
+    if math.isnan(t):
+        raise ValueError("t is NaN")
+    if df > 1e7:  # lgamma's differences lose digits here; t is within 1e-7 relative of the normal anyway
+        return _normal_sf(t)
     if math.isinf(t):
         return 0.0 if t > 0 else 1.0
     tail = 0.5 * regularized_beta(df / (df + t * t), t * t / (df + t * t), df / 2.0, 0.5)
@@ -196,9 +206,14 @@ def step_tests(baseline: list[StepRollouts], window: list[StepRollouts]) -> dict
         vw = max(qw - nw * mw * mw, 0.0) / (nw - 1)
         sb, sw = vb / nb, vw / nw
         se = math.sqrt(sb + sw)
+        if not (math.isfinite(mb) and math.isfinite(mw) and math.isfinite(se)):
+            return out  # a log whose lengths are not numbers: nothing to test them on
         if se > 0:
             z = (mw - mb) / se
-            df = (sb + sw) ** 2 / (sb * sb / (nb - 1) + sw * sw / (nw - 1))  # Welch–Satterthwaite
+            # Welch–Satterthwaite, written as a ratio of shares so it cannot overflow: between min(nb, nw) − 1
+            # and nb + nw − 2
+            fb, fw = sb / (sb + sw), sw / (sb + sw)
+            df = 1.0 / (fb * fb / (nb - 1) + fw * fw / (nw - 1))
             out["longer"] = (student_t_sf(z, df), mb, mw)
             out["shorter"] = (student_t_sf(-z, df), mb, mw)
         elif mw != mb:  # no spread in either group, yet the means differ: as sure as the counts allow
