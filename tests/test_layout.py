@@ -163,6 +163,16 @@ def test_benchmarks_and_studies_import_nothing_from_the_tests():
     assert not found, "\n".join(found)
 
 
+def test_every_study_is_in_the_studies_index():
+    """studies/README.md is where a user finds which study answers what: every script there names itself in it
+    (``rollout_health.py`` once went missing)."""
+    index = (REPO / "studies" / "README.md").read_text()
+    scripts = [p.name for p in sorted((REPO / "studies").iterdir()) if p.suffix in (".py", ".sh")]
+    assert len(scripts) > 10
+    missing = [name for name in scripts if f"`{name}`" not in index]
+    assert not missing, missing
+
+
 def _dvc_stages() -> dict:
     import yaml
 
