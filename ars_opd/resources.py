@@ -108,6 +108,11 @@ def record_stage(stage: str, started: float, wall_s: float, memory: PeakMemory, 
         "memory": "process tree, sampled" if memory.proc else "this process only (ru_maxrss)",
         "ok": ok,
     }
+    from ars_opd.seeding import cpu_kernels_in_use
+
+    kernels = cpu_kernels_in_use()
+    if kernels is not None:
+        line["cpu_kernels"] = kernels  # the instruction set torch dispatched to (base.cpu_kernels caps it)
     try:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         with open(log, "a", encoding="utf-8") as f:

@@ -1,10 +1,52 @@
 """Seeds: one global seed (``base.seed``), an independent stream per purpose derived from it, and the
-per-rank seeds of the data-parallel seed scenarios."""
+per-rank seeds of the data-parallel seed scenarios; and the CPU kernels a run may use (``base.cpu_kernels``),
+without which the same seeds give other floats on another CPU."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import platform
 import random
+from typing import MutableMapping
+
+# base.cpu_kernels → the variables that cap torch's own kernels (ATen's dispatch), MKL's (its BLAS) and oneDNN's.
+# Each library reads its variable once, at its first use, so they are set before the stage imports torch.
+KERNEL_ENV = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "native": {},
+}
+X86 = ("x86_64", "amd64", "x64")
+
+
+def pin_cpu_kernels(choice: str, environ: MutableMapping[str, str] | None = None, machine: str | None = None) -> dict:
+    """Cap the CPU kernels of this process and the workers and servers it starts (they inherit its environment):
+    ``avx2`` sets ``KERNEL_ENV["avx2"]`` on an x86-64 machine, overriding what was there (the params describe the
+    run), ``native`` leaves the environment alone. On another architecture nothing is set (the caps name x86
+    instruction sets). Returns what it set."""
+    if choice not in KERNEL_ENV:
+        raise ValueError(f"cpu_kernels must be one of {sorted(KERNEL_ENV)}, got {choice!r}")
+    environ = os.environ if environ is None else environ
+    machine = (machine if machine is not None else platform.machine()).lower()
+    if machine not in X86:
+        return {}
+    environ.update(KERNEL_ENV[choice])
+    return dict(KERNEL_ENV[choice])
+
+
+def cpu_kernels_in_use() -> str | None:
+    """The instruction set torch's CPU kernels dispatch to in this process (``AVX2``, ``AVX512``, …), or None when
+    torch was never imported here (asking would import it)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # an old or partial torch: the record goes without it
+        return None
+
 
 SCENARIOS = ("S1-1", "S1-2", "S1-3")
 

@@ -101,14 +101,29 @@ def _start_workers_early() -> None:
     start_early(ddp.threads_per_worker)
 
 
+def _pin_cpu_kernels() -> None:
+    """Set ``base.cpu_kernels``'s caps in this process's environment before anything imports torch, so the stage,
+    its forkserver, its workers and any server it starts use the kernels the params name. Bad params are left
+    for the stage to report."""
+    try:
+        from ars_opd.config import load_params
+        from ars_opd.seeding import pin_cpu_kernels
+
+        pin_cpu_kernels(load_params(sections=("base",)).base.cpu_kernels)
+    except Exception:
+        return
+
+
 def run_stage(main: Callable[[], None]) -> None:
     """Run a stage's ``main``; a ``ConfigError`` prints ``ars-opd <stage>: invalid params: <message>`` and
     exits 2, an ``EndpointError`` ``ars-opd <stage>: <message>`` and exits 4, a ``ModelSourceError`` the same and
     exits 5; anything else propagates.
-    A training stage's forkserver starts first (``_start_workers_early``)."""
+    First the CPU kernels ``base.cpu_kernels`` names are pinned (``_pin_cpu_kernels``), then a training stage's
+    forkserver starts (``_start_workers_early``)."""
     from ars_opd.config import ConfigError, PathsConfig, load_params
     from ars_opd.resources import timed
 
+    _pin_cpu_kernels()
     _start_workers_early()
     stage = os.path.splitext(os.path.basename(main.__code__.co_filename))[0]
     try:
