@@ -77,15 +77,15 @@ class BaseConfig:
     threads: int = 2
     """torch CPU threads per process (0 leaves torch's default)."""
     cpu_kernels: Literal["avx2", "native"] = "avx2"
-    """Which CPU kernels torch, MKL and oneDNN may use on an x86-64 CPU (``ars_opd.seeding.pin_cpu_kernels``;
+    """Which CPU kernels torch and MKL may use on an x86-64 CPU (``ars_opd.seeding.pin_cpu_kernels``;
     nothing changes on other CPUs or in a GPU's own kernels). The same seeds give other floats when the kernels
     differ, and a thousand training steps carry the difference into every model: the default pipeline made on an
     AMD EPYC with AVX-512 left to its fastest kernels trained a teacher of final loss 0.0056 and students at
     61.5% / 65.5% / 67.0%, where the committed run, made on another AMD EPYC, has 0.0115 and 48.5% / 52.5% /
-    51.0%. ``avx2`` caps all three libraries at AVX2 (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS,
-    ONEDNN_MAX_CPU_ISA), and the AVX-512 machine then reproduced the committed run bit for bit: the run's figures
-    follow its params, not its CPU (checked on these two; the same thread count is assumed). ``native``: each
-    CPU's fastest kernels."""
+    51.0%. ``avx2`` caps both at AVX2 (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS), and the AVX-512 machine then
+    reproduced the committed run bit for bit: the run's figures follow its params, not its CPU (checked on these
+    two; the same thread count is assumed). bf16 on a CPU (oneDNN's kernels) is not capped: capped, its matmuls ran
+    100× slower. ``native``: each CPU's fastest kernels."""
 
     def __post_init__(self):
         _require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")

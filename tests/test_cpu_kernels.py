@@ -16,7 +16,7 @@ from ars_opd.config import ConfigError, load_params
 from ars_opd.seeding import KERNEL_ENV, pin_cpu_kernels
 
 REPO = Path(__file__).resolve().parents[1]
-CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def _clean_env() -> dict:
