@@ -38,16 +38,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-# The suite runs on the CPU kernels the default params name, as every stage it starts does (``run_stage`` pins
-# ``base.cpu_kernels`` in its own process): a stage run in-process here (``run_stage_here``, its workers forked from
-# this session's forkserver) and the same stage started as ``python -m stages.sft`` must train the same floats, and
-# on an AVX-512 CPU they did not while only the subprocess was capped. Set before torch's first kernel, which reads
-# the cap once.
-from ars_opd.config import BaseConfig  # noqa: E402
-from ars_opd.seeding import pin_cpu_kernels  # noqa: E402
-
-pin_cpu_kernels(BaseConfig().cpu_kernels)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")

@@ -51,7 +51,10 @@ SESSION_DIR: Path | None = None
 # micro-sized model only waited for a core (the micro models stage took 40 s of a loaded machine at two threads,
 # 16 s at one).
 MICRO_OVERRIDES = {
-    "base": {"threads": 1},
+    # native kernels: a test that runs a stage in this process (``run_stage_here``: torch here has dispatched
+    # already, so a cap can no longer apply) and compares it bit for bit with the same stage as a subprocess needs
+    # both on one kernel set; tests/test_cpu_kernels.py exercises the avx2 default on its own params
+    "base": {"threads": 1, "cpu_kernels": "native"},
     "models": {
         "teacher_arch": {
             "hidden_size": 32,
