@@ -83,6 +83,13 @@ ARMS: dict[str, tuple[str, str, dict | None]] = {
             "anchor_weight": 0.5,
         },
     ),
+    "opd_anchor": (
+        "OPD + SFT anchor",
+        "full-vocabulary reverse KL on the student's own samples against the teacher at temperature 1, and in the same "
+        "step the SFT loss on the teacher's completions of the step's prompts at weight 0.5 (`opd.anchor: sft`): the "
+        "anchored arm without the sharpened teacher",
+        {"loss": "full_vocab", "beta": 1.0, "on_policy_fraction": 1.0, "anchor": "sft", "anchor_weight": 0.5},
+    ),
     "constant": (
         "fixed negative advantage (control)",
         "the sampled-token policy gradient with every token's advantage −1 (`loss: constant_advantage`): the "
