@@ -24,6 +24,7 @@ FLOORS = (
         "ars_opd.profiles",
         "ars_opd.resources",
         "ars_opd.params_reference",  # reads config.py and params.yaml only
+        "ars_opd.student_t",  # plain math: the detector (training) and the intervals (evaluation) share it
     ),
     ("ars_opd.data",),
     ("ars_opd.lm",),

@@ -3,8 +3,8 @@ smallest detectable difference, and the Jonckheere–Terpstra test of an orderin
 
 Pure functions of numbers, used by the scenario study (``ars_opd.evaluation.scenarios``), the distillation
 study (``ars_opd.evaluation.distillation``) and the first-error tables (``ars_opd.evaluation.first_error``).
-Student's t is computed here (Simpson's rule on the density, bisection for quantiles) rather than taken from
-scipy, which the project does not install.
+Student's t comes from ``ars_opd.student_t`` (the regularized incomplete beta; the rollout-health
+detector uses the same code), its quantiles by bisection on it: scipy is not installed.
 """
 
 from __future__ import annotations
@@ -16,19 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from ars_opd.evaluation.solve import solve_increasing
-
-
-def student_t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with ``df`` degrees of freedom (Simpson's rule on the density)."""
-    if df <= 0:
-        raise ValueError(f"df must be > 0, got {df}")
-    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-    n = 2000  # even: Simpson weights 1, 4, 2, 4, ..., 4, 1
-    x = np.linspace(0.0, abs(t), n + 1)
-    w = np.where(np.arange(n + 1) % 2 == 1, 4.0, 2.0)
-    w[0] = w[-1] = 1.0
-    half = c * float((w * (1 + x**2 / df) ** (-(df + 1) / 2)).sum()) * (abs(t) / n) / 3
-    return 0.5 + half if t >= 0 else 0.5 - half
+from ars_opd.student_t import student_t_cdf
 
 
 @functools.lru_cache(maxsize=256)
