@@ -1690,12 +1690,17 @@ def read_params_file(path: str | Path = PARAMS_FILE) -> dict:
 
 
 def load_params(
-    path: str | Path = PARAMS_FILE, sections: tuple[str, ...] | None = None, base: str | Path | None = None
+    path: str | Path = PARAMS_FILE,
+    sections: tuple[str, ...] | None = None,
+    base: str | Path | None = None,
+    raw: Mapping | None = None,
 ) -> Params:
     """Parse the named sections (all if None) of a params file and run every check a stage runs on them
     (``check_params``): a ``ConfigError`` from here is all a stage or ``ars-opd params`` can refuse. ``base``:
-    where relative paths start (default: the params file's directory)."""
-    raw = read_params_file(path)
+    where relative paths start (default: the params file's directory). ``raw``: the file as ``read_params_file``
+    returned it, for a caller that parses several sections apart from one reading (then ``path`` only places
+    ``base``)."""
+    raw = read_params_file(path) if raw is None else raw
     names = tuple(SECTIONS) if sections is None else sections
     for name in names:
         if name not in SECTIONS:

@@ -74,23 +74,23 @@ def _require_environment() -> None:
 _require_environment()
 
 
-def _start_workers_early() -> None:
+def _start_workers_early(raw: dict | None) -> None:
     """Start the workers' forkserver if this process is a training stage that will fork them: run as
     ``python -m stages.<training stage>``, not under an outside launcher (``launched_externally``, the rule
     ``launch`` itself follows), ``ddp.workers`` ≥ 2 and no CUDA in sight (CUDA workers are spawned). Only a
     head start: where it guesses wrong, ``launch`` still does the right thing, and bad params are left for the
-    stage to report."""
+    stage to report. ``raw``: params.yaml as read once by ``run_stage`` (None: unreadable)."""
     from ars_opd.config import TRAINING_STAGES, launched_externally
 
     argv = list(getattr(sys, "orig_argv", []))
     if "-m" not in argv[:-1] or argv[argv.index("-m") + 1] not in {f"stages.{s}" for s in TRAINING_STAGES}:
         return
-    if launched_externally():
+    if launched_externally() or raw is None:
         return
     try:
         from ars_opd.config import load_params
 
-        ddp = load_params().ddp  # the whole file: a stage that will refuse its params starts no forkserver
+        ddp = load_params(raw=raw).ddp  # the whole file: a stage that will refuse its params starts no forkserver
     except Exception:
         return
     cuda_in_sight = os.path.exists("/dev/nvidiactl") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -101,15 +101,17 @@ def _start_workers_early() -> None:
     start_early(ddp.threads_per_worker)
 
 
-def _pin_cpu_kernels() -> None:
+def _pin_cpu_kernels(raw: dict | None) -> None:
     """Set ``base.cpu_kernels``'s caps in this process's environment before anything imports torch, so the stage,
     its forkserver, its workers and any server it starts use the kernels the params name. Bad params are left
-    for the stage to report."""
+    for the stage to report. ``raw``: as for ``_start_workers_early``."""
+    if raw is None:
+        return
     try:
         from ars_opd.config import load_params
         from ars_opd.seeding import pin_cpu_kernels
 
-        pin_cpu_kernels(load_params(sections=("base",)).base.cpu_kernels)
+        pin_cpu_kernels(load_params(sections=("base",), raw=raw).base.cpu_kernels)
     except Exception:
         return
 
@@ -118,19 +120,25 @@ def run_stage(main: Callable[[], None]) -> None:
     """Run a stage's ``main``; a ``ConfigError`` prints ``ars-opd <stage>: invalid params: <message>`` and
     exits 2, an ``EndpointError`` ``ars-opd <stage>: <message>`` and exits 4, a ``ModelSourceError`` the same and
     exits 5; anything else propagates.
-    First the CPU kernels ``base.cpu_kernels`` names are pinned (``_pin_cpu_kernels``), then a training stage's
-    forkserver starts (``_start_workers_early``)."""
-    from ars_opd.config import ConfigError, PathsConfig, load_params
+    First params.yaml is read once; from it the CPU kernels ``base.cpu_kernels`` names are pinned
+    (``_pin_cpu_kernels``), then a training stage's forkserver starts (``_start_workers_early``)."""
+    from ars_opd.config import ConfigError, PathsConfig, load_params, read_params_file
     from ars_opd.resources import timed
 
-    _pin_cpu_kernels()
-    _start_workers_early()
+    try:
+        raw = read_params_file()  # once, for the three uses below; the stage reads its own params itself
+    except Exception:  # ... and says what is wrong with them
+        raw = None
+    _pin_cpu_kernels(raw)
+    _start_workers_early(raw)
     stage = os.path.splitext(os.path.basename(main.__code__.co_filename))[0]
     try:
-        try:
-            log = load_params(sections=("paths",)).paths.stage_runs
-        except Exception:  # the stage reads its params itself and says what is wrong with them
-            log = PathsConfig().stage_runs
+        log = PathsConfig().stage_runs
+        if raw is not None:
+            try:
+                log = load_params(sections=("paths",), raw=raw).paths.stage_runs
+            except Exception:
+                pass
         timed(stage, main, log)  # wall time and the process tree's peak memory, appended to paths.stage_runs
     except ConfigError as e:
         print(f"ars-opd {stage}: invalid params: {e}", file=sys.stderr)

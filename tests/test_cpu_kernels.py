@@ -85,3 +85,26 @@ def test_a_stage_runs_on_its_params_kernels_and_records_them(tmp_path, choice):
     assert seen == ("AVX2" if choice == "avx2" else native)
     runs = [json.loads(x) for x in (tmp_path / "data" / "logs" / "stage_runs.jsonl").read_text().splitlines()]
     assert runs[-1]["stage"] == "kernel_probe" and runs[-1]["ok"] and runs[-1]["cpu_kernels"] == seen
+
+
+def test_run_stage_reads_params_once(tmp_path, monkeypatch):
+    """``run_stage`` reads params.yaml once and takes the kernels and ``paths.stage_runs`` from that one reading
+    (it read the file once per use before)."""
+    import ars_opd.config as config
+    import stages
+
+    (tmp_path / "params.yaml").write_text("base:\n  cpu_kernels: native\npaths:\n  stage_runs: runs/here.jsonl\n")
+    monkeypatch.chdir(tmp_path)
+    reads = []
+    real = config.read_params_file
+
+    def counting(*args, **kwargs):
+        reads.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(config, "read_params_file", counting)
+    ran = []
+    stages.run_stage(lambda: ran.append(True))
+    assert ran == [True] and len(reads) == 1
+    runs = [json.loads(x) for x in (tmp_path / "runs" / "here.jsonl").read_text().splitlines()]
+    assert runs[-1]["ok"]
