@@ -84,9 +84,11 @@ class BaseConfig:
     61.5% / 65.5% / 67.0%, where the committed run, made on another AMD EPYC, has 0.0115 and 48.5% / 52.5% /
     51.0%. ``avx2`` caps both at AVX2 (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS), and the AVX-512 machine then
     reproduced the committed run bit for bit: the run's figures follow its params, not its CPU (checked on these
-    two; the same thread count is assumed). Not every run is this sensitive: the real profile (``make repro-real``,
-    fp32) gave every figure to its last digit both ways on the AVX-512 machine. bf16 on a CPU (oneDNN's kernels) is
-    not capped: capped, its matmuls ran 100× slower. ``native``: each CPU's fastest kernels."""
+    two; the same thread count is assumed). The real profile too: capped there, ``make repro-real`` gave its
+    committed page (made before the cap) to the last digit, and a pruned-recovery start made by the same stages from
+    the same teacher completions came out bit-identical to an earlier start when capped and another model when
+    native. bf16 on a CPU (oneDNN's kernels) is not capped: capped, its matmuls ran 100× slower. ``native``: each
+    CPU's fastest kernels."""
 
     def __post_init__(self):
         _require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
