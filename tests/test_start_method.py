@@ -151,5 +151,6 @@ def test_importing_stages_starts_nothing(monkeypatch, tmp_path):
     importlib.reload(stages)
     assert calls == []
     monkeypatch.chdir(tmp_path)  # run_stage records the run under paths.stage_runs, relative to the workspace
+    (tmp_path / "params.yaml").write_text("base:\n  seed: 0\n")  # run_stage reads it once (load_params is faked)
     stages.run_stage(lambda: None)  # where the head start is taken
     assert calls == [(ddp.threads_per_worker,)]
