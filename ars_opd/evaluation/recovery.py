@@ -64,6 +64,12 @@ ARMS: dict[str, tuple[str, str, dict | None]] = {
         "on the rest",
         {"loss": "full_vocab", "beta": 1.0, "on_policy_fraction": 0.25},
     ),
+    "opd_lambda010": (
+        "OPD, reverse KL, λ = 0.1",
+        "full-vocabulary reverse KL, on the student's samples on a tenth of the steps and the teacher's completions "
+        "on the rest",
+        {"loss": "full_vocab", "beta": 1.0, "on_policy_fraction": 0.1},
+    ),
     "opd_sharp": (
         "OPD, sharpened teacher (τ_T = 0.5)",
         "full-vocabulary reverse KL on the student's own samples against the teacher at temperature 0.5 "
