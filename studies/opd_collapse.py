@@ -19,8 +19,21 @@ Three measurements, each one JSON line (``--out``, default ``reports/opd_collaps
 - ``short_run`` (with ``--runs ROOT``): short OPD runs from the same start, one setting changed per arm
   (``studies/pruned_recovery.py --train-only``): each arm's EOS rate, length, student entropy, teacher log p and
   loss over its first and last steps, its EOS rate step by step, and the rollout-health verdict.
+- ``precision_run`` (with ``--precision-runs LABEL=ROOT:ARM ...``): the same arm's runs under several precisions
+  and devices, seed by seed (the GPU study's OPD in bf16 autocast with a bf16 teacher, the CPU study's in fp32, and
+  the CPU study's start trained with ``opd.precision: bf16`` and ``opd.teacher_dtype: bf16``): the EOS rate of the
+  first on-policy steps, the collapse step (the first from which no rollout ended for ``--collapse-span`` on-policy
+  steps in a row), the steps with no rollout ended, the EOS rate over the last steps, the student's entropy and the
+  teacher's log p at the start and the end, and the rollout-health verdict. Does the GPU's precision path collapse
+  the rollouts where the device's kernels are not CUDA's?
+
+With ``--skip-models`` the model measurements already in ``--out`` are kept, and so are its short runs or
+precision runs when this call does not measure them again.
 
     python studies/opd_collapse.py --start build/pr-cpu/start --prompts 64 --heldout 100 --runs build/short-runs
+    python studies/opd_collapse.py --start build/pr-cpu/start --skip-models \
+        --precision-runs "H200, bf16=reports/pruned_recovery_gpu/runs:opd" \
+        "CPU, fp32=reports/pruned_recovery/runs:opd" "CPU, bf16=reports/opd_collapse/bf16_runs:opd_bf16"
 """
 
 from __future__ import annotations
@@ -186,6 +199,66 @@ def short_runs(root: Path, baseline: int = 3) -> list[dict]:
     return out
 
 
+def precision_runs(groups: list[tuple[str, Path, str]], span: int = 5, first: int = 6, ends: int = 12) -> list[dict]:
+    """Seed by seed, how one arm's rollouts ended under each (label, root, arm) of ``groups``: the EOS rate of its
+    ``first`` on-policy steps, its collapse step (the first on-policy step from which no rollout ended for ``span``
+    on-policy steps in a row; None if none), how many on-policy steps ended no rollout, the EOS rate over its last
+    ``ends`` on-policy steps, the student's entropy and the teacher's log p over its first three and last ``ends``
+    on-policy steps (None where the log predates the column), and the rollout-health verdict."""
+    import yaml
+
+    from ars_opd.training.opd.rollout_health import HealthConfig, detect, rollouts_of
+
+    def mean(part: list[dict], key: str) -> float | None:
+        vals = [float(r[key]) for r in part if r.get(key) is not None and math.isfinite(float(r[key]))]
+        return sum(vals) / len(vals) if vals else None
+
+    out = []
+    for label, root, arm in groups:
+        logs = sorted(root.glob(f"seed-*/{arm}/data/opd/log/steps.jsonl"))
+        if not logs:
+            raise SystemExit(f"--precision-runs {label}: no seed-*/{arm}/data/opd/log/steps.jsonl under {root}")
+        for steps in logs:
+            run = steps.parents[3]
+            log = read_jsonl(steps)
+            opd = yaml.safe_load((run / "params.yaml").read_text()).get("opd", {})
+            batch = opd.get("global_batch_size")
+            rolls = rollouts_of(log, batch)
+            rows = [r for r in log if r.get("task/eos_rate") is not None and float(r.get("task/on_policy", 1.0)) >= 1]
+            collapse = next(
+                (rolls[i].step for i in range(len(rolls) - span + 1) if all(s.ended == 0 for s in rolls[i : i + span])),
+                None,
+            )
+            line = {"group": label, "seed": run.parent.name, "arm": arm, "steps": len(rolls), "collapse_span": span}
+            line["opd"] = {k: opd[k] for k in ("precision", "teacher_dtype", "lr", "max_new_tokens") if k in opd}
+            line["eos_first"] = [round(s.ended / s.n, 3) for s in rolls[:first]]
+            line["collapse_step"] = collapse
+            line["steps_none_ended"] = sum(s.ended == 0 for s in rolls)
+            tail = rolls[-ends:]
+            line["eos_rate_end"] = sum(s.ended for s in tail) / sum(s.n for s in tail)
+            for key in ("entropy", "teacher_logprob"):
+                line[f"{key}_start"], line[f"{key}_end"] = (
+                    mean(rows[:3], f"task/{key}"),
+                    mean(rows[-ends:], f"task/{key}"),
+                )
+            alarm = detect(log, HealthConfig(), batch).alarm
+            line["alarm"] = None if alarm is None else {"step": alarm.step, "kind": alarm.kind, "p": alarm.p}
+            out.append(line)
+    return out
+
+
+def parse_groups(specs: list[str]) -> list[tuple[str, Path, str]]:
+    """``LABEL=ROOT:ARM`` specs of ``--precision-runs``."""
+    out = []
+    for spec in specs:
+        label, sep, rest = spec.partition("=")
+        root, colon, arm = rest.rpartition(":")
+        if not (sep and colon and label and root and arm):
+            raise SystemExit(f"--precision-runs {spec!r}: expected LABEL=ROOT:ARM")
+        out.append((label, Path(root), arm))
+    return out
+
+
 # the opd keys a short run's arm may change (what the diagnosis varies one at a time)
 OVERRIDE_KEYS = (
     "lr",
@@ -212,14 +285,30 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="reports/opd_collapse.jsonl")
     ap.add_argument("--runs", help="a --train-only study root whose short runs' trajectories are summarised too")
-    ap.add_argument("--skip-models", action="store_true", help="keep --out's model measurements; only the short runs")
+    ap.add_argument(
+        "--precision-runs",
+        nargs="+",
+        default=[],
+        metavar="LABEL=ROOT:ARM",
+        help="one arm's runs under several precisions or devices, seed by seed (the module docstring)",
+    )
+    ap.add_argument("--note", help="how runs measured here were made, kept in the meta line (after a kept note)")
+    ap.add_argument("--collapse-span", type=int, default=5, help="on-policy steps with no rollout ended = collapsed")
+    ap.add_argument(
+        "--skip-models",
+        action="store_true",
+        help="keep --out's model measurements (and its short or precision runs where this call measures none)",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     start, out = Path(args.start), Path(args.out)
     t0 = time.perf_counter()
+    groups = parse_groups(args.precision_runs)
+    previous = read_jsonl(out) if out.is_file() else []
     if args.skip_models:
-        lines = [x for x in read_jsonl(out) if x["kind"] in MODEL_KINDS] if out.is_file() else []
+        kept = {*MODEL_KINDS, *(() if args.runs else ("short_run",)), *(() if groups else ("precision_run",))}
+        lines = [x for x in previous if x["kind"] in kept]
     else:
         models_dir = start / "data" / "models"
         tok = load_tokenizer(models_dir)
@@ -235,10 +324,21 @@ def main(argv=None) -> int:
         lines.append({"kind": "bf16_teacher", **bf16_teacher(teacher, models_dir, tok, held, args.batch)})
     if args.runs:
         lines += [{"kind": "short_run", **x} for x in short_runs(Path(args.runs))]
+    if groups:
+        lines += [{"kind": "precision_run", **x} for x in precision_runs(groups, args.collapse_span)]
     seconds = round(time.perf_counter() - t0, 1)
-    lines.append(
-        {"kind": "meta", "start": str(start), "runs": args.runs, "seconds": seconds, "torch": torch.__version__}
-    )
+    meta = {"kind": "meta", "start": str(start), "runs": args.runs, "seconds": seconds, "torch": torch.__version__}
+    if groups:
+        meta["precision_runs"] = args.precision_runs
+    if args.skip_models:  # what the kept lines' own call recorded (its runs, its note) stays with them
+        old = next((x for x in previous if x["kind"] == "meta"), {})
+        meta = {
+            **{k: v for k, v in old.items() if k not in ("seconds", "torch")},
+            **{k: v for k, v in meta.items() if v is not None},
+        }
+    if args.note:
+        meta["note"] = f"{meta['note']}; {args.note}" if meta.get("note") else args.note
+    lines.append(meta)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(x) + "\n" for x in lines))
     for x in lines:

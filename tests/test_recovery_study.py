@@ -404,6 +404,52 @@ def test_the_diagnosis_section_shows_each_measurement():
     assert "| opd_fkl | beta = 0.0 | 9 | 50.0% → 75.0% |" in md
 
 
+def test_the_diagnosis_section_shows_each_precision_run_seed_by_seed():
+    """studies/opd_collapse.py's precision runs rendered: one row per run and seed, with its group, precision,
+    first EOS rates, collapse step, steps that ended nothing, its end and its alarm; no table without them."""
+    lines = [
+        {
+            "kind": "precision_run",
+            "group": "H200, bf16",
+            "seed": "seed-2",
+            "steps": 60,
+            "opd": {"precision": "auto", "teacher_dtype": "auto"},
+            "eos_first": [0.75, 0.25, 0.0, 0.0],
+            "collapse_step": 3,
+            "steps_none_ended": 57,
+            "eos_rate_end": 0.0,
+            "entropy_start": None,
+            "entropy_end": None,
+            "teacher_logprob_start": -3.5,
+            "teacher_logprob_end": -5.25,
+            "alarm": {"step": 6, "kind": "stopped_ending", "p": 1e-6},
+        },
+        {
+            "kind": "precision_run",
+            "group": "CPU, bf16",
+            "seed": "seed-1",
+            "steps": 60,
+            "opd": {"precision": "bf16", "teacher_dtype": "bf16"},
+            "eos_first": [0.5, 0.625],
+            "collapse_step": None,
+            "steps_none_ended": 1,
+            "eos_rate_end": 0.25,
+            "entropy_start": 2.5,
+            "entropy_end": 3.0,
+            "teacher_logprob_start": -3.5,
+            "teacher_logprob_end": -4.0,
+            "alarm": None,
+        },
+    ]
+    md = "\n".join(recovery.diagnosis_section(lines))
+    assert "### The GPU's precision path on this CPU" in md and "first 4 on-policy steps" in md
+    assert "for 5 steps in a row" in md
+    assert "| H200, bf16 | seed-2 | auto, auto | 0.75 0.25 0.00 0.00 | 3 | 57 of 60 | 0.0% | n/a → n/a " in md
+    assert "| -3.5 → -5.25 | step 6 (stopped ending) |" in md
+    assert "| CPU, bf16 | seed-1 | bf16, bf16 | 0.50 0.62 | none | 1 of 60 | 25.0% | 2.5 → 3 | -3.5 → -4 | none |" in md
+    assert "precision path" not in "\n".join(recovery.diagnosis_section(lines[:0]))
+
+
 def test_every_arm_sets_opd_keys_and_every_committed_run_has_its_arms_settings():
     """An arm's name labels its runs on the page: each arm's overrides are keys of the opd section, and every run
     committed under reports/{pruned_recovery,pruned_recovery_start2,larger_teacher}/runs trained with the settings
@@ -524,3 +570,46 @@ def test_the_shared_models_table_names_a_complete_student_as_such(by_arm):
         table = recovery.render(by_arm, {}, {"seconds": 1, "base": name}, {}).split("The shared models", 1)[1]
         first_row = next(line for line in table.splitlines() if line.startswith("| ") and "model |" not in line)
         assert first_row.startswith(f"| {name} | ")
+
+
+def test_precision_runs_finds_the_collapse_step_and_the_steps_that_ended_nothing(tmp_path):
+    """studies/opd_collapse.py's precision runs on a made-up step log: the collapse step is the first on-policy step
+    of five in a row that ended nothing (a four-step stall before it is not one), steps on the teacher's text are
+    not rollouts, and the end rate is over the last 12 on-policy steps; each figure recounted here by hand."""
+    import importlib.util
+
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / "studies" / "opd_collapse.py"
+    spec = importlib.util.spec_from_file_location("opd_collapse_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    ended = [4, 3, 0, 0, 0, 0, 5, 2, 0, 0, 0, 0, 0, 0, 1, 2, 0, 3, 1, 1]  # of 8 rollouts, on-policy steps only
+    rows, step = [], 0
+    for i, k in enumerate(ended):
+        if i == 10:  # one step on the teacher's text: no rollouts, not counted
+            rows.append({"step": step, "task/on_policy": 0.0, "loss": 1.0})
+            step += 1
+        rows.append({"step": step, "task/on_policy": 1.0, "task/eos_rate": k / 8, "task/rollouts": 8, "loss": 1.0})
+        rows[-1].update({"task/response_length": 48.0 - 2 * k, "task/truncation_rate": 1 - k / 8})
+        rows[-1].update({"task/teacher_logprob": -3.0 - i / 10})
+        step += 1
+    run = tmp_path / "seed-1" / "opd_bf16"
+    (run / "data" / "opd" / "log").mkdir(parents=True)
+    (run / "data" / "opd" / "log" / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    opd = {"precision": "bf16", "teacher_dtype": "bf16", "global_batch_size": 8}
+    (run / "params.yaml").write_text(yaml.safe_dump({"opd": opd}))
+    (line,) = study.precision_runs([("CPU, bf16", tmp_path, "opd_bf16")], span=5, first=4, ends=12)
+    assert line["group"] == "CPU, bf16" and line["seed"] == "seed-1" and line["steps"] == len(ended)
+    assert line["collapse_span"] == 5
+    assert line["eos_first"] == [0.5, 0.375, 0.0, 0.0]
+    first_run_of_five = next(i for i in range(len(ended) - 4) if not any(ended[i : i + 5]))
+    assert first_run_of_five == 8
+    on_policy_steps = [r["step"] for r in rows if r["task/on_policy"] == 1.0]
+    assert line["collapse_step"] == on_policy_steps[8] == 8
+    assert line["steps_none_ended"] == sum(k == 0 for k in ended) == 11
+    assert line["eos_rate_end"] == sum(ended[-12:]) / 96
+    assert line["entropy_start"] is None and line["teacher_logprob_start"] == (-3.0 - 3.1 - 3.2) / 3
+    assert line["opd"] == {"precision": "bf16", "teacher_dtype": "bf16"}
+    with pytest.raises(SystemExit, match="LABEL=ROOT:ARM"):
+        study.parse_groups(["no label"])

@@ -149,4 +149,45 @@ def diagnosis_section(lines: list[dict]) -> list[str]:
                 f"| {move('entropy')} | {move('teacher_logprob')} | {move('loss')} | {a} |"
             )
         out.append("")
+    out += precision_table(by_kind.get("precision_run") or [])
+    return out
+
+
+def precision_table(runs: list[dict]) -> list[str]:
+    """``studies/opd_collapse.py``'s precision runs (one arm's runs under several precisions and devices, seed by
+    seed) as a table: how each seed's rollouts ended at the start and the end, its collapse step and its alarm."""
+    if not runs:
+        return []
+    first = max(len(r.get("eos_first") or []) for r in runs)
+    span = runs[0].get("collapse_span", 5)
+    out = [
+        "### The GPU's precision path on this CPU",
+        "",
+        f"One arm's runs, seed by seed, under each precision and device: the EOS rate of its first {first} "
+        f"on-policy steps, the collapse step (the first on-policy step from which no rollout ended for {span} steps "
+        "in a row), how many on-policy steps ended no rollout, the EOS rate of its last 12, the student's entropy "
+        "at its samples and the teacher's log p of them (first three on-policy steps → last 12; n/a where the log "
+        "predates the column), and the rollout-health verdict. The params column is what the run's params said "
+        "(`opd.precision`, `opd.teacher_dtype`; auto is bf16 on CUDA and fp32 on CPU).",
+        "",
+        "| run | seed | params | EOS rate, first steps | collapse step | steps with none ended "
+        "| EOS rate, last 12 | student entropy | teacher log p / token | alarm |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        opd = r.get("opd") or {}
+        eos = " ".join(f"{v:.2f}" for v in r.get("eos_first") or [])
+        collapse = "none" if r.get("collapse_step") is None else str(r["collapse_step"])
+        alarm = r.get("alarm")
+        a = "none" if not alarm else f"step {alarm['step']} ({alarm['kind'].replace('_', ' ')})"
+
+        def move(key: str) -> str:
+            return f"{fmt(r.get(key + '_start'))} → {fmt(r.get(key + '_end'))}"
+
+        out.append(
+            f"| {r.get('group')} | {r.get('seed')} | {opd.get('precision')}, {opd.get('teacher_dtype')} | {eos} "
+            f"| {collapse} | {r.get('steps_none_ended')} of {r.get('steps')} | {fmt(r.get('eos_rate_end'), True)} "
+            f"| {move('entropy')} | {move('teacher_logprob')} | {a} |"
+        )
+    out.append("")
     return out
