@@ -476,9 +476,9 @@ def test_every_arm_sets_opd_keys_and_every_committed_run_has_its_arms_settings()
                 checked[study] += 1
     assert checked["pruned_recovery"] >= 3 * 3 * 4  # three seeds of the old OPD, sharpened teacher, GKD, λ = 0.5
     assert checked["larger_teacher"] >= 3 * 2 * 5  # three seeds of the baselined span arm and of cross_vocab
-    # three seeds of the anchored sharp arm, of λ = 0.25, of the anchor alone, of the sharpened teacher alone and
-    # of λ = 0.1
-    assert checked["pruned_recovery_start2"] >= 3 * (6 + 3 + 5 + 4 + 3)
+    # three seeds of the anchored sharp arm, of λ = 0.25, of the anchor alone, of the sharpened teacher alone, of
+    # λ = 0.1 and of the anchor at weight 1
+    assert checked["pruned_recovery_start2"] >= 3 * (6 + 3 + 5 + 4 + 3 + 5)
 
 
 def test_a_cross_tokenizer_study_says_its_fixed_prefix_figures_cannot_be_taken(by_arm):

@@ -96,6 +96,12 @@ ARMS: dict[str, tuple[str, str, dict | None]] = {
         "anchored arm without the sharpened teacher",
         {"loss": "full_vocab", "beta": 1.0, "on_policy_fraction": 1.0, "anchor": "sft", "anchor_weight": 0.5},
     ),
+    "opd_anchor1": (
+        "OPD + SFT anchor at weight 1",
+        "the anchored arm with the plain teacher, its SFT loss on the teacher's completions at weight 1 instead of 0.5 "
+        "(`opd.anchor_weight: 1.0`)",
+        {"loss": "full_vocab", "beta": 1.0, "on_policy_fraction": 1.0, "anchor": "sft", "anchor_weight": 1.0},
+    ),
     "constant": (
         "fixed negative advantage (control)",
         "the sampled-token policy gradient with every token's advantage −1 (`loss: constant_advantage`): the "
