@@ -1524,10 +1524,10 @@ class ReportConfig:
     start each later window is tested against (step 0's are the start model's own)."""
     rollout_window: int = 4
     """Rollout health: the last on-policy steps tested against the baseline at each step. 4 rather than 6 or 8
-    (``studies/rollout_health.py``, reports/rollout_health.jsonl, the 51 committed study runs that sample): no false
-    alarm on the 44 healthy runs at any of them at α 1e-4, the same collapsed runs caught, and the alarm a median 3
-    steps after the collapse rather than 5 or 7. A baseline of 2 or 3 steps did worse there: more false alarms, fewer
-    collapses caught."""
+    (``studies/rollout_health.py`` over every committed study run that samples; the counts are in
+    reports/rollout_health.jsonl): no false alarm on the healthy runs at any of them at α 1e-4, the same collapsed
+    runs caught, and the alarm a median 3 steps after the collapse rather than 5 or 7. A baseline of 2 or 3 steps
+    did worse there: more false alarms, fewer collapses caught."""
     rollout_alpha: float = 1e-4
     """Rollout health: a test's p-value below this raises the alarm (five one-sided tests a step: EOS rate down
     and up, cut share up, mean length up and down); the false-alarm rate measured on healthy runs is in the
