@@ -165,6 +165,12 @@ def bf16_teacher(teacher32, models_dir: Path, tok, rows: list[dict], batch: int)
     return {"rows": len(rows), "tokens": n, "nll_fp32": nll32 / n, "nll_bf16": nll16 / n, "kl_fp32_bf16": kl / n}
 
 
+def _mean(part: list[dict], key: str) -> float | None:
+    """The mean of ``key`` over the step-log rows ``part`` that hold a finite value of it; None if none does."""
+    vals = [float(r[key]) for r in part if r.get(key) is not None and math.isfinite(float(r[key]))]
+    return sum(vals) / len(vals) if vals else None
+
+
 def short_runs(root: Path, baseline: int = 3) -> list[dict]:
     """Each short run's trajectory from its step log (``pruned_recovery.py --train-only`` arms under ``root``): the
     arm's overrides, and over its first ``baseline`` on-policy steps and its last as many: EOS rate, mean length,
@@ -173,10 +179,6 @@ def short_runs(root: Path, baseline: int = 3) -> list[dict]:
     import yaml
 
     from ars_opd.training.opd.rollout_health import HealthConfig, detect
-
-    def mean(part: list[dict], key: str) -> float | None:
-        vals = [float(r[key]) for r in part if r.get(key) is not None and math.isfinite(float(r[key]))]
-        return sum(vals) / len(vals) if vals else None
 
     out = []
     for steps in sorted(root.glob("seed-*/*/data/opd/log/steps.jsonl")):
@@ -190,8 +192,8 @@ def short_runs(root: Path, baseline: int = 3) -> list[dict]:
         line = {"arm": run.name, "seed": run.parent.name, "steps": len(rows)}
         line["opd"] = {k: opd[k] for k in OVERRIDE_KEYS if k in opd}
         for key in ("eos_rate", "response_length", "entropy", "teacher_logprob"):
-            line[f"{key}_start"], line[f"{key}_end"] = mean(first, f"task/{key}"), mean(last, f"task/{key}")
-        line["loss_start"], line["loss_end"] = mean(first, "loss"), mean(last, "loss")
+            line[f"{key}_start"], line[f"{key}_end"] = _mean(first, f"task/{key}"), _mean(last, f"task/{key}")
+        line["loss_start"], line["loss_end"] = _mean(first, "loss"), _mean(last, "loss")
         line["eos_by_step"] = [round(float(r["task/eos_rate"]), 3) for r in rows]
         alarm = detect(log, HealthConfig(), opd.get("global_batch_size")).alarm
         line["alarm"] = None if alarm is None else {"step": alarm.step, "kind": alarm.kind, "p": alarm.p}
@@ -208,10 +210,7 @@ def precision_runs(groups: list[tuple[str, Path, str]], span: int = 5, first: in
     import yaml
 
     from ars_opd.training.opd.rollout_health import HealthConfig, detect, rollouts_of
-
-    def mean(part: list[dict], key: str) -> float | None:
-        vals = [float(r[key]) for r in part if r.get(key) is not None and math.isfinite(float(r[key]))]
-        return sum(vals) / len(vals) if vals else None
+    from studies.rollout_health import collapse_step  # the calibration's own definition of a collapse
 
     out = []
     for label, root, arm in groups:
@@ -225,21 +224,17 @@ def precision_runs(groups: list[tuple[str, Path, str]], span: int = 5, first: in
             batch = opd.get("global_batch_size")
             rolls = rollouts_of(log, batch)
             rows = [r for r in log if r.get("task/eos_rate") is not None and float(r.get("task/on_policy", 1.0)) >= 1]
-            collapse = next(
-                (rolls[i].step for i in range(len(rolls) - span + 1) if all(s.ended == 0 for s in rolls[i : i + span])),
-                None,
-            )
             line = {"group": label, "seed": run.parent.name, "arm": arm, "steps": len(rolls), "collapse_span": span}
             line["opd"] = {k: opd[k] for k in ("precision", "teacher_dtype", "lr", "max_new_tokens") if k in opd}
             line["eos_first"] = [round(s.ended / s.n, 3) for s in rolls[:first]]
-            line["collapse_step"] = collapse
+            line["collapse_step"] = collapse_step(log, batch, span)
             line["steps_none_ended"] = sum(s.ended == 0 for s in rolls)
             tail = rolls[-ends:]
             line["eos_rate_end"] = sum(s.ended for s in tail) / sum(s.n for s in tail)
             for key in ("entropy", "teacher_logprob"):
                 line[f"{key}_start"], line[f"{key}_end"] = (
-                    mean(rows[:3], f"task/{key}"),
-                    mean(rows[-ends:], f"task/{key}"),
+                    _mean(rows[:3], f"task/{key}"),
+                    _mean(rows[-ends:], f"task/{key}"),
                 )
             alarm = detect(log, HealthConfig(), batch).alarm
             line["alarm"] = None if alarm is None else {"step": alarm.step, "kind": alarm.kind, "p": alarm.p}
